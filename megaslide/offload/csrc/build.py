@@ -1,0 +1,100 @@
+"""Build a C++ source of this folder into a shared library at first use and load it with ctypes.
+
+The kernels here take raw pointers through a plain C ABI, so they need no Python or torch
+headers and no pybind11: one call of the system C++ compiler (`$CXX`, else `g++`, else `c++`)
+builds them in about a second. This is sturdier than `torch.utils.cpp_extension.load`, which
+requires ninja (absent on the CI image). The library is compiled with `-march=native`, so the
+cache key holds the source, the compiler and its version, the flags and the CPU's feature
+flags: a cache directory shared between machines never hands an AVX-512 build to a CPU
+without AVX-512. Builds land in `$TORCH_EXTENSIONS_DIR/megaslide/`, else
+`$XDG_CACHE_HOME/megaslide/extensions/` (default `~/.cache/megaslide/extensions/`), and are
+written to a temporary file and renamed, so concurrent processes never load a partial file.
+
+OpenMP: the library links libgomp by its soname `libgomp.so.1`. torch's pip wheels ship and
+load a `libgomp.so.1` first, so import torch before loading and both share one OpenMP runtime
+(one thread pool, no oversubscription between torch ops and these kernels).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parent
+
+
+class BuildError(RuntimeError):
+    """The compiler is missing, the compile failed, or the library did not load."""
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CXX"), "g++", "c++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    raise BuildError("no C++ compiler found: install g++ or set $CXX")
+
+
+def compile_flags() -> list[str]:
+    """-O3 and -march=native for the vector ISA of this CPU; -ffp-contract=off so the compiler
+    adds no fused multiply-adds of its own (results then follow the source exactly);
+    -fno-math-errno lets sqrt vectorise without changing its (correctly rounded) results."""
+    flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
+             "-std=c++17", "-fPIC", "-shared"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")  # GCC defaults to 256-bit vectors on Xeons
+    return flags
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _cache_root() -> Path:
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "megaslide"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "megaslide" / "extensions"
+
+
+def library_path(source: str) -> Path:
+    """Where the build of `source` (a file name in this folder) for this machine is cached."""
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256()
+    for part in ((SOURCE_DIR / source).read_bytes(), compiler.encode(), version.encode(),
+                 " ".join(compile_flags()).encode(), _cpu_identity().encode()):
+        key.update(part)
+        key.update(b"\0")
+    stem = Path(source).stem
+    return _cache_root() / f"{stem}_{key.hexdigest()[:16]}" / f"lib{stem}.so"
+
+
+def load(source: str) -> ctypes.CDLL:
+    """Compile `source` (a file name in this folder) unless a cached build exists; load it.
+
+    Raises BuildError with the compiler's message when anything fails."""
+    try:
+        path = library_path(source)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            cmd = [_compiler(), *compile_flags(), str(SOURCE_DIR / source), "-o", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                os.unlink(tmp)
+                raise BuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr[-2000:]}")
+            os.replace(tmp, path)
+        return ctypes.CDLL(str(path))
+    except OSError as err:
+        raise BuildError(f"could not build or load {source}: {err}") from err
