@@ -1,0 +1,112 @@
+"""Video conversion and writing: uint8 frames, mp4 files, PNG grids of sample frames.
+
+Two layouts are accepted everywhere a "video" is taken:
+- model layout: float (3, T, H, W) RGB in [-1, 1] (torch or numpy);
+- file layout: uint8 (T, H, W, 3) RGB (torch or numpy).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+def to_uint8_frames(video: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Convert a video to uint8 RGB frames.
+
+    ``video``: float (3, T, H, W) in [-1, 1] (clipped) or uint8 (T, H, W, 3).
+    Returns a contiguous numpy uint8 array (T, H, W, 3).
+    """
+    if isinstance(video, torch.Tensor):
+        video = video.detach().cpu()
+        video = video.numpy() if video.dtype == torch.uint8 else video.float().numpy()
+    video = np.asarray(video)
+    if video.dtype == np.uint8:
+        if video.ndim != 4 or video.shape[-1] != 3:
+            raise ValueError(f"video: uint8 input must be (T, H, W, 3), got shape {video.shape}")
+        return np.ascontiguousarray(video)
+    if np.issubdtype(video.dtype, np.floating):
+        if video.ndim != 4 or video.shape[0] != 3:
+            raise ValueError(f"video: float input must be (3, T, H, W) in [-1, 1], got shape {video.shape}")
+        scaled = np.clip(np.rint((video + 1.0) * 127.5), 0, 255).astype(np.uint8)  # (3, T, H, W)
+        return np.ascontiguousarray(scaled.transpose(1, 2, 3, 0))  # (T, H, W, 3)
+    raise ValueError(
+        f"video: dtype {video.dtype} is not supported; pass float (3, T, H, W) in [-1, 1] or uint8 (T, H, W, 3)"
+    )
+
+
+def write_mp4(path: str | Path, video: torch.Tensor | np.ndarray, fps: float = 8.0, crf: int = 18) -> Path:
+    """Write a video as H.264 mp4 through imageio-ffmpeg.
+
+    ``video``: float (3, T, H, W) in [-1, 1] or uint8 (T, H, W, 3). ``crf``: x264
+    constant rate factor (0 = lossless luma, 18 = visually lossless, 51 = worst).
+    Odd frame sizes are written with full-resolution chroma (yuv444p) instead of yuv420p.
+    Returns the path written.
+    """
+    import imageio.v2 as imageio
+
+    frames = to_uint8_frames(video)  # (T, H, W, 3)
+    if fps <= 0:
+        raise ValueError(f"fps={fps} must be > 0")
+    if not 0 <= crf <= 51:
+        raise ValueError(f"crf={crf} must lie in [0, 51]")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    height, width = frames.shape[1:3]
+    pixel_format = "yuv420p" if height % 2 == 0 and width % 2 == 0 else "yuv444p"
+    writer = imageio.get_writer(
+        path,
+        format="FFMPEG",
+        mode="I",
+        fps=fps,
+        codec="libx264",
+        macro_block_size=1,
+        pixelformat=pixel_format,
+        output_params=["-crf", str(crf)],
+    )
+    with writer:
+        for frame in frames:
+            writer.append_data(frame)
+    return path
+
+
+def frame_grid_png(
+    path: str | Path,
+    videos: Sequence[torch.Tensor | np.ndarray],
+    labels: Sequence[str] | None = None,
+    num_frames: int = 8,
+) -> Path:
+    """Save a PNG grid: one row per video, ``num_frames`` frames spread evenly over its clip.
+
+    ``videos``: list of videos in either layout (may differ in T, H, W); ``labels``: one
+    title per row (e.g. captions) or None. Returns the path written.
+    """
+    from matplotlib.figure import Figure
+
+    if not videos:
+        raise ValueError("videos is empty; pass at least one video")
+    if labels is not None and len(labels) != len(videos):
+        raise ValueError(f"labels has {len(labels)} entries but videos has {len(videos)}; pass one label per video")
+    if num_frames < 1:
+        raise ValueError(f"num_frames={num_frames} must be >= 1")
+    clips = [to_uint8_frames(v) for v in videos]
+    cols = min(num_frames, max(len(c) for c in clips))
+    fig = Figure(figsize=(1.2 * cols, 1.5 * len(clips)))
+    axes = fig.subplots(len(clips), cols, squeeze=False)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.9, wspace=0.05, hspace=0.6)
+    for row, clip in enumerate(clips):
+        steps = np.linspace(0, len(clip) - 1, num=min(cols, len(clip))).round().astype(int)
+        for col, ax in enumerate(axes[row]):
+            ax.axis("off")
+            if col < len(steps):
+                ax.imshow(clip[steps[col]], interpolation="nearest")
+                ax.set_title(f"t={steps[col]}", fontsize=6)
+        if labels is not None:
+            axes[row][0].text(0.0, 1.2, labels[row], transform=axes[row][0].transAxes, fontsize=7, va="bottom")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
