@@ -1,0 +1,73 @@
+"""Swin-DiT self-attention: Video-Swin 3D windows with alternating shifted windows.
+
+Even blocks attend inside non-overlapping (wt, wh, ww) windows; odd blocks first roll the
+grid by half a window, so windows straddle the previous boundaries, and mask pairs of
+tokens that were not neighbours before the roll. Along an axis where the window covers the
+whole grid nothing is shifted.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megaslide.attention import register_attention
+from megaslide.attention.base import SelfAttention
+
+
+def _partition(x: torch.Tensor, grid, window) -> torch.Tensor:
+    """(B, N, h, d) -> (B, nW, h, wlen, d) windows, row-major over window positions."""
+    B, _, h, d = x.shape
+    (T, H, W), (wt, wh, ww) = grid, window
+    x = x.view(B, T // wt, wt, H // wh, wh, W // ww, ww, h, d)
+    x = x.permute(0, 1, 3, 5, 7, 2, 4, 6, 8)                        # (B, nT, nH, nW, h, wt, wh, ww, d)
+    return x.reshape(B, -1, h, wt * wh * ww, d)
+
+
+def _unpartition(x: torch.Tensor, grid, window) -> torch.Tensor:
+    """Inverse of `_partition`: (B, nW, h, wlen, d) -> (B, N, h, d)."""
+    B, _, h, _, d = x.shape
+    (T, H, W), (wt, wh, ww) = grid, window
+    x = x.view(B, T // wt, H // wh, W // ww, h, wt, wh, ww, d)
+    x = x.permute(0, 1, 5, 2, 6, 3, 7, 4, 8)                        # (B, nT, wt, nH, wh, nW, ww, h, d)
+    return x.reshape(B, T * H * W, h, d)
+
+
+def shift_mask(grid, window, shift, device) -> torch.Tensor:
+    """(nW, wlen, wlen) bool, True where two tokens of a rolled window may attend to each other."""
+    labels = torch.zeros(grid, dtype=torch.long)
+    for axis, (size, w, s) in enumerate(zip(grid, window, shift)):
+        if s == 0:
+            continue
+        idx = torch.arange(size)
+        region = (idx >= size - w).long() + (idx >= size - s).long()   # 0, 1, 2 along this axis
+        labels = labels * 3 + region.view([-1 if a == axis else 1 for a in range(3)])
+    win = _partition(labels.view(1, -1, 1, 1), grid, window)[0, :, 0, :, 0]  # (nW, wlen)
+    return (win[:, :, None] == win[:, None, :]).to(device)
+
+
+@register_attention("swin")
+class SwinAttention(SelfAttention):
+    def __init__(self, dim: int, num_heads: int, window=(2, 4, 4), layer_idx: int = 0, **kw):
+        super().__init__(dim, num_heads, **kw)
+        self.window = tuple(window)
+        self.shifted = layer_idx % 2 == 1
+
+    def attend(self, q, k, v, x, grid):
+        for axis, w, s in zip("thw", self.window, grid):
+            if s % w:
+                raise ValueError(f"token grid {tuple(grid)} is not divisible by the Swin window {self.window} "
+                                 f"along {axis}; pick a window that divides the grid")
+        shift = tuple(w // 2 if self.shifted and w < s else 0 for w, s in zip(self.window, grid))
+        if any(shift):
+            q, k, v = (self._roll(t, grid, [-s for s in shift]) for t in (q, k, v))
+        qw, kw_, vw = (_partition(t, grid, self.window) for t in (q, k, v))  # (B, nW, h, wlen, d)
+        mask = shift_mask(grid, self.window, shift, q.device)[None, :, None] if any(shift) else None
+        o = F.scaled_dot_product_attention(qw, kw_, vw, attn_mask=mask)        # (B, nW, h, wlen, d)
+        o = _unpartition(o, grid, self.window)                                 # (B, N, h, d)
+        return self._roll(o, grid, list(shift)) if any(shift) else o
+
+    @staticmethod
+    def _roll(x: torch.Tensor, grid, shifts) -> torch.Tensor:
+        B, N, h, d = x.shape
+        x = x.view(B, *grid, h, d).roll(shifts=shifts, dims=(1, 2, 3))  # (B, T, H, W, h, d)
+        return x.reshape(B, N, h, d)

@@ -1,0 +1,27 @@
+"""Hydra/OmegaConf -> MegaSlide's typed configs. Nothing below experiments/ sees OmegaConf."""
+from __future__ import annotations
+
+import dataclasses
+
+from omegaconf import DictConfig, OmegaConf
+
+from megaslide.config import AttentionConfig, DataConfig, DiTConfig, OffloadConfig, TrainConfig, from_dict
+from megaslide.models.dit import DIT_PRESETS
+
+
+def model_config(model: dict, attention: dict) -> DiTConfig:
+    """A preset (`model.preset`) with any other `model.*` keys and the attention group applied."""
+    model = dict(model)
+    preset = model.pop("preset", "tiny")
+    if preset not in DIT_PRESETS:
+        raise ValueError(f"model.preset={preset!r} is unknown; known: {sorted(DIT_PRESETS)}")
+    base = dataclasses.asdict(DIT_PRESETS[preset])
+    base.pop("attention")
+    merged = {**base, **model, "attention": from_dict(AttentionConfig, attention)}
+    return from_dict(DiTConfig, merged)
+
+
+def typed_configs(cfg: DictConfig) -> tuple[DiTConfig, DataConfig, TrainConfig, OffloadConfig]:
+    c = OmegaConf.to_container(cfg, resolve=True)
+    return (model_config(c["model"], c["attention"]), from_dict(DataConfig, c["data"]),
+            from_dict(TrainConfig, c["train"]), from_dict(OffloadConfig, c.get("offload", {})))

@@ -1,0 +1,219 @@
+"""The video Diffusion Transformer, written for one device.
+
+Latents (B, C, T, H, W) are cut into 3D patches, run through adaLN-Zero blocks
+(self-attention from the registry, cross-attention to caption tokens, MLP, all modulated
+by the timestep) and mapped back. Offload, sequence parallelism and checkpointing are
+applied from outside; the pieces they need are the public methods `embed`, `blocks` and
+`unembed`, which `forward` simply chains.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from megaslide.attention import _REGISTRY, build_attention
+from megaslide.attention.base import SelfAttention
+from megaslide.config import AttentionConfig, DiTConfig
+from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3D, TimestepEmbedder, modulate
+from megaslide.models.rope import RopeTable
+from megaslide.models.text import HashTokenizer, TextEncoder, text_encoder_params
+
+N_MOD = 9  # (shift, scale, gate) for self-attention, cross-attention and MLP
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: DiTConfig, layer_idx: int):
+        super().__init__()
+        a = cfg.attention
+        self.norm1 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.attn = build_attention(a.name, cfg.dim, cfg.num_heads, qk_norm=cfg.qk_norm, layer_idx=layer_idx,
+                                    window=a.window, kernel_size=a.kernel_size, max_offset=a.max_offset,
+                                    backend=a.backend)
+        self.norm2 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.cross = CrossAttention(cfg.dim, cfg.num_heads, cfg.dim, cfg.qk_norm)
+        self.norm3 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+        self.modulation = nn.Parameter(torch.zeros(N_MOD, cfg.dim))  # per-block offsets to the shared t_mod
+
+    def forward(self, x, t_mod, ctx, ctx_mask, rope, grid):
+        """x (B, N, D); t_mod (B, 9, D); ctx (B, L, D); ctx_mask (B, L); rope (cos, sin) (N, d/2)."""
+        m = (self.modulation[None] + t_mod).unbind(1)                                  # 9 x (B, D)
+        x = x + m[2][:, None] * self.attn(modulate(self.norm1(x), m[0], m[1]), rope, grid)  # (B, N, D)
+        x = x + m[5][:, None] * self.cross(modulate(self.norm2(x), m[3], m[4]), ctx, ctx_mask)
+        x = x + m[8][:, None] * self.mlp(modulate(self.norm3(x), m[6], m[7]))
+        return x
+
+
+@dataclasses.dataclass
+class Embedded:
+    """What the blocks need, produced once per forward by `VideoDiT.embed`."""
+
+    x: torch.Tensor                 # (B, N, D) tokens
+    t_emb: torch.Tensor             # (B, D) timestep embedding
+    t_mod: torch.Tensor             # (B, 9, D) shared block modulation
+    ctx: torch.Tensor               # (B, L, D) caption features, projected to the model width
+    ctx_mask: torch.Tensor          # (B, L) True where a caption token is real
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (N, d/2)
+    grid: tuple[int, int, int]      # token grid (T', H', W')
+
+
+class VideoDiT(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        D = cfg.dim
+        self.patch_volume = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
+        self.patch_embed = PatchEmbed3D(cfg.in_channels, D, cfg.patch_size)
+        self.t_embed = TimestepEmbedder(D, cfg.freq_dim)
+        self.t_proj = nn.Sequential(nn.SiLU(), nn.Linear(D, N_MOD * D))
+        self.tokenizer = HashTokenizer(cfg.vocab_size, cfg.text_len)
+        self.text_encoder = TextEncoder(cfg.vocab_size, cfg.text_len, cfg.text_dim, cfg.text_layers)
+        self.text_proj = nn.Sequential(nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
+        self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(cfg.depth))
+        self.final = FinalLayer(D, self.patch_volume, cfg.in_channels)
+        self._rope: RopeTable | None = None
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """Xavier linears, zero biases, and adaLN-Zero: every gate and the output start at zero."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        w = self.patch_embed.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.patch_embed.proj.bias)
+        for lin in (self.t_embed.mlp[0], self.t_embed.mlp[2]):
+            nn.init.normal_(lin.weight, std=0.02)
+        nn.init.zeros_(self.t_proj[1].weight)
+        nn.init.zeros_(self.t_proj[1].bias)
+        nn.init.zeros_(self.final.linear.weight)
+        nn.init.zeros_(self.final.linear.bias)
+        for block in self.blocks:
+            init = getattr(block.attn, "initialize_weights", None)
+            if init is not None:
+                init()
+
+    def rope_table(self, grid: tuple[int, int, int], t_start: int = 0) -> RopeTable:
+        """The cos/sin tables, grown (rarely) to cover frames up to t_start + T and the spatial grid."""
+        need = (t_start + grid[0], grid[1], grid[2])
+        if self._rope is None or any(n > m for n, m in zip(need, self._rope.max_sizes)):
+            sizes = need if self._rope is None else tuple(max(a, b) for a, b in zip(need, self._rope.max_sizes))
+            self._rope = RopeTable(self.cfg.head_dim, *sizes)
+        return self._rope
+
+    def encode_text(self, context: torch.Tensor, context_mask: torch.Tensor | None = None):
+        """Token ids (B, L) long -> encoded features; float (B, L, Dt) embeddings pass through."""
+        if context.dtype == torch.long:
+            return self.text_encoder(context)  # (B, L, Dt), (B, L)
+        if context.shape[-1] != self.cfg.text_dim:
+            raise ValueError(f"precomputed caption embeddings have width {context.shape[-1]}, "
+                             f"but model.text_dim={self.cfg.text_dim}; set model.text_dim to match")
+        mask = context_mask if context_mask is not None else torch.ones(context.shape[:2], dtype=torch.bool,
+                                                                        device=context.device)
+        return context, mask
+
+    def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+              context_mask: torch.Tensor | None = None, t_start: int = 0) -> Embedded:
+        """Latents x (B, C, T, H, W), timesteps t (B,) in [0, 1000], captions -> block inputs.
+
+        `t_start` is the global index of the first latent frame (in tokens along t), used for RoPE."""
+        grid = self.cfg.token_grid(*x.shape[2:])
+        tokens = self.patch_embed(x)                             # (B, N, D)
+        t_emb = self.t_embed(t)                                  # (B, D)
+        t_mod = self.t_proj(t_emb).unflatten(1, (N_MOD, -1))     # (B, 9, D)
+        ctx, ctx_mask = self.encode_text(context, context_mask)  # (B, L, Dt), (B, L)
+        ctx = self.text_proj(ctx)                                # (B, L, D)
+        rope = self.rope_table(grid, t_start).grid(grid, t_start, device=x.device)  # (N, d/2) x 2
+        return Embedded(tokens, t_emb, t_mod, ctx, ctx_mask, rope, grid)
+
+    def run_block(self, i: int, x: torch.Tensor, e: Embedded) -> torch.Tensor:
+        block = self.blocks[i]
+        if self.cfg.checkpoint_blocks and self.training and torch.is_grad_enabled():
+            return checkpoint(block, x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, use_reentrant=False)
+        return block(x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid)
+
+    def unembed(self, x: torch.Tensor, e: Embedded) -> torch.Tensor:
+        """Tokens (B, N, D) -> latents (B, C, T, H, W)."""
+        B = x.shape[0]
+        T, H, W = e.grid
+        pt, ph, pw = self.cfg.patch_size
+        x = self.final(x, e.t_emb)                                          # (B, N, pv*C)
+        x = x.view(B, T, H, W, pt, ph, pw, self.cfg.in_channels)            # (B, T, H, W, pt, ph, pw, C)
+        x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)                               # (B, C, T, pt, H, ph, W, pw)
+        return x.reshape(B, self.cfg.in_channels, T * pt, H * ph, W * pw)  # (B, C, T, H, W)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                context_mask: torch.Tensor | None = None, t_start: int = 0) -> torch.Tensor:
+        """Velocity prediction (B, C, T, H, W) for latents x (B, C, T, H, W) at timesteps t (B,)."""
+        e = self.embed(x, t, context, context_mask, t_start)
+        h = e.x                                    # (B, N, D)
+        for i in range(len(self.blocks)):
+            h = self.run_block(i, h, e)            # (B, N, D)
+        return self.unembed(h, e)                  # (B, C, T, H, W)
+
+
+def _attention_extra_params(a: AttentionConfig, dim: int, num_heads: int) -> int:
+    cls = _REGISTRY.get(a.name, SelfAttention)
+    extra = getattr(cls, "extra_params", None)
+    return 0 if extra is None else extra(dim, num_heads, kernel_size=a.kernel_size)
+
+
+def count_params(cfg: DiTConfig) -> int:
+    """Exact parameter count of `VideoDiT(cfg)`, computed analytically (allocates nothing)."""
+    D, F, Dt, C = cfg.dim, cfg.ffn_dim, cfg.text_dim, cfg.in_channels
+    pv = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
+    norms = 2 * D if cfg.qk_norm else 0
+    self_attn = 4 * D * D + 4 * D + norms + _attention_extra_params(cfg.attention, D, cfg.num_heads)
+    cross_attn = 4 * D * D + 4 * D + norms
+    mlp = 2 * D * F + F + D
+    block = self_attn + cross_attn + mlp + N_MOD * D
+    stem = (C * pv * D + D) + (cfg.freq_dim * D + D + D * D + D) + (N_MOD * D * D + N_MOD * D)
+    text = text_encoder_params(cfg.vocab_size, cfg.text_len, Dt, cfg.text_layers) + (Dt * D + D + D * D + D)
+    final = 2 * D + D * pv * C + pv * C
+    return stem + text + cfg.depth * block + final
+
+
+def _preset(dim, depth, heads, ffn, **kw) -> DiTConfig:
+    base = dict(in_channels=16, patch_size=(1, 2, 2), text_dim=1024, text_layers=2, text_len=64, vocab_size=32768)
+    return DiTConfig(dim=dim, depth=depth, num_heads=heads, ffn_dim=ffn, **{**base, **kw})
+
+
+DIT_PRESETS: dict[str, DiTConfig] = {
+    "tiny": DiTConfig(dim=64, depth=2, num_heads=4, ffn_dim=256, in_channels=3, text_dim=64, text_layers=1,
+                      text_len=16, vocab_size=1024),
+    "S": _preset(384, 12, 6, 1536, text_dim=384, text_len=32, vocab_size=8192),
+    "B": _preset(768, 12, 12, 3072, text_dim=512, text_len=32, vocab_size=8192),
+    "L": _preset(1024, 24, 16, 4096, text_dim=512, text_len=32, vocab_size=8192),
+    "XL": _preset(1152, 28, 16, 4608, text_dim=512, text_len=32, vocab_size=8192),
+    "1B": _preset(2048, 13, 16, 8192),
+    "7B": _preset(4096, 25, 32, 16384),
+    "14B": _preset(5120, 31, 40, 20480, text_dim=4096),
+    "33B": _preset(7168, 39, 56, 28672, text_dim=4096),
+    "105B": _preset(12288, 43, 96, 49152, text_dim=4096),
+    "wan-1.3b": _preset(1536, 30, 12, 8960, text_dim=4096, text_len=512, text_layers=0, vocab_size=4096),
+}
+
+
+def build_dit(name_or_config: str | DiTConfig, **overrides) -> VideoDiT:
+    """A VideoDiT from a preset name or a config; overrides replace config fields
+    (`attention=` takes an AttentionConfig, a dict, or an attention name).
+
+    Build big presets under `torch.device("meta")` to inspect them without allocating."""
+    if isinstance(name_or_config, str):
+        if name_or_config not in DIT_PRESETS:
+            raise ValueError(f"unknown DiT preset {name_or_config!r}; known: {sorted(DIT_PRESETS)}")
+        cfg = DIT_PRESETS[name_or_config]
+    else:
+        cfg = name_or_config
+    if isinstance(overrides.get("attention"), str):
+        overrides["attention"] = dataclasses.replace(cfg.attention, name=overrides["attention"])
+    elif isinstance(overrides.get("attention"), dict):
+        overrides["attention"] = dataclasses.replace(cfg.attention, **overrides["attention"])
+    cfg = dataclasses.replace(cfg, **overrides)
+    return VideoDiT(cfg)

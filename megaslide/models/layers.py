@@ -1,0 +1,92 @@
+"""Building blocks of the video DiT: embeddings, MLP, cross-attention, final layer."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class PatchEmbed3D(nn.Module):
+    """(B, C, T, H, W) latents -> (B, N, D) tokens by a strided Conv3d over (pt, ph, pw) patches."""
+
+    def __init__(self, in_channels: int, dim: int, patch_size: tuple[int, int, int]):
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)                     # (B, D, T', H', W')
+        return x.flatten(2).transpose(1, 2)  # (B, N, D)
+
+
+def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal features (B, dim) of timesteps t (B,) in [0, 1000]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs[None]                      # (B, half)
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (B, dim)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, dim: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(timestep_features(t, self.freq_dim))  # (B, D)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CrossAttention(nn.Module):
+    """Queries from video tokens, keys/values from caption tokens (masked where padded)."""
+
+    def __init__(self, dim: int, num_heads: int, context_dim: int, qk_norm: bool = True):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(context_dim, 2 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.q_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor | None) -> torch.Tensor:
+        B, N, D = x.shape
+        h = self.num_heads
+        q = self.q_norm(self.q(x)).view(B, N, h, -1).transpose(1, 2)  # (B, h, N, d)
+        k, v = self.kv(ctx).chunk(2, dim=-1)                          # (B, L, D) each
+        k = self.k_norm(k).view(B, -1, h, D // h).transpose(1, 2)     # (B, h, L, d)
+        v = v.view(B, -1, h, D // h).transpose(1, 2)                  # (B, h, L, d)
+        mask = None if ctx_mask is None else ctx_mask[:, None, None, :]  # (B, 1, 1, L)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, h, N, d)
+        return self.out(o.transpose(1, 2).reshape(B, N, D))           # (B, N, D)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN: x (B, N, D), shift/scale (B, D)."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated norm and a linear map from tokens back to latent patches."""
+
+    def __init__(self, dim: int, patch_volume: int, out_channels: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.modulation = nn.Parameter(torch.zeros(2, dim))  # per-layer (shift, scale) offsets
+        self.linear = nn.Linear(dim, patch_volume * out_channels)
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        shift, scale = (self.modulation[None] + t_emb[:, None]).unbind(1)  # (B, D) each
+        return self.linear(modulate(self.norm(x), shift, scale))         # (B, N, p*C)

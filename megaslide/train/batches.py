@@ -1,0 +1,43 @@
+"""Deterministic training batches: everything random in step s comes from seed and s alone.
+
+Data indices, caption dropout, timesteps and noise are drawn from a generator seeded by
+(seed, step). Resuming at step s therefore sees exactly the batches an uninterrupted run
+would have seen, and two trainers (resident and offloaded) can be fed identical batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megaslide.config import TrainConfig
+from megaslide.diffusion.flow import sample_timesteps
+
+
+@dataclass
+class Batch:
+    x0: torch.Tensor       # (B, C, T, H, W) clean latents
+    ids: torch.Tensor      # (B, L) caption token ids (dropped captions are empty)
+    t: torch.Tensor        # (B,) flow time in (0, 1)
+    noise: torch.Tensor    # (B, C, T, H, W)
+    captions: list[str]
+
+    def to(self, device) -> "Batch":
+        return Batch(self.x0.to(device), self.ids.to(device), self.t.to(device), self.noise.to(device),
+                     self.captions)
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def make_batch(dataset, tokenizer, cfg: TrainConfig, step: int) -> Batch:
+    g = step_generator(cfg.seed, step)
+    idx = torch.randint(len(dataset), (cfg.batch_size,), generator=g).tolist()
+    items = [dataset[i] for i in idx]
+    x0 = torch.stack([it["video"] for it in items])                           # (B, C, T, H, W)
+    drop = torch.rand(cfg.batch_size, generator=g) < cfg.caption_dropout       # (B,)
+    captions = ["" if d else it["caption"] for it, d in zip(items, drop.tolist())]
+    t = sample_timesteps(cfg.batch_size, g, cfg.logit_normal_mean, cfg.logit_normal_std)  # (B,)
+    noise = torch.randn(x0.shape, generator=g)                                 # (B, C, T, H, W)
+    return Batch(x0, tokenizer(captions), t, noise, captions)

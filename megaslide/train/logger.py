@@ -1,0 +1,53 @@
+"""A small run logger: W&B (imported lazily, offline by default) plus a local metrics.jsonl.
+
+Only rank 0 logs. The W&B mode comes from `WANDB_MODE` when set, else `offline`, so runs
+never need a network; upload them later with `wandb sync <run folder>/wandb/offline-run-*`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class RunLogger:
+    def __init__(self, out_dir: str | Path, project: str = "megaslide", name: str | None = None,
+                 config: dict | None = None, rank: int = 0, mode: str | None = None):
+        self.out_dir = Path(out_dir)
+        self.active = rank == 0
+        self.run = None
+        if not self.active:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        mode = mode or os.environ.get("WANDB_MODE", "offline")
+        if mode != "disabled":
+            import wandb  # lazy: a heavy import, and optional for library users
+            self.run = wandb.init(project=project, name=name, config=config or {}, dir=str(self.out_dir),
+                                  mode=mode, reinit="finish_previous")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.active:
+            return
+        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.flush()
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def log_video(self, key: str, mp4_path: str | Path, caption: str, step: int) -> None:
+        """Attach an mp4 already written to disk (W&B needs moviepy only for raw arrays)."""
+        if self.run is None:
+            return
+        import wandb
+        self.run.log({key: wandb.Video(str(mp4_path), caption=caption, format="mp4")}, step=step)
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return None if self.run is None else str(Path(self.run.dir).parent)
+
+    def finish(self) -> None:
+        if not self.active:
+            return
+        self.metrics_file.close()
+        if self.run is not None:
+            self.run.finish()

@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from megaslide.models.dit import DIT_PRESETS, build_dit, count_params
+
+NAMED_SIZES = {"1B": 1e9, "7B": 7e9, "14B": 14e9, "33B": 33e9, "105B": 105e9}
+
+
+def test_forward_shapes_and_zero_init():
+    model = build_dit("tiny")
+    x = torch.randn(2, 3, 4, 8, 6)                        # odd width in tokens: grid (4, 4, 3)
+    ids = model.tokenizer(["a red circle moving left", ""])
+    out = model(x, torch.tensor([10.0, 900.0]), ids)
+    assert out.shape == x.shape
+    assert torch.count_nonzero(out) == 0                  # adaLN-Zero: the final layer starts at zero
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_SIZES))
+def test_count_params_within_two_percent_of_name(name):
+    assert abs(count_params(DIT_PRESETS[name]) / NAMED_SIZES[name] - 1) < 0.02
+
+
+@pytest.mark.parametrize("name", ["tiny", "S", "wan-1.3b", "1B"])
+def test_count_params_equals_real_count(name):
+    with torch.device("meta"):
+        model = build_dit(name)
+    assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg)
+
+
+def test_count_params_with_each_attention():
+    for attn in ["dense", "dsa", "dsa_zero"]:
+        model = build_dit("tiny", attention=attn)
+        assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg), attn
+
+
+def test_wan_preset_shapes():
+    cfg = DIT_PRESETS["wan-1.3b"]
+    assert (cfg.depth, cfg.dim, cfg.num_heads, cfg.ffn_dim, cfg.in_channels, cfg.patch_size) == \
+        (30, 1536, 12, 8960, 16, (1, 2, 2))
+
+
+def test_precomputed_text_embeddings_and_checkpointing_match():
+    torch.manual_seed(0)
+    model = build_dit("tiny", checkpoint_blocks=True)
+    for p in model.parameters():                           # leave zero-init so outputs are non-trivial
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(1, 3, 2, 4, 4, requires_grad=True)
+    emb = torch.randn(1, 5, model.cfg.text_dim)
+    out = model(x, torch.tensor([300.0]), emb)
+    out.square().sum().backward()
+    g_ckpt = x.grad.clone()
+    x.grad = None
+    model.cfg.checkpoint_blocks = False
+    out2 = model(x, torch.tensor([300.0]), emb)
+    out2.square().sum().backward()
+    torch.testing.assert_close(out, out2)
+    torch.testing.assert_close(g_ckpt, x.grad)
+    with pytest.raises(ValueError, match="text_dim"):
+        model(x, torch.tensor([300.0]), torch.randn(1, 5, model.cfg.text_dim + 1))
+
+
+def test_unknown_preset_and_attention():
+    with pytest.raises(ValueError, match="unknown DiT preset"):
+        build_dit("nope")
+    with pytest.raises(ValueError, match="attention.name"):
+        build_dit("tiny", attention="nope")
