@@ -38,10 +38,15 @@ class DiTBlock(nn.Module):
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
         self.modulation = nn.Parameter(torch.zeros(N_MOD, cfg.dim))  # per-block offsets to the shared t_mod
 
-    def forward(self, x, t_mod, ctx, ctx_mask, rope, grid):
-        """x (B, N, D); t_mod (B, 9, D); ctx (B, L, D); ctx_mask (B, L); rope (cos, sin) (N, d/2)."""
+    def forward(self, x, t_mod, ctx, ctx_mask, rope, grid, attn=None):
+        """x (B, N, D); t_mod (B, 9, D); ctx (B, L, D); ctx_mask (B, L); rope (cos, sin) (N, d/2).
+
+        `attn(h, rope, grid) -> (B, N, D)` replaces the self-attention call (default
+        `self.attn`); KV-cached and sequence-parallel inference pass their own, built from
+        `self.attn.project_qkv` / `project_out`."""
+        attn = self.attn if attn is None else attn
         m = (self.modulation[None] + t_mod).unbind(1)                                  # 9 x (B, D)
-        x = x + m[2][:, None] * self.attn(modulate(self.norm1(x), m[0], m[1]), rope, grid)  # (B, N, D)
+        x = x + m[2][:, None] * attn(modulate(self.norm1(x), m[0], m[1]), rope, grid)  # (B, N, D)
         x = x + m[5][:, None] * self.cross(modulate(self.norm2(x), m[3], m[4]), ctx, ctx_mask)
         x = x + m[8][:, None] * self.mlp(modulate(self.norm3(x), m[6], m[7]))
         return x
