@@ -7,7 +7,8 @@ requires ninja (absent on the CI image). The library is compiled with `-march=na
 cache key holds the source, the compiler and its version, the flags and the CPU's feature
 flags: a cache directory shared between machines never hands an AVX-512 build to a CPU
 without AVX-512. Builds land in `$TORCH_EXTENSIONS_DIR/megaslide/`, else
-`$XDG_CACHE_HOME/megaslide/extensions/` (default `~/.cache/megaslide/extensions/`), and are
+`$XDG_CACHE_HOME/megaslide/extensions/` (default `~/.cache/megaslide/extensions/`; a temporary
+folder if that cannot be created), and are
 written to a temporary file and renamed, so concurrent processes never load a partial file.
 
 OpenMP: the library links libgomp by its soname `libgomp.so.1`. torch's pip wheels ship and
@@ -60,10 +61,17 @@ def _cpu_identity() -> str:
 
 
 def _cache_root() -> Path:
+    """The build cache; a per-user temporary folder when the usual one cannot be created."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "megaslide"
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "megaslide" / "extensions"
+        root = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "megaslide"
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(cache) / "megaslide" / "extensions"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+    except OSError:
+        return Path(tempfile.gettempdir()) / f"megaslide-extensions-{os.getuid()}"
 
 
 def library_path(source: str) -> Path:
