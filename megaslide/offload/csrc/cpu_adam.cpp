@@ -14,8 +14,9 @@
 // scalars. The file is compiled with -ffp-contract=off, so the only fused multiply-adds are the
 // two written as std::fma above; sqrt and division are IEEE (correctly rounded).
 //
-// The loop is plain C++ under `#pragma omp simd`; compiled with -march=native the compiler emits
-// AVX-512 on AVX-512 machines and AVX2/FMA elsewhere, with a scalar remainder loop.
+// The loops are plain C++ under `#pragma omp simd`; compiled with -march=native the compiler
+// emits AVX-512 on AVX-512 machines and AVX2/FMA elsewhere, with a scalar remainder loop
+// (checked with -fopt-info-vec: every inner loop of every variant vectorises, GCC 12).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +27,8 @@ namespace {
 // Work unit: 16384 elements = 64 KiB of each fp32 stream. A multiple of every SIMD width and
 // cache line, so threads never write the same line (false sharing) when buffers are 64 B aligned.
 constexpr int64_t kBlock = 1 << 14;
+// Inner tile: 1024 elements = 4 KiB of each stream, about 18 KiB in all: stays in L1.
+constexpr int64_t kTile = 1 << 10;
 
 struct Scalars {
   float decay;
@@ -57,10 +60,10 @@ inline uint16_t to_bf16(float x) {
   return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
 }
 
-template <typename GradT, bool kWriteBf16>
-void update_block(float* __restrict__ param, const GradT* __restrict__ grad,
-                  float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
-                  uint16_t* __restrict__ param_bf16, int64_t n, const Scalars s) {
+template <typename GradT>
+void update_tile(float* __restrict__ param, const GradT* __restrict__ grad,
+                 float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, int64_t n,
+                 const Scalars s) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g = load_grad(grad[i]);
@@ -69,12 +72,31 @@ void update_block(float* __restrict__ param, const GradT* __restrict__ grad,
     const float m = std::fma(s.lerp_coeff, g - m_old, s.lerp_base_is_m ? m_old : g);
     const float v = std::fma(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);
     const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-    const float p_new = p + (s.neg_step_size * m) / denom;
-    param[i] = p_new;
+    param[i] = p + (s.neg_step_size * m) / denom;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
+  }
+}
+
+inline void round_tile_to_bf16(const float* __restrict__ src, uint16_t* __restrict__ dst,
+                               int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = to_bf16(src[i]);
+  }
+}
+
+// Update one block tile by tile; the bf16 copy of a tile is written right after its update,
+// while the new weights are still in L1, so it costs no extra trip to memory. (Separate loops
+// because GCC 12 does not vectorise a loop that mixes bf16 loads, bf16 stores and fp32 math.)
+template <typename GradT, bool kWriteBf16>
+void update_block(float* param, const GradT* grad, float* exp_avg, float* exp_avg_sq,
+                  uint16_t* param_bf16, int64_t n, const Scalars& s) {
+  for (int64_t begin = 0; begin < n; begin += kTile) {
+    const int64_t len = std::min(kTile, n - begin);
+    update_tile(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin, len, s);
     if constexpr (kWriteBf16) {
-      param_bf16[i] = to_bf16(p_new);
+      round_tile_to_bf16(param + begin, param_bf16 + begin, len);
     }
   }
 }
