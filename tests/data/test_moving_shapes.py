@@ -67,12 +67,15 @@ def test_hard_render_matches_pixel_loop(wrap, height, width):
     np.testing.assert_array_equal(fast.numpy(), slow)
 
 
-@pytest.mark.parametrize("shape,area_factor", [("circle", math.pi / 4), ("square", 1.0), ("triangle", 0.5), ("diamond", 0.5)])
+@pytest.mark.parametrize(
+    "shape,area_factor", [("circle", math.pi / 4), ("square", 1.0), ("triangle", 0.5), ("diamond", 0.5)]
+)
 def test_antialiased_area_and_centroid(shape, area_factor):
     size, height, width = 11.0, 40, 40
     centers = torch.tensor([[[13.3, 20.6]], [[38.2, 0.7]]])  # second one wraps over two borders
     for center in centers:
-        alpha = render_video(height, width, center.view(1, 1, 2), [{"color": "white", "shape": shape}], size)[0, 0] / 255.0
+        video = render_video(height, width, center.view(1, 1, 2), [{"color": "white", "shape": shape}], size)
+        alpha = video[0, 0] / 255.0  # (H, W)
         assert alpha.sum().item() == pytest.approx(area_factor * size * size, rel=0.02)
         ys = torch.arange(height, dtype=torch.float32).view(-1, 1)
         xs = torch.arange(width, dtype=torch.float32).view(1, -1)
@@ -97,7 +100,8 @@ def test_item_contract_and_determinism():
     for lab in item["labels"]:
         assert lab["shape"] in SHAPES and lab["direction"] in DIRECTIONS and 6.0 <= lab["speed"] <= 10.0
     assert item["caption"] == caption_for(item["labels"])
-    assert parse_caption(item["caption"]) == [{k: lab[k] for k in ("color", "shape", "direction")} for lab in item["labels"]]
+    named = [{k: lab[k] for k in ("color", "shape", "direction")} for lab in item["labels"]]
+    assert parse_caption(item["caption"]) == named
     assert torch.equal(item["video"], again[3]["video"]) and item["caption"] == again[3]["caption"]
     assert not torch.equal(item["video"], ds[2]["video"])
     assert not torch.equal(item["video"], other_seed[3]["video"])
@@ -106,7 +110,9 @@ def test_item_contract_and_determinism():
 @pytest.mark.parametrize("boundary", ["wrap", "inside"])
 def test_trajectory_is_constant_velocity_along_label_direction(boundary):
     height, width = 36, 44
-    ds = MovingShapes(6, frames=6, height=height, width=width, num_shapes=2, speed=(1.0, 3.0), shape_size=8, boundary=boundary)
+    ds = MovingShapes(
+        6, frames=6, height=height, width=width, num_shapes=2, speed=(1.0, 3.0), shape_size=8, boundary=boundary
+    )
     extent = torch.tensor([height, width], dtype=torch.float32)
     for index in range(len(ds)):
         item = ds[index]
@@ -123,7 +129,9 @@ def test_trajectory_is_constant_velocity_along_label_direction(boundary):
 
 def test_direction_reads_from_pixels():
     """The colour-weighted centroid of the frames moves the way the caption says."""
-    ds = MovingShapes(len(DIRECTIONS), frames=5, height=48, width=48, speed=3.0, shape_size=10, boundary="inside", seed=1)
+    ds = MovingShapes(
+        len(DIRECTIONS), frames=5, height=48, width=48, speed=3.0, shape_size=10, boundary="inside", seed=1
+    )
     for index in range(len(ds)):
         item = ds[index]
         mass = (item["video"] + 1).sum(0)  # (T, H, W)

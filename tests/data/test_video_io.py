@@ -34,7 +34,12 @@ def test_to_uint8_frames_uint8_layout_passes_through():
 
 @pytest.mark.parametrize(
     "video",
-    [torch.zeros(4, 2, 8, 8), np.zeros((2, 8, 8, 4), np.uint8), np.zeros((3, 8, 8), np.float32), np.zeros((3, 2, 8, 8), np.int32)],
+    [
+        torch.zeros(4, 2, 8, 8),
+        np.zeros((2, 8, 8, 4), np.uint8),
+        np.zeros((3, 8, 8), np.float32),
+        np.zeros((3, 2, 8, 8), np.int32),
+    ],
 )
 def test_to_uint8_frames_rejects_bad_input(video):
     with pytest.raises(ValueError, match="video"):
