@@ -130,7 +130,7 @@ def _reduce_max(values: dict[str, float]) -> dict[str, float]:
 
 def _extra_checks(groups: dict) -> dict[str, float]:
     """Exchange primitives, input validation and transport fallback; each entry must come out 0."""
-    from megaslide.parallel import head_to_seq, seq_to_head, sequence_parallel_attention
+    from megaslide.parallel import Topology, build_mesh, head_to_seq, seq_to_head, sequence_parallel_attention
     from megaslide.parallel.ulysses import seq_to_head_qkv
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -166,6 +166,14 @@ def _extra_checks(groups: dict) -> dict[str, float]:
                                       "seq_len=13")
     res["err_symm_mem_on_cpu"] = raises(lambda: sequence_parallel_attention(
         q, q, q, mode="ring", transport="symm_mem"), "symm_mem", "cpu")
+    res["err_mesh_product"] = raises(lambda: build_mesh(3, 1), "must equal")
+    res["err_mesh_topology"] = raises(lambda: build_mesh(2, 2, topology=Topology(1, 2, 1.0, 1.0)), "topology has 2")
+
+    mesh = build_mesh(2, 2, "ring_intra")
+    res["mesh_is_cached"] = float(build_mesh(2, 2, "ring_intra") is not mesh)
+    ring_members = dist.get_process_group_ranks(mesh.ring_group)
+    res["ring_intra_rings_are_consecutive"] = float(ring_members != [rank // 2 * 2, rank // 2 * 2 + 1])
+    res["ring_intra_ulysses_strided"] = float(dist.get_process_group_ranks(mesh.ulysses_group) != [rank % 2, rank % 2 + 2])
     return res
 
 
