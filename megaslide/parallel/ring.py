@@ -171,6 +171,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                    *, causal: bool = False, seq_len: int | None = None, transport: str = "p2p") -> torch.Tensor:
     """Attention over the full sequence; q, k, v (B, n, h, d) are this rank's contiguous shard
     (SP rank r holds tokens [r*n, (r+1)*n)). Returns this rank's shard of the output (B, n, h, d)."""
+    group = group if group is not None else dist.group.WORLD
     size, n = dist.get_world_size(group), q.shape[1]
     layouts = tuple(contiguous_layout(j * n, n) for j in range(size))
     spec = RingSpec(group, dist.get_rank(group), size, layouts, causal, seq_len,

@@ -29,7 +29,7 @@ FP64_TOL = 1e-10
 class Case:
     name: str
     mode: str
-    group: str = "world"  # world | pair | solo
+    group: str = "world"  # world (group=None, the default) | pair | solo
     causal: bool = False
     seq_len: int = 20
     dtype: str = "float64"
@@ -96,7 +96,7 @@ def _run_case(case: Case, groups: dict, seed: int) -> dict[str, float]:
     """This rank's max abs errors of out, dq, dk, dv (0 where the rank is not in the case's group)."""
     from megaslide.parallel import sequence_parallel_attention, shard_sequence, unpad_shard
 
-    group = groups[case.group]
+    member, group = groups[case.group]
     q, k, v, dout = _full_tensors(case, seed)
     ref = _grads_of(lambda a, b, c: reference_attention(a, b, c, case.causal), q, k, v, dout)
     dtype = getattr(torch, case.dtype)
@@ -109,7 +109,7 @@ def _run_case(case: Case, groups: dict, seed: int) -> dict[str, float]:
         torch_res = _grads_of(sdpa, *(t.to(dtype) for t in (q, k, v, dout)))
         tols = [2 * (a.double() - b).abs().max().item() for a, b in zip(torch_res, ref)]
     errs = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
-    if group is not None:
+    if member:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         shards = [shard_sequence(t, world, rank).to(dtype) for t in (q, k, v, dout)]
         got = _grads_of(lambda a, b, c: sequence_parallel_attention(a, b, c, mode=case.mode, group=group,
@@ -128,7 +128,7 @@ def _reduce_max(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, t.tolist()))
 
 
-def _extra_checks(groups: dict) -> dict[str, float]:
+def _extra_checks() -> dict[str, float]:
     """Exchange primitives, input validation and transport fallback; each entry must come out 0."""
     from megaslide.parallel import Topology, build_mesh, head_to_seq, seq_to_head, sequence_parallel_attention
     from megaslide.parallel.ulysses import seq_to_head_qkv
@@ -181,7 +181,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     init_gloo(rank, world, port)
     pair = dist.new_group([0, 1])
     solo = dist.new_group([0])
-    groups = {"world": dist.group.WORLD, "pair": pair if rank < 2 else None, "solo": solo if rank == 0 else None}
+    groups = {"world": (True, None), "pair": (rank < 2, pair), "solo": (rank == 0, solo)}
     results: dict[str, dict] = {}
     for i, case in enumerate(CASES):
         try:
@@ -191,7 +191,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
                     "tol_out": 0.0, "tol_dq": 0.0, "tol_dk": 0.0, "tol_dv": 0.0}
             results.setdefault("_tracebacks", {})[case.name] = traceback.format_exc()
         results[case.name] = _reduce_max(errs)
-    results["_extra"] = _reduce_max(_extra_checks(groups))
+    results["_extra"] = _reduce_max(_extra_checks())
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

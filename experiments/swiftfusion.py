@@ -1,0 +1,389 @@
+"""SwiftFusion benchmark: forward time of one attention layer against sequence length, per SP mode.
+
+Variants (P ranks; U x R degrees of the hybrids from --usp-ulysses):
+  sdpa_1gpu          F.scaled_dot_product_attention over all N tokens on one device (no SP)
+  ulysses            all-to-all, heads sharded over P
+  ring               K/V ring, isend/irecv
+  ring_onesided      K/V ring, one-sided gets from symmetric memory (CUDA + NCCL only)
+  usp                hybrid, Ulysses inside / ring across ("ulysses_intra"), no overlap: the baseline
+  hybrid_ring_intra  hybrid with SwiftFusion's placement (ring inside, Ulysses across)
+  torus              Ulysses with the all-to-all chunked by heads and overlapped with attention
+  swiftfusion        torus + ring_intra placement + one-sided ring where available
+Order of a run: ceilings (single-device SDPA TFLOP/s; all-to-all bus bandwidth if P >= 2) ->
+correctness (every variant vs single-device SDPA and an fp32/fp64 reference, output and grads,
+full and causal) -> timings with the cost model's prediction beside each -> a SIMULATED table
+(cost model only) for 2-8 nodes of 8 GPUs -> JSON (rank 0) -> tables.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        torchrun --nproc_per_node 2 -m experiments.swiftfusion          # GPUs
+    python -m experiments.swiftfusion                                   # one GPU (or CPU) in-process
+    python -m experiments.swiftfusion --smoke                           # CI: 2 gloo processes, tiny
+
+With one rank every distributed mode degenerates to local attention (no communication); the run
+still times them, re-measures SDPA and prints the simulation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (before any NCCL init)
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from experiments.results_io import write_result  # noqa: E402
+from megaslide.parallel import resolve_degrees, sequence_parallel_attention  # noqa: E402
+from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans  # noqa: E402
+from megaslide.parallel.groups import Topology  # noqa: E402
+from megaslide.parallel.onesided import can_use_symm_mem, release_symm_mem_workspaces  # noqa: E402
+
+GPU_SEQ_LENS = [16384, 32768, 65536, 131072, 262144, 524288, 1048576]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kwargs: dict  # for sequence_parallel_attention; empty for sdpa_1gpu
+    plan: Plan | None  # cost-model plan; None for sdpa_1gpu
+
+
+def build_variants(world: int, heads: int, usp_u: int, max_chunks: int) -> list[Variant]:
+    r = world // usp_u
+    c_full = max(1, min(heads // world, max_chunks))
+    c_u = max(1, min(heads // usp_u, max_chunks))
+    hyb = {"ulysses_degree": usp_u, "ring_degree": r}
+    return [
+        Variant("sdpa_1gpu", {}, None),
+        Variant("ulysses", {"mode": "ulysses"}, Plan("ulysses", world, 1)),
+        Variant("ring", {"mode": "ring"}, Plan("ring", 1, world)),
+        Variant("ring_onesided", {"mode": "ring", "transport": "symm_mem"}, Plan("ring", 1, world)),
+        Variant("usp", {"mode": "hybrid", "placement": "ulysses_intra", **hyb}, Plan("hybrid", usp_u, r)),
+        Variant("hybrid_ring_intra", {"mode": "hybrid", "placement": "ring_intra", **hyb},
+                Plan("hybrid", usp_u, r, "ring_intra")),
+        Variant("torus", {"mode": "torus", "chunks": c_full}, Plan("torus", world, 1, chunks=c_full)),
+        Variant("swiftfusion", {"mode": "torus", "placement": "ring_intra", "transport": "auto", "chunks": c_u,
+                                **hyb}, Plan("torus", usp_u, r, "ring_intra", c_u)),
+    ]
+
+
+def unavailable_reason(v: Variant, world: int, heads: int, device: torch.device) -> str | None:
+    """Why `v` cannot run here (indivisible heads, no symmetric memory), or None."""
+    if not v.kwargs:
+        return None
+    try:
+        resolve_degrees(v.kwargs["mode"], world, heads, v.kwargs.get("ulysses_degree"), v.kwargs.get("ring_degree"))
+    except ValueError as e:
+        return str(e)
+    if v.kwargs.get("transport") == "symm_mem":
+        ok, reason = can_use_symm_mem(None, device)
+        return None if ok else reason
+    return None
+
+
+def default_usp_ulysses(world: int, heads: int) -> int:
+    """USP's Ulysses degree: the largest divisor of P (and of heads) up to P/2 once P >= 4, else P."""
+    cap = world // 2 if world >= 4 else world
+    return max(d for d in range(1, cap + 1) if world % d == 0 and heads % d == 0)
+
+
+# ----------------------------------------------------------------------------- measurement
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int, group=None) -> float:
+    """Median seconds of fn() over `repeats` after one warm-up, slowest rank's median."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def sdpa(q, k, v, causal: bool = False):
+    """(B, N, h, d) layout wrapper of F.scaled_dot_product_attention."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=causal).transpose(1, 2)
+
+
+def measure_sdpa_tflops(cfg, device, dtype) -> dict:
+    n = cfg.ceiling_seq_len
+    q, k, v = (torch.randn(1, n, cfg.heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(3))
+    with torch.no_grad():
+        t = timed(lambda: sdpa(q, k, v), device, cfg.repeats)
+    flops = AttentionWorkload(1, n, cfg.heads, cfg.head_dim).flops()
+    return {"seq_len": n, "time_s": t, "tflops": flops / t / 1e12}
+
+
+def measure_all_to_all(cfg, device, dtype, world: int) -> dict | None:
+    if world < 2:
+        return None
+    numel = cfg.a2a_bytes // (torch.finfo(dtype).bits // 8) // world * world
+    send = torch.randn(numel, device=device, dtype=dtype)
+    recv = torch.empty_like(send)
+    t = timed(lambda: dist.all_to_all_single(recv, send), device, cfg.repeats)
+    nbytes = numel * send.element_size()
+    return {"bytes_per_rank": nbytes, "time_s": t, "algbw_GBps": nbytes / t / 1e9,
+            "busbw_GBps": nbytes / t / 1e9 * (world - 1) / world}
+
+
+# ----------------------------------------------------------------------------- correctness
+def run_variant(v: Variant, q, k, v_, causal: bool = False):
+    if not v.kwargs:
+        return sdpa(q, k, v_, causal)
+    return sequence_parallel_attention(q, k, v_, causal=causal, **v.kwargs)
+
+
+def gather_seq(x: torch.Tensor, world: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=1)
+
+
+def check_variant(v: Variant, cfg, device, dtype, rank: int, world: int, causal: bool) -> dict:
+    """Output and grads of `v` vs same-dtype single-device SDPA and a high-precision reference."""
+    n = cfg.check_seq_len
+    gen = torch.Generator(device=device).manual_seed(1234)
+    full = [torch.randn(1, n, cfg.heads, cfg.head_dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
+    ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
+
+    def with_grads(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors[:3]]
+        out = fn(*leaves)
+        out.backward(tensors[3])
+        return [out.detach()] + [t.grad for t in leaves]
+
+    ref = with_grads(lambda a, b, c: sdpa(a, b, c, causal), [t.to(ref_dtype) for t in full])
+    base = with_grads(lambda a, b, c: sdpa(a, b, c, causal), full)
+    shard = n // world
+    local = [t[:, rank * shard:(rank + 1) * shard] for t in full]
+    ours = with_grads(lambda a, b, c: run_variant(v, a, b, c, causal), local)
+    ours = [gather_seq(t, world) for t in ours]
+    names = ("out", "dq", "dk", "dv")
+    err = {k: (a.to(ref_dtype) - r).abs().max().item() for k, a, r in zip(names, ours, ref)}
+    bar = {k: (a.to(ref_dtype) - r).abs().max().item() for k, a, r in zip(names, base, ref)}
+    return {"variant": v.name, "causal": causal, "seq_len": n, "dtype": str(dtype).replace("torch.", ""),
+            "max_abs_diff_vs_sdpa": (ours[0].float() - base[0].float()).abs().max().item(),
+            "err_vs_ref": err, "sdpa_err_vs_ref": bar,
+            "passed": all(err[k] <= 2 * bar[k] + 1e-12 for k in names)}
+
+
+# ----------------------------------------------------------------------------- timing
+def time_variant(v: Variant, n: int, cfg, device, dtype, world: int, topo: Topology, tflops: float) -> dict:
+    row = {"variant": v.name, "seq_len": n}
+    workload = AttentionWorkload(1, n, cfg.heads, cfg.head_dim, torch.finfo(dtype).bits // 8)
+    plan = v.plan or Plan("ulysses", 1, 1)
+    one_gpu = Topology(1, 1, topo.intra_bw, topo.inter_bw)
+    predicted = predict(plan, workload, one_gpu if v.plan is None else topo, tflops).total_s
+    row["predicted_s"] = predicted
+    if predicted > cfg.max_seconds:
+        return {**row, "status": "skipped", "reason": f"predicted {predicted:.2f} s > --max-seconds {cfg.max_seconds}"}
+    local = n if v.plan is None else n // world
+    q, k, vv = (torch.randn(1, local, cfg.heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(3))
+    with torch.no_grad():
+        t = timed(lambda: run_variant(v, q, k, vv), device, cfg.repeats)
+    del q, k, vv
+    release_symm_mem_workspaces()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {**row, "status": "ok", "time_s": t, "measured_over_predicted": t / predicted,
+            "tflops_per_rank": workload.flops() / (1 if v.plan is None else world) / t / 1e12}
+
+
+# ----------------------------------------------------------------------------- simulation
+def simulate(cfg, tflops: float, intra_bw: float, inter_bw: float) -> list[dict]:
+    """Cost-model-only table: best USP plan (ulysses_intra, no torus) vs best ring_intra plan."""
+    rows = []
+    for nodes in cfg.sim_nodes:
+        topo = Topology(nodes, cfg.sim_gpus_per_node, intra_bw, inter_bw)
+        for n in cfg.sim_seq_lens:
+            ranked = rank_plans(AttentionWorkload(1, n, cfg.heads, cfg.head_dim), topo, tflops)
+            usp = next((p for p in ranked if p.plan.placement == "ulysses_intra" and p.plan.mode != "torus"), None)
+            swift = next((p for p in ranked if p.plan.placement == "ring_intra"), None)
+            rows.append({"simulated": True, "nodes": nodes, "gpus": topo.world_size, "seq_len": n,
+                         "usp": _pred(usp), "ring_intra": _pred(swift), "best": _pred(ranked[0]),
+                         "winner_placement": ranked[0].plan.placement,
+                         "speedup_ring_intra_vs_usp": usp.total_s / swift.total_s if usp and swift else None})
+    return rows
+
+
+def _pred(p) -> dict | None:
+    return None if p is None else {**asdict(p.plan), "total_s": p.total_s, "compute_s": p.compute_s,
+                                   "all_to_all_s": p.all_to_all_s, "ring_comm_s": p.ring_comm_s}
+
+
+# ----------------------------------------------------------------------------- driver
+def _plan_str(p: dict | None) -> str:
+    if p is None:
+        return "-"
+    chunks = f" C{p['chunks']}" if p["mode"] == "torus" else ""
+    return f"{p['mode']} U{p['ulysses_degree']}xR{p['ring_degree']}{chunks}"
+
+
+def _ms(p: dict | None) -> str:
+    return "-" if p is None else f"{p['total_s'] * 1e3:.2f}"
+
+
+def print_tables(payload: dict) -> None:
+    print("\nsimulated (cost model only, not measured): best USP plan vs best ring_intra plan")
+    print(f"{'nodes':>5} {'gpus':>5} {'N':>9} {'USP plan':>22} {'USP ms':>9} {'ring_intra plan':>24} "
+          f"{'ms':>9} {'speedup':>8}")
+    for r in payload["simulation"]:
+        u, s = r["usp"], r["ring_intra"]
+        speedup = f"{r['speedup_ring_intra_vs_usp']:.2f}x" if r["speedup_ring_intra_vs_usp"] else "-"
+        print(f"{r['nodes']:>5} {r['gpus']:>5} {r['seq_len']:>9} {_plan_str(u):>22} {_ms(u):>9} "
+              f"{_plan_str(s):>24} {_ms(s):>9} {speedup:>8}")
+    print(f"\nmeasured on {payload['world_size']} rank(s), {payload['device']}, {payload['dtype']}; "
+          f"correctness {'PASSED' if all(c['passed'] for c in payload['correctness']) else 'FAILED'}")
+    print(f"{'variant':>18} {'N':>9} {'status':>11} {'ms':>10} {'pred ms':>10} {'meas/pred':>9} {'vs USP':>7}")
+    for r in payload["timings"]:
+        ms = f"{r['time_s'] * 1e3:.2f}" if "time_s" in r else "-"
+        ratio = f"{r['measured_over_predicted']:.2f}" if "measured_over_predicted" in r else "-"
+        vs = f"{r['speedup_vs_usp']:.2f}x" if r.get("speedup_vs_usp") else "-"
+        pred = f"{r['predicted_s'] * 1e3:.2f}" if "predicted_s" in r else "-"
+        print(f"{r['variant']:>18} {r['seq_len']:>9} {r['status']:>11} {ms:>10} {pred:>10} {ratio:>9} {vs:>7}")
+
+
+def benchmark(cfg) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    usp_u = cfg.usp_ulysses or default_usp_ulysses(world, cfg.heads)
+    variants = build_variants(world, cfg.heads, usp_u, cfg.chunks)
+
+    ceiling = measure_sdpa_tflops(cfg, device, dtype)
+    a2a = measure_all_to_all(cfg, device, dtype, world)
+    run_bw = a2a["busbw_GBps"] if a2a else cfg.intra_bw
+    topo = Topology(1, world, run_bw, run_bw)
+    symm_ok, symm_reason = can_use_symm_mem(None, device)
+
+    unavailable = {v.name: unavailable_reason(v, world, cfg.heads, device) for v in variants}
+    runnable = [v for v in variants if unavailable[v.name] is None]
+    correctness = [check_variant(v, cfg, device, dtype, rank, world, causal)
+                   for v in runnable if v.plan is not None for causal in (False, True)]
+
+    timings = []
+    for n in cfg.seq_lens:
+        n = n // world * world
+        rows = [time_variant(v, n, cfg, device, dtype, world, topo, ceiling["tflops"]) for v in runnable]
+        rows += [{"variant": v.name, "seq_len": n, "status": "unavailable", "reason": unavailable[v.name]}
+                 for v in variants if unavailable[v.name] is not None]
+        usp_t = next((r.get("time_s") for r in rows if r["variant"] == "usp"), None)
+        for r in rows:
+            if usp_t and "time_s" in r:
+                r["speedup_vs_usp"] = usp_t / r["time_s"]
+        timings.extend(rows)
+
+    sim_intra = a2a["busbw_GBps"] if a2a and device.type == "cuda" else cfg.intra_bw
+    payload = {
+        "world_size": world, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "heads": cfg.heads, "head_dim": cfg.head_dim, "usp_degrees": [usp_u, world // usp_u],
+        "degenerate": world == 1,
+        "note": ("one rank: every distributed mode runs as local attention without communication"
+                 if world == 1 else ""),
+        "ceilings": {"sdpa": ceiling, "all_to_all": a2a},
+        "symm_mem": {"available": symm_ok, "reason": symm_reason},
+        "run_topology": asdict(topo), "unavailable": {k: r for k, r in unavailable.items() if r},
+        "correctness": correctness, "timings": timings,
+        "simulation_inputs": {
+            "simulated": True, "attn_tflops": ceiling["tflops"], "attn_tflops_source": f"measured SDPA on {device}",
+            "intra_bw_GBps": sim_intra,
+            "intra_bw_source": "measured all-to-all busbw" if sim_intra != cfg.intra_bw else "--intra-bw (assumed)",
+            "inter_bw_GBps": cfg.inter_bw, "inter_bw_source": "--inter-bw (assumed)",
+            "gpus_per_node": cfg.sim_gpus_per_node},
+        "simulation": simulate(cfg, ceiling["tflops"], sim_intra, cfg.inter_bw),
+    }
+    if rank == 0:
+        path = write_result("swiftfusion", cfg.name or ("smoke" if cfg.smoke else f"{device.type}_w{world}"), payload)
+        print_tables(payload)
+        print(f"wrote {path}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, world: int, port: int, cfg) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        benchmark(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU with 2 gloo processes, for CI")
+    ap.add_argument("--world-size", type=int, default=None, help="gloo processes to spawn when not under torchrun")
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=None, help=f"default {GPU_SEQ_LENS}")
+    ap.add_argument("--check-seq-len", type=int, default=None, help="N of the correctness check (default 4096)")
+    ap.add_argument("--ceiling-seq-len", type=int, default=None, help="N of the SDPA ceiling (default 32768)")
+    ap.add_argument("--a2a-bytes", type=int, default=256 * 2 ** 20, help="bytes per rank of the all-to-all ceiling")
+    ap.add_argument("--usp-ulysses", type=int, default=None, help="Ulysses degree of the hybrids")
+    ap.add_argument("--chunks", type=int, default=4, help="max Torus head chunks per rank")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-seconds", type=float, default=3.0, help="skip a timing predicted slower than this")
+    ap.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU per direction, NVLink (assumed)")
+    ap.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU, network, e.g. 400 Gb/s NIC (assumed)")
+    ap.add_argument("--sim-nodes", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--sim-gpus-per-node", type=int, default=8)
+    ap.add_argument("--sim-seq-lens", type=int, nargs="+", default=[262144, 1048576])
+    ap.add_argument("--name", default=None, help="result file name (default: smoke or <device>_w<ranks>)")
+    cfg = ap.parse_args(argv)
+    if cfg.smoke:
+        cfg.heads, cfg.head_dim = 4, 8
+        cfg.seq_lens = cfg.seq_lens or [16, 32]
+        cfg.check_seq_len = cfg.check_seq_len or 16
+        cfg.ceiling_seq_len = cfg.ceiling_seq_len or 64
+        cfg.a2a_bytes, cfg.repeats = 2 ** 16, 2
+        cfg.world_size = cfg.world_size or 2
+    cfg.seq_lens = cfg.seq_lens or GPU_SEQ_LENS
+    cfg.check_seq_len = cfg.check_seq_len or 4096
+    cfg.ceiling_seq_len = cfg.ceiling_seq_len or 32768
+    return cfg
+
+
+def main(argv=None) -> None:
+    cfg = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        try:
+            benchmark(cfg)
+        finally:
+            dist.destroy_process_group()
+    elif cfg.world_size and cfg.world_size > 1:
+        mp.spawn(_spawned, args=(cfg.world_size, free_port(), cfg), nprocs=cfg.world_size)
+    else:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        try:
+            benchmark(cfg)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
