@@ -1,0 +1,59 @@
+"""Quality study (paper claims C6-C8): dense, Swin, DSA and DSA-zero at a short and a long clip.
+
+Same protocol as ablate_offsets.py (experiments/quality_protocol.py), several seeds, mean
+and spread. A variant that runs out of memory is recorded as OOM, not dropped.
+
+    python experiments/quality.py                                        # tiny, CPU
+    python experiments/quality.py train.device=cuda train.steps=2000 clip_frames=[16,64] \
+        results_dir=results results_name=h200
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+import baselines  # noqa: F401  (registers the swin attention)
+from experiments.hydra_config import typed_configs
+from experiments.quality_protocol import aggregate, ground_truth_row, run_variant, save_grid, strip_samples
+from experiments.report import markdown_table
+from experiments.results_io import write_result
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="quality")
+def main(cfg: DictConfig) -> None:
+    model, data, train, _ = typed_configs(cfg)
+    model.attention.window = tuple(cfg.swin_window)
+    clips = [dataclasses.replace(data, frames=int(f)) for f in cfg.clip_frames]
+    for clip in clips:                       # every (variant, clip) is validated before training starts
+        grid = model.token_grid(clip.frames, clip.height, clip.width)
+        for name in cfg.variants:
+            dataclasses.replace(model.attention, name=name).validate(grid)
+    out_dir = Path(cfg.out_dir)
+    rows = []
+    for clip in clips:
+        for seed in cfg.seeds:
+            for variant in cfg.variants:
+                train.seed = int(seed)
+                rows.append(run_variant(variant, model, clip, train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
+                                        sample_batch=cfg.sample_batch, out_dir=out_dir,
+                                        project=cfg.wandb_project, tag=f"{cfg.name}{clip.frames}f"))
+        rows.append(ground_truth_row(clip, cfg.n_eval, cfg.eval_seed))
+    summary = aggregate(rows)
+    path = write_result("quality", cfg.results_name,
+                        {"config": {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
+                                    "size": [data.height, data.width], "swin_window": list(cfg.swin_window),
+                                    "steps": train.steps, "seeds": list(cfg.seeds)},
+                         "rows": summary, "tables": {"per seed": strip_samples(rows)}},
+                        results_dir=cfg.results_dir)
+    for clip in clips:
+        save_grid(path.with_name(f"{cfg.results_name}_{clip.frames}f_samples.png"),
+                  [r for r in rows if r["frames"] == clip.frames])
+    print(markdown_table(summary))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

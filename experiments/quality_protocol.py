@@ -1,0 +1,118 @@
+"""The quality protocol shared by ablate_offsets.py and quality.py.
+
+Train one DiT variant on MovingShapes, sample videos for held-out captions, and score
+them with weight-free MovingShapes scores (text alignment, temporal consistency, motion
+error) and the VBench formulas (temporal flickering, frame consistency with a colour-
+histogram encoder standing in for DINO). The ground-truth clips of the same captions are
+scored too, as the ceiling each score can reach.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megaslide.config import DataConfig, DiTConfig, TrainConfig
+from megaslide.data.moving_shapes import MovingShapes
+from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
+from megaslide.metrics.motion import score_videos
+from megaslide.metrics.video import frame_consistency, temporal_flickering
+from megaslide.models.dit import count_params
+from megaslide.train.logger import RunLogger
+from megaslide.train.trainer import Trainer
+
+SCORE_KEYS = ("text_alignment", "temporal_consistency", "motion_error", "flickering", "frame_consistency")
+
+
+def eval_set(data: DataConfig, n: int, seed: int) -> tuple[list[str], list, torch.Tensor]:
+    """Held-out captions, labels and ground-truth clips (a data seed the training never saw)."""
+    ds = MovingShapes(num_videos=n, frames=data.frames, height=data.height, width=data.width,
+                      num_shapes=data.num_shapes, speed=data.speed, shape_size=data.shape_size, seed=seed)
+    items = [ds[i] for i in range(n)]
+    return [it["caption"] for it in items], [it["labels"] for it in items], torch.stack([it["video"] for it in items])
+
+
+def score(videos: torch.Tensor, labels) -> dict:
+    """All scores of a batch of videos (B, 3, T, H, W) in [-1, 1]."""
+    motion = score_videos(videos, labels)
+    frames = [to_uint8_frames(v) for v in videos]
+    return {"text_alignment": motion["text_alignment"], "temporal_consistency": motion["temporal_consistency"],
+            "motion_error": motion["motion_error"],
+            "flickering": float(np.mean([temporal_flickering(f) for f in frames])),
+            "frame_consistency": float(np.mean([frame_consistency(f) for f in frames]))}
+
+
+def sample_in_batches(trainer: Trainer, captions: list[str], batch: int, seed: int) -> torch.Tensor:
+    return torch.cat([trainer.sample(captions[i:i + batch], seed=seed + i) for i in range(0, len(captions), batch)])
+
+
+def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, *, n_eval: int,
+                eval_seed: int, sample_batch: int, out_dir: Path, project: str, tag: str) -> dict:
+    """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row."""
+    model = dataclasses.replace(model, attention=dataclasses.replace(model.attention, name=attention))
+    run_dir = out_dir / f"{tag}_{attention}_seed{train.seed}"
+    row = {"variant": attention, "frames": data.frames, "seed": train.seed, "params": count_params(model),
+           "steps": train.steps}
+    logger = RunLogger(run_dir, project=project, name=f"{tag}-{attention}-s{train.seed}",
+                       config={"model": dataclasses.asdict(model), "data": dataclasses.asdict(data),
+                               "train": dataclasses.asdict(train)})
+    try:
+        trainer = Trainer(model, data, train, run_dir, logger=logger)
+        t0 = time.perf_counter()
+        last = trainer.fit()
+        row["train_s"] = time.perf_counter() - t0
+        row["final_loss"] = last.get("loss", math.nan)
+        captions, labels, _ = eval_set(data, n_eval, eval_seed)
+        videos = sample_in_batches(trainer, captions, sample_batch, seed=eval_seed)
+    except torch.OutOfMemoryError as e:
+        logger.finish()
+        return {**row, "status": f"OOM: {str(e).splitlines()[0][:120]}"}
+    row.update(score(videos, labels), status="ok")
+    logger.log({f"eval/{k}": row[k] for k in SCORE_KEYS}, trainer.step)
+    mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", videos[0])
+    logger.log_video("eval/sample", mp4, captions[0], trainer.step)
+    logger.finish()
+    row["samples"] = videos[:4]
+    row["captions"] = captions[:4]
+    return row
+
+
+def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:
+    _, labels, videos = eval_set(data, n_eval, eval_seed)
+    return {"variant": "ground_truth", "frames": data.frames, "seed": eval_seed, **score(videos, labels),
+            "status": "ok"}
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Mean and std over seeds per (variant, frames)."""
+    out = []
+    for key in dict.fromkeys((r["variant"], r["frames"]) for r in rows):
+        group = [r for r in rows if (r["variant"], r["frames"]) == key and r.get("status") == "ok"]
+        agg = {"variant": key[0], "frames": key[1], "seeds": len(group)}
+        for k in SCORE_KEYS:
+            vals = [g[k] for g in group if not math.isnan(g[k])]
+            agg[f"{k}_mean"] = float(np.mean(vals)) if vals else math.nan
+            agg[f"{k}_std"] = float(np.std(vals)) if vals else math.nan
+        if not group:
+            agg["status"] = next((r["status"] for r in rows if (r["variant"], r["frames"]) == key), "missing")
+        out.append(agg)
+    return out
+
+
+def save_grid(path: Path, rows: list[dict]) -> None:
+    """A PNG of sample frames: one row per (variant, first sample)."""
+    videos, labels = [], []
+    for r in rows:
+        if r.get("status") == "ok" and "samples" in r:
+            videos.append(r["samples"][0])
+            labels.append(f"{r['variant']} s{r['seed']}: {r['captions'][0]}")
+    if videos:
+        frame_grid_png(path, videos, labels)
+
+
+def strip_samples(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("samples", "captions")} for r in rows]
