@@ -43,6 +43,7 @@ from experiments.results_io import write_result  # noqa: E402
 from megaslide.parallel import resolve_degrees, sequence_parallel_attention  # noqa: E402
 from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans  # noqa: E402
 from megaslide.parallel.groups import Topology  # noqa: E402
+from megaslide.parallel.local_attn import select_backend  # noqa: E402
 from megaslide.parallel.onesided import can_use_symm_mem, release_symm_mem_workspaces  # noqa: E402
 
 GPU_SEQ_LENS = [16384, 32768, 65536, 131072, 262144, 524288, 1048576]
@@ -196,12 +197,16 @@ def time_variant(v: Variant, n: int, cfg, device, dtype, world: int, topo: Topol
         return {**row, "status": "skipped", "reason": f"predicted {predicted:.2f} s > --max-seconds {cfg.max_seconds}"}
     local = n if v.plan is None else n // world
     q, k, vv = (torch.randn(1, local, cfg.heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(3))
-    with torch.no_grad():
-        t = timed(lambda: run_variant(v, q, k, vv), device, cfg.repeats)
-    del q, k, vv
-    release_symm_mem_workspaces()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    try:
+        with torch.no_grad():
+            t = timed(lambda: run_variant(v, q, k, vv), device, cfg.repeats)
+    except torch.cuda.OutOfMemoryError as e:  # with several ranks, one rank's OOM can stall the others
+        return {**row, "status": "oom", "reason": str(e).splitlines()[0]}
+    finally:
+        del q, k, vv
+        release_symm_mem_workspaces()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return {**row, "status": "ok", "time_s": t, "measured_over_predicted": t / predicted,
             "tflops_per_rank": workload.flops() / (1 if v.plan is None else world) / t / 1e12}
 
@@ -249,7 +254,8 @@ def print_tables(payload: dict) -> None:
         speedup = f"{r['speedup_ring_intra_vs_usp']:.2f}x" if r["speedup_ring_intra_vs_usp"] else "-"
         print(f"{r['nodes']:>5} {r['gpus']:>5} {r['seq_len']:>9} {_plan_str(u):>22} {_ms(u):>9} "
               f"{_plan_str(s):>24} {_ms(s):>9} {speedup:>8}")
-    print(f"\nmeasured on {payload['world_size']} rank(s), {payload['device']}, {payload['dtype']}; "
+    print(f"\nmeasured on {payload['world_size']} rank(s), {payload['device']}, {payload['dtype']}, block attention "
+          f"{payload['attention_backend']['name']}; one-sided: {payload['symm_mem']['reason']}; "
           f"correctness {'PASSED' if all(c['passed'] for c in payload['correctness']) else 'FAILED'}")
     print(f"{'variant':>18} {'N':>9} {'status':>11} {'ms':>10} {'pred ms':>10} {'meas/pred':>9} {'vs USP':>7}")
     for r in payload["timings"]:
@@ -272,6 +278,8 @@ def benchmark(cfg) -> None:
     run_bw = a2a["busbw_GBps"] if a2a else cfg.intra_bw
     topo = Topology(1, world, run_bw, run_bw)
     symm_ok, symm_reason = can_use_symm_mem(None, device)
+    sample = torch.zeros(1, 1, 8, cfg.head_dim, device=device, dtype=dtype)
+    backend, why_not = select_backend(sample, sample, sample)
 
     unavailable = {v.name: unavailable_reason(v, world, cfg.heads, device) for v in variants}
     runnable = [v for v in variants if unavailable[v.name] is None]
@@ -299,6 +307,7 @@ def benchmark(cfg) -> None:
                  if world == 1 else ""),
         "ceilings": {"sdpa": ceiling, "all_to_all": a2a},
         "symm_mem": {"available": symm_ok, "reason": symm_reason},
+        "attention_backend": {"name": backend.name, "why_not_others": why_not},
         "run_topology": asdict(topo), "unavailable": {k: r for k, r in unavailable.items() if r},
         "correctness": correctness, "timings": timings,
         "simulation_inputs": {

@@ -154,10 +154,12 @@ def _flash_forward(q, k, v, causal, scale):
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
-    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    # Dense (not varlen) call: no cumulative sequence lengths, as the forward returns None for them;
+    # without dropout the philox seed/offset are unused scalars. The lse must be contiguous.
+    no_rng = torch.empty((), dtype=torch.long)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), empty, empty,
-        q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale)
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float().contiguous(), None, None,
+        q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng, scale=scale)
     return dq.float(), dk.float(), dv.float()
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaslide.parallel.local_attn import (BlockPair, Segment, attention_backward, attention_forward,
-                                           block_backward_, block_forward_, contiguous_layout, layout_from_shards,
-                                           plan_block_pairs, select_backend)
+from megaslide.parallel.local_attn import (BlockPair, Segment, _flash_backward, _flash_forward, attention_backward,
+                                           attention_forward, block_backward_, block_forward_, contiguous_layout,
+                                           layout_from_shards, plan_block_pairs, select_backend)
 
 
 def reference(q, k, v, causal, seq_len=None):
@@ -135,3 +135,15 @@ def test_cpu_selects_explicit_and_says_why_not_flash():
     backend, why_not = select_backend(q, q, q)
     assert backend.name == "explicit"
     assert "CUDA" in why_not["flash"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_op_calls_match_this_torch_schema(causal):
+    """The CUDA fast path cannot run here; its aten calls are checked on meta tensors (shapes, dtypes,
+    argument conventions), so a schema change in torch fails in CI rather than on the GPU."""
+    q, k, v = (torch.empty(2, 3, 40, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = _flash_forward(q, k, v, causal, 0.125)
+    assert out.shape == (2, 3, 40, 64) and out.dtype == torch.float32
+    assert lse.shape == (2, 3, 40) and lse.dtype == torch.float32
+    dq, dk, dv = _flash_backward(torch.empty_like(q), q, k, v, out, lse, causal, 0.125)
+    assert dq.shape == dk.shape == dv.shape == (2, 3, 40, 64) and dq.dtype == torch.float32
