@@ -257,6 +257,9 @@ def print_tables(payload: dict) -> None:
     print(f"\nmeasured on {payload['world_size']} rank(s), {payload['device']}, {payload['dtype']}, block attention "
           f"{payload['attention_backend']['name']}; one-sided: {payload['symm_mem']['reason']}; "
           f"correctness {'PASSED' if all(c['passed'] for c in payload['correctness']) else 'FAILED'}")
+    for c in payload["correctness"]:
+        if not c["passed"]:
+            print(f"  FAILED {c['variant']} causal={c['causal']}: error {c['err_vs_ref']} vs SDPA's {c['sdpa_err_vs_ref']}")
     print(f"{'variant':>18} {'N':>9} {'status':>11} {'ms':>10} {'pred ms':>10} {'meas/pred':>9} {'vs USP':>7}")
     for r in payload["timings"]:
         ms = f"{r['time_s'] * 1e3:.2f}" if "time_s" in r else "-"
