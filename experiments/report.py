@@ -3,9 +3,9 @@
     python experiments/report.py                 # every experiment folder
     python experiments/report.py attention       # one
 
-A result JSON may hold `rows` (a list of flat dicts) and/or `tables` (name -> list of flat
-dicts); each becomes a markdown table under a heading naming the file, followed by the
-provenance (command, commit, hardware, date) of that file. Nothing here is typed by hand.
+Every list of flat dicts in a result JSON (at the top level or one level down, e.g. `rows`
+or `tables/<name>`) becomes a markdown table under a heading naming the file, followed by
+the provenance (command, commit, hardware, date) of that file. Nothing here is typed by hand.
 """
 from __future__ import annotations
 
@@ -42,6 +42,21 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _is_table(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(r, dict) for r in v)
+
+
+def find_tables(data: dict) -> dict[str, list[dict]]:
+    """Every list of dicts in the JSON (top level, or one level down), by its key path."""
+    tables: dict[str, list[dict]] = {}
+    for key, value in data.items():
+        if _is_table(value):
+            tables[key] = value
+        elif isinstance(value, dict):
+            tables.update({f"{key} / {k}" if key != "tables" else k: v for k, v in value.items() if _is_table(v)})
+    return tables
+
+
 def _hardware(h: dict) -> str:
     gpus = ", ".join(h.get("gpus") or []) or "no GPU"
     return f"{h.get('cpu', '?')} ({h.get('cpu_cores', '?')} cores), {gpus}, torch {h.get('torch', '?')}"
@@ -58,9 +73,7 @@ def render(experiment: str, results_dir: Path = RESULTS_DIR) -> Path | None:
         out += [f"## {f.stem}", ""]
         if data.get("note"):
             out += [str(data["note"]), ""]
-        tables = dict(data.get("tables") or {})
-        if data.get("rows"):
-            tables = {"": data["rows"], **tables}
+        tables = find_tables(data)
         for name, rows in tables.items():
             if name:
                 out += [f"### {name}", ""]

@@ -10,5 +10,5 @@ def test_report_renders_rows_and_provenance(tmp_path):
     data = json.loads((tmp_path / "demo" / "run1.json").read_text())
     assert {"command", "commit", "hardware", "date"} <= set(data)
     md = render("demo", tmp_path).read_text()
-    assert "| n | ms | shape |" in md and "| 8192 | 1.5 | 1x2x3 |" in md and "| 16384 | 3.25 |  |" in md
+    assert "### rows" in md and "| n | ms | shape |" in md and "| 8192 | 1.5 | 1x2x3 |" in md and "| 16384 | 3.25 |  |" in md
     assert "nested" not in md and "a note" in md and "- commit:" in md
