@@ -57,8 +57,8 @@ def _check_full(ctx, model, ids) -> None:
     noise = _noise((1, 3, 5, 4, 10), 11)  # 5 x 2 x 5 = 50 tokens
     ref = euler_sample(model, noise, ids, timesteps=list(STEPS))
     for mode in ("ulysses", "ring"):
-        sampler = FullSequenceSampler(model, frames=5, height=4, width=10, config=FullConfig(timesteps=STEPS, mode=mode),
-                                      group=ctx.group)
+        sampler = FullSequenceSampler(model, frames=5, height=4, width=10, group=ctx.group,
+                                      config=FullConfig(timesteps=STEPS, mode=mode))
         torch.testing.assert_close(sampler.sample(noise, ids), ref, **TOL)
 
 

@@ -1,0 +1,353 @@
+"""Causal-RoPE sequence-parallel generation: latency, throughput, speedups, ablation, correctness.
+
+Model: the `wan-1.3b` preset (Wan2.1-1.3B shapes) with seeded RANDOM weights (no pretrained
+weights can be downloaded here; speed does not depend on the values), bf16. Video: 5 s at 16
+fps = 81 frames -> 21 latent frames of 60 x 104 (480 x 832 pixels, VAE 4x8x8), patch 1x2x2:
+1560 tokens per latent frame. Causal generation: chunks of 3 latent frames (4680 tokens,
+7 chunks), timesteps 1000/750/500/250 (Euler), KV cache of all earlier chunks, no CFG.
+Baseline: the full-sequence bidirectional sampler (all 32760 tokens at once, same 4 steps)
+with Ulysses SP over the same ranks, as xDiT/Wan do.
+
+Measured (rank 0 clock, CUDA synchronised, after warm-up videos):
+- time to first frame (TTFF): from the start of generation to the first chunk being final on
+  the device, i.e. its 4 denoising steps and the gather; VAE decoding is EXCLUDED. The first
+  latent chunk decodes to 9 video frames (1 + 4 * 2). For the full-sequence baseline every
+  frame is final at the end, so its TTFF is its total time.
+- total time and frames/s for the whole video (81 video frames = 1 + 4 * (21 - 1)).
+- speedup over 1 GPU: the same generator on rank 0 alone (no SP, no collectives), in the same run.
+- speedup over the full-sequence SP baseline on the same ranks.
+- the optimisation ladder (each step adds one): none -> precomputed RoPE -> no host sync per
+  layer -> fused QK-norm + RoPE -> CUDA graphs (= all on).
+- model TFLOP/s per GPU (analytic FLOPs, real tokens only) against the bf16 matmul ceiling
+  re-measured in the same run.
+Correctness, in the same run, before any timing: max |P ranks - 1 rank| of the whole video
+(causal and full-sequence), next to the bf16 noise level max |bf16 - fp32| of 1-rank causal
+generation over the first two chunks (the tolerance rule: SP may differ from one rank by
+about the rounding noise of the dtype).
+
+    torchrun --standalone --nproc_per_node 1 -m experiments.sp_inference        # one H200
+    torchrun --standalone --nproc_per_node 2 -m experiments.sp_inference        # two H200s
+    torchrun --standalone --nproc_per_node 2 -m experiments.sp_inference --tiny # CPU smoke, gloo
+
+Writes results/sp_inference/<preset>_P<ranks>.json (or under $MEGASLIDE_RESULTS_DIR) on rank
+0 after every variant, so a run that dies late keeps what it measured; prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from experiments.results_io import write_result
+from megaslide.inference.causal import CausalConfig, CausalGenerator
+from megaslide.inference.full import FullConfig, FullSequenceSampler
+from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
+from megaslide.inference.sharded import random_weights_
+from megaslide.models.dit import build_dit
+
+TARGETS = {"ttff_1gpu_s": 1.0, "speedup_2gpu_vs_1gpu": 1.8, "speedup_vs_full_sequence": 1.58}
+LADDER = (  # (name, CausalConfig switches); each row adds one optimisation to the one above
+    ("causal: none", dict(precompute_rope=False, host_sync_free=False, fused_qk_rope=False, cuda_graphs=False)),
+    ("causal: +precomputed RoPE", dict(host_sync_free=False, fused_qk_rope=False, cuda_graphs=False)),
+    ("causal: +no host sync", dict(fused_qk_rope=False, cuda_graphs=False)),
+    ("causal: +fused QK-norm+RoPE", dict(cuda_graphs=False)),
+    ("causal: +CUDA graphs (all)", dict()),
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    preset: str
+    frames: int
+    height: int
+    width: int
+    chunk_frames: int
+    caption: str = "a red fox running through fresh snow, cinematic"
+
+    @property
+    def video_frames(self) -> int:
+        """Pixel frames of the latent video under Wan's causal VAE (first frame alone, then 4 per latent)."""
+        return 1 + 4 * (self.frames - 1)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_ceiling(device: torch.device, tiny: bool) -> dict:
+    """bf16 (CUDA) / fp32 (CPU) matmul TFLOP/s, median of 10 after warm-up."""
+    n = 512 if tiny else 8192
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    times = []
+    for i in range(13):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return {"ceiling": f"matmul {n}^3 {str(dtype).removeprefix('torch.')}",
+            "tflops": 2 * n ** 3 / statistics.median(times) / 1e12}
+
+
+def forward_flops(cfg, queries: int, keys: int, ctx_len: int, head: bool) -> float:
+    """Model FLOPs of one DiT forward for `queries` real tokens attending to `keys` tokens each
+    (a multiply-add = 2; weights on video tokens, cross-attention K/V on caption tokens)."""
+    D, F_, pvc = cfg.dim, cfg.ffn_dim, math.prod(cfg.patch_size) * cfg.in_channels
+    per_block = 2 * queries * (6 * D * D + 2 * D * F_) + 2 * ctx_len * 2 * D * D  # weights
+    per_block += 4 * queries * keys * D + 4 * queries * ctx_len * D                # self + cross attention
+    edges = 2 * queries * pvc * D * (2 if head else 1)                             # patch embed (+ final)
+    return cfg.depth * per_block + edges
+
+
+def causal_flops(cfg, setup: Setup, steps: int, window: int | None) -> float:
+    frame_tokens = (setup.height // cfg.patch_size[1]) * (setup.width // cfg.patch_size[2])
+    nc = setup.chunk_frames // cfg.patch_size[0] * frame_tokens
+    chunks = setup.frames // setup.chunk_frames
+    total = 0.0
+    for c in range(chunks):
+        keys = (min(c, window) if window is not None else c) * nc + nc
+        total += steps * forward_flops(cfg, nc, keys, cfg.text_len, True)
+        if c + 1 < chunks:
+            total += forward_flops(cfg, nc, keys, cfg.text_len, False)
+    return total
+
+
+def full_flops(cfg, setup: Setup, steps: int) -> float:
+    n = setup.frames // cfg.patch_size[0] * (setup.height // cfg.patch_size[1]) * (setup.width // cfg.patch_size[2])
+    return steps * forward_flops(cfg, n, n, cfg.text_len, True)
+
+
+def time_causal(gen: CausalGenerator, noise, ids, device, group_active: bool, warmup: int, repeats: int):
+    """(median TTFF s, median total s, video) over `repeats` videos after `warmup` videos."""
+    for _ in range(warmup):
+        for _chunk in gen.generate(noise, ids):
+            pass
+    ttffs, totals, video = [], [], None
+    for _ in range(repeats):
+        sync(device)
+        if group_active:
+            dist.barrier(group=gen.group)
+        t0 = time.perf_counter()
+        first, chunks = None, []
+        for chunk in gen.generate(noise, ids):
+            if first is None:
+                sync(device)
+                first = time.perf_counter() - t0
+            chunks.append(chunk.latents)
+        sync(device)
+        totals.append(time.perf_counter() - t0)
+        ttffs.append(first)
+        video = torch.cat(chunks, dim=2)
+    return statistics.median(ttffs), statistics.median(totals), video
+
+
+def time_full(sampler: FullSequenceSampler, noise, ids, device, group_active: bool, warmup: int, repeats: int):
+    """(median total s, video) over `repeats` videos after `warmup` videos."""
+    for _ in range(warmup):
+        sampler.sample(noise, ids)
+    totals, video = [], None
+    for _ in range(repeats):
+        sync(device)
+        if group_active:
+            dist.barrier(group=sampler.group)
+        t0 = time.perf_counter()
+        video = sampler.sample(noise, ids)
+        sync(device)
+        totals.append(time.perf_counter() - t0)
+    return statistics.median(totals), video
+
+
+def flags_of(gen: CausalGenerator) -> dict:
+    c = gen.config
+    return {"precompute_rope": c.precompute_rope, "host_sync_free": c.host_sync_free,
+            "fused_qk_rope": c.fused_qk_rope, "cuda_graphs": c.cuda_graphs}
+
+
+def graphs_status(gen: CausalGenerator) -> str:
+    if gen.graphs is None:
+        return "off"
+    return gen.graphs.fallback_reason or "captured"
+
+
+def release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def log(ctx: DistContext, msg: str) -> None:
+    if ctx.is_main:
+        print(msg, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny model and video on CPU (gloo): the CI smoke run")
+    ap.add_argument("--repeats", type=int, default=None, help="timed videos per variant (default 3; tiny 1)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed videos per variant (graphs capture in the 2nd)")
+    ap.add_argument("--no-ladder", action="store_true", help="time only the all-on causal variant")
+    ap.add_argument("--name", default=None, help="result file name (default <preset>_P<ranks>)")
+    return ap.parse_args(argv)
+
+
+FULL = "full-sequence (ulysses SP)"
+
+
+class Bench:
+    """One run: the model (bf16, and its fp32 master for the noise-level check), the inputs, the result."""
+
+    def __init__(self, ctx: DistContext, setup: Setup, args: argparse.Namespace):
+        self.ctx, self.setup, self.args = ctx, setup, args
+        self.repeats = args.repeats or (1 if args.tiny else 3)
+        self.steps = len(CausalConfig().timesteps)
+        with torch.device(ctx.device):
+            self.master = random_weights_(build_dit(setup.preset), seed=0).eval()  # fp32, same on every rank
+        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
+        cfg = self.model.cfg
+        self.noise = torch.randn(1, cfg.in_channels, setup.frames, setup.height, setup.width,
+                                 generator=torch.Generator().manual_seed(0))
+        self.ids = self.model.tokenizer([setup.caption]).to(ctx.device)
+        shape = dict(preset=setup.preset, latent=(setup.frames, setup.height, setup.width),
+                     tokens_per_chunk=setup.chunk_frames * setup.height * setup.width // math.prod(cfg.patch_size),
+                     chunks=setup.frames // setup.chunk_frames, chunk_frames=setup.chunk_frames, steps=self.steps)
+        self.name = args.name or f"{setup.preset}_P{ctx.world}"
+        self.payload = {
+            "note": ("wan-1.3b shapes with RANDOM weights (speed does not depend on values); bf16; no CFG; TTFF = "
+                     "first latent chunk final on the device, VAE decode excluded; video frames = 1 + 4 * (latent "
+                     "frames - 1); the full-sequence baseline's TTFF is its total time."),
+            "ranks": ctx.world, "device": str(ctx.device), "setup": shape, "targets": TARGETS, "rows": [],
+            "tables": {}}
+        log(ctx, f"sp_inference: {shape} on {ctx.world} rank(s) of {ctx.device}")
+        self.ceiling = matmul_ceiling(ctx.device, args.tiny)
+        self.payload["tables"]["ceilings"] = [self.ceiling]
+        log(ctx, f"ceiling: {self.ceiling}")
+
+    def causal(self, group, model=None, frames=None, **switches) -> CausalGenerator:
+        s = self.setup
+        return CausalGenerator(model or self.model, frames=frames or s.frames, height=s.height, width=s.width,
+                               group=group, config=CausalConfig(chunk_frames=s.chunk_frames, **switches))
+
+    def full(self, group) -> FullSequenceSampler:
+        s = self.setup
+        return FullSequenceSampler(self.model, frames=s.frames, height=s.height, width=s.width, group=group,
+                                   config=FullConfig(mode="ulysses"))
+
+    def check_correctness(self) -> None:
+        """P ranks vs rank 0 alone (whole video, causal and full-sequence) and bf16 vs fp32 (two chunks)."""
+        ctx, noise, ids = self.ctx, self.noise, self.ids
+        sharded_video = self.causal(ctx.group).sample(noise, ids)
+        sharded_full = self.full(ctx.group).sample(noise, ids)
+        if ctx.is_main:
+            single_video = self.causal(None).sample(noise, ids)
+            single_full = self.full(None).sample(noise, ids)
+            two = 2 * self.setup.chunk_frames
+            plain = dict(fused_qk_rope=False, cuda_graphs=False)
+            fp32_video = self.causal(None, model=self.master, frames=two, **plain).sample(noise[:, :, :two], ids)
+            check = {"causal_max_abs_diff_P_vs_1": (sharded_video - single_video).abs().max().item(),
+                     "full_max_abs_diff_P_vs_1": (sharded_full - single_full).abs().max().item(),
+                     "bf16_noise_max_abs_diff_vs_fp32_first_2_chunks":
+                         (single_video[:, :, :two] - fp32_video).abs().max().item(),
+                     "output_max_abs": single_video.abs().max().item()}
+            worst = max(check["causal_max_abs_diff_P_vs_1"], check["full_max_abs_diff_P_vs_1"])
+            check["sp_within_2x_bf16_noise"] = worst <= 2 * check["bf16_noise_max_abs_diff_vs_fp32_first_2_chunks"]
+            self.payload["tables"]["correctness"] = [check]
+            log(ctx, f"correctness: {check}")
+        self.master = None
+        barrier(ctx)
+        release(ctx.device)
+
+    def record(self, variant: str, ranks: int, flags: dict, ttff: float, total: float, flops: float) -> None:
+        tflops = flops / total / ranks / 1e12
+        s = self.setup
+        self.payload["rows"].append({
+            "variant": variant, "ranks": ranks, "ttff_ms": 1e3 * ttff, "total_s": total,
+            "latent_fps": s.frames / total, "video_fps": s.video_frames / total, "tflops_per_gpu": tflops,
+            "frac_of_matmul_ceiling": tflops / self.ceiling["tflops"], **flags})
+        log(self.ctx, f"  {variant} on {ranks} rank(s): TTFF {1e3 * ttff:.1f} ms, total {total:.3f} s")
+        if self.ctx.is_main:
+            write_result("sp_inference", self.name, self.payload)
+
+    def time_causal(self, variant: str, group, **switches) -> None:
+        gen = self.causal(group, **switches)
+        ttff, total, _ = time_causal(gen, self.noise, self.ids, self.ctx.device, gen.group is not None,
+                                     self.args.warmup, self.repeats)
+        flops = causal_flops(self.model.cfg, self.setup, self.steps, None)
+        ranks = 1 if gen.group is None else self.ctx.world
+        self.record(variant, ranks, {**flags_of(gen), "cuda_graphs_status": graphs_status(gen)}, ttff, total, flops)
+        del gen
+        release(self.ctx.device)
+
+    def time_full(self, group) -> None:
+        sampler = self.full(group)
+        total, _ = time_full(sampler, self.noise, self.ids, self.ctx.device, sampler.group is not None,
+                             self.args.warmup, self.repeats)
+        ranks = 1 if sampler.group is None else self.ctx.world
+        flags = {"precompute_rope": sampler.config.precompute_rope, "fused_qk_rope": sampler.config.fused_qk_rope}
+        self.record(FULL, ranks, flags, total, total, full_flops(self.model.cfg, self.setup, self.steps))
+        del sampler
+        release(self.ctx.device)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ctx = init_distributed("cpu" if args.tiny else "auto", timeout_s=300)
+    setup = Setup("tiny", 6, 6, 10, 3) if args.tiny else Setup("wan-1.3b", 21, 60, 104, 3)
+    bench = Bench(ctx, setup, args)
+    bench.check_correctness()
+    for variant, switches in (LADDER[-1:] if args.no_ladder else LADDER):
+        bench.time_causal(variant, ctx.group, **switches)
+    bench.time_full(ctx.group)
+    if ctx.world > 1:  # the same generators on rank 0 alone: the speedup over 1 GPU, in this run
+        if ctx.is_main:
+            bench.time_causal(LADDER[-1][0], None)
+            bench.time_full(None)
+        barrier(ctx)
+    if ctx.is_main:
+        payload = bench.payload
+        payload["summary"] = summarize(payload["rows"], ctx.world)
+        write_result("sp_inference", bench.name, payload)
+        print_table(payload["rows"], payload["summary"])
+    shutdown(ctx)
+
+
+def summarize(rows: list[dict], P: int) -> dict:
+    """Speedups of the all-on causal generator over 1 rank and over the full-sequence baseline."""
+    def find(variant, ranks):
+        return next((r for r in rows if r["variant"] == variant and r["ranks"] == ranks), None)
+
+    best, full_p = find(LADDER[-1][0], P), find(FULL, P)
+    best_1 = find(LADDER[-1][0], 1)
+    out = {"ttff_ms": best["ttff_ms"], "total_s": best["total_s"],
+           "speedup_vs_full_sequence_total": full_p["total_s"] / best["total_s"],
+           "speedup_vs_full_sequence_ttff": full_p["ttff_ms"] / best["ttff_ms"]}
+    if P > 1:
+        out["speedup_vs_1gpu_total"] = best_1["total_s"] / best["total_s"]
+        out["speedup_vs_1gpu_ttff"] = best_1["ttff_ms"] / best["ttff_ms"]
+    if best_1 is not None:
+        out["ttff_1gpu_below_1s"] = best_1["ttff_ms"] < 1e3 * TARGETS["ttff_1gpu_s"]
+    for r in rows:
+        r["speedup_vs_full_sequence"] = full_p["total_s"] / r["total_s"] if r["ranks"] == P else None
+    return out
+
+
+def print_table(rows: list[dict], summary: dict) -> None:
+    print("summary: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in summary.items()))
+    print(f"{'variant':<30} {'ranks':>5} {'TTFF ms':>9} {'total s':>8} {'video fps':>9} {'vs full':>7} "
+          f"{'TFLOP/s/GPU':>11}")
+    for r in rows:
+        vs = r["speedup_vs_full_sequence"]
+        print(f"{r['variant']:<30} {r['ranks']:>5} {r['ttff_ms']:>9.1f} {r['total_s']:>8.3f} {r['video_fps']:>9.2f} "
+              f"{(f'{vs:.2f}x' if vs else '-'):>7} {r['tflops_per_gpu']:>11.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
