@@ -1,0 +1,221 @@
+"""GPU correctness check of the fused 3D-DSA Triton kernels (compiled, not interpreted).
+
+For each case and dtype (fp32, bf16) it draws inputs in float64, rounds them to the dtype
+and compares the Triton output and the gradients of q, k, v and offsets with the float64
+PyTorch reference run on the same rounded inputs. The rule (DESIGN.md): the kernel's max
+error may be at most 2x the error of the same-dtype PyTorch reference, plus a floor of
+2 x eps(dtype) x max|value|. Cases cover d = 32..128 (48, 80
+and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
+an offset gradient, many query blocks and (3, 5, 5) windows. `--sweep` also times the
+kernels' launch configurations at the 262K-token benchmark shape, beside a re-measured HBM
+copy ceiling, to pick the default tiles.
+
+    PYTHONPATH=. python experiments/gpu_check_dsa.py            # H200: checks -> results/attention/dsa_gpu_check.json
+    PYTHONPATH=. python experiments/gpu_check_dsa.py --sweep    # + launch-config timings
+    PYTHONPATH=. python experiments/gpu_check_dsa.py --smoke    # tiny, CPU via TRITON_INTERPRET=1, seconds
+
+Exits with status 1 when any comparison fails.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from experiments.results_io import write_result
+from megaslide.attention.dsa import deformable_slide_attention
+from megaslide.attention.dsa.op import select_backend
+
+F64 = torch.float64
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FLOOR_ULPS = 2
+GRADS = ("out", "dq", "dk", "dv", "doffsets")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shape: tuple[int, int, int, int, int, int]  # (B, T, H, W, heads, d)
+    kernel_size: tuple[int, int, int]
+    offset_std: float = 1.5
+    far_fraction: float = 0.0  # share of offset coordinates moved far outside the grid
+    offsets_grad: bool = True
+
+
+GPU_CASES = [
+    Case("d64_odd_grid_two_batches", (2, 5, 9, 11, 4, 64), (3, 3, 3), far_fraction=0.1),
+    Case("d128_far_offsets", (1, 7, 13, 10, 2, 128), (3, 3, 3), offset_std=3.0, far_fraction=0.3),
+    Case("d48_window_3x5x5", (1, 4, 16, 16, 3, 48), (3, 5, 5)),
+    Case("d80_single_frame", (1, 1, 17, 23, 2, 80), (1, 3, 3), far_fraction=0.2),
+    Case("d96_zero_offsets_no_offset_grad", (1, 6, 12, 12, 2, 96), (3, 3, 3), offset_std=0.0,
+         offsets_grad=False),
+    Case("d32_many_blocks_8_heads", (2, 9, 20, 20, 8, 32), (3, 3, 3), offset_std=2.0, far_fraction=0.05),
+    Case("d64_8k_tokens", (1, 8, 32, 32, 4, 64), (3, 3, 3), offset_std=4.0),
+]
+SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2)]
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """q, k, v, grad_out (B, T, H, W, heads, d) and offsets (B, T, H, W, heads, K, 3),
+    drawn in float64 and rounded to dtype."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, T, H, W, heads, d = case.shape
+    K = math.prod(case.kernel_size)
+    q, k, v, grad_out = (torch.randn(case.shape, generator=g, device=device, dtype=F64) for _ in range(4))
+    offsets = case.offset_std * torch.randn((B, T, H, W, heads, K, 3), generator=g, device=device, dtype=F64)
+    far = torch.rand(offsets.shape, generator=g, device=device, dtype=F64) < case.far_fraction
+    offsets = torch.where(far, offsets.sign() * (max(T, H, W) + 5 * offsets.abs()), offsets)
+    return [x.to(dtype) for x in (q, k, v, offsets, grad_out)]
+
+
+def run(backend: str, inputs, case: Case, dtype: torch.dtype):
+    """Output and gradients of one backend, inputs cast to dtype."""
+    q, k, v, offsets, grad_out = (x.to(dtype) for x in inputs)
+    leaves = [q, k, v] + ([offsets] if case.offsets_grad else [])
+    for x in leaves:
+        x.requires_grad_()
+    out = deformable_slide_attention(q, k, v, offsets, case.kernel_size, backend=backend)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
+def check_case(case: Case, dtype_name: str, device: torch.device) -> dict:
+    dtype = DTYPES[dtype_name]
+    inputs = make_inputs(case, dtype, device)
+    truth = run("reference", inputs, case, F64)
+    same_dtype = run("reference", inputs, case, dtype)
+    fused = run("triton", inputs, case, dtype)
+    eps = torch.finfo(dtype).eps
+    row = {"case": case.name, "dtype": dtype_name, "shape": list(case.shape),
+           "kernel_size": list(case.kernel_size), "passed": True, "errors": {}}
+    for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
+        err_fused = (got.to(F64) - want).abs().max().item()
+        err_ref = (ref.to(F64) - want).abs().max().item()
+        floor = FLOOR_ULPS * eps * max(1.0, want.abs().max().item())
+        ok = bool(torch.isfinite(got).all()) and err_fused <= 2 * err_ref + floor
+        row["errors"][name] = {"triton": err_fused, "reference_same_dtype": err_ref, "floor": floor, "ok": ok}
+        row["passed"] &= ok
+    del truth, same_dtype, fused
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def hbm_copy_gbps(device: torch.device, n_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate, read + write bytes per second, in GB/s (the ceiling)."""
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, repeats=10)
+    return 2 * n_bytes / seconds / 1e9
+
+
+def median_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of fn() after one warm-up (CUDA events on GPU)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
+    """Forward and backward times of candidate tiles; bf16, offsets U(-4, 4)."""
+    from megaslide.attention.dsa import kernels
+
+    shape = (1, 2, 3, 5, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)
+    kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    candidates = [(16, 1), (32, 1)] if smoke else [(8, 4), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
+    repeats = 1 if smoke else 5
+    B, T, H, W, heads, d = shape
+    K = math.prod(kernel_size)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
+    offsets = (8 * torch.rand((B, T, H, W, heads, K, 3), generator=g, device=device) - 4).to(dtype)
+    scale = d ** -0.5
+    block_d = max(16, 1 << (d - 1).bit_length())
+    default = kernels.launch_config(T * H * W, d)
+    rows = []
+    for block_q, num_warps in candidates:
+        cfg = kernels.LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
+        out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg)
+        fwd_s = median_seconds(lambda: kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg),
+                               device, repeats)
+        bwd_s = median_seconds(lambda: kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size,
+                                                            scale, offsets_grad=True, config=cfg),
+                               device, repeats)
+        rows.append({"block_q": block_q, "num_warps": num_warps, "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
+                     "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3})
+    return {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
+            "default_config": asdict(default), "hbm_copy_gbps": hbm_copy_gbps(device, 1 << 20 if smoke else 1 << 30),
+            "configs": rows}
+
+
+def print_tables(rows: list[dict], sweep: dict | None) -> None:
+    header = f"{'case':34s} {'dtype':5s} " + " ".join(f"{g:>19s}" for g in GRADS) + "  result"
+    print(header)
+    print(f"{'':34s} {'':5s} " + " ".join(f"{'triton / ref err':>19s}" for _ in GRADS))
+    for r in rows:
+        cells = " ".join(f"{e['triton']:9.2e}/{e['reference_same_dtype']:9.2e}" for e in r["errors"].values())
+        print(f"{r['case']:34s} {r['dtype']:5s} {cells}  {'PASS' if r['passed'] else 'FAIL'}")
+    if sweep:
+        print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
+              f"(default {sweep['default_config']}; HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
+        print(f"{'block_q':>7s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd ms':>11s}")
+        for c in sweep["configs"]:
+            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny case; on CPU through the Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="also time launch configs at the 262K-token shape")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16")
+    args = parser.parse_args()
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is first imported
+        device = torch.device("cpu")
+    else:
+        print("gpu_check_dsa needs a CUDA GPU (use --smoke for the CPU interpreter run)", file=sys.stderr)
+        return 2
+    cases = SMOKE_CASES if args.smoke else GPU_CASES
+    dtypes = args.dtypes.split(",")
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        parser.error(f"--dtypes {unknown} unknown; choose from {sorted(DTYPES)}")
+
+    probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
+    auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
+    rows = [check_case(case, dtype, device) for case in cases for dtype in dtypes]
+    sweep = sweep_launch_configs(device, args.smoke) if args.sweep else None
+    passed = all(r["passed"] for r in rows)
+    payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
+               "auto_backend": auto_backend, "passed": passed, "tolerance": f"err <= 2 x same-dtype reference err "
+               f"+ {FLOOR_ULPS} eps x max|value|", "rows": rows, "sweep": sweep}
+    path = write_result("attention", "dsa_gpu_check_smoke" if args.smoke else "dsa_gpu_check", payload)
+    print_tables(rows, sweep)
+    print(f"\n{'PASS' if passed else 'FAIL'}: {sum(r['passed'] for r in rows)}/{len(rows)} checks; "
+          f"auto backend = {auto_backend}; wrote {path}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Fused Triton kernels of 3D Deformable Slide Attention (forward and backward).
+
+Layout. q, k, v, out and their gradients are contiguous (B, T, H, W, heads, d): one
+token's head vector is d contiguous elements and token rows are heads * d apart. offsets
+and their gradient are contiguous (B, T, H, W, heads, K, 3). The log-sum-exp saved for
+backward is fp32 (B, heads, N) with N = T * H * W, in log2 units.
+
+Work split. One program owns BLOCK_Q consecutive query tokens (row-major over (t, y, x),
+so neighbouring queries sample overlapping tokens and share cache lines) of one
+(batch, head); the launch grid is (cdiv(N, BLOCK_Q), B * heads). It loops over the K
+samples of the window. For each sample it computes every query's clamped position, the 8
+surrounding tokens and their trilinear weights, gathers those 8 rows of K (a
+(BLOCK_Q, d) tile each, skipping rows whose weight is exactly 0) and combines them
+into the sampled key; the same corners give the sampled value. The forward runs an
+online softmax over the K samples, so the N x K x d sampled keys and values never exist
+in memory; it writes only out and the log-sum-exp (O(N x heads)). Every dot product,
+interpolation and softmax runs in fp32 whatever the input dtype (fp32, fp16, bf16).
+Head dims are padded to the next power of two (at least 16) with masked columns.
+
+Backward. Each query's softmax is over its own K samples, so one program recomputes
+the probabilities p_j = exp(s_j - lse) from the saved log-sum-exp and finishes dq and
+d(offsets) for its queries without any communication (dq = sum_j scale * ds_j * K_j,
+with ds_j = p_j (<dO, V_j> - <dO, out>); like flash-attention, <dO, out> uses the stored
+out, rounded to the input dtype). The offset gradient is the derivative of the
+trilinear weights: d(weight of corner c)/d(position_t) = +-w_y w_x (sign + for the
+upper neighbour), times 1 where the raw position lies inside [0, S - 1] and 0 where the
+clamp is active (torch.clamp's gradient, boundaries inclusive). Only dK and dV cross
+programs: sample j of query n adds w_c * scale * ds_j * q_n to dK and w_c * p_j * dO_n to
+dV at each of its 8 corner tokens.
+
+Why atomics for dK / dV. A gather formulation ("for each key token, visit every
+(query, sample) whose corners include it") needs the inverse of the sampling map. That
+map is data dependent: an offset can move a sample anywhere in the grid (positions are
+only clamped), so without a bound on the offsets every key could be touched by every
+query. Even with the module's bound (max_offset * tanh), for a 3x3x3 window and
+max_offset = 4 a key is reachable from the (2 * (1 + 4 + 1) + 1)^3 = 2197 queries around
+it, so each key would recompute and test 2197 x 27 = 59,319 (query, sample) pairs, where
+the scatter does 27 x 8 = 216 corner updates per query. Building the inverse map
+explicitly (sorting the N * heads * K * 8 corner hits by token) needs an index per hit,
+more memory than the materialised reference. So the kernel
+scatters with relaxed fp32 `tl.atomic_add` into zero-initialised fp32 buffers (one
+(BLOCK_Q, d) tile per corner and sample, masked where the weight is 0) and the wrapper
+casts them to the input dtype, as deformable-convolution and deformable-attention
+kernels do. The price: fp32 atomics traffic and a summation order that is not
+deterministic from run to run (differences at fp32 rounding level).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+INTERPRETED: bool = bool(knobs.runtime.interpret)
+"""True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes of one launch: BLOCK_Q queries per program, d padded to block_d."""
+
+    block_q: int
+    block_d: int
+    num_warps: int
+
+
+def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
+    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = 1024 (BLOCK_Q in
+    [8, 32], as per-query scalars need registers too) with 4 warps, so 8 fp32 elements
+    per thread per tile. On sm_90 this keeps forward and backward free of register spills
+    for fp32/bf16 and d <= 128 (checked with ptxas). The interpreter's cost is per
+    operation, not per element, so there one program takes all of a (batch, head)'s
+    tokens (up to 1024)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if INTERPRETED:
+        block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
+        return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
+    return LaunchConfig(block_q=min(32, max(8, 1024 // block_d)), block_d=block_d, num_warps=4)
+
+
+@triton.jit
+def _axis_sample(start, j, offset, size):
+    """Clamped sample position along one axis for a block of queries.
+
+    start: (BLOCK_Q,) int32 window start; j: window index; offset: (BLOCK_Q,) fp32;
+    size: axis length. Returns (lower, upper, frac, inside): the two neighbouring int32
+    indices (upper == lower at the last index), the fp32 fraction towards upper and
+    whether the raw position lies inside [0, size - 1] (where the clamp passes gradient).
+    """
+    last = size * 1.0 - 1.0  # stays valid when Triton specialises size == 1 to a constant
+    raw = (start + j).to(tl.float32) + offset
+    pos = tl.minimum(tl.maximum(raw, 0.0), last)
+    lower_f = tl.floor(pos)
+    frac = pos - lower_f
+    lower = lower_f.to(tl.int32)
+    upper = tl.minimum(lower + 1, size - 1)
+    inside = (raw >= 0.0) & (raw <= last)
+    return lower, upper, frac, inside
+
+
+@triton.jit
+def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
+                    T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
+                    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_q = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HEADS).to(tl.int64)
+    h = pid_bh % HEADS
+    N = T * H * W
+    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
+    q_valid = n < N
+    t = n // (H * W)
+    y = (n // W) % H
+    x = n % W
+    cols = tl.arange(0, BLOCK_D)  # (BD,)
+    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
+
+    head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
+    k_bh = k_ptr + head_off
+    v_bh = v_ptr + head_off
+    own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD) this block's queries
+    q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0)
+    q = q.to(tl.float32) * qk_scale  # (BQ, BD), scores come out in log2 units
+    off_q = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
+
+    t_start = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)  # (BQ,)
+    y_start = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)  # (BQ,)
+    x_start = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)  # (BQ,)
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_Q], tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # running numerator
+    for it in range(KT):
+        for iy in range(KH):
+            for ix in range(KW):
+                j = (it * KH + iy) * KW + ix
+                dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
+                dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
+                dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
+                t0, t1, ft, _ = _axis_sample(t_start, it, dt, T)
+                y0, y1, fy, _ = _axis_sample(y_start, iy, dy, H)
+                x0, x1, fx, _ = _axis_sample(x_start, ix, dx, W)
+                t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)  # lower / upper neighbour
+                t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)  # their 1D weights
+
+                k_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                v_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                for ct in tl.static_range(2):
+                    for cy in tl.static_range(2):
+                        for cx in tl.static_range(2):
+                            tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
+                            w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
+                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
+                            row_mask = tile_mask & (w != 0.0)[:, None]
+                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            k_sample += w[:, None] * k_c
+                            v_sample += w[:, None] * v_c
+                s = tl.sum(q * k_sample, axis=1)  # (BQ,)
+
+                m_new = tl.maximum(m_i, s)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new)  # (BQ,)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v_sample  # (BQ, BD)
+                m_i = m_new
+
+    out = acc / l_i[:, None]  # (BQ, BD)
+    tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(lse_ptr + pid_bh.to(tl.int64) * N + n, m_i + tl.log2(l_i), mask=q_valid)
+
+
+@triton.jit
+def _dsa_bwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr,
+                    dq_ptr, dk_ptr, dv_ptr, doff_ptr,
+                    T, H, W, HEADS, D, stride_tok, stride_off_tok, scale, qk_scale,
+                    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr):
+    pid_q = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HEADS).to(tl.int64)
+    h = pid_bh % HEADS
+    N = T * H * W
+    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
+    q_valid = n < N
+    t = n // (H * W)
+    y = (n // W) % H
+    x = n % W
+    # Claim only 4-element contiguity: the fp32 atomics then share the loads' layout
+    # (4 columns per thread) instead of converting every tile through shared memory.
+    cols = tl.max_contiguous(tl.arange(0, BLOCK_D), 4)  # (BD,)
+    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
+
+    head_off = b * N * stride_tok + h * D
+    k_bh = k_ptr + head_off
+    v_bh = v_ptr + head_off
+    dk_bh = dk_ptr + head_off
+    dv_bh = dv_ptr + head_off
+    own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
+    q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    do = tl.load(dout_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    o = tl.load(out_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
+    lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * N + n, mask=q_valid, other=0.0)  # (BQ,) log2 units
+    off_row = b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
+    off_q = off_ptr + off_row
+    doff_q = doff_ptr + off_row
+
+    t_start = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
+    y_start = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
+    x_start = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
+
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for it in range(KT):
+        for iy in range(KH):
+            for ix in range(KW):
+                j = (it * KH + iy) * KW + ix
+                dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)
+                dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)
+                dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)
+                t0, t1, ft, in_t = _axis_sample(t_start, it, dt, T)
+                y0, y1, fy, in_y = _axis_sample(y_start, iy, dy, H)
+                x0, x1, fx, in_x = _axis_sample(x_start, ix, dx, W)
+                t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)
+                t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)
+
+                # Pass 1: sampled key, <dO, sampled value> and, for the offset gradient,
+                # the position derivatives of <q, sampled key> and <dO, sampled value>.
+                k_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                dov = tl.zeros([BLOCK_Q], tl.float32)
+                gk_t = tl.zeros([BLOCK_Q], tl.float32)
+                gk_y = tl.zeros([BLOCK_Q], tl.float32)
+                gk_x = tl.zeros([BLOCK_Q], tl.float32)
+                gv_t = tl.zeros([BLOCK_Q], tl.float32)
+                gv_y = tl.zeros([BLOCK_Q], tl.float32)
+                gv_x = tl.zeros([BLOCK_Q], tl.float32)
+                for ct in tl.static_range(2):
+                    for cy in tl.static_range(2):
+                        for cx in tl.static_range(2):
+                            tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
+                            w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
+                            dw_t = (2 * ct - 1) * y_w[cy] * x_w[cx]  # (BQ,) d w / d pos_t
+                            dw_y = (2 * cy - 1) * t_w[ct] * x_w[cx]
+                            dw_x = (2 * cx - 1) * t_w[ct] * y_w[cy]
+                            if OFFSET_GRAD:
+                                needed = (w != 0.0) | (dw_t != 0.0) | (dw_y != 0.0) | (dw_x != 0.0)
+                            else:
+                                needed = w != 0.0
+                            row_mask = tile_mask & needed[:, None]
+                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
+                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            k_sample += w[:, None] * k_c
+                            dov_c = tl.sum(do * v_c, axis=1)  # (BQ,)
+                            dov += w * dov_c
+                            if OFFSET_GRAD:
+                                qk_c = tl.sum(q * k_c, axis=1)  # (BQ,)
+                                gk_t += dw_t * qk_c
+                                gk_y += dw_y * qk_c
+                                gk_x += dw_x * qk_c
+                                gv_t += dw_t * dov_c
+                                gv_y += dw_y * dov_c
+                                gv_x += dw_x * dov_c
+
+                s = tl.sum(q * k_sample, axis=1) * qk_scale  # (BQ,) log2 units
+                p = tl.exp2(s - lse)  # (BQ,) softmax probability of sample j
+                ds = p * (dov - delta) * scale  # (BQ,) d loss / d <q, sampled key>
+                dq += ds[:, None] * k_sample  # (BQ, BD)
+                if OFFSET_GRAD:
+                    g_t = tl.where(in_t, ds * gk_t + p * gv_t, 0.0)  # (BQ,)
+                    g_y = tl.where(in_y, ds * gk_y + p * gv_y, 0.0)
+                    g_x = tl.where(in_x, ds * gk_x + p * gv_x, 0.0)
+                    doff_ty = doff_ptr.dtype.element_ty
+                    tl.store(doff_q + 3 * j, g_t.to(doff_ty), mask=q_valid)
+                    tl.store(doff_q + 3 * j + 1, g_y.to(doff_ty), mask=q_valid)
+                    tl.store(doff_q + 3 * j + 2, g_x.to(doff_ty), mask=q_valid)
+
+                # Pass 2: scatter the sampled key / value gradients to the 8 corners.
+                dk_sample = ds[:, None] * q  # (BQ, BD)
+                dv_sample = p[:, None] * do  # (BQ, BD)
+                for ct in tl.static_range(2):
+                    for cy in tl.static_range(2):
+                        for cx in tl.static_range(2):
+                            tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
+                            w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
+                            row_mask = tile_mask & (w != 0.0)[:, None]
+                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
+                            tl.atomic_add(dk_bh + rows, w[:, None] * dk_sample, mask=row_mask, sem="relaxed")
+                            tl.atomic_add(dv_bh + rows, w[:, None] * dv_sample, mask=row_mask, sem="relaxed")
+
+    tl.store(dq_ptr + head_off + own_rows, dq.to(dq_ptr.dtype.element_ty), mask=tile_mask)
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on t's GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                kernel_size: tuple[int, int, int], scale: float,
+                config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused forward. q, k, v: contiguous (B, T, H, W, heads, d); offsets: contiguous
+    (B, T, H, W, heads, K, 3). Returns out (B, T, H, W, heads, d) in q's dtype and the
+    fp32 log-sum-exp (B, heads, T*H*W) in log2 units, both for `dsa_backward`. `config`
+    overrides the default tiles (for tuning)."""
+    B, T, H, W, heads, d = q.shape
+    N = T * H * W
+    kt, kh, kw = kernel_size
+    out = torch.empty_like(q)  # (B, T, H, W, heads, d)
+    lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device)  # (B, heads, N)
+    cfg = config or launch_config(N, d)
+    grid = (triton.cdiv(N, cfg.block_q), B * heads)
+    with _device_guard(q):
+        _dsa_fwd_kernel[grid](
+            q, k, v, offsets, out, lse,
+            T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
+            KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+        )
+    return out, lse
+
+
+def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 kernel_size: tuple[int, int, int], scale: float, offsets_grad: bool,
+                 config: LaunchConfig | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fused backward. Inputs as `dsa_forward` (contiguous) plus its out and lse and the
+    output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and shape
+    of q, k, v and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when
+    `offsets_grad` is False. `config` overrides the default tiles (for tuning)."""
+    B, T, H, W, heads, d = q.shape
+    N = T * H * W
+    kt, kh, kw = kernel_size
+    dout = dout.contiguous()
+    dq = torch.empty_like(q)  # (B, T, H, W, heads, d)
+    dk = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, T, H, W, heads, d) fp32 atomics
+    dv = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, T, H, W, heads, d) fp32 atomics
+    doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
+    cfg = config or launch_config(N, d)
+    grid = (triton.cdiv(N, cfg.block_q), B * heads)
+    with _device_guard(q):
+        _dsa_bwd_kernel[grid](
+            q, k, v, offsets, out, dout, lse, dq, dk, dv, doff,
+            T, H, W, heads, d, q.stride(3), offsets.stride(3), scale, scale * LOG2E,
+            KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d,
+            OFFSET_GRAD=offsets_grad, num_warps=cfg.num_warps,
+        )
+    return dq, dk.to(k.dtype), dv.to(v.dtype), doff if offsets_grad else None

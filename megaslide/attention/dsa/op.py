@@ -1,0 +1,191 @@
+"""The public 3D-DSA op: input checks, backend choice and the autograd Function.
+
+Backends are small records with a `can_run(q, offsets, auto) -> (ok, reason)` check, walked
+in preference order for "auto"; an explicit request that cannot run raises a ValueError
+that says why for every backend. The Triton kernels are imported on first use, so
+importing this module does not build them (tests choose TRITON_INTERPRET before that).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from megaslide.attention.dsa.reference import deformable_slide_attention_reference
+
+KernelSize = tuple[int, int, int]
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_MAX_HEAD_DIM = 128
+
+
+def _kernels():
+    from megaslide.attention.dsa import kernels
+    return kernels
+
+
+def _triton_interpreted() -> bool:
+    """Whether the kernels run (or, once imported, will run) in the CPU interpreter."""
+    loaded = sys.modules.get("megaslide.attention.dsa.kernels")
+    if loaded is not None:
+        return loaded.INTERPRETED
+    from triton import knobs
+    return bool(knobs.runtime.interpret)
+
+
+class _DSATritonFunction(torch.autograd.Function):
+    """Fused Triton forward / backward; saves q, k, v, offsets, out and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float):
+        q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
+        out, lse = _kernels().dsa_forward(q, k, v, offsets, kernel_size, scale)  # (B, T, H, W, heads, d), (B, heads, N)
+        ctx.save_for_backward(q, k, v, offsets, out, lse)
+        ctx.kernel_size = kernel_size
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, offsets, out, lse = ctx.saved_tensors
+        dq, dk, dv, doff = _kernels().dsa_backward(
+            q, k, v, offsets, out, lse, dout, ctx.kernel_size, ctx.scale,
+            offsets_grad=ctx.needs_input_grad[3])
+        return dq, dk, dv, doff, None, None
+
+
+def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, auto: bool) -> tuple[bool, str]:
+    """The PyTorch reference runs on any device and floating dtype."""
+    return True, "pure PyTorch, any device and dtype"
+
+
+def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, auto: bool) -> tuple[bool, str]:
+    """The fused kernels need triton, fp32/fp16/bf16, d <= 128 and a launch grid within
+    CUDA's limits, on CUDA; on CPU only under the Triton interpreter (TRITON_INTERPRET=1)
+    and only when asked for by name."""
+    if not TRITON_AVAILABLE:
+        return False, "triton is not installed"
+    if q.dtype not in TRITON_DTYPES or offsets.dtype not in TRITON_DTYPES:
+        return False, (f"dtypes q={q.dtype}, offsets={offsets.dtype} not supported "
+                       "(use float32, float16 or bfloat16)")
+    B, T, H, W, heads, d = q.shape
+    if d > TRITON_MAX_HEAD_DIM:
+        return False, f"head dim d={d} exceeds {TRITON_MAX_HEAD_DIM}"
+    if B * heads > 65535 or T * H * W >= 2**31:
+        return False, f"B * heads = {B * heads} > 65535 or T * H * W = {T * H * W} >= 2**31"
+    if q.device.type == "cuda":
+        return True, "fused kernels on CUDA"
+    if q.device.type == "cpu" and not auto:
+        if _triton_interpreted():
+            return True, "Triton interpreter on CPU (slow; for tests)"
+        return False, "CPU tensors need TRITON_INTERPRET=1 set before the kernels are imported"
+    return False, f"needs CUDA tensors (got device {q.device}; 'auto' uses triton only on CUDA)"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    can_run: Callable[[torch.Tensor, torch.Tensor, bool], tuple[bool, str]]
+    run: Callable[..., torch.Tensor]
+
+
+BACKENDS: tuple[Backend, ...] = (
+    Backend("triton", can_run_triton, _DSATritonFunction.apply),
+    Backend("reference", can_run_reference, deformable_slide_attention_reference),
+)
+"""In the order "auto" tries them."""
+
+
+def select_backend(name: str, q: torch.Tensor, offsets: torch.Tensor) -> Backend:
+    """The backend `name` ("auto" for the first that can run); ValueError with every
+    backend's reason when the request cannot be met."""
+    known = [b.name for b in BACKENDS]
+    if name != "auto" and name not in known:
+        raise ValueError(f"backend={name!r} is unknown; choose one of {['auto', *known]}")
+    auto = name == "auto"
+    candidates = BACKENDS if auto else [b for b in BACKENDS if b.name == name]
+    for backend in candidates:
+        if backend.can_run(q, offsets, auto)[0]:
+            return backend
+    reasons = []
+    for backend in BACKENDS:
+        ok, why = backend.can_run(q, offsets, auto)
+        reasons.append(f"{backend.name}: {'can run' if ok else 'cannot run'} ({why})")
+    raise ValueError(f"backend={name!r} cannot run these inputs "
+                     f"(q {tuple(q.shape)} {q.dtype} on {q.device}): " + "; ".join(reasons))
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                 kernel_size: int | Sequence[int]) -> KernelSize:
+    """Validate shapes, dtypes, devices and kernel sizes; return kernel_size as (kt, kh, kw)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("offsets", offsets)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+    if q.dim() != 6 or min(q.shape) < 1:
+        raise ValueError(f"q must be a non-empty (B, T, H, W, heads, d) tensor, got shape {tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}; cast it first")
+    for name, x in (("k", k), ("v", v), ("offsets", offsets)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move them to one device")
+
+    if isinstance(kernel_size, int):
+        kernel_size = (kernel_size,) * 3
+    kernel_size = tuple(kernel_size)
+    if len(kernel_size) != 3 or not all(isinstance(s, int) for s in kernel_size):
+        raise ValueError(f"kernel_size must be three ints (kt, kh, kw), got {kernel_size!r}")
+    B, T, H, W, heads, d = q.shape
+    for axis, kernel, size in zip(("t", "h", "w"), kernel_size, (T, H, W)):
+        axis_size = {"t": "T", "h": "H", "w": "W"}[axis]
+        if kernel < 1 or kernel % 2 == 0 or kernel > size:
+            raise ValueError(f"kernel_size k{axis}={kernel} must be odd, >= 1 and <= the grid size "
+                             f"{axis_size}={size}; pick an odd k{axis} <= {size}")
+    K = math.prod(kernel_size)
+    expected = (B, T, H, W, heads, K, 3)
+    if tuple(offsets.shape) != expected:
+        raise ValueError(f"offsets must have shape (B, T, H, W, heads, K, 3) = {expected} for "
+                         f"kernel_size={kernel_size}, got {tuple(offsets.shape)}")
+    return kernel_size
+
+
+def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               offsets: torch.Tensor,
+                               kernel_size: int | Sequence[int] = (3, 3, 3), *,
+                               scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """3D Deformable Slide Attention.
+
+    Every query token and head attends to K = kt * kh * kw samples: sample j starts at
+    position j (row-major over (it, iy, ix)) of the query's clamped window (along an axis
+    of size S with kernel k the window of query i starts at clamp(i - k // 2, 0, S - k)),
+    moves by its offset (dt, dy, dx) in token units, is clamped to [0, S - 1] per axis,
+    and reads K and V by trilinear interpolation of the 8 surrounding tokens. Then
+    out = softmax_j(scale * <q, K_j>) @ V_j. With zero offsets this is exactly 3D
+    neighbourhood attention. Gradients reach q, k, v and offsets (zero where the clamp
+    is active).
+
+    Args:
+        q, k, v: (B, T, H, W, heads, d), one floating dtype and device.
+        offsets: (B, T, H, W, heads, K, 3), floating, last axis (dt, dy, dx).
+        kernel_size: (kt, kh, kw) (or one int for all three), odd and <= (T, H, W).
+        scale: softmax scale; d ** -0.5 when None.
+        backend: "auto" (triton on CUDA, else reference), "triton" or "reference".
+
+    Returns:
+        (B, T, H, W, heads, d) in q's dtype.
+    """
+    kernel_size = check_inputs(q, k, v, offsets, kernel_size)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None (for d ** -0.5), got {scale!r}")
+    chosen = select_backend(backend, q, offsets)
+    return chosen.run(q, k, v, offsets, kernel_size, float(scale))
