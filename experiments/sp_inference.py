@@ -333,6 +333,9 @@ def summarize(rows: list[dict], P: int) -> dict:
         out["speedup_vs_1gpu_ttff"] = best_1["ttff_ms"] / best["ttff_ms"]
     if best_1 is not None:
         out["ttff_1gpu_below_1s"] = best_1["ttff_ms"] < 1e3 * TARGETS["ttff_1gpu_s"]
+    if P == 2:
+        out["speedup_vs_1gpu_meets_1.8x"] = out["speedup_vs_1gpu_total"] >= TARGETS["speedup_2gpu_vs_1gpu"]
+    out["speedup_vs_full_meets_1.58x"] = out["speedup_vs_full_sequence_total"] >= TARGETS["speedup_vs_full_sequence"]
     for r in rows:
         r["speedup_vs_full_sequence"] = full_p["total_s"] / r["total_s"] if r["ranks"] == P else None
     return out
