@@ -1,0 +1,31 @@
+"""ablate_offsets.py and quality.py end to end at the smallest size: train, sample, score, JSON."""
+import json
+import os
+import subprocess
+import sys
+
+TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "seeds=[0]", "data.height=8", "data.width=8",
+        "data.shape_size=4", "data.speed=2", "data.frames=4", "data.num_videos=8", "train.batch_size=2"]
+
+
+def _run(script, tmp_path, *extra):
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    subprocess.run([sys.executable, f"experiments/{script}", f"out_dir={tmp_path}", *TINY, *extra], check=True,
+                   env=env, capture_output=True, text=True)
+    return json.loads(next((tmp_path / "results").rglob("cpu_tiny.json")).read_text())
+
+
+def test_ablate_offsets_smoke(tmp_path):
+    data = _run("ablate_offsets.py", tmp_path)
+    variants = {r["variant"] for r in data["rows"]}
+    assert variants == {"dsa", "dsa_zero", "ground_truth"}
+    per_seed = data["tables"]["per seed"]
+    assert len({r["params"] for r in per_seed if "params" in r}) == 1   # equal parameter counts
+    gt = next(r for r in data["rows"] if r["variant"] == "ground_truth")
+    assert gt["text_alignment_mean"] == 1.0                            # the ceiling is reachable
+
+
+def test_quality_smoke(tmp_path):
+    data = _run("quality.py", tmp_path, "clip_frames=[4]")
+    assert {r["variant"] for r in data["rows"]} == {"dense", "swin", "dsa", "dsa_zero", "ground_truth"}
+    assert all(r["seeds"] == 1 for r in data["rows"] if r["variant"] != "ground_truth")
