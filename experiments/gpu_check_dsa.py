@@ -190,6 +190,7 @@ def main() -> int:
 
     if torch.cuda.is_available():
         device = torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
     elif args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is first imported
         device = torch.device("cpu")
@@ -206,14 +207,15 @@ def main() -> int:
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     rows = [check_case(case, dtype, device) for case in cases for dtype in dtypes]
     sweep = sweep_launch_configs(device, args.smoke) if args.sweep else None
-    passed = all(r["passed"] for r in rows)
+    expected_auto = "triton" if device.type == "cuda" else "reference"
+    passed = all(r["passed"] for r in rows) and auto_backend == expected_auto
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
                "auto_backend": auto_backend, "passed": passed, "tolerance": f"err <= 2 x same-dtype reference err "
                f"+ {FLOOR_ULPS} eps x max|value|", "rows": rows, "sweep": sweep}
     path = write_result("attention", "dsa_gpu_check_smoke" if args.smoke else "dsa_gpu_check", payload)
     print_tables(rows, sweep)
     print(f"\n{'PASS' if passed else 'FAIL'}: {sum(r['passed'] for r in rows)}/{len(rows)} checks; "
-          f"auto backend = {auto_backend}; wrote {path}")
+          f"auto backend = {auto_backend} (expected {expected_auto}); wrote {path}")
     return 0 if passed else 1
 
 

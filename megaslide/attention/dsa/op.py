@@ -144,11 +144,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     if len(kernel_size) != 3 or not all(isinstance(s, int) for s in kernel_size):
         raise ValueError(f"kernel_size must be three ints (kt, kh, kw), got {kernel_size!r}")
     B, T, H, W, heads, d = q.shape
-    for axis, kernel, size in zip(("t", "h", "w"), kernel_size, (T, H, W)):
-        axis_size = {"t": "T", "h": "H", "w": "W"}[axis]
+    for kernel_name, kernel, size_name, size in zip(("kt", "kh", "kw"), kernel_size, "THW", (T, H, W)):
         if kernel < 1 or kernel % 2 == 0 or kernel > size:
-            raise ValueError(f"kernel_size k{axis}={kernel} must be odd, >= 1 and <= the grid size "
-                             f"{axis_size}={size}; pick an odd k{axis} <= {size}")
+            raise ValueError(f"kernel_size {kernel_name}={kernel} must be odd, >= 1 and <= the grid size "
+                             f"{size_name}={size}; pick an odd {kernel_name} <= {size}")
     K = math.prod(kernel_size)
     expected = (B, T, H, W, heads, K, 3)
     if tuple(offsets.shape) != expected:
