@@ -46,6 +46,7 @@ class Case:
     offset_std: float = 1.5
     far_fraction: float = 0.0  # share of offset coordinates moved far outside the grid
     offsets_grad: bool = True
+    fp32_offsets: bool = False  # offsets stay fp32 whatever the dtype, as the DSA module passes them
 
 
 GPU_CASES = [
@@ -57,8 +58,9 @@ GPU_CASES = [
          offsets_grad=False),
     Case("d32_many_blocks_8_heads", (2, 9, 20, 20, 8, 32), (3, 3, 3), offset_std=2.0, far_fraction=0.05),
     Case("d64_8k_tokens", (1, 8, 32, 32, 4, 64), (3, 3, 3), offset_std=4.0),
+    Case("d64_fp32_offsets", (1, 5, 8, 9, 2, 64), (3, 3, 3), offset_std=2.0, fp32_offsets=True),
 ]
-SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2)]
+SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -76,7 +78,8 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int 
 
 def run(backend: str, inputs, case: Case, dtype: torch.dtype):
     """Output and gradients of one backend, inputs cast to dtype."""
-    q, k, v, offsets, grad_out = (x.to(dtype) for x in inputs)
+    q, k, v, grad_out = (x.to(dtype) for x in (inputs[0], inputs[1], inputs[2], inputs[4]))
+    offsets = inputs[3].to(torch.float32 if case.fp32_offsets and dtype != F64 else dtype)
     leaves = [q, k, v] + ([offsets] if case.offsets_grad else [])
     for x in leaves:
         x.requires_grad_()
@@ -90,13 +93,12 @@ def check_case(case: Case, dtype_name: str, device: torch.device) -> dict:
     truth = run("reference", inputs, case, F64)
     same_dtype = run("reference", inputs, case, dtype)
     fused = run("triton", inputs, case, dtype)
-    eps = torch.finfo(dtype).eps
     row = {"case": case.name, "dtype": dtype_name, "shape": list(case.shape),
            "kernel_size": list(case.kernel_size), "passed": True, "errors": {}}
     for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
         err_fused = (got.to(F64) - want).abs().max().item()
         err_ref = (ref.to(F64) - want).abs().max().item()
-        floor = FLOOR_ULPS * eps * max(1.0, want.abs().max().item())
+        floor = FLOOR_ULPS * torch.finfo(got.dtype).eps * max(1.0, want.abs().max().item())
         ok = bool(torch.isfinite(got).all()) and err_fused <= 2 * err_ref + floor
         row["errors"][name] = {"triton": err_fused, "reference_same_dtype": err_ref, "floor": floor, "ok": ok}
         row["passed"] &= ok
