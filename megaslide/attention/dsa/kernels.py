@@ -70,17 +70,18 @@ class LaunchConfig:
 
 
 def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
-    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = 1024 (BLOCK_Q in
-    [8, 32], as per-query scalars need registers too) with 4 warps, so 8 fp32 elements
-    per thread per tile. On sm_90 this keeps forward and backward free of register spills
-    for fp32/bf16 and d <= 128 (checked with ptxas). The interpreter's cost is per
+    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = 512 (BLOCK_Q in
+    [8, 32]) with 4 warps. The H200 sweep of `experiments/gpu_check_dsa.py --sweep`
+    (results/attention/dsa_gpu_check.json: 262K tokens, 16 heads x 64, bf16) put BLOCK_Q = 8
+    first (150 ms fwd+bwd against 161 ms at 16 and 208 ms at 32); smaller tiles also stay
+    free of register spills on sm_90 for fp32/bf16 and d <= 128. The interpreter's cost is per
     operation, not per element, so there one program takes all of a (batch, head)'s
     tokens (up to 1024)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if INTERPRETED:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
-    return LaunchConfig(block_q=min(32, max(8, 1024 // block_d)), block_d=block_d, num_warps=4)
+    return LaunchConfig(block_q=min(32, max(8, 512 // block_d)), block_d=block_d, num_warps=4)
 
 
 @triton.jit
