@@ -1,0 +1,341 @@
+"""MFU and step time of the MegaSlide-DiT offload engine with overlap, without overlap and
+with the optimizer on the GPU; and the memory wall: the resident trainer on the same model.
+
+    python -m experiments.mfu_overlap                   # H200: the largest DiT host RAM holds
+    python -m experiments.mfu_overlap bench.depth=12    # a fixed depth at the preset's width
+    python -m experiments.mfu_overlap tiny=true         # CPU smoke test, seconds
+
+Order:
+1. ceilings, measured in this run: bf16 matmul (8192^3, CUDA events) and pinned PCIe
+   (1 GiB, page-locked the way the engine pins its arena) H2D, D2H and both at once;
+2. correctness: the engine against the resident `Trainer` on the tiny model in fp32, for
+   every variant (losses and weights within 1e-4 relative; bit-identical on CPU), else stop;
+   plus the same run in bf16, reported (bf16 block weights vs fp32 weights + autocast);
+3. plan: the planner picks the depth (host RAM) and checks host RAM and HBM before allocating;
+4. memory wall: the resident trainer's step (fp32 weights + AdamW on the GPU, bf16 autocast,
+   activation checkpointing, built directly on the GPU) on the same model, under the same HBM
+   cap as the engine;
+5. the engine: stem built on the device, blocks filled from one freshly initialised block
+   (copied to every block: weights do not change the timing; it saves minutes of init);
+6. per variant: warm-up steps, then timed steps; the window runs from the start of the first
+   timed step to the start of the step after the last (steady state, no tail);
+7. JSON (results/mfu_overlap/<name>.json or $MEGASLIDE_RESULTS_DIR), then a table.
+MFU counts model FLOPs only (metrics/flops.py: 3 x forward, recompute not counted).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import sys
+import tempfile
+import time
+
+import hydra
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.hydra_config import model_config
+from experiments.results_io import write_result
+from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
+from megaslide.diffusion.flow import flow_matching_loss
+from megaslide.metrics.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, measure_matmul_tflops, mfu
+from megaslide.metrics.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
+                                      reset_peak_hbm)
+from megaslide.models.dit import DIT_PRESETS, DiTBlock, VideoDiT
+from megaslide.models.text import HashTokenizer
+from megaslide.offload import planner
+from megaslide.offload.engine import OffloadEngine, OffloadTrainer
+from megaslide.offload.host_state import HostArena
+from megaslide.train.batches import Batch
+from megaslide.train.trainer import Trainer
+
+GB = 1e9
+VARIANTS = {"overlap": (True, "cpu"), "serial": (False, "cpu"), "gpu_optimizer": (True, "gpu")}
+TARGETS = {"mfu": 0.61, "overlap_speedup_vs_serial": 2.0, "overlap_efficiency": 0.9, "h2d_frac_of_pinned": 0.9}
+TINY = {"batch": 1, "frames": 4, "height": 16, "width": 16, "depth": 3, "warmup_steps": 1, "timed_steps": 1,
+        "correctness_steps": 2, "matmul_n": 128, "pcie_probe_MiB": 4}
+CORRECTNESS_RTOL = 1e-4
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", flush=True)
+
+
+# ---- 1. ceilings ----------------------------------------------------------------------------
+def measure_pcie(device: torch.device, nbytes: int, iters: int = 5) -> dict:
+    """GB/s of pinned copies: H2D alone, D2H alone, and both at once (two streams)."""
+    arena = HostArena([nbytes], pin=True)
+    host, dev = arena.buffer, torch.empty(nbytes, dtype=torch.uint8, device=device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def seconds(pairs) -> float:
+        for _ in range(2):  # warm-up, then timed
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                for stream, dst, src in pairs:
+                    with torch.cuda.stream(stream):
+                        dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    h2d = nbytes * iters / seconds([(up, dev, host)]) / GB
+    d2h = nbytes * iters / seconds([(down, host, dev)]) / GB
+    dev2 = torch.empty_like(dev)
+    both = 2 * nbytes * iters / seconds([(up, dev, host), (down, host, dev2)]) / GB
+    arena.close()
+    return {"bytes": nbytes, "h2d_GBps": h2d, "d2h_GBps": d2h, "both_total_GBps": both}
+
+
+# ---- 2. correctness -------------------------------------------------------------------------
+def _max_rel(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
+
+
+def check_correctness(device: torch.device, steps: int) -> dict:
+    """Tiny model, fp32: engine (each variant) vs the resident reference trainer; bf16 reported."""
+    model_cfg = dataclasses.replace(DIT_PRESETS["tiny"], depth=4)
+    data_cfg = DataConfig(frames=4, height=16, width=16, num_videos=16, shape_size=6)
+    out = tempfile.mkdtemp(prefix="mfu_overlap_")
+    rows = []
+    for precision in ("fp32", "bf16"):
+        train = TrainConfig(steps=steps, batch_size=2, lr=1e-3, warmup_steps=1, grad_clip=0.05, weight_decay=0.01,
+                            device=device.type, precision=precision, log_every=10 ** 9, ckpt_every=10 ** 9)
+        ref = Trainer(model_cfg, data_cfg, train, out)
+        ref_losses = [ref.train_step()["loss"].item() for _ in range(steps)]
+        ref_weights = {k: v.detach().float().cpu() for k, v in ref.model.named_parameters()}
+        for variant, (overlap, opt) in (VARIANTS.items() if precision == "fp32" else [("overlap", (True, "cpu"))]):
+            eng = OffloadTrainer(model_cfg, data_cfg, train, OffloadConfig(enabled=True, overlap=overlap,
+                                                                           optimizer_device=opt), out)
+            losses = [eng.train_step()["loss"].item() for _ in range(steps)]
+            loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            weight_rel = _max_rel(eng.engine.model_state_dict(), ref_weights)
+            rows.append({"precision": precision, "variant": variant, "losses": losses, "reference_losses": ref_losses,
+                         "max_loss_rel_diff": loss_rel, "max_weight_rel_diff": weight_rel,
+                         "passed": None if precision == "bf16" else bool(max(loss_rel, weight_rel) <= CORRECTNESS_RTOL)})
+            eng.engine.close()
+            log(f"correctness {precision} {variant}: loss rel diff {loss_rel:.2e}, weight rel diff {weight_rel:.2e}")
+    return {"model": "tiny, depth 4", "steps": steps, "rtol": CORRECTNESS_RTOL, "rows": rows}
+
+
+# ---- 4. memory wall -----------------------------------------------------------------------------
+def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float, clip: float) -> dict:
+    """One step of the resident reference trainer (Trainer.train_step's ops: fp32 weights and
+    AdamW on the device, bf16 autocast), with the model built directly on the device and
+    activation checkpointing per block (its strongest setting: what remains is the
+    parameter wall, 16 B/param of weights, gradients and moments)."""
+    reset_peak_hbm(device)
+    phase, model, opt, loss = "build", None, None, None
+    try:
+        with torch.device(device):
+            model = VideoDiT(dataclasses.replace(cfg, checkpoint_blocks=True))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        phase = "forward"
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = flow_matching_loss(model, batch.x0, batch.ids, batch.t, batch.noise)
+        phase = "backward"
+        loss.backward()
+        phase = "optimizer step"
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        result = {"fits": True, "loss": loss.item()}
+    except torch.OutOfMemoryError as err:
+        result = {"fits": False, "oom_phase": phase, "error": str(err).splitlines()[0]}
+    finally:
+        model = opt = loss = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["peak_hbm_GB"] = peak_hbm_bytes(device) / GB
+    return result
+
+
+# ---- 5. the engine --------------------------------------------------------------------------------
+def initialised_block(cfg: DiTConfig) -> DiTBlock:
+    """One block with the model's initialisation (VideoDiT.initialize_weights' block rules)."""
+    block = DiTBlock(cfg, 0)
+    for m in block.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            nn.init.zeros_(m.bias)
+    init = getattr(block.attn, "initialize_weights", None)
+    if init is not None:
+        init()
+    return block
+
+
+def build_engine(cfg: DiTConfig, device: torch.device, train_cfg: TrainConfig, offload_cfg: OffloadConfig,
+                 pin_optimizer_state: bool) -> OffloadEngine:
+    """Blocks on the meta device; the stem materialised and initialised on `device`."""
+    with torch.device("meta"):
+        model = VideoDiT(cfg)
+    for name, child in model.named_children():
+        if name != "blocks":
+            child.to_empty(device=device)
+            for m in child.modules():
+                reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+                if reset is not None:
+                    reset()
+    nn.init.normal_(model.text_encoder.pos, std=0.02)
+    nn.init.zeros_(model.final.modulation)
+    model.initialize_weights()  # the stem's adaLN-Zero rules (no-ops on the meta blocks)
+    t0 = time.perf_counter()
+    engine = OffloadEngine(model, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
+                           pin_optimizer_state=pin_optimizer_state)
+    log(f"host state allocated and pinned: {engine.host.total_bytes / GB:.1f} GB "
+        f"({engine.host.pinned_bytes / GB:.1f} GB pinned) in {time.perf_counter() - t0:.1f} s")
+    flat = engine.layout.flatten(initialised_block(cfg))
+    for index in range(engine.host.depth):
+        engine.host.load_block_(index, flat)
+    log(f"{engine.host.depth} blocks filled from one initialised block")
+    return engine
+
+
+def synthetic_batch(cfg: DiTConfig, bench, device: torch.device, tokenizer) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    shape = (bench.batch, cfg.in_channels, bench.frames, bench.height, bench.width)
+    captions = ["a red ball bouncing on a wooden floor"] * bench.batch
+    return Batch(torch.randn(shape, generator=g), tokenizer(captions), torch.rand(bench.batch, generator=g),
+                 torch.randn(shape, generator=g), captions).to(device)
+
+
+# ---- 6. variants ----------------------------------------------------------------------------------
+def run_variant(engine: OffloadEngine, name: str, batch: Batch, bench, flops_train: float, peak_tflops: float,
+                pcie: dict | None, plan: planner.OffloadPlan) -> dict:
+    overlap, optimizer_device = VARIANTS[name]
+    engine.set_mode(overlap=overlap, optimizer_device=optimizer_device)
+    reset_peak_hbm(engine.device)
+    for _ in range(bench.warmup_steps):
+        engine.train_step(batch, bench.lr)
+    start = engine.step
+    outs = [engine.train_step(batch, bench.lr) for _ in range(bench.timed_steps + 1)]
+    parts = engine.breakdown(range(start, start + bench.timed_steps))
+    row = {"variant": name, "overlap": overlap, "optimizer_device": optimizer_device,
+           "losses": [o["loss"].item() for o in outs], "grad_norms": [o["grad_norm"].item() for o in outs],
+           **parts.as_dict(),
+           "mfu_vs_measured_peak": mfu(flops_train, parts.step_s, peak_tflops),
+           "mfu_vs_datasheet": mfu(flops_train, parts.step_s, H200_DATASHEET_BF16_TFLOPS),
+           "achieved_TFLOPs": flops_train / parts.step_s / 1e12,
+           "memory": memory_report(engine.device, engine.host.pinned_bytes).as_dict(),
+           "predicted": {"floor_s": plan.floor_s, "bound": plan.bound, "seconds": plan.seconds,
+                         "h2d_bytes": plan.h2d_bytes, "d2h_bytes": plan.d2h_bytes, "hbm_GB": plan.hbm_total / GB}}
+    if pcie is not None:
+        row["h2d_frac_of_pinned"] = parts.h2d_GBps / pcie["h2d_GBps"]
+    log(f"{name}: step {parts.step_s:.3f} s, MFU {row['mfu_vs_measured_peak']:.1%} of measured peak, "
+        f"overlap efficiency {parts.overlap_efficiency:.2f}")
+    return row
+
+
+def print_table(p: dict) -> None:
+    c, plan = p["ceilings"], p["plan"]
+    print(f"\nmfu_overlap  device={p['device']}  model: {plan['params'] / 1e9:.2f} B params (depth {p['depth']}), "
+          f"{plan['tokens']} tokens/step, {p['attention']} attention")
+    print(f"ceilings: bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s (datasheet {H200_DATASHEET_BF16_TFLOPS:.0f}); "
+          + (f"pinned H2D {c['pcie']['h2d_GBps']:.1f}, D2H {c['pcie']['d2h_GBps']:.1f}, both "
+             f"{c['pcie']['both_total_GBps']:.1f} GB/s" if c["pcie"] else "no PCIe (CPU)"))
+    print(f"planner floor {plan['floor_s']:.3f} s ({plan['bound']}); host {plan['host_total_bytes'] / GB:.1f} GB, "
+          f"HBM {plan['hbm_total_bytes'] / GB:.1f} GB predicted")
+    wall = p["memory_wall"]
+    print("memory wall: " + ("skipped (" + wall["skipped"] + ")" if "skipped" in wall else
+                             f"resident trainer {'fits' if wall['fits'] else 'OOM at ' + wall['oom_phase']} under "
+                             f"{p['gpu_memory_fraction']:.0%} HBM cap (peak {wall['peak_hbm_GB']:.1f} GB); "
+                             f"the engine runs under the same cap"))
+    print(f"correctness (fp32, rtol {p['correctness']['rtol']}): "
+          f"{'passed' if all(r['passed'] for r in p['correctness']['rows'] if r['passed'] is not None) else 'FAILED'}")
+    head = (f"{'variant':<14} {'step s':>7} {'MFU meas':>8} {'MFU ds':>7} {'compute':>8} {'H2D':>7} {'D2H':>7} "
+            f"{'optim':>7} {'overlap':>7} {'H2D GB/s':>9} {'of pin':>7} {'HBM GB':>7} {'pred s':>7} {'pred GB':>7}")
+    print(head)
+    for r in p["variants"]:
+        frac = f"{r['h2d_frac_of_pinned']:.0%}" if "h2d_frac_of_pinned" in r else "-"
+        print(f"{r['variant']:<14} {r['step_s']:>7.3f} {r['mfu_vs_measured_peak']:>8.1%} {r['mfu_vs_datasheet']:>7.1%} "
+              f"{r['compute_s']:>8.3f} {r['h2d_s']:>7.3f} {r['d2h_s']:>7.3f} {r['optimizer_s']:>7.3f} "
+              f"{r['overlap_efficiency']:>7.2f} {r['h2d_GBps']:>9.1f} {frac:>7} {r['memory']['peak_hbm_GB']:>7.1f} "
+              f"{r['predicted']['floor_s']:>7.3f} {r['predicted']['hbm_GB']:>7.1f}")
+    if p.get("overlap_speedup_vs_serial"):
+        print(f"overlap speedup vs serial: {p['overlap_speedup_vs_serial']:.2f}x (target {TARGETS['overlap_speedup_vs_serial']}x)")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="mfu_overlap")
+def main(cfg: DictConfig) -> None:
+    c = OmegaConf.to_container(cfg, resolve=True)
+    bench = OmegaConf.create({**c["bench"], **(TINY if cfg.tiny else {})})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    model_cfg = DIT_PRESETS["tiny"] if cfg.tiny else model_config(c["model"], c["attention"])
+    unknown = sorted(set(bench.variants) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"bench.variants has unknown {unknown}; known: {sorted(VARIANTS)}")
+    threads = bench.cpu_threads if bench.cpu_threads > 0 else max(1, (os.cpu_count() or 2) - 1)
+    log(f"device {device}; {threads} CPU AdamW threads")
+
+    # 1. ceilings
+    peak = measure_matmul_tflops(device, n=bench.matmul_n, dtype=torch.bfloat16 if cuda else torch.float32)
+    pcie = measure_pcie(device, bench.pcie_probe_MiB * 2 ** 20) if cuda else None
+    log(f"ceilings: matmul {peak:.1f} TFLOP/s; pcie {pcie}")
+
+    # 2. correctness
+    correctness = check_correctness(device, bench.correctness_steps)
+    if not all(r["passed"] for r in correctness["rows"] if r["passed"] is not None):
+        sys.exit(f"correctness check failed, not timing: {correctness['rows']}")
+
+    # 3. plan: depth from host RAM, then both checks before anything big is allocated
+    dtype = torch.bfloat16 if cuda else torch.float32
+    depth = bench.depth
+    if depth == 0:
+        depth = planner.largest_depth(model_cfg, host_budget=int(bench.host_ram_fraction * host_available_bytes()),
+                                      param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
+    model_cfg = dataclasses.replace(model_cfg, depth=depth)
+    grid = model_cfg.token_grid(bench.frames, bench.height, bench.width)
+    plans = {v: planner.plan_offload(model_cfg, batch=bench.batch, grid=grid, param_dtype=dtype,
+                                     optimizer_device=VARIANTS[v][1], grad_clip=bench.grad_clip > 0,
+                                     pin_optimizer_state=bench.pin_optimizer_state) for v in bench.variants}
+    plan = plans[bench.variants[0]]
+    print(plan.table(), flush=True)
+    fraction = bench.gpu_memory_fraction if cuda else 0.0
+    for p in plans.values():
+        planner.check_fits(p, host_available=host_available_bytes(), hbm_available=hbm_available_bytes(device, fraction))
+    flops = dit_flops(model_cfg, bench.batch, grid)
+
+    # 4. memory wall, under the cap the engine will run under
+    if cuda and fraction > 0:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    batch = synthetic_batch(model_cfg, bench, device, HashTokenizer(model_cfg.vocab_size, model_cfg.text_len))
+    if bench.resident_baseline and cuda:
+        log("memory wall: the resident trainer's step on the same model")
+        wall = resident_step(model_cfg, batch, device, bench.lr, bench.grad_clip)
+        log(f"memory wall: {wall}")
+    else:
+        wall = {"skipped": "no CUDA device" if not cuda else "bench.resident_baseline=false"}
+
+    # 5. the engine
+    train_cfg = TrainConfig(lr=bench.lr, grad_clip=bench.grad_clip, device=device.type,
+                            precision="bf16" if cuda else "fp32")
+    offload_cfg = OffloadConfig(enabled=True, cpu_threads=threads, gpu_memory_fraction=fraction)
+    engine = build_engine(model_cfg, device, train_cfg, offload_cfg, bench.pin_optimizer_state)
+
+    # 6. variants
+    rows = [run_variant(engine, v, batch, bench, flops.train, peak, pcie, plans[v]) for v in bench.variants]
+    engine.close()
+    by_name = {r["variant"]: r for r in rows}
+    payload = {"device": str(device), "tiny": bool(cfg.tiny), "preset": "tiny" if cfg.tiny else c["model"]["preset"],
+               "depth": depth, "attention": model_cfg.attention.name, "model_cfg": dataclasses.asdict(model_cfg),
+               "bench": OmegaConf.to_container(bench), "cpu_threads": threads, "gpu_memory_fraction": fraction,
+               "ceilings": {"matmul_TFLOPs": peak, "matmul_n": bench.matmul_n,
+                            "datasheet_TFLOPs": H200_DATASHEET_BF16_TFLOPS, "pcie": pcie},
+               "model_flops_per_step": flops.train, "executed_flops_per_step": flops.executed,
+               "correctness": correctness, "plan": plan.as_dict(), "memory_wall": wall, "variants": rows,
+               "targets": TARGETS}
+    if "overlap" in by_name and "serial" in by_name:
+        payload["overlap_speedup_vs_serial"] = by_name["serial"]["step_s"] / by_name["overlap"]["step_s"]
+    name = cfg.name or ("tiny" if cfg.tiny else f"{device.type}_{payload['preset']}_d{depth}")
+    log(f"wrote {write_result('mfu_overlap', name, payload)}")
+    print_table(payload)
+
+
+if __name__ == "__main__":
+    main()

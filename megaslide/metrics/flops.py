@@ -1,0 +1,147 @@
+"""FLOPs, MFU and the per-step time breakdown of a training step.
+
+What is counted (a multiply-add is 2 FLOPs):
+- weight FLOPs: 2 x (elements of every Linear / Conv weight) x (tokens it acts on). Block
+  weights act on the B*N video tokens, except the cross-attention K/V projection, which acts
+  on the B*L caption tokens; patch embedding and the final layer act on video tokens; the
+  text encoder and caption projection on caption tokens; the timestep MLPs once per sample.
+  Biases, norms and modulation vectors are not matmuls and are not counted.
+- attention FLOPs: QK^T and PV, 4 x keys x head_dim x heads = 4 x keys x D per query:
+  dense self-attention has N keys per query, Swin one window (wt*wh*ww), DSA its K samples
+  (kt*kh*kw; the trilinear gathers are not counted); cross-attention L keys; the text
+  encoder's self-attention L keys over caption tokens.
+Training FLOPs = 3 x forward (backward = 2 x forward). This is "6 x params x tokens plus
+attention". The recomputation of the offload engine (one more forward) is NOT counted as
+model FLOPs; `executed` adds it, for the compute floor of the planner.
+MFU = training FLOPs / step time / peak, against a peak measured in the same run (bf16
+matmul) and against the datasheet.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from megaslide.config import AttentionConfig, DiTConfig
+from megaslide.models.dit import N_MOD
+
+H200_DATASHEET_BF16_TFLOPS = 989.0  # dense bf16, NVIDIA H200 SXM datasheet
+
+
+def keys_per_query(attention: AttentionConfig, grid: tuple[int, int, int]) -> int:
+    """Keys each video token attends to in self-attention."""
+    if attention.name == "dense":
+        return math.prod(grid)
+    if attention.name == "swin":
+        return math.prod(attention.window)
+    if attention.name in ("dsa", "dsa_zero"):
+        return math.prod(attention.kernel_size)
+    raise ValueError(f"attention.name={attention.name!r} has no FLOP formula; "
+                     f"known: dense, swin, dsa, dsa_zero")
+
+
+@dataclass(frozen=True)
+class DiTFlops:
+    """Forward FLOPs of one VideoDiT pass over a batch."""
+
+    weights: float    # Linear / Conv weights
+    attention: float  # QK^T and PV
+
+    @property
+    def forward(self) -> float:
+        return self.weights + self.attention
+
+    @property
+    def train(self) -> float:
+        """Model FLOPs of a training step: forward + backward (2 x forward)."""
+        return 3 * self.forward
+
+    @property
+    def executed(self) -> float:
+        """FLOPs the offload engine runs: the training FLOPs plus the recomputed forward."""
+        return 4 * self.forward
+
+
+def dit_flops(cfg: DiTConfig, batch: int, grid: tuple[int, int, int]) -> DiTFlops:
+    """Forward FLOPs of `VideoDiT(cfg)` on `batch` clips of token grid (T', H', W')."""
+    D, F, Dt, L = cfg.dim, cfg.ffn_dim, cfg.text_dim, cfg.text_len
+    N = math.prod(grid)
+    out_patch = cfg.in_channels * math.prod(cfg.patch_size)
+    per_video_token = 4 * D * D + 2 * D * D + 2 * D * F  # self qkv+out, cross q+out, MLP
+    if cfg.attention.name in ("dsa", "dsa_zero"):
+        K = math.prod(cfg.attention.kernel_size)
+        per_video_token += 27 * D + D * cfg.num_heads * K * 3  # depthwise 3^3 conv, offset Linear
+    per_caption_token = 2 * D * D                            # cross K/V
+    stem_video = out_patch * D + D * out_patch               # patch embed, final Linear
+    text_layer = 4 * Dt * Dt + 2 * Dt * 4 * Dt               # in/out projections, FFN (4x)
+    stem_caption = cfg.text_layers * text_layer + Dt * D + D * D  # text encoder, text_proj
+    per_sample = cfg.freq_dim * D + D * D + N_MOD * D * D    # t_embed MLP, t_proj
+    weights = 2 * batch * (N * (cfg.depth * per_video_token + stem_video)
+                           + L * (cfg.depth * per_caption_token + stem_caption) + per_sample)
+    keys = keys_per_query(cfg.attention, grid)
+    attention = batch * (cfg.depth * (4 * N * keys * D + 4 * N * L * D) + cfg.text_layers * 4 * L * L * Dt)
+    return DiTFlops(float(weights), float(attention))
+
+
+def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the peak."""
+    return flops / seconds / (peak_tflops * 1e12)
+
+
+def measure_matmul_tflops(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.bfloat16,
+                          iters: int = 20, warmup: int = 3) -> float:
+    """Achieved TFLOP/s of an n x n x n matmul (2 n^3 FLOPs), CUDA events on a GPU."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(warmup):
+        a @ b
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            a @ b
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        seconds = time.perf_counter() - t0
+    return 2 * n ** 3 * iters / seconds / 1e12
+
+
+@dataclass
+class StepBreakdown:
+    """Where one training step's time went (seconds per step, averaged over steps).
+
+    compute/h2d/d2h are the busy times of the three CUDA streams (events around each
+    piece of work); optimizer is the wall time of the CPU AdamW updates (or the GPU
+    updates' kernel time with optimizer_device=gpu). With perfect overlap the step takes
+    as long as the busiest part: overlap efficiency = max(parts) / step."""
+
+    step_s: float
+    compute_s: float
+    h2d_s: float
+    d2h_s: float
+    optimizer_s: float
+    h2d_bytes: float
+    d2h_bytes: float
+
+    @property
+    def overlap_efficiency(self) -> float:
+        return max(self.compute_s, self.h2d_s, self.d2h_s, self.optimizer_s) / self.step_s
+
+    @property
+    def h2d_GBps(self) -> float:
+        return self.h2d_bytes / self.h2d_s / 1e9 if self.h2d_s > 0 else 0.0
+
+    @property
+    def d2h_GBps(self) -> float:
+        return self.d2h_bytes / self.d2h_s / 1e9 if self.d2h_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "overlap_efficiency": self.overlap_efficiency,
+                "h2d_GBps": self.h2d_GBps, "d2h_GBps": self.d2h_GBps}

@@ -1,0 +1,275 @@
+"""Host-resident state of the offload engine: every persistent byte of the DiT blocks.
+
+Per transformer block l, each a flat (numel,) buffer laid out by `BlockLayout`:
+    weights     param dtype (bf16, or fp32 in the exact mode)  pinned  streamed H2D twice a step
+    grads       param dtype                                   pinned  D2H target (gradient staging)
+    master      fp32                                                  AdamW master weights
+    exp_avg     fp32                                                  AdamW first moment
+    exp_avg_sq  fp32                                                  AdamW second moment
+In the fp32 mode `weights` IS `master` (the master is streamed directly), so the fused CPU
+AdamW writes the next step's weights either way: into `weights` through its bf16 output,
+or in place. Bytes per parameter: bf16 mode 2 + 2 + 4 + 4 + 4 = 16; fp32 mode 4 + 4 + 4 + 4 = 16.
+
+All pinned buffers are carved from ONE arena, allocated once: a pageable allocation that
+is first touched (zeroed, in parallel) and then page-locked with `cudaHostRegister`. The
+caching host allocator (`pin_memory=True`) would round every request up to a power of two
+(a 96 GB arena would ask for 128 GB). The optimizer state lives in a second, pageable arena,
+unless `pin_optimizer_state` (the optimizer_device="gpu" ablation streams it), in which case
+it joins the pinned arena. On a machine without CUDA nothing is pinned.
+
+Non-block parameters (patch embed, timestep MLPs, text encoder, caption projection, final
+layer) are not here: they are small and the engine keeps them resident on the device.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+PARAM_ALIGN = 64      # elements: each parameter starts on a 64-element boundary of its block buffer
+ARENA_ALIGN = 4096    # bytes: each buffer starts on a page
+FP32 = torch.float32
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter of a block sits in the block's flat buffers."""
+
+    name: str                # e.g. "attn.qkv.weight"
+    shape: tuple[int, ...]
+    offset: int              # first element
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class BlockLayout:
+    """The flat layout shared by every block (all blocks of a DiT have the same parameters).
+
+    `numel` includes alignment padding, which stays exactly zero: it gets zero gradients,
+    and AdamW maps (0, grad 0, moments 0) to 0."""
+
+    def __init__(self, slots: list[ParamSlot], numel: int):
+        self.slots = slots
+        self.numel = numel
+
+    @classmethod
+    def from_module(cls, block: nn.Module) -> BlockLayout:
+        """Layout of `block`'s parameters in `named_parameters()` order (works on meta)."""
+        slots, offset = [], 0
+        for name, p in block.named_parameters():
+            slots.append(ParamSlot(name, tuple(p.shape), offset))
+            offset = _round_up(offset + p.numel(), PARAM_ALIGN)
+        return cls(slots, offset)
+
+    @property
+    def param_count(self) -> int:
+        """Parameters of one block, padding excluded."""
+        return sum(s.numel for s in self.slots)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view per parameter of a flat (numel,) buffer, shaped like the parameter."""
+        return [flat[s.offset:s.end].view(s.shape) for s in self.slots]
+
+    def flatten(self, block: nn.Module) -> torch.Tensor:
+        """The block's parameters as one (numel,) fp32 CPU buffer, padding zero."""
+        flat = torch.zeros(self.numel, dtype=FP32)
+        for view, (_, p) in zip(self.views(flat), block.named_parameters()):
+            view.copy_(p.detach())
+        return flat
+
+    def mount(self, block: nn.Module, params: list[nn.Parameter]) -> None:
+        """Make `block` compute with `params` (views into a device buffer) from now on."""
+        for slot, p in zip(self.slots, params):
+            module_path, _, leaf = slot.name.rpartition(".")
+            module = block.get_submodule(module_path) if module_path else block
+            module._parameters[leaf] = p
+
+    def spans(self, used: list[bool]) -> list[tuple[int, int]]:
+        """Element ranges covering the parameters flagged in `used`: each run of consecutive
+        used parameters is one range (the padding inside it included)."""
+        out: list[tuple[int, int]] = []
+        previous_used = False
+        for slot, u in zip(self.slots, used):
+            if u and previous_used:
+                out[-1] = (out[-1][0], slot.end)
+            elif u:
+                out.append((slot.offset, slot.end))
+            previous_used = u
+        return out
+
+
+def host_bytes_per_param(param_dtype: torch.dtype) -> dict[str, int]:
+    """Persistent host bytes per block parameter, by buffer (padding aside)."""
+    w = torch.finfo(param_dtype).bits // 8
+    if param_dtype == FP32:
+        return {"weights = master (fp32)": 4, "grads (fp32)": 4, "exp_avg": 4, "exp_avg_sq": 4}
+    return {f"weights ({param_dtype})": w, f"grads ({param_dtype})": w, "master (fp32)": 4,
+            "exp_avg": 4, "exp_avg_sq": 4}
+
+
+class HostArena:
+    """One host allocation, carved into aligned buffers; page-locked when `pin`.
+
+    `sizes` are the byte sizes of the buffers, handed out in order by `take`."""
+
+    def __init__(self, sizes: list[int], pin: bool):
+        self.offsets = self.offsets_of(sizes)
+        self.nbytes = total = self.total_bytes(sizes)
+        self.buffer = torch.empty(total, dtype=torch.uint8)  # (nbytes,)
+        self.buffer.zero_()  # first touch in parallel: pages are mapped here, not inside cudaHostRegister
+        self.pinned = pin and total > 0
+        if self.pinned:
+            _register(self.buffer)
+            self._finalizer = weakref.finalize(self, _unregister, self.buffer)
+        self._next = 0
+
+    @staticmethod
+    def offsets_of(sizes: list[int]) -> list[int]:
+        """Byte offset of each buffer: page aligned, in order."""
+        offsets, end = [], 0
+        for size in sizes:
+            offsets.append(end)
+            end = _round_up(end + size, ARENA_ALIGN)
+        return offsets
+
+    @staticmethod
+    def total_bytes(sizes: list[int]) -> int:
+        return sum(_round_up(size, ARENA_ALIGN) for size in sizes)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        start = self.offsets[self._next]
+        self._next += 1
+        size = numel * (torch.finfo(dtype).bits // 8)
+        return self.buffer[start:start + size].view(dtype)  # (numel,)
+
+    def close(self) -> None:
+        if self.pinned:
+            self._finalizer()
+
+
+def _register(buffer: torch.Tensor) -> None:
+    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
+    if err != 0:
+        gib = buffer.numel() / 2 ** 30
+        raise RuntimeError(
+            f"could not pin {gib:.1f} GiB of host memory for the offload engine (cudaHostRegister "
+            f"error {err}). Usually the locked-memory limit is too low: check `ulimit -l` (set it to "
+            f"unlimited, e.g. in /etc/security/limits.conf or docker --ulimit memlock=-1), or use a "
+            f"smaller model (the planner, python -m megaslide.offload.planner, gives the sizes)")
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+@dataclass
+class HostBlock:
+    """The host buffers of one block, each (numel,)."""
+
+    weights: torch.Tensor
+    grads: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class HostState:
+    """Host buffers of all `depth` blocks; see the module docstring for the layout."""
+
+    def __init__(self, layout: BlockLayout, depth: int, param_dtype: torch.dtype, *, pin: bool,
+                 pin_optimizer_state: bool = False):
+        if param_dtype not in (torch.bfloat16, FP32):
+            raise ValueError(f"param_dtype={param_dtype} is not supported; use torch.bfloat16 or torch.float32")
+        self.layout, self.depth, self.param_dtype = layout, depth, param_dtype
+        n, aliased = layout.numel, param_dtype == FP32
+        pinned_sizes, pageable_sizes = self.arena_sizes(layout, depth, param_dtype, pin_optimizer_state)
+        self.pinned_arena = HostArena(pinned_sizes, pin)
+        self.pageable_arena = HostArena(pageable_sizes, False)
+        pinned = self.pinned_arena
+        state = pinned if pin_optimizer_state else self.pageable_arena
+        self.blocks: list[HostBlock] = []
+        for _ in range(depth):
+            weights, grads = pinned.take(n, param_dtype), pinned.take(n, param_dtype)
+            master = weights if aliased else None
+            self.blocks.append(HostBlock(weights, grads, master, None, None))
+        for block in self.blocks:
+            if block.master is None:
+                block.master = state.take(n, FP32)
+            block.exp_avg, block.exp_avg_sq = state.take(n, FP32), state.take(n, FP32)
+        self.loaded = [False] * depth
+
+    @staticmethod
+    def arena_sizes(layout: BlockLayout, depth: int, param_dtype: torch.dtype,
+                    pin_optimizer_state: bool) -> tuple[list[int], list[int]]:
+        """Byte sizes of the buffers of the pinned and the pageable arena, in carving order."""
+        n, w = layout.numel, torch.finfo(param_dtype).bits // 8
+        pinned = [n * w, n * w] * depth                                   # weights (= master in fp32), grads
+        state = [n * 4] * ((2 if param_dtype == FP32 else 3) * depth)    # [master], exp_avg, exp_avg_sq
+        return (pinned + state, []) if pin_optimizer_state else (pinned, state)
+
+    # ---- contents ----------------------------------------------------------------------------
+    def load_block_(self, index: int, master: torch.Tensor) -> None:
+        """Set block `index`'s weights from a (numel,) fp32 flat (see `BlockLayout.flatten`);
+        moments are reset to zero."""
+        b = self.blocks[index]
+        b.master.copy_(master)
+        if b.weights is not b.master:
+            b.weights.copy_(b.master)  # round to nearest even, as the fused AdamW writes it
+        b.exp_avg.zero_()
+        b.exp_avg_sq.zero_()
+        b.grads.zero_()
+        self.loaded[index] = True
+
+    def block_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Copies of block `index`'s master weights and moments (what a checkpoint needs)."""
+        b = self.blocks[index]
+        return {"master": b.master.clone(), "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
+
+    def load_block_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
+        b = self.blocks[index]
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            if state[key].shape != (self.layout.numel,):
+                raise ValueError(f"checkpoint block {index} {key} has shape {tuple(state[key].shape)}, but this "
+                                 f"model's blocks have {self.layout.numel} elements; load a checkpoint of the "
+                                 f"same model config")
+        b.master.copy_(state["master"])
+        if b.weights is not b.master:
+            b.weights.copy_(b.master)
+        b.exp_avg.copy_(state["exp_avg"])
+        b.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.loaded[index] = True
+
+    # ---- accounting ----------------------------------------------------------------------------
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pinned_arena.nbytes if self.pinned_arena.pinned else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pinned_arena.nbytes + self.pageable_arena.nbytes
+
+    def bytes_report(self) -> dict:
+        """Bytes per parameter by buffer, and the totals actually allocated."""
+        per_param = host_bytes_per_param(self.param_dtype)
+        params = self.layout.param_count * self.depth
+        return {"block_params": params, "bytes_per_param": per_param,
+                "bytes_per_param_total": sum(per_param.values()),
+                "bytes_per_param_allocated": self.total_bytes / params,
+                "pinned_bytes": self.pinned_bytes, "total_bytes": self.total_bytes}
+
+    def close(self) -> None:
+        """Unpin the arena now (it is also unpinned when the state is garbage collected)."""
+        self.pinned_arena.close()

@@ -1,0 +1,283 @@
+"""Layer-wise streaming of DiT blocks through two device-side block shells.
+
+Three lanes of work (`Lanes`): compute, host->device (H2D) and device->host (D2H), each a
+CUDA stream on a GPU. CUDA events order them; the host never waits for the GPU inside the
+loops. On a CPU device the same code runs: every op has finished when it returns, so the
+lanes are plain contexts and events are no-ops; CI tests the scheduling logic this way.
+`serial=True` (the overlap=False ablation) synchronises after every piece of work.
+
+Two shells (double buffering): block l always computes in shell l % 2, a flat device
+buffer whose views are block l's parameters (`BlockLayout.mount`). While block l computes,
+block l +- 1 is copied into the other shell.
+- forward (no grad): keeps only each block's input;
+- backward: re-streams blocks in reverse, recomputes block l from its saved input with
+  grad enabled, and produces the gradients of its input, of the shared modulation t_mod
+  and of the caption features ctx (summed over blocks in reverse order, as autograd sums
+  them in a resident backward), the block's flat parameter gradient, and per-parameter
+  gradient norms (on the device, for global-norm clipping). The flat gradient is sent D2H
+  into the block's pinned staging buffer, and a callback hands it on to the optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from megaslide.offload.host_state import BlockLayout, HostState
+
+
+class DoneEvent:
+    """A CUDA event's stand-in on the CPU, where all work is done when the call returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Lane:
+    """One stream of work with busy-time and byte accounting."""
+
+    def __init__(self, name: str, device: torch.device, stream, serial: bool):
+        self.name, self.device, self.stream, self.serial = name, device, stream, serial
+        self.tag: int | None = None     # training step the work belongs to (None: not accounted)
+        self._spans: list = []          # (tag, start, end, bytes); start/end: CUDA events or perf_counter
+        self._entered: list = []        # stream contexts entered, innermost last
+
+    def __enter__(self):
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        self._entered.append(ctx)
+        return ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._entered.pop().__exit__(*exc)
+
+    def record(self):
+        """An event that completes when the work issued so far on this lane is done."""
+        if self.stream is None:
+            return DoneEvent()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, event) -> None:
+        """Later work on this lane starts after `event` (no host wait)."""
+        if self.stream is not None and event is not None and not isinstance(event, DoneEvent):
+            self.stream.wait_event(event)
+
+    def marker(self):
+        """A timestamp on this lane: a timing event on a GPU, perf_counter on CPU."""
+        if self.stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    @contextlib.contextmanager
+    def timed(self, nbytes: int = 0):
+        """Run the body on this lane and add its span to the busy time."""
+        with self:
+            start = self.marker()
+            yield
+            end = self.marker()
+        self._spans.append((self.tag, start, end, nbytes))
+        if self.serial:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def take_busy(self, steps: range) -> tuple[float, int]:
+        """(seconds, bytes) of the work tagged with a step in `steps`; forgets all work of
+        earlier steps. The lane must be idle (synchronised)."""
+        mine = [s for s in self._spans if s[0] in steps]
+        self._spans = [s for s in self._spans if s[0] is not None and s[0] >= steps.stop]
+        return sum(elapsed(a, b) for _, a, b, _ in mine), sum(n for *_, n in mine)
+
+
+def elapsed(start, end) -> float:
+    """Seconds between two markers of `Lane.marker` (CUDA events must have completed)."""
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
+
+
+class Lanes:
+    """compute, h2d and d2h lanes. compute is the current stream, so tensors made by the
+    caller need no extra ordering; h2d and d2h are side streams."""
+
+    def __init__(self, device: torch.device, serial: bool):
+        cuda = device.type == "cuda"
+        self.device = device
+        self.compute = Lane("compute", device, torch.cuda.current_stream(device) if cuda else None, serial)
+        self.h2d = Lane("h2d", device, torch.cuda.Stream(device) if cuda else None, serial)
+        self.d2h = Lane("d2h", device, torch.cuda.Stream(device) if cuda else None, serial)
+
+    @property
+    def tag(self) -> int | None:
+        return self.compute.tag
+
+    @tag.setter
+    def tag(self, value: int | None) -> None:
+        for lane in (self.compute, self.h2d, self.d2h):
+            lane.tag = value
+
+    @property
+    def serial(self) -> bool:
+        return self.compute.serial
+
+    @serial.setter
+    def serial(self, value: bool) -> None:
+        for lane in (self.compute, self.h2d, self.d2h):
+            lane.serial = value
+
+    def synchronize(self) -> None:
+        for lane in (self.compute, self.h2d, self.d2h):
+            lane.synchronize()
+
+
+class BlockShell:
+    """Device buffers for one block at a time: weights (numel,) viewed by `params`, and the
+    flat gradient (numel,) of the last block recomputed here."""
+
+    def __init__(self, layout: BlockLayout, device: torch.device, dtype: torch.dtype):
+        self.weights = torch.empty(layout.numel, device=device, dtype=dtype)
+        self.grads = torch.zeros(layout.numel, device=device, dtype=dtype)
+        self.params = [nn.Parameter(v) for v in layout.views(self.weights)]
+        self.holds: tuple[int, int] | None = None  # (block, version) now in `weights`
+        self.ready = None       # event: the H2D of `holds` is done
+        self.free = None        # event: compute is done with `weights`
+        self.grads_free = None  # event: `grads` may be overwritten (its D2H is done)
+
+
+@dataclass
+class BlockInputs:
+    """What every block call needs besides its input tokens."""
+
+    t_mod: torch.Tensor                      # (B, 9, D)
+    ctx: torch.Tensor                        # (B, L, D)
+    ctx_mask: torch.Tensor                   # (B, L)
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (N, d/2)
+    grid: tuple[int, int, int]
+
+
+@dataclass
+class BackwardResult:
+    grad_x: torch.Tensor                     # (B, N, D) gradient of the first block's input
+    grad_t_mod: torch.Tensor                 # (B, 9, D) summed over blocks
+    grad_ctx: torch.Tensor                   # (B, L, D) summed over blocks
+    norms: list[dict[int, torch.Tensor]] = field(default_factory=list)  # per block: slot -> 0-dim norm
+    used: list[list[bool]] = field(default_factory=list)                # per block: slot got a gradient
+
+
+class BlockStreamer:
+    """Runs `blocks` (modules whose parameters get mounted here) from host weights.
+
+    `before_load(l)` is called before block l's weights are copied in: the optimizer makes
+    the copy wait for block l's pending update there. `version(l)` counts the updates
+    submitted for block l, so a shell still holding the current weights is not reloaded."""
+
+    def __init__(self, blocks: nn.ModuleList, host: HostState, lanes: Lanes, device: torch.device,
+                 compute_ctx: Callable[[], contextlib.AbstractContextManager],
+                 before_load: Callable[[int], None], version: Callable[[int], int]):
+        self.blocks, self.host, self.lanes = blocks, host, lanes
+        self.compute_ctx, self.before_load, self.version = compute_ctx, before_load, version
+        layout = host.layout
+        self.shells = [BlockShell(layout, device, host.param_dtype) for _ in range(2)]
+        for index, block in enumerate(blocks):
+            layout.mount(block, self.shells[index % 2].params)
+
+    def shell(self, index: int) -> BlockShell:
+        return self.shells[index % 2]
+
+    def invalidate(self) -> None:
+        """Forget what the shells hold (after host weights changed outside the optimizer)."""
+        for shell in self.shells:
+            shell.holds = None
+
+    def load(self, index: int) -> None:
+        """Copy block `index`'s weights into its shell on the H2D lane, unless already there."""
+        shell, tag = self.shell(index), (index, self.version(index))
+        if shell.holds == tag:
+            return
+        self.before_load(index)
+        h2d = self.lanes.h2d
+        h2d.wait(shell.free)
+        src = self.host.blocks[index].weights
+        with h2d.timed(src.numel() * src.element_size()):
+            shell.weights.copy_(src, non_blocking=True)
+        shell.ready = h2d.record()
+        shell.holds = tag
+
+    @torch.no_grad()
+    def forward(self, h: torch.Tensor, inp: BlockInputs, keep_inputs: bool) -> tuple[torch.Tensor, list]:
+        """h (B, N, D) through all blocks -> (output (B, N, D), each block's input if kept)."""
+        compute, saved = self.lanes.compute, []
+        self.load(0)
+        for index, block in enumerate(self.blocks):
+            shell = self.shell(index)
+            compute.wait(shell.ready)
+            with compute.timed(), self.compute_ctx():
+                if keep_inputs:
+                    saved.append(h)
+                h = block(h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
+            shell.free = compute.record()
+            if index + 1 < len(self.blocks):
+                self.load(index + 1)
+        return h, saved
+
+    def backward(self, grad_h: torch.Tensor, saved: list, inp: BlockInputs, *, grads_to_host: bool,
+                 on_block_grads: Callable[[int, BlockShell, object, list[bool]], None]) -> BackwardResult:
+        """Gradients of a forward run with `keep_inputs`; `grad_h` (B, N, D) is the gradient
+        of the last block's output. `inp.t_mod` and `inp.ctx` must be leaves that require grad.
+
+        For each block, after its flat gradient is in `shell.grads`, and (if `grads_to_host`)
+        once its D2H into the host staging buffer is issued: `on_block_grads(l, shell, landed,
+        used)` with `landed` the event of that D2H (None without it) and `used[i]` whether
+        parameter i got a gradient (one that did not is zero in `shell.grads`)."""
+        compute, d2h, layout = self.lanes.compute, self.lanes.d2h, self.host.layout
+        depth = len(self.blocks)
+        grad_t_mod = grad_ctx = None
+        norms: list[dict[int, torch.Tensor]] = [{} for _ in range(depth)]
+        used: list[list[bool]] = [[] for _ in range(depth)]
+        self.load(depth - 1)
+        for index in reversed(range(depth)):
+            shell, block = self.shell(index), self.blocks[index]
+            compute.wait(shell.ready)
+            compute.wait(shell.grads_free)
+            with compute.timed():
+                x = saved[index].requires_grad_()                                          # (B, N, D)
+                with torch.enable_grad(), self.compute_ctx():
+                    out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)   # (B, N, D)
+                grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
+                                            allow_unused=True)
+                grad_h, g_t_mod, g_ctx, param_grads = grads[0], grads[1], grads[2], grads[3:]
+                grad_t_mod = g_t_mod if grad_t_mod is None else grad_t_mod + g_t_mod  # (B, 9, D)
+                grad_ctx = g_ctx if grad_ctx is None else grad_ctx + g_ctx             # (B, L, D)
+                used[index] = [g is not None for g in param_grads]
+                present = [(slot, g) for slot, g in enumerate(param_grads) if g is not None]
+                dtype = None if shell.grads.dtype == torch.float32 else torch.float32
+                block_norms = torch._foreach_norm([g for _, g in present], 2, dtype=dtype)
+                norms[index] = {slot: n for (slot, _), n in zip(present, block_norms)}
+                views = layout.views(shell.grads)
+                torch._foreach_copy_([views[slot] for slot, _ in present], [g for _, g in present])
+                for slot, g in enumerate(param_grads):
+                    if g is None:
+                        views[slot].zero_()
+            saved[index] = None
+            shell.free = grads_ready = compute.record()
+            landed = None
+            if grads_to_host:
+                d2h.wait(grads_ready)
+                dst = self.host.blocks[index].grads
+                with d2h.timed(dst.numel() * dst.element_size()):
+                    dst.copy_(shell.grads, non_blocking=True)
+                landed = d2h.record()
+            on_block_grads(index, shell, landed, used[index])
+            shell.grads_free = landed if grads_to_host else compute.record()
+            if index > 0:
+                self.load(index - 1)
+        return BackwardResult(grad_h, grad_t_mod, grad_ctx, norms, used)
