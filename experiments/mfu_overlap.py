@@ -52,7 +52,10 @@ from megaslide.train.batches import Batch
 from megaslide.train.trainer import Trainer
 
 GB = 1e9
-VARIANTS = {"overlap": (True, "cpu"), "serial": (False, "cpu"), "gpu_optimizer": (True, "gpu")}
+# name: (overlap, optimizer_device, clip). clip None: bench.grad_clip. "overlap_noclip" shows what the
+# exact clipping scheme costs: without clipping the updates start during the backward.
+VARIANTS = {"overlap": (True, "cpu", None), "overlap_noclip": (True, "cpu", 0.0), "serial": (False, "cpu", None),
+            "gpu_optimizer": (True, "gpu", None)}
 TARGETS = {"mfu": 0.61, "overlap_speedup_vs_serial": 2.0, "overlap_efficiency": 0.9, "h2d_frac_of_pinned": 0.9}
 TINY = {"batch": 1, "frames": 4, "height": 16, "width": 16, "depth": 3, "warmup_steps": 1, "timed_steps": 1,
         "correctness_steps": 2, "matmul_n": 128, "pcie_probe_MiB": 4}
@@ -107,7 +110,9 @@ def check_correctness(device: torch.device, steps: int) -> dict:
         ref = Trainer(model_cfg, data_cfg, train, out)
         ref_losses = [ref.train_step()["loss"].item() for _ in range(steps)]
         ref_weights = {k: v.detach().float().cpu() for k, v in ref.model.named_parameters()}
-        for variant, (overlap, opt) in (VARIANTS.items() if precision == "fp32" else [("overlap", (True, "cpu"))]):
+        checks = [v for v, (_, _, clip) in VARIANTS.items() if clip is None] if precision == "fp32" else ["overlap"]
+        for variant in checks:
+            overlap, opt, _ = VARIANTS[variant]
             eng = OffloadTrainer(model_cfg, data_cfg, train, OffloadConfig(enabled=True, overlap=overlap,
                                                                            optimizer_device=opt), out)
             losses = [eng.train_step()["loss"].item() for _ in range(steps)]
@@ -207,15 +212,16 @@ def synthetic_batch(cfg: DiTConfig, bench, device: torch.device, tokenizer) -> B
 # ---- 6. variants ----------------------------------------------------------------------------------
 def run_variant(engine: OffloadEngine, name: str, batch: Batch, bench, flops_train: float, peak_tflops: float,
                 pcie: dict | None, plan: planner.OffloadPlan) -> dict:
-    overlap, optimizer_device = VARIANTS[name]
-    engine.set_mode(overlap=overlap, optimizer_device=optimizer_device)
+    overlap, optimizer_device, clip = VARIANTS[name]
+    clip = bench.grad_clip if clip is None else clip
+    engine.set_mode(overlap=overlap, optimizer_device=optimizer_device, grad_clip=clip)
     reset_peak_hbm(engine.device)
     for _ in range(bench.warmup_steps):
         engine.train_step(batch, bench.lr)
     start = engine.step
     outs = [engine.train_step(batch, bench.lr) for _ in range(bench.timed_steps + 1)]
     parts = engine.breakdown(range(start, start + bench.timed_steps))
-    row = {"variant": name, "overlap": overlap, "optimizer_device": optimizer_device,
+    row = {"variant": name, "overlap": overlap, "optimizer_device": optimizer_device, "grad_clip": clip,
            "losses": [o["loss"].item() for o in outs], "grad_norms": [o["grad_norm"].item() for o in outs],
            **parts.as_dict(),
            "mfu_vs_measured_peak": mfu(flops_train, parts.step_s, peak_tflops),
@@ -235,7 +241,8 @@ def print_table(p: dict) -> None:
     c, plan = p["ceilings"], p["plan"]
     print(f"\nmfu_overlap  device={p['device']}  model: {plan['params'] / 1e9:.2f} B params (depth {p['depth']}), "
           f"{plan['tokens']} tokens/step, {p['attention']} attention")
-    print(f"ceilings: bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s (datasheet {H200_DATASHEET_BF16_TFLOPS:.0f}); "
+    print(f"ceilings: {c['matmul_dtype']} matmul {c['matmul_TFLOPs']:.1f} TFLOP/s (H200 bf16 datasheet "
+          f"{H200_DATASHEET_BF16_TFLOPS:.0f}); "
           + (f"pinned H2D {c['pcie']['h2d_GBps']:.1f}, D2H {c['pcie']['d2h_GBps']:.1f}, both "
              f"{c['pcie']['both_total_GBps']:.1f} GB/s" if c["pcie"] else "no PCIe (CPU)"))
     print(f"planner floor {plan['floor_s']:.3f} s ({plan['bound']}); host {plan['host_total_bytes'] / GB:.1f} GB, "
@@ -251,6 +258,9 @@ def print_table(p: dict) -> None:
             f"{'optim':>7} {'overlap':>7} {'H2D GB/s':>9} {'of pin':>7} {'HBM GB':>7} {'pred s':>7} {'pred GB':>7}")
     print(head)
     for r in p["variants"]:
+        if "error" in r:
+            print(f"{r['variant']:<14} failed: {r['error']}")
+            continue
         frac = f"{r['h2d_frac_of_pinned']:.0%}" if "h2d_frac_of_pinned" in r else "-"
         print(f"{r['variant']:<14} {r['step_s']:>7.3f} {r['mfu_vs_measured_peak']:>8.1%} {r['mfu_vs_datasheet']:>7.1%} "
               f"{r['compute_s']:>8.3f} {r['h2d_s']:>7.3f} {r['d2h_s']:>7.3f} {r['optimizer_s']:>7.3f} "
@@ -274,7 +284,8 @@ def main(cfg: DictConfig) -> None:
     log(f"device {device}; {threads} CPU AdamW threads")
 
     # 1. ceilings
-    peak = measure_matmul_tflops(device, n=bench.matmul_n, dtype=torch.bfloat16 if cuda else torch.float32)
+    matmul_dtype = torch.bfloat16 if cuda else torch.float32  # the engine computes in fp32 on a CPU
+    peak = measure_matmul_tflops(device, n=bench.matmul_n, dtype=matmul_dtype)
     pcie = measure_pcie(device, bench.pcie_probe_MiB * 2 ** 20) if cuda else None
     log(f"ceilings: matmul {peak:.1f} TFLOP/s; pcie {pcie}")
 
@@ -292,7 +303,8 @@ def main(cfg: DictConfig) -> None:
     model_cfg = dataclasses.replace(model_cfg, depth=depth)
     grid = model_cfg.token_grid(bench.frames, bench.height, bench.width)
     plans = {v: planner.plan_offload(model_cfg, batch=bench.batch, grid=grid, param_dtype=dtype,
-                                     optimizer_device=VARIANTS[v][1], grad_clip=bench.grad_clip > 0,
+                                     optimizer_device=VARIANTS[v][1],
+                                     grad_clip=(bench.grad_clip if VARIANTS[v][2] is None else VARIANTS[v][2]) > 0,
                                      pin_optimizer_state=bench.pin_optimizer_state) for v in bench.variants}
     plan = plans[bench.variants[0]]
     print(plan.table(), flush=True)
@@ -316,23 +328,33 @@ def main(cfg: DictConfig) -> None:
     train_cfg = TrainConfig(lr=bench.lr, grad_clip=bench.grad_clip, device=device.type,
                             precision="bf16" if cuda else "fp32")
     offload_cfg = OffloadConfig(enabled=True, cpu_threads=threads, gpu_memory_fraction=fraction)
+    t0 = time.perf_counter()
     engine = build_engine(model_cfg, device, train_cfg, offload_cfg, bench.pin_optimizer_state)
-
-    # 6. variants
-    rows = [run_variant(engine, v, batch, bench, flops.train, peak, pcie, plans[v]) for v in bench.variants]
-    engine.close()
-    by_name = {r["variant"]: r for r in rows}
     payload = {"device": str(device), "tiny": bool(cfg.tiny), "preset": "tiny" if cfg.tiny else c["model"]["preset"],
                "depth": depth, "attention": model_cfg.attention.name, "model_cfg": dataclasses.asdict(model_cfg),
                "bench": OmegaConf.to_container(bench), "cpu_threads": threads, "gpu_memory_fraction": fraction,
-               "ceilings": {"matmul_TFLOPs": peak, "matmul_n": bench.matmul_n,
+               "ceilings": {"matmul_TFLOPs": peak, "matmul_n": bench.matmul_n, "matmul_dtype": str(matmul_dtype),
                             "datasheet_TFLOPs": H200_DATASHEET_BF16_TFLOPS, "pcie": pcie},
                "model_flops_per_step": flops.train, "executed_flops_per_step": flops.executed,
-               "correctness": correctness, "plan": plan.as_dict(), "memory_wall": wall, "variants": rows,
-               "targets": TARGETS}
+               "correctness": correctness, "plan": plan.as_dict(), "memory_wall": wall,
+               "engine_setup_s": time.perf_counter() - t0, "host_state": engine.host.bytes_report(),
+               "variants": [], "targets": TARGETS, "complete": False}
+    name = cfg.name or ("tiny" if cfg.tiny else f"{device.type}_{payload['preset']}_d{depth}")
+
+    # 6. variants; the result file is rewritten after each, so a failure late keeps the rest
+    for variant in bench.variants:
+        try:
+            row = run_variant(engine, variant, batch, bench, flops.train, peak, pcie, plans[variant])
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+            log(f"{variant} failed: {row['error']}")
+        payload["variants"].append(row)
+        write_result("mfu_overlap", name, payload)
+    engine.close()
+    by_name = {r["variant"]: r for r in payload["variants"] if "error" not in r}
     if "overlap" in by_name and "serial" in by_name:
         payload["overlap_speedup_vs_serial"] = by_name["serial"]["step_s"] / by_name["overlap"]["step_s"]
-    name = cfg.name or ("tiny" if cfg.tiny else f"{device.type}_{payload['preset']}_d{depth}")
+    payload["complete"] = True
     log(f"wrote {write_result('mfu_overlap', name, payload)}")
     print_table(payload)
 

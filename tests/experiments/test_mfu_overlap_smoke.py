@@ -18,8 +18,9 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
     fp32 = [r for r in record["correctness"]["rows"] if r["precision"] == "fp32"]
     assert {r["variant"] for r in fp32} == {"overlap", "serial", "gpu_optimizer"}
     assert all(r["passed"] for r in fp32)
+    assert record["complete"] and not any("error" in r for r in record["variants"])
     rows = {r["variant"]: r for r in record["variants"]}
-    assert rows.keys() == {"overlap", "serial", "gpu_optimizer"}
+    assert rows.keys() == {"overlap", "overlap_noclip", "serial", "gpu_optimizer"}
     for r in rows.values():
         assert r["step_s"] > 0 and r["compute_s"] > 0 and r["mfu_vs_measured_peak"] > 0
         assert 0 < r["overlap_efficiency"]
@@ -29,4 +30,4 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
     assert rows["gpu_optimizer"]["h2d_bytes"] > rows["overlap"]["h2d_bytes"]
     assert record["memory_wall"] == {"skipped": "no CUDA device"}
     assert record["overlap_speedup_vs_serial"] > 0
-    assert "variant" in done.stdout.splitlines()[-5]  # the table is printed last
+    assert "variant" in done.stdout.splitlines()[-6]  # the table is printed last
