@@ -35,7 +35,7 @@ def main(cfg: DictConfig) -> None:
             train.seed = int(seed)
             rows.append(run_variant(variant, model, data, train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
                                     sample_batch=cfg.sample_batch, out_dir=out_dir, project=cfg.wandb_project,
-                                    tag=cfg.name))
+                                    tag=cfg.name, save_mp4=cfg.save_mp4))
     rows.append(ground_truth_row(data, cfg.n_eval, cfg.eval_seed))
     summary = aggregate(rows)
     path = write_result("ablate_offsets", cfg.results_name,

@@ -39,7 +39,8 @@ def main(cfg: DictConfig) -> None:
                 train.seed = int(seed)
                 rows.append(run_variant(variant, model, clip, train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
                                         sample_batch=cfg.sample_batch, out_dir=out_dir,
-                                        project=cfg.wandb_project, tag=f"{cfg.name}{clip.frames}f"))
+                                        project=cfg.wandb_project, tag=f"{cfg.name}{clip.frames}f",
+                                        save_mp4=cfg.save_mp4))
         rows.append(ground_truth_row(clip, cfg.n_eval, cfg.eval_seed))
     summary = aggregate(rows)
     path = write_result("quality", cfg.results_name,

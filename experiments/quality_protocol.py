@@ -51,8 +51,11 @@ def sample_in_batches(trainer: Trainer, captions: list[str], batch: int, seed: i
 
 
 def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, *, n_eval: int,
-                eval_seed: int, sample_batch: int, out_dir: Path, project: str, tag: str) -> dict:
-    """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row."""
+                eval_seed: int, sample_batch: int, out_dir: Path, project: str, tag: str,
+                save_mp4: bool = True) -> dict:
+    """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row.
+
+    `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary)."""
     model = dataclasses.replace(model, attention=dataclasses.replace(model.attention, name=attention))
     run_dir = out_dir / f"{tag}_{attention}_seed{train.seed}"
     row = {"variant": attention, "frames": data.frames, "seed": train.seed, "params": count_params(model),
@@ -73,8 +76,9 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         return {**row, "status": f"OOM: {str(e).splitlines()[0][:120]}"}
     row.update(score(videos, labels), status="ok")
     logger.log({f"eval/{k}": row[k] for k in SCORE_KEYS}, trainer.step)
-    mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", videos[0])
-    logger.log_video("eval/sample", mp4, captions[0], trainer.step)
+    if save_mp4:
+        mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", videos[0])
+        logger.log_video("eval/sample", mp4, captions[0], trainer.step)
     logger.finish()
     row["samples"] = videos[:4]
     row["captions"] = captions[:4]
