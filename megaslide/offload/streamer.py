@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -169,8 +169,7 @@ class BackwardResult:
     grad_x: torch.Tensor                     # (B, N, D) gradient of the first block's input
     grad_t_mod: torch.Tensor                 # (B, 9, D) summed over blocks
     grad_ctx: torch.Tensor                   # (B, L, D) summed over blocks
-    norms: list[dict[int, torch.Tensor]] = field(default_factory=list)  # per block: slot -> 0-dim norm
-    used: list[list[bool]] = field(default_factory=list)                # per block: slot got a gradient
+    norms: list[dict[int, torch.Tensor]]     # per block: parameter slot -> () gradient norm (fp32)
 
 
 class BlockStreamer:
@@ -242,7 +241,6 @@ class BlockStreamer:
         depth = len(self.blocks)
         grad_t_mod = grad_ctx = None
         norms: list[dict[int, torch.Tensor]] = [{} for _ in range(depth)]
-        used: list[list[bool]] = [[] for _ in range(depth)]
         self.load(depth - 1)
         for index in reversed(range(depth)):
             shell, block = self.shell(index), self.blocks[index]
@@ -257,7 +255,7 @@ class BlockStreamer:
                 grad_h, g_t_mod, g_ctx, param_grads = grads[0], grads[1], grads[2], grads[3:]
                 grad_t_mod = g_t_mod if grad_t_mod is None else grad_t_mod + g_t_mod  # (B, 9, D)
                 grad_ctx = g_ctx if grad_ctx is None else grad_ctx + g_ctx             # (B, L, D)
-                used[index] = [g is not None for g in param_grads]
+                used = [g is not None for g in param_grads]
                 present = [(slot, g) for slot, g in enumerate(param_grads) if g is not None]
                 dtype = None if shell.grads.dtype == torch.float32 else torch.float32
                 block_norms = torch._foreach_norm([g for _, g in present], 2, dtype=dtype)
@@ -276,8 +274,8 @@ class BlockStreamer:
                 with d2h.timed(dst.numel() * dst.element_size()):
                     dst.copy_(shell.grads, non_blocking=True)
                 landed = d2h.record()
-            on_block_grads(index, shell, landed, used[index])
+            on_block_grads(index, shell, landed, used)
             shell.grads_free = landed if grads_to_host else compute.record()
             if index > 0:
                 self.load(index - 1)
-        return BackwardResult(grad_h, grad_t_mod, grad_ctx, norms, used)
+        return BackwardResult(grad_h, grad_t_mod, grad_ctx, norms)
