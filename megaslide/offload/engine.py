@@ -543,6 +543,14 @@ class OffloadTrainer:
             self.engine.host.load_block_state(index, load_checkpoint(folder / f"block_{index:04d}.pt"))
         self.engine.load_resident_state(state)
 
+    def export_model(self, path: str | Path) -> Path:
+        """Write the weights in the resident trainer's checkpoint format (fp32 `model` state
+        dict, no optimizer state), which experiments/sample.py and `Trainer.load` read."""
+        state = {"step": self.step, "model": self.engine.model_state_dict(), "ema": None,
+                 "model_cfg": dataclasses.asdict(self.model_cfg), "data_cfg": dataclasses.asdict(self.data_cfg),
+                 "train_cfg": dataclasses.asdict(self.cfg)}
+        return save_checkpoint(path, state)
+
     def maybe_resume(self) -> None:
         path = self.cfg.resume
         if path == "auto":

@@ -134,6 +134,20 @@ def test_resume_continues_exactly(tmp_path):
     assert straight.train_step()["loss"].item() == resumed.train_step()["loss"].item()
 
 
+def test_exported_weights_load_into_the_resident_model(tmp_path):
+    _, eng = _pair(tmp_path)
+    eng.train_step()
+    path = eng.export_model(tmp_path / "model.pt")
+    from megaslide.train.checkpoint import load_checkpoint
+    state = load_checkpoint(path)
+    assert state["model_cfg"]["depth"] == DEPTH and state["step"] == 1
+    model = VideoDiT(_model_cfg())
+    model.load_state_dict(state["model"])
+    mine = eng.engine.model_state_dict()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), mine[name])
+
+
 def test_streamed_velocity_equals_the_resident_model(tmp_path):
     _, eng = _pair(tmp_path)
     eng.train_step()
