@@ -156,8 +156,10 @@ class HostArena:
         return self.buffer[start:start + size].view(dtype)  # (numel,)
 
     def close(self) -> None:
+        """Unpin now (otherwise when the arena is garbage collected)."""
         if self.pinned:
             self._finalizer()
+            self.pinned = False
 
 
 def _register(buffer: torch.Tensor) -> None:
