@@ -142,7 +142,9 @@ def dsa_roofline(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dic
     return out
 
 
-def sweep(grids, variants, heads, d, dtype, device, window, kernel, repeats, dense_limit, ref_limit):
+def sweep(grids, variants, heads, d, dtype, device, window, kernel, repeats, dense_limit, ref_limit,
+          on_row=lambda rows: None):
+    """Time every variant on every grid; `on_row(rows)` runs after each row (partial saves)."""
     rows = []
     for grid in grids:
         n = math.prod(grid)
@@ -163,6 +165,7 @@ def sweep(grids, variants, heads, d, dtype, device, window, kernel, repeats, den
                 if name == "dense" and row["status"] == "OOM":
                     dense_limit = min(dense_limit, n)
             rows.append(row)
+            on_row(rows)
             print(f"  {name:16s} N={n:>8d} {row.get('status')} {row.get('ms', float('nan')):9.2f} ms "
                   f"{row.get('peak_gb', float('nan')):7.2f} GB", flush=True)
     return rows
@@ -219,12 +222,23 @@ def main():
 
     ceil = ceilings(device)
     print(f"device {device}, dtype {dtype}, ceilings {ceil}", flush=True)
+    name = "smoke" if args.smoke else args.name
+    config = {"heads": heads, "head_dim": d, "dtype": str(dtype), "kernel": kernel, "window": window,
+              "device": str(device)}
+    tables: dict[str, list] = {}
+
+    def save(key):
+        def on_row(rows):
+            tables[key] = rows
+            write_result("attention", name, {"config": config, "ceilings": ceil, "partial": True, "tables": tables})
+        return on_row
+
     print("target grid", target_grid, flush=True)
     target = sweep([target_grid], variants, heads, d, dtype, device, window, kernel, repeats,
-                   dense_limit=10 ** 9, ref_limit=10 ** 9)
+                   dense_limit=10 ** 9, ref_limit=10 ** 9, on_row=save("target"))
     print("sweep", flush=True)
     rows = sweep(sweep_grids, variants, heads, d, dtype, device, window, kernel, repeats,
-                 dense_limit=300_000, ref_limit=300_000)
+                 dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
 
     by = {r["variant"]: r for r in target if r.get("status") == "ok"}
     n_t = math.prod(target_grid)
@@ -239,14 +253,23 @@ def main():
             summary["fused_memory_fraction_of_reference"] = fused["peak_gb"] / by["dsa_reference"]["peak_gb"]
         if "roofline_ms" in roof:
             summary["fused_fraction_of_roofline"] = roof["roofline_ms"] / fused["ms"]
+        ref_t = next((r for r in target if r["variant"] == "dsa_reference"), {})
+        if ref_t.get("status") == "OOM" and "peak_gb" in fused:
+            hbm = torch.cuda.get_device_properties(device).total_memory / 1e9
+            summary["reference_oom_at_target_hbm_gb"] = hbm
+            summary["fused_memory_fraction_of_reference_upper_bound"] = fused["peak_gb"] / hbm
+    common = [(r["tokens"], r["ms"]) for r in rows if r["variant"] == "dsa_reference" and r.get("status") == "ok"]
+    fused_by_n = {r["tokens"]: r["ms"] for r in rows if r["variant"] == "dsa_fused" and r.get("status") == "ok"}
+    common = [(n, ms) for n, ms in common if n in fused_by_n]
+    if common:
+        n, ms = max(common)
+        summary["fused_speedup_vs_reference_at_largest_common_n"] = {"tokens": n, "speedup": ms / fused_by_n[n]}
     summary["fused_loglog_slope"] = loglog_slope(rows, "dsa_fused")
     summary["swin_loglog_slope"] = loglog_slope(rows, "swin2x4x4")
     summary["dense_loglog_slope"] = loglog_slope(rows, "dense")
 
-    payload = {"config": {"heads": heads, "head_dim": d, "dtype": str(dtype), "kernel": kernel, "window": window,
-                          "device": str(device)},
-               "ceilings": ceil, "summary": summary, "tables": {"target (262K tokens)": target, "sweep": rows}}
-    name = "smoke" if args.smoke else args.name
+    payload = {"config": config, "ceilings": ceil, "summary": summary,
+               "tables": {"target": target, "sweep": rows}}
     path = write_result("attention", name, payload)
     if not args.smoke:
         plot(rows, str(path.parent / name))
