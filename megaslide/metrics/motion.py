@@ -161,6 +161,8 @@ def measure_object(mask: np.ndarray, coverage: np.ndarray | None = None) -> tupl
     coverage = mask.astype(np.float64) if coverage is None else coverage  # (H, W)
     weight = region * np.roll(coverage, shift, axis=(0, 1))  # (H, W)
     area = float(weight.sum())
+    if area <= 0:  # colour-near pixels that the colour does not cover at all: no object
+        return 0.0, np.full(2, np.nan), 0.0, 0.0
     rows, cols = np.arange(height, dtype=np.float64), np.arange(width, dtype=np.float64)
     center_y = float(weight.sum(axis=1) @ rows) / area
     center_x = float(weight.sum(axis=0) @ cols) / area
@@ -203,6 +205,8 @@ def track_colors(frames: np.ndarray, colors: Sequence[str], min_area: int = 4) -
             if sizes.max() < min_area:
                 continue
             area, centroid, fill, offset = measure_object(labels == 1 + int(sizes.argmax()), coverage[t])
+            if area <= 0:
+                continue
             track.present[t] = True
             track.area[t] = area
             track.centroid[t] = centroid

@@ -224,3 +224,15 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="at least 2"):
         score_video(video[:1], "a red circle moving up")
     assert set(SHAPE_TEMPLATES) == set(SHAPES)
+
+
+def test_near_colour_pixels_with_zero_coverage_are_not_an_object():
+    """Pixels within the colour radius but on the far side of the background get zero
+    coverage; such a component must count as absent, not crash the tracker."""
+    import numpy as np
+
+    from megaslide.metrics.motion import measure_object
+    mask = np.zeros((8, 8), bool)
+    mask[2:4, 2:4] = True
+    area, centroid, fill, _ = measure_object(mask, np.zeros((8, 8)))
+    assert area == 0.0 and np.isnan(centroid).all() and fill == 0.0
