@@ -274,7 +274,7 @@ def print_table(p: dict) -> None:
 def main(cfg: DictConfig) -> None:
     c = OmegaConf.to_container(cfg, resolve=True)
     bench = OmegaConf.create({**c["bench"], **(TINY if cfg.tiny else {})})
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cuda = device.type == "cuda"
     model_cfg = DIT_PRESETS["tiny"] if cfg.tiny else model_config(c["model"], c["attention"])
     unknown = sorted(set(bench.variants) - set(VARIANTS))

@@ -261,7 +261,7 @@ class OffloadEngine:
         self.param_dtype = param_dtype_for(train_cfg.precision, device)
         cuda = device.type == "cuda"
         if cuda and offload_cfg.gpu_memory_fraction > 0:
-            torch.cuda.set_per_process_memory_fraction(offload_cfg.gpu_memory_fraction, device)
+            torch.cuda.set_per_process_memory_fraction(offload_cfg.gpu_memory_fraction, torch.cuda.current_device())
         self.layout = BlockLayout.from_module(model.blocks[0])
         depth = len(model.blocks)
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
