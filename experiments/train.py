@@ -4,7 +4,8 @@
     python experiments/train.py attention=swin data=moving_shapes_fast train.steps=500
     python experiments/train.py model=1B offload=engine train.device=cuda   # MegaSlide-DiT engine
 
-Writes <out_dir>/checkpoints/step_N.pt, <out_dir>/samples/*.mp4, <out_dir>/metrics.jsonl and
+Writes <out_dir>/checkpoints/ (step_N.pt; the offload engine writes step_N/ folders),
+<out_dir>/samples/*.mp4, <out_dir>/metrics.jsonl and
 an offline W&B run under <out_dir>/wandb (upload with `wandb sync`).
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main(cfg: DictConfig) -> None:
     last = trainer.fit()
     samples = save_samples(trainer, list(cfg.sample_captions), out_dir, logger)
     print(f"trained {trainer.step} steps, final loss {last.get('loss', float('nan')):.4f}")
-    print(f"checkpoint: {out_dir / 'checkpoints' / f'step_{trainer.step}.pt'}")
+    print(f"checkpoints: {out_dir / 'checkpoints'}")
     print(f"samples:    {', '.join(str(p) for p in samples)}")
     if logger.wandb_dir:
         print(f"W&B run:    {logger.wandb_dir}  (upload: wandb sync {logger.wandb_dir})")
