@@ -20,14 +20,6 @@ STEPS = (1.0, 0.75, 0.5, 0.25)
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads on a shared 2-core runner spin against each other; one is several times faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def setup():

@@ -19,13 +19,6 @@ STEPS = (1.0, 0.75, 0.5, 0.25)
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.mark.parametrize("flags", [{}, dict(precompute_rope=False), dict(fused_qk_rope=False)])
 def test_full_sequence_sampler_equals_euler_sample_of_the_model(flags):
