@@ -191,6 +191,8 @@ def log(ctx: DistContext, msg: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model and video on CPU (gloo): the CI smoke run")
+    ap.add_argument("--heads", type=int, default=None,
+                    help="override the preset's head count (Ulysses needs heads %% ranks == 0, e.g. 8 for 8 ranks)")
     ap.add_argument("--repeats", type=int, default=None, help="timed videos per variant (default 3; tiny 1)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed videos per variant (graphs capture in the 2nd)")
     ap.add_argument("--no-ladder", action="store_true", help="time only the all-on causal variant")
@@ -209,7 +211,8 @@ class Bench:
         self.repeats = args.repeats or (1 if args.tiny else 3)
         self.steps = len(CausalConfig().timesteps)
         with torch.device(ctx.device):
-            self.master = random_weights_(build_dit(setup.preset), seed=0).eval()  # fp32, same on every rank
+            overrides = {"num_heads": args.heads} if args.heads else {}
+            self.master = random_weights_(build_dit(setup.preset, **overrides), seed=0).eval()  # fp32, same on every rank
         self.model = copy.deepcopy(self.master).to(torch.bfloat16)
         cfg = self.model.cfg
         self.noise = torch.randn(1, cfg.in_channels, setup.frames, setup.height, setup.width,

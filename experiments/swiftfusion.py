@@ -179,10 +179,13 @@ def check_variant(v: Variant, cfg, device, dtype, rank: int, world: int, causal:
     names = ("out", "dq", "dk", "dv")
     err = {k: (a.to(ref_dtype) - r).abs().max().item() for k, a, r in zip(names, ours, ref)}
     bar = {k: (a.to(ref_dtype) - r).abs().max().item() for k, a, r in zip(names, base, ref)}
+    # DESIGN.md's rule: ~2x the same-dtype PyTorch error, plus 2 eps x max|value| so that a
+    # sum over P blocks instead of one pass is not failed for rounding at the last bit.
+    floor = {k: 2 * torch.finfo(dtype).eps * r.abs().max().item() for k, r in zip(names, ref)}
     return {"variant": v.name, "causal": causal, "seq_len": n, "dtype": str(dtype).replace("torch.", ""),
             "max_abs_diff_vs_sdpa": (ours[0].float() - base[0].float()).abs().max().item(),
             "err_vs_ref": err, "sdpa_err_vs_ref": bar,
-            "passed": all(err[k] <= 2 * bar[k] + 1e-12 for k in names)}
+            "passed": all(err[k] <= 2 * bar[k] + floor[k] for k in names)}
 
 
 # ----------------------------------------------------------------------------- timing
