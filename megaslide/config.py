@@ -1,4 +1,4 @@
-"""Typed configs for every part of MegaSlide.
+"""Typed configs for the model, attention, data, training and offload.
 
 Configs are plain dataclasses. Hydra YAML (experiments/conf) is turned into them by
 `from_dict`, so modules only ever see these objects or plain constructor arguments.
@@ -199,17 +199,6 @@ class OffloadConfig:
             raise ValueError(f"offload.optimizer_device={self.optimizer_device!r}: choose cpu or gpu")
         if not 0 <= self.gpu_memory_fraction <= 1:
             raise ValueError(f"offload.gpu_memory_fraction={self.gpu_memory_fraction} must be in [0, 1]")
-
-
-@dataclass
-class ParallelConfig:
-    mode: str = "none"            # none | ulysses | ring | hybrid | torus
-    ulysses_degree: int = 0       # 0: chosen by the cost model
-    ring_degree: int = 0
-
-    def validate(self) -> None:
-        if self.mode not in ("none", "ulysses", "ring", "hybrid", "torus"):
-            raise ValueError(f"parallel.mode={self.mode!r}: choose none, ulysses, ring, hybrid or torus")
 
 
 def _coerce(tp, value):
