@@ -46,8 +46,9 @@ from megaslide.metrics.memory import (hbm_available_bytes, host_available_bytes,
 from megaslide.models.dit import DIT_PRESETS, DiTBlock, VideoDiT
 from megaslide.models.text import HashTokenizer
 from megaslide.offload import planner
-from megaslide.offload.engine import OffloadEngine, OffloadTrainer
+from megaslide.offload.engine import OffloadEngine
 from megaslide.offload.host_state import HostArena
+from megaslide.offload.trainer import OffloadTrainer
 from megaslide.train.batches import Batch
 from megaslide.train.trainer import Trainer
 

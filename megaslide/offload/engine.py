@@ -16,7 +16,8 @@ Non-block parameters stay resident on the device in fp32 with torch.optim.AdamW 
 the 7B preset's 6.96 B parameters). Block parameters: bf16 weights on the device (fp32 in the exact mode),
 fp32 master and moments on the host, updated by the fused CPU AdamW on a worker thread
 (`CpuUpdater`), or, in the optimizer_device="gpu" ablation, on the device after streaming
-master and moments there and back (`GpuUpdater`).
+master and moments there and back (`GpuUpdater`); both live in megaslide/offload/updaters.py.
+`OffloadTrainer` (megaslide/offload/trainer.py) wraps this engine in the `Trainer` API.
 
 Clipping scheme (global norm, exact): per-parameter gradient norms are computed on the
 device as each block's gradient is produced (no sync) and combined once, after the
@@ -33,20 +34,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import queue
-import shutil
-import threading
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
-from megaslide.data.build import build_dataset
+from megaslide.config import OffloadConfig, TrainConfig
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
-from megaslide.diffusion.samplers import euler_sample
 from megaslide.metrics.flops import StepBreakdown
 from megaslide.metrics.memory import host_available_bytes
 from megaslide.models.dit import VideoDiT
@@ -54,10 +47,8 @@ from megaslide.offload import planner
 from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
-from megaslide.train.batches import Batch, make_batch
-from megaslide.train.checkpoint import load_checkpoint, save_checkpoint
-from megaslide.train.logger import RunLogger
-from megaslide.train.trainer import lr_at, resolve_device
+from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
+from megaslide.train.batches import Batch
 
 ADAM_BACKENDS = ("fused", "torch")  # cpu_adam.adamw_step_ (C++ SIMD) | cpu_adam.adamw_step_torch_ (torch ops)
 
@@ -66,179 +57,6 @@ def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     """bf16 block weights where the reference trainer would autocast to bf16, else fp32."""
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.bfloat16 if bf16 else torch.float32
-
-
-@dataclass(frozen=True)
-class AdamHyper:
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-
-
-@dataclass
-class ClipCoefficient:
-    device: torch.Tensor   # () fp32 on the compute device
-    host: torch.Tensor     # () fp32 on the CPU (pinned with CUDA), valid once `ready` completes
-    ready: object          # event
-
-
-@dataclass
-class UpdateJob:
-    """One AdamW update of one block's flat host state."""
-
-    block: int
-    step: int                        # 1-based AdamW step
-    lr: float
-    spans: list[tuple[int, int]]     # element ranges of parameters that got gradients
-    tag: int                         # training step index, for the time breakdown
-    landed: object = None            # event: the gradient is in host staging (None: it stays on the device)
-    device_grads: torch.Tensor | None = None  # (numel,) gradient on the device (GpuUpdater without clipping)
-    clip: ClipCoefficient | None = None
-
-
-class CpuUpdater:
-    """Runs AdamW on the host, on one worker thread, each block as soon as its job may run.
-
-    The worker waits for the gradient's D2H (and the clip coefficient), scales the gradient,
-    and runs `adam` over the block's flat buffers, writing bf16 weights straight into the
-    pinned weight buffer. `before_load(l)` blocks the caller until block l's update is done."""
-
-    def __init__(self, host: HostState, hyper: AdamHyper, adam, serial: bool):
-        self.host, self.hyper, self.adam, self.serial = host, hyper, adam, serial
-        self._done = [threading.Event() for _ in range(host.depth)]
-        for event in self._done:
-            event.set()
-        self._seconds: list[tuple[int, float]] = []
-        self._error: BaseException | None = None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name="megaslide-cpu-adam", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: UpdateJob) -> None:
-        self._done[job.block].clear()
-        if self.serial:
-            self._run(job)
-            self._raise()
-        else:
-            self._queue.put(job)
-
-    def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self._run(job)
-
-    def _run(self, job: UpdateJob) -> None:
-        try:
-            job.landed.synchronize()
-            if job.clip is not None:
-                job.clip.ready.synchronize()
-            start = time.perf_counter()
-            b, h = self.host.blocks[job.block], self.hyper
-            if job.clip is not None:
-                b.grads.mul_(job.clip.host)
-            for lo, hi in job.spans:
-                self.adam(b.master[lo:hi], b.grads[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi], step=job.step,
-                          lr=job.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                          param_bf16=None if b.weights is b.master else b.weights[lo:hi])
-            self._seconds.append((job.tag, time.perf_counter() - start))
-        except BaseException as err:  # re-raised on the training thread
-            self._error = err
-        finally:
-            self._done[job.block].set()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError("the CPU AdamW worker failed") from err
-
-    def before_load(self, index: int) -> None:
-        self._done[index].wait()
-        self._raise()
-
-    def flush(self) -> None:
-        for event in self._done:
-            event.wait()
-        self._raise()
-
-    def take_seconds(self, steps: range) -> float:
-        taken = sum(s for tag, s in self._seconds if tag in steps)
-        self._seconds = [(tag, s) for tag, s in self._seconds if tag >= steps.stop]
-        return taken
-
-    def close(self) -> None:
-        self.flush()
-        self._queue.put(None)
-        self._thread.join()
-
-
-class GpuUpdater:
-    """The optimizer_device="gpu" ablation: per block, master and moments (and the gradient,
-    when it was staged on the host) go H2D, `adamw_step_torch_` runs on the device, and
-    master, moments and bf16 weights come back D2H: 14 B/param more each way than the CPU
-    path (bf16). Two slots, so block l+1's state streams in while block l updates. All
-    ordering is by events; no host waits. The state transfers share the H2D lane with the
-    weights: with clipping, the next forward's first weight copy queues behind them."""
-
-    def __init__(self, host: HostState, hyper: AdamHyper, lanes: Lanes, device: torch.device):
-        self.host, self.hyper, self.lanes = host, hyper, lanes
-        n, dtype = host.layout.numel, host.param_dtype
-        self.slots = [{"master": torch.empty(n, device=device), "exp_avg": torch.empty(n, device=device),
-                       "exp_avg_sq": torch.empty(n, device=device),
-                       "grads": torch.empty(n, device=device, dtype=dtype),
-                       "weights": torch.empty(n, device=device, dtype=dtype), "free": None} for _ in range(2)]
-        self._next = 0
-        self.updated: list = [None] * host.depth
-        self._spans: list[tuple[int, object, object]] = []
-
-    def submit(self, job: UpdateJob) -> None:
-        h2d, compute, d2h = self.lanes.h2d, self.lanes.compute, self.lanes.d2h
-        slot, b, h = self.slots[self._next], self.host.blocks[job.block], self.hyper
-        self._next ^= 1
-        aliased = b.weights is b.master
-        state = ("master", "exp_avg", "exp_avg_sq")
-        h2d.wait(slot["free"])
-        h2d.wait(job.landed)
-        grads_in = job.device_grads is None
-        with h2d.timed(sum(getattr(b, k).nbytes for k in state) + (b.grads.nbytes if grads_in else 0)):
-            for key in state:
-                slot[key].copy_(getattr(b, key), non_blocking=True)
-            if grads_in:
-                slot["grads"].copy_(b.grads, non_blocking=True)
-        compute.wait(h2d.record())
-        grads = slot["grads"] if grads_in else job.device_grads
-        with compute:
-            start = compute.marker()
-            if job.clip is not None:
-                grads.mul_(job.clip.device)
-            for lo, hi in job.spans:
-                adamw_step_torch_(slot["master"][lo:hi], grads[lo:hi], slot["exp_avg"][lo:hi],
-                                  slot["exp_avg_sq"][lo:hi], step=job.step, lr=job.lr, beta1=h.beta1,
-                                  beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                                  param_bf16=None if aliased else slot["weights"][lo:hi])
-            self._spans.append((job.tag, start, compute.marker()))
-        if self.lanes.serial:
-            compute.synchronize()
-        d2h.wait(compute.record())
-        with d2h.timed(sum(getattr(b, k).nbytes for k in state) + (0 if aliased else b.weights.nbytes)):
-            for key in state:
-                getattr(b, key).copy_(slot[key], non_blocking=True)
-            if not aliased:
-                b.weights.copy_(slot["weights"], non_blocking=True)
-        slot["free"] = self.updated[job.block] = d2h.record()
-
-    def before_load(self, index: int) -> None:
-        self.lanes.h2d.wait(self.updated[index])
-
-    def flush(self) -> None:
-        self.lanes.synchronize()
-
-    def take_seconds(self, steps: range) -> float:
-        taken = sum(elapsed(a, b) for tag, a, b in self._spans if tag in steps)
-        self._spans = [s for s in self._spans if s[0] >= steps.stop]
-        return taken
-
-    def close(self) -> None:
-        self.flush()
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -479,123 +297,3 @@ class OffloadEngine:
     def close(self) -> None:
         self.updater.close()
         self.host.close()
-
-
-class OffloadTrainer:
-    """The `Trainer` API (fit, train_step, sample, save/load, step) on the offload engine.
-
-    Same batches (`make_batch`), loss, warm-up and clipping as the resident reference, so the
-    two agree step by step (exactly in fp32). EMA is not supported (it would add 4 B/param of
-    host state); checkpoints are sharded: one file per block plus the resident state."""
-
-    def __init__(self, model_cfg: DiTConfig, data_cfg: DataConfig, train_cfg: TrainConfig,
-                 offload_cfg: OffloadConfig, out_dir: str | Path, logger: RunLogger | None = None, *,
-                 adam_backend: str = "fused"):
-        for cfg in (model_cfg, data_cfg, train_cfg, offload_cfg):
-            cfg.validate()
-        grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
-        model_cfg.attention.validate(grid)
-        if train_cfg.ema_decay > 0:
-            raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
-                             f"set train.ema_decay=0 (or train with offload=none)")
-        self.model_cfg, self.data_cfg, self.cfg, self.offload_cfg = model_cfg, data_cfg, train_cfg, offload_cfg
-        self.out_dir = Path(out_dir)
-        self.device = resolve_device(train_cfg.device)
-        dtype = param_dtype_for(train_cfg.precision, self.device)
-        plan = planner.plan_offload(model_cfg, batch=train_cfg.batch_size, grid=grid, param_dtype=dtype,
-                                    optimizer_device=offload_cfg.optimizer_device, grad_clip=train_cfg.grad_clip > 0,
-                                    build_on_host=True)
-        planner.require_fit(plan, self.device, offload_cfg.gpu_memory_fraction)
-        self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
-        torch.manual_seed(train_cfg.seed)
-        model = VideoDiT(model_cfg)  # built on the host with the reference trainer's initialisation
-        self.engine = OffloadEngine(model, device=self.device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                    adam_backend=adam_backend)
-        self.logger = logger
-
-    @property
-    def step(self) -> int:
-        return self.engine.step
-
-    def train_step(self) -> dict:
-        batch = make_batch(self.dataset, self.engine.model.tokenizer, self.cfg, self.step).to(self.device)
-        return self.engine.train_step(batch, lr_at(self.cfg, self.step))
-
-    # ---- checkpoints: <out>/checkpoints/step_N/{state.pt, block_0000.pt, ...} ---------------
-    def save(self) -> Path:
-        folder = self.out_dir / "checkpoints" / f"step_{self.step}"
-        tmp = folder.with_name(f".{folder.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.engine.flush()
-        for index in range(self.engine.host.depth):
-            save_checkpoint(tmp / f"block_{index:04d}.pt", self.engine.host.block_state(index))
-        state = {**self.engine.resident_state(), "model_cfg": dataclasses.asdict(self.model_cfg),
-                 "data_cfg": dataclasses.asdict(self.data_cfg), "train_cfg": dataclasses.asdict(self.cfg)}
-        save_checkpoint(tmp / "state.pt", state)  # written last: its presence marks a complete folder
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-        return folder
-
-    def load(self, path: str | Path) -> None:
-        folder = Path(path)
-        state = load_checkpoint(folder / "state.pt")
-        for index in range(self.engine.host.depth):
-            self.engine.host.load_block_state(index, load_checkpoint(folder / f"block_{index:04d}.pt"))
-        self.engine.load_resident_state(state)
-
-    def export_model(self, path: str | Path) -> Path:
-        """Write the weights in the resident trainer's checkpoint format (fp32 `model` state
-        dict, no optimizer state), which experiments/sample.py and `Trainer.load` read."""
-        state = {"step": self.step, "model": self.engine.model_state_dict(), "ema": None,
-                 "model_cfg": dataclasses.asdict(self.model_cfg), "data_cfg": dataclasses.asdict(self.data_cfg),
-                 "train_cfg": dataclasses.asdict(self.cfg)}
-        return save_checkpoint(path, state)
-
-    def maybe_resume(self) -> None:
-        path = self.cfg.resume
-        if path == "auto":
-            found = latest_offload_checkpoint(self.out_dir / "checkpoints")
-            path = str(found) if found else ""
-        if path:
-            self.load(path)
-
-    # ---- sampling --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def sample(self, captions: list[str], seed: int = 0) -> torch.Tensor:
-        """Videos (B, C, T, H, W) in [-1, 1] for the captions."""
-        d, tokenizer = self.data_cfg, self.engine.model.tokenizer
-        g = torch.Generator().manual_seed(seed)
-        noise = torch.randn(len(captions), self.model_cfg.in_channels, d.frames, d.height, d.width, generator=g)
-        ids = tokenizer(captions).to(self.device)
-        null = tokenizer([""] * len(captions)).to(self.device)
-        x = euler_sample(self.engine.velocity, noise.to(self.device), ids, null, steps=self.cfg.sample_steps,
-                         cfg_scale=self.cfg.cfg_scale)
-        return x.float().clamp(-1, 1).cpu()
-
-    # ---- the loop ----------------------------------------------------------------------------------
-    def fit(self) -> dict:
-        """Train to cfg.steps; returns the last logged metrics (with the offload time breakdown)."""
-        self.maybe_resume()
-        last: dict = {}
-        first = self.step
-        while self.step < self.cfg.steps:
-            out = self.train_step()
-            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
-                parts = self.engine.breakdown(range(first, self.step))
-                first = self.step
-                last = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]), "lr": out["lr"],
-                        "step_time_s": parts.step_s, "compute_s": parts.compute_s, "h2d_s": parts.h2d_s,
-                        "d2h_s": parts.d2h_s, "optimizer_s": parts.optimizer_s,
-                        "overlap_efficiency": parts.overlap_efficiency}
-                if self.logger:
-                    self.logger.log(last, self.step)
-            if self.step % self.cfg.ckpt_every == 0 or self.step == self.cfg.steps:
-                self.save()
-        self.engine.flush()
-        return last
-
-
-def latest_offload_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete `step_N` checkpoint folder (one with its state.pt), or None."""
-    found = [p for p in Path(folder).glob("step_*") if (p / "state.pt").is_file()]
-    return max(found, key=lambda p: int(p.name.split("_")[1]), default=None)

@@ -7,10 +7,12 @@ bit-identically (see `batches.py`), and W&B logging with sample videos. The offl
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -34,6 +36,38 @@ def resolve_device(name: str) -> torch.device:
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up to cfg.lr over warmup_steps, then constant; step is 0-based."""
     return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+
+
+def maybe_resume(resume: str, checkpoints: Path, latest: Callable[[Path], Path | None],
+                 load: Callable[[str], None]) -> None:
+    """Load the checkpoint train.resume names: a path, "auto" (the newest one `latest` finds in
+    `checkpoints`, if any) or "" (start fresh). Shared by `Trainer` and `OffloadTrainer`."""
+    path = resume
+    if path == "auto":
+        found = latest(checkpoints)
+        path = str(found) if found else ""
+    if path:
+        load(path)
+
+
+@torch.no_grad()
+def sample_videos(model: Callable, tokenizer: Callable, captions: list[str], seed: int, *, model_cfg: DiTConfig,
+                  data_cfg: DataConfig, train_cfg: TrainConfig, device: torch.device,
+                  precision: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
+    """Videos (B, C, T, H, W) in [-1, 1] for the captions: Euler sampling with classifier-free
+    guidance from seeded noise; `model` (x (B, C, T, H, W), t (B,), ids, ...) -> velocity
+    (B, C, T, H, W). The sampler runs inside `precision` (e.g. a torch.autocast) when given.
+    Shared by `Trainer` and `OffloadTrainer`."""
+    d = data_cfg
+    g = torch.Generator().manual_seed(seed)
+    shape = (len(captions), model_cfg.in_channels, d.frames, d.height, d.width)  # (B, C, T, H, W)
+    noise = torch.randn(shape, generator=g)
+    ids = tokenizer(captions).to(device)
+    null = tokenizer([""] * len(captions)).to(device)
+    with precision if precision is not None else contextlib.nullcontext():
+        x = euler_sample(model, noise.to(device), ids, null, steps=train_cfg.sample_steps,
+                         cfg_scale=train_cfg.cfg_scale)                             # (B, C, T, H, W)
+    return x.float().clamp(-1, 1).cpu()
 
 
 class Trainer:
@@ -100,12 +134,7 @@ class Trainer:
         self.step = state["step"]
 
     def maybe_resume(self) -> None:
-        path = self.cfg.resume
-        if path == "auto":
-            found = latest_checkpoint(self.out_dir / "checkpoints")
-            path = str(found) if found else ""
-        if path:
-            self.load(path)
+        maybe_resume(self.cfg.resume, self.out_dir / "checkpoints", latest_checkpoint, self.load)
 
     # ---- sampling ------------------------------------------------------------------------
     @torch.no_grad()
@@ -113,16 +142,11 @@ class Trainer:
         """Videos (B, C, T, H, W) in [-1, 1] for the captions, from the EMA weights when kept."""
         model = self.ema if self.ema is not None else self.model
         model.eval()
-        d = self.data_cfg
-        g = torch.Generator().manual_seed(seed)
-        noise = torch.randn(len(captions), self.model_cfg.in_channels, d.frames, d.height, d.width, generator=g)
-        ids = model.tokenizer(captions).to(self.device)
-        null = model.tokenizer([""] * len(captions)).to(self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            x = euler_sample(model, noise.to(self.device), ids, null, steps=self.cfg.sample_steps,
-                             cfg_scale=self.cfg.cfg_scale)
+        autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        x = sample_videos(model, model.tokenizer, captions, seed, model_cfg=self.model_cfg, data_cfg=self.data_cfg,
+                          train_cfg=self.cfg, device=self.device, precision=autocast)
         model.train()
-        return x.float().clamp(-1, 1).cpu()
+        return x
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> dict:

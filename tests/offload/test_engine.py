@@ -13,7 +13,7 @@ import torch
 
 from megaslide.config import OffloadConfig
 from megaslide.models.dit import VideoDiT
-from megaslide.offload.engine import OffloadTrainer
+from megaslide.offload.trainer import OffloadTrainer
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg

@@ -12,7 +12,7 @@ from megaslide.offload import planner
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.planner import Ceilings, check_fits, largest_depth, plan_offload
 from megaslide.offload import engine as engine_module
-from megaslide.offload.engine import OffloadTrainer
+from megaslide.offload.trainer import OffloadTrainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 GB = 1e9
