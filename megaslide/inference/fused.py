@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from megaslide.backends import Backend, triton_device_check, triton_interpreted
+from megaslide.backends import select_backend as choose_backend
 from megaslide.models.rope import apply_rope
 
 tl = None  # triton.language, imported with the first kernel call (after a test can set TRITON_INTERPRET)
@@ -88,11 +88,6 @@ def _jitted_kernel():
     return triton.jit(_norm_rope_rows)
 
 
-def _triton_interpreted() -> bool:
-    from triton import knobs
-    return bool(knobs.runtime.interpret)
-
-
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """x (B, N, D) as rows with unit channel stride and one row stride (a copy only if needed)."""
     B, N, _ = x.shape
@@ -150,20 +145,7 @@ def can_run_triton(q: torch.Tensor, explicit: bool) -> tuple[bool, str]:
         return False, f"dtype {q.dtype} not supported (use float32, float16 or bfloat16)"
     if q.shape[-1] > MAX_ROW:
         return False, f"row width D={q.shape[-1]} exceeds {MAX_ROW}"
-    if q.device.type == "cuda":
-        return True, "fused kernel on CUDA"
-    if q.device.type == "cpu" and explicit:
-        if _triton_interpreted():
-            return True, "Triton interpreter on CPU (slow; for tests)"
-        return False, "CPU tensors need TRITON_INTERPRET=1 set before the first call"
-    return False, f"needs CUDA tensors (got {q.device}; 'auto' uses triton only on CUDA)"
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    can_run: Callable[[torch.Tensor, bool], tuple[bool, str]]
-    run: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    return triton_device_check(q.device, explicit, triton_interpreted(), "fused kernel")
 
 
 BACKENDS: tuple[Backend, ...] = (
@@ -174,19 +156,8 @@ BACKENDS: tuple[Backend, ...] = (
 
 
 def select_backend(name: str, q: torch.Tensor) -> Backend:
-    """The backend `name` ("auto": the first that can run); ValueError with every reason otherwise."""
-    known = [b.name for b in BACKENDS]
-    if name != "auto" and name not in known:
-        raise ValueError(f"backend={name!r}: choose 'auto' or one of {known}")
-    reasons = {}
-    for b in BACKENDS:
-        if name not in ("auto", b.name):
-            continue
-        ok, why = b.can_run(q, name != "auto")
-        if ok:
-            return b
-        reasons[b.name] = why
-    raise ValueError(f"backend={name!r} cannot run these tensors: {reasons}")
+    """The backend `name` ("auto": the first that can run q)."""
+    return choose_backend(name, BACKENDS, q)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

@@ -1,8 +1,8 @@
 """The public 3D-DSA op: input checks, backend choice and the autograd Function.
 
-Backends are small records with a `can_run(q, offsets, auto) -> (ok, reason)` check, walked
-in preference order for "auto"; an explicit request that cannot run raises a ValueError
-that says why for every backend. The Triton kernels are imported on first use, so
+Backends are `megaslide.backends.Backend` records with a `can_run(q, offsets, explicit)`
+check, walked in preference order for "auto"; an explicit request that cannot run raises a
+ValueError that says why for every backend. The Triton kernels are imported on first use, so
 importing this module does not build them (tests choose TRITON_INTERPRET before that).
 """
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
+from megaslide.backends import Backend, triton_device_check, triton_interpreted
+from megaslide.backends import select_backend as choose_backend
 
 KernelSize = tuple[int, int, int]
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -31,10 +32,7 @@ def _kernels():
 def _triton_interpreted() -> bool:
     """Whether the kernels run (or, once imported, will run) in the CPU interpreter."""
     loaded = sys.modules.get("megaslide.attention.dsa.kernels")
-    if loaded is not None:
-        return loaded.INTERPRETED
-    from triton import knobs
-    return bool(knobs.runtime.interpret)
+    return loaded.INTERPRETED if loaded is not None else triton_interpreted()
 
 
 class _DSATritonFunction(torch.autograd.Function):
@@ -58,12 +56,12 @@ class _DSATritonFunction(torch.autograd.Function):
         return dq, dk, dv, doff, None, None
 
 
-def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, auto: bool) -> tuple[bool, str]:
+def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     """The PyTorch reference runs on any device and floating dtype."""
     return True, "pure PyTorch, any device and dtype"
 
 
-def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, auto: bool) -> tuple[bool, str]:
+def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     """The fused kernels need triton, fp32/fp16/bf16, d <= 128 and a launch grid within
     CUDA's limits, on CUDA; on CPU only under the Triton interpreter (TRITON_INTERPRET=1)
     and only when asked for by name."""
@@ -77,20 +75,7 @@ def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, auto: bool) -> tuple[
         return False, f"head dim d={d} exceeds {TRITON_MAX_HEAD_DIM}"
     if B * heads > 65535 or T * H * W >= 2**31:
         return False, f"B * heads = {B * heads} > 65535 or T * H * W = {T * H * W} >= 2**31"
-    if q.device.type == "cuda":
-        return True, "fused kernels on CUDA"
-    if q.device.type == "cpu" and not auto:
-        if _triton_interpreted():
-            return True, "Triton interpreter on CPU (slow; for tests)"
-        return False, "CPU tensors need TRITON_INTERPRET=1 set before the kernels are imported"
-    return False, f"needs CUDA tensors (got device {q.device}; 'auto' uses triton only on CUDA)"
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    can_run: Callable[[torch.Tensor, torch.Tensor, bool], tuple[bool, str]]
-    run: Callable[..., torch.Tensor]
+    return triton_device_check(q.device, explicit, _triton_interpreted(), "fused kernels")
 
 
 BACKENDS: tuple[Backend, ...] = (
@@ -101,22 +86,8 @@ BACKENDS: tuple[Backend, ...] = (
 
 
 def select_backend(name: str, q: torch.Tensor, offsets: torch.Tensor) -> Backend:
-    """The backend `name` ("auto" for the first that can run); ValueError with every
-    backend's reason when the request cannot be met."""
-    known = [b.name for b in BACKENDS]
-    if name != "auto" and name not in known:
-        raise ValueError(f"backend={name!r} is unknown; choose one of {['auto', *known]}")
-    auto = name == "auto"
-    candidates = BACKENDS if auto else [b for b in BACKENDS if b.name == name]
-    for backend in candidates:
-        if backend.can_run(q, offsets, auto)[0]:
-            return backend
-    reasons = []
-    for backend in BACKENDS:
-        ok, why = backend.can_run(q, offsets, auto)
-        reasons.append(f"{backend.name}: {'can run' if ok else 'cannot run'} ({why})")
-    raise ValueError(f"backend={name!r} cannot run these inputs "
-                     f"(q {tuple(q.shape)} {q.dtype} on {q.device}): " + "; ".join(reasons))
+    """The DSA backend `name` ("auto": the first that can run q and offsets)."""
+    return choose_backend(name, BACKENDS, q, offsets)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,

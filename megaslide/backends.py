@@ -1,0 +1,56 @@
+"""Backend choice for the fused ops (3D-DSA, fused QK-norm + RoPE), NATTEN / xformers style.
+
+An op lists its backends in the order "auto" tries them; each has a `can_run(*inputs,
+explicit) -> (ok, reason)` check. Asking by name for a backend that cannot run, or "auto"
+when none can, raises a ValueError that gives every backend's reason.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    can_run: Callable[..., tuple[bool, str]]   # (*inputs, explicit: bool) -> (ok, reason)
+    run: Callable[..., Any]
+
+
+def select_backend(name: str, backends: tuple[Backend, ...], *inputs: torch.Tensor) -> Backend:
+    """The backend called `name`, or for "auto" the first in `backends` that can run `inputs`."""
+    known = ["auto", *(b.name for b in backends)]
+    if name not in known:
+        raise ValueError(f"backend={name!r} is unknown; choose 'auto' to take the first that can run, "
+                         f"or one of: {', '.join(map(repr, known))}")
+    explicit = name != "auto"
+    for backend in backends:
+        if name in ("auto", backend.name) and backend.can_run(*inputs, explicit)[0]:
+            return backend
+    reasons = []
+    for backend in backends:
+        ok, why = backend.can_run(*inputs, explicit)
+        reasons.append(f"{backend.name}: {'can run' if ok else 'cannot run'} ({why})")
+    x = inputs[0]
+    raise ValueError(f"backend={name!r} cannot run these inputs ({tuple(x.shape)} {x.dtype} on {x.device}): "
+                     + "; ".join(reasons))
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    from triton import knobs
+    return bool(knobs.runtime.interpret)
+
+
+def triton_device_check(device: torch.device, explicit: bool, interpreted: bool, what: str) -> tuple[bool, str]:
+    """Triton kernels run on CUDA; on CPU only under the interpreter and only when asked for by name."""
+    if device.type == "cuda":
+        return True, f"{what} on CUDA"
+    if device.type == "cpu" and explicit:
+        if interpreted:
+            return True, "Triton interpreter on CPU (slow; for tests)"
+        return False, "CPU tensors need TRITON_INTERPRET=1 set before the kernels are first used"
+    return False, f"needs CUDA tensors (got device {device}; 'auto' uses triton only on CUDA)"
