@@ -80,7 +80,3 @@ def write_result(experiment: str, name: str, payload: dict, results_dir: Path | 
     os.replace(tmp, path)
     return path
 
-
-def load_results(experiment: str, results_dir: Path | str | None = None) -> list[dict]:
-    root = Path(results_dir or os.environ.get("MEGASLIDE_RESULTS_DIR") or RESULTS_DIR)
-    return [json.loads(p.read_text()) for p in sorted((root / experiment).glob("*.json"))]

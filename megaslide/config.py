@@ -161,7 +161,6 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 100
-    sample_every: int = 0          # 0: only at the end
     sample_steps: int = 20
     cfg_scale: float = 3.0
     resume: str = ""               # checkpoint path to resume from ("" = fresh, "auto" = latest in out dir)
