@@ -1,14 +1,9 @@
-import json
-import os
-import subprocess
-import sys
+from tests.experiments.runner import load_result, run_script
 
 
 def test_bench_attention_smoke(tmp_path):
-    env = {**os.environ, "MEGASLIDE_RESULTS_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "experiments/bench_attention.py", "--smoke"], check=True, env=env,
-                   capture_output=True, text=True)
-    data = json.loads((tmp_path / "attention" / "smoke.json").read_text())
+    run_script(["experiments/bench_attention.py", "--smoke"], tmp_path)
+    data = load_result(tmp_path, "attention", "smoke")
     rows = data["tables"]["sweep"]
     ok = {r["variant"] for r in rows if r.get("status") == "ok"}
     assert {"dense", "swin2x4x4", "dsa_reference"} <= ok

@@ -1,12 +1,7 @@
-import json
-import os
-import subprocess
-import sys
+from tests.experiments.runner import load_result, run_script
 
 
 def test_gpu_check_dsa_smoke(tmp_path):
-    env = {**os.environ, "MEGASLIDE_RESULTS_DIR": str(tmp_path), "PYTHONPATH": "."}
-    subprocess.run([sys.executable, "experiments/gpu_check_dsa.py", "--smoke"], check=True, env=env,
-                   capture_output=True, text=True)
-    data = json.loads((tmp_path / "attention" / "dsa_gpu_check_smoke.json").read_text())
+    run_script(["experiments/gpu_check_dsa.py", "--smoke"], tmp_path, PYTHONPATH=".")
+    data = load_result(tmp_path, "attention", "dsa_gpu_check_smoke")
     assert data["passed"] is True and data["rows"]

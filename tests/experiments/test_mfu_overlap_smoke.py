@@ -1,19 +1,11 @@
 """Smoke run of experiments/mfu_overlap.py at its tiny size (CPU)."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.experiments.runner import load_result, run_script
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
-    env = {**os.environ, "MEGASLIDE_RESULTS_DIR": str(tmp_path), "WANDB_MODE": "disabled"}
-    done = subprocess.run([sys.executable, "-m", "experiments.mfu_overlap", "tiny=true"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    record = json.loads((tmp_path / "mfu_overlap" / "tiny.json").read_text())
+    stdout = run_script(["-m", "experiments.mfu_overlap", "tiny=true"], tmp_path)
+    record = load_result(tmp_path, "mfu_overlap", "tiny")
     assert {"command", "commit", "hardware", "date"} <= record.keys()
     fp32 = [r for r in record["correctness"]["rows"] if r["precision"] == "fp32"]
     assert {r["variant"] for r in fp32} == {"overlap", "serial", "gpu_optimizer"}
@@ -30,4 +22,4 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
     assert rows["gpu_optimizer"]["h2d_bytes"] > rows["overlap"]["h2d_bytes"]
     assert record["memory_wall"] == {"skipped": "no CUDA device"}
     assert record["overlap_speedup_vs_serial"] > 0
-    assert "variant" in done.stdout.splitlines()[-6]  # the table is printed last
+    assert "variant" in stdout.splitlines()[-6]  # the table is printed last

@@ -1,17 +1,14 @@
 """ablate_offsets.py and quality.py end to end at the smallest size: train, sample, score, JSON."""
 import json
-import os
-import subprocess
-import sys
+
+from tests.experiments.runner import run_script
 
 TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "seeds=[0]", "data.height=8", "data.width=8",
         "data.shape_size=4", "data.speed=2", "data.frames=4", "data.num_videos=8", "train.batch_size=2"]
 
 
 def _run(script, tmp_path, *extra):
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    subprocess.run([sys.executable, f"experiments/{script}", f"out_dir={tmp_path}", *TINY, *extra], check=True,
-                   env=env, capture_output=True, text=True)
+    run_script([f"experiments/{script}", f"out_dir={tmp_path}", *TINY, *extra])
     return json.loads(next((tmp_path / "results").rglob("cpu_tiny.json")).read_text())
 
 

@@ -1,22 +1,14 @@
 """Smoke run of experiments/sp_inference.py at its tiny size: torchrun, 2 gloo ranks on CPU."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.experiments.runner import load_result, run_script
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 LADDER = ["causal: none", "causal: +precomputed RoPE", "causal: +no host sync", "causal: +fused QK-norm+RoPE",
           "causal: +CUDA graphs (all)"]
 
 
 def test_sp_inference_tiny_on_two_ranks_writes_a_complete_result(tmp_path):
-    env = {**os.environ, "MEGASLIDE_RESULTS_DIR": str(tmp_path), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "experiments.sp_inference", "--tiny"]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    record = json.loads((tmp_path / "sp_inference" / "tiny_P2.json").read_text())
+    stdout = run_script(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         "-m", "experiments.sp_inference", "--tiny"], tmp_path, OMP_NUM_THREADS="1")
+    record = load_result(tmp_path, "sp_inference", "tiny_P2")
     assert {"command", "commit", "hardware", "date", "note"} <= record.keys()
     check = record["tables"]["correctness"][0]
     assert check["sp_within_2x_bf16_noise"] and check["bf16_noise_max_abs_diff_vs_fp32_first_2_chunks"] > 0
@@ -28,5 +20,5 @@ def test_sp_inference_tiny_on_two_ranks_writes_a_complete_result(tmp_path):
     assert [r["cuda_graphs_status"] for r in rows if "cuda_graphs_status" in r] == ["off"] * 6  # CPU: no graphs
     summary = record["summary"]
     assert {"speedup_vs_1gpu_total", "speedup_vs_full_sequence_total", "ttff_1gpu_below_1s"} <= summary.keys()
-    lines = done.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     assert lines[-len(rows) - 1].startswith("variant") and lines[-1].startswith("full-sequence")  # table last

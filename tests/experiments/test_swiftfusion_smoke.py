@@ -1,20 +1,12 @@
 """Smoke run of experiments/swiftfusion.py: 2 gloo processes on CPU, tiny sizes."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.experiments.runner import load_result, run_script
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SP_VARIANTS = {"ulysses", "ring", "usp", "hybrid_ring_intra", "torus", "swiftfusion"}
 
 
 def test_swiftfusion_smoke_writes_a_complete_result(tmp_path):
-    env = {**os.environ, "MEGASLIDE_RESULTS_DIR": str(tmp_path), "WANDB_MODE": "disabled"}
-    done = subprocess.run([sys.executable, "-m", "experiments.swiftfusion", "--smoke"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    record = json.loads((tmp_path / "swiftfusion" / "smoke.json").read_text())
+    stdout = run_script(["-m", "experiments.swiftfusion", "--smoke"], tmp_path)
+    record = load_result(tmp_path, "swiftfusion", "smoke")
     assert {"command", "commit", "hardware", "date"} <= record.keys()
     assert record["world_size"] == 2 and record["ceilings"]["sdpa"]["tflops"] > 0
     assert record["ceilings"]["all_to_all"]["busbw_GBps"] > 0
@@ -38,6 +30,6 @@ def test_swiftfusion_smoke_writes_a_complete_result(tmp_path):
     assert {(r["nodes"], r["gpus"]) for r in sim} == {(2, 16), (4, 32), (8, 64)}
     assert all(r["ring_intra"]["placement"] == "ring_intra" and r["usp"]["placement"] == "ulysses_intra" for r in sim)
 
-    out = done.stdout.splitlines()
+    out = stdout.splitlines()
     assert out[-1].startswith("wrote ") and "vs USP" in out[-len(rows) - 2]  # the table is printed last
     assert any("simulated" in line for line in out)

@@ -1,33 +1,26 @@
 """train.py -> sample.py end to end at the smallest size, and claims.py on the committed results."""
-import os
-import subprocess
-import sys
-
 import imageio.v2 as imageio
+
+from tests.experiments.runner import run_script
 
 TINY = ["train.steps=2", "train.batch_size=2", "train.sample_steps=1", "data.frames=4", "data.height=8",
         "data.width=8", "data.shape_size=4", "data.num_videos=4", "sample_captions=[a red circle moving left]"]
 
 
-def _run(args):
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, *args], check=True, env=env, capture_output=True, text=True).stdout
-
-
 def test_train_then_sample(tmp_path):
-    _run(["experiments/train.py", f"out_dir={tmp_path}", *TINY])
+    run_script(["experiments/train.py", f"out_dir={tmp_path}", *TINY])
     ckpt = tmp_path / "checkpoints" / "step_2.pt"
     assert ckpt.is_file() and (tmp_path / "metrics.jsonl").is_file()
     assert len(imageio.mimread(tmp_path / "samples" / "step2_0.mp4")) == 4
     out = tmp_path / "up.mp4"
-    _run(["experiments/sample.py", f"checkpoint={ckpt}", "caption=a blue square moving up", "steps=1", f"out={out}"])
+    run_script(["experiments/sample.py", f"checkpoint={ckpt}", "caption=a blue square moving up", "steps=1", f"out={out}"])
     frames = imageio.mimread(out)
     assert len(frames) == 4 and frames[0].shape == (8, 8, 3)
 
 
 def test_claims_table_from_results(tmp_path):
     out = tmp_path / "README.md"
-    _run(["experiments/claims.py", "--out", str(out)])
+    run_script(["experiments/claims.py", "--out", str(out)])
     text = out.read_text()
     for claim in ["C1", "C4", "C8", "S3", "F4"]:
         assert f"| {claim} |" in text
