@@ -105,20 +105,28 @@ def _axis_sample(start, j, offset, size):
 
 
 @triton.jit
-def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
-                    T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
-                    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_q = tl.program_id(0)
+def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr):
+    """This program's (batch, head) and its BLOCK_Q query tokens (row-major over (t, y, x)).
+
+    Returns b (int64), h, N = T*H*W, n (BQ,) token indices, q_valid (BQ,) n < N, and the
+    queries' grid coordinates t, y, x (BQ,)."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS).to(tl.int64)
     h = pid_bh % HEADS
     N = T * H * W
-    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
-    q_valid = n < N
+    n = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
     t = n // (H * W)
     y = (n // W) % H
     x = n % W
+    return b, h, N, n, n < N, t, y, x
+
+
+@triton.jit
+def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
+                    T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
+                    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
 
@@ -174,7 +182,7 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
 
     out = acc / l_i[:, None]  # (BQ, BD)
     tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
-    tl.store(lse_ptr + pid_bh.to(tl.int64) * N + n, m_i + tl.log2(l_i), mask=q_valid)
+    tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
 
 
 @triton.jit
@@ -183,16 +191,7 @@ def _dsa_bwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr,
                     T, H, W, HEADS, D, stride_tok, stride_off_tok, scale, qk_scale,
                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr):
-    pid_q = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HEADS).to(tl.int64)
-    h = pid_bh % HEADS
-    N = T * H * W
-    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
-    q_valid = n < N
-    t = n // (H * W)
-    y = (n // W) % H
-    x = n % W
+    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     # Claim only 4-element contiguity: the fp32 atomics then share the loads' layout
     # (4 columns per thread) instead of converting every tile through shared memory.
     cols = tl.max_contiguous(tl.arange(0, BLOCK_D), 4)  # (BD,)
@@ -208,7 +207,7 @@ def _dsa_bwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr,
     do = tl.load(dout_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
     o = tl.load(out_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
     delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
-    lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * N + n, mask=q_valid, other=0.0)  # (BQ,) log2 units
+    lse = tl.load(lse_ptr + (b * HEADS + h) * N + n, mask=q_valid, other=0.0)  # (BQ,) log2 units
     off_row = b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
     off_q = off_ptr + off_row
     doff_q = doff_ptr + off_row
