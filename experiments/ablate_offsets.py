@@ -10,13 +10,14 @@ trained, sampled on held-out captions and scored (experiments/quality_protocol.p
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from experiments.hydra_config import typed_configs
-from experiments.quality_protocol import aggregate, ground_truth_row, run_variant, save_grid, strip_samples
+from experiments.quality_protocol import aggregate, ground_truth_row, run_jobs, save_grid, strip_samples
 from experiments.report import markdown_table
 from experiments.results_io import write_result
 
@@ -29,13 +30,11 @@ def main(cfg: DictConfig) -> None:
         model.validate()
         model.attention.validate(model.token_grid(data.frames, data.height, data.width))
     out_dir = Path(cfg.out_dir)
-    rows = []
-    for seed in cfg.seeds:
-        for variant in cfg.variants:
-            train.seed = int(seed)
-            rows.append(run_variant(variant, model, data, train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
-                                    sample_batch=cfg.sample_batch, out_dir=out_dir, project=cfg.wandb_project,
-                                    tag=cfg.name, save_mp4=cfg.save_mp4))
+    jobs = [dict(attention=variant, model=model, data=data, train=dataclasses.replace(train, seed=int(seed)),
+                 n_eval=cfg.n_eval, eval_seed=cfg.eval_seed, sample_batch=cfg.sample_batch, out_dir=out_dir,
+                 project=cfg.wandb_project, tag=cfg.name, save_mp4=cfg.save_mp4)
+            for seed in cfg.seeds for variant in cfg.variants]
+    rows = run_jobs(jobs, cfg.workers)
     rows.append(ground_truth_row(data, cfg.n_eval, cfg.eval_seed))
     summary = aggregate(rows)
     path = write_result("ablate_offsets", cfg.results_name,

@@ -15,9 +15,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-import baselines  # noqa: F401  (registers the swin attention)
 from experiments.hydra_config import typed_configs
-from experiments.quality_protocol import aggregate, ground_truth_row, run_variant, save_grid, strip_samples
+from experiments.quality_protocol import aggregate, ground_truth_row, run_jobs, save_grid, strip_samples
 from experiments.report import markdown_table
 from experiments.results_io import write_result
 
@@ -27,26 +26,27 @@ def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
     model.attention.window = tuple(cfg.swin_window)
     clips = [dataclasses.replace(data, frames=int(f)) for f in cfg.clip_frames]
+    batches = [int(b) for b in cfg.clip_batch_sizes] or [train.batch_size] * len(clips)
+    if len(batches) != len(clips):
+        raise ValueError(f"clip_batch_sizes={list(cfg.clip_batch_sizes)} needs one batch size per entry of "
+                         f"clip_frames={list(cfg.clip_frames)}, or [] to use train.batch_size for every clip")
     for clip in clips:                       # every (variant, clip) is validated before training starts
         grid = model.token_grid(clip.frames, clip.height, clip.width)
         for name in cfg.variants:
             dataclasses.replace(model.attention, name=name).validate(grid)
     out_dir = Path(cfg.out_dir)
-    rows = []
-    for clip in clips:
-        for seed in cfg.seeds:
-            for variant in cfg.variants:
-                train.seed = int(seed)
-                rows.append(run_variant(variant, model, clip, train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
-                                        sample_batch=cfg.sample_batch, out_dir=out_dir,
-                                        project=cfg.wandb_project, tag=f"{cfg.name}{clip.frames}f",
-                                        save_mp4=cfg.save_mp4))
-        rows.append(ground_truth_row(clip, cfg.n_eval, cfg.eval_seed))
+    jobs = [dict(attention=variant, model=model, data=clip,
+                 train=dataclasses.replace(train, seed=int(seed), batch_size=batch),
+                 n_eval=cfg.n_eval, eval_seed=cfg.eval_seed, sample_batch=cfg.sample_batch, out_dir=out_dir,
+                 project=cfg.wandb_project, tag=f"{cfg.name}{clip.frames}f", save_mp4=cfg.save_mp4)
+            for clip, batch in zip(clips, batches) for seed in cfg.seeds for variant in cfg.variants]
+    rows = run_jobs(jobs, cfg.workers)
+    rows += [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips]
     summary = aggregate(rows)
     path = write_result("quality", cfg.results_name,
                         {"config": {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
                                     "size": [data.height, data.width], "swin_window": list(cfg.swin_window),
-                                    "steps": train.steps, "seeds": list(cfg.seeds)},
+                                    "steps": train.steps, "seeds": list(cfg.seeds), "batch_sizes": batches},
                          "rows": summary, "tables": {"per seed": strip_samples(rows)}},
                         results_dir=cfg.results_dir)
     for clip in clips:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import baselines  # noqa: F401  (registers the swin attention, also in worker processes)
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
 from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
@@ -83,6 +87,31 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     row["samples"] = videos[:4]
     row["captions"] = captions[:4]
     return row
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_job(job: dict) -> dict:
+    return run_variant(**job)
+
+
+def run_jobs(jobs: list[dict], workers: int) -> list[dict]:
+    """run_variant(**job) for every job; result rows in job order.
+
+    workers > 1 runs that many jobs at once in spawned processes (on one GPU: small models
+    leave it idle between kernel launches and data batches, which other runs then fill).
+    Each worker gets an equal share of the CPU threads. Every job is independent and
+    seeded, so the rows do not depend on `workers`."""
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1 (1 runs the jobs one after another in this process)")
+    if workers == 1:
+        return [run_variant(**job) for job in jobs]
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init_worker, initargs=(threads,)) as pool:
+        return list(pool.map(_run_job, jobs))
 
 
 def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:

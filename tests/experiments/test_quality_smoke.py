@@ -26,3 +26,13 @@ def test_quality_smoke(tmp_path):
     data = _run("quality.py", tmp_path, "clip_frames=[4]")
     assert {r["variant"] for r in data["rows"]} == {"dense", "swin", "dsa", "dsa_zero", "ground_truth"}
     assert all(r["seeds"] == 1 for r in data["rows"] if r["variant"] != "ground_truth")
+
+
+def test_parallel_workers_give_the_same_rows(tmp_path):
+    """workers=2 (spawned processes) trains and scores the same runs as workers=1."""
+    serial = _run("ablate_offsets.py", tmp_path / "serial")["tables"]["per seed"]
+    parallel = _run("ablate_offsets.py", tmp_path / "parallel", "workers=2")["tables"]["per seed"]
+    assert [r["variant"] for r in parallel] == [r["variant"] for r in serial]
+    for a, b in zip(serial, parallel):
+        if a["variant"] != "ground_truth":
+            assert abs(a["final_loss"] - b["final_loss"]) <= 1e-4 * abs(a["final_loss"])
