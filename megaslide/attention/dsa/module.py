@@ -45,7 +45,9 @@ class DSAAttention(SelfAttention):
     def offsets(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """x (B, N, D) -> offsets (B, T, H, W, heads, K, 3) in token units, |.| < max_offset."""
         B, N, D = x.shape
-        h = x.transpose(1, 2).reshape(B, D, *grid)                  # (B, D, T, H, W)
+        # contiguous NCDHW: the strided view is channels-last, where cuDNN's bf16 depthwise
+        # Conv3d weight gradient runs 15-50x slower on an H200 (experiments/profile_step.py)
+        h = x.transpose(1, 2).reshape(B, D, *grid).contiguous()     # (B, D, T, H, W)
         h = F.gelu(self.offset_conv(h)).permute(0, 2, 3, 4, 1)      # (B, T, H, W, D)
         o = self.offset_proj(h)                                     # (B, T, H, W, heads*K*3)
         o = o.view(B, *grid, self.num_heads, self.num_samples, 3)  # (B, T, H, W, heads, K, 3)
