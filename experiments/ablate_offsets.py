@@ -17,9 +17,8 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.hydra_config import typed_configs
-from experiments.quality_protocol import aggregate, ground_truth_row, run_jobs, save_grid, strip_samples
+from experiments.quality_protocol import aggregate, ground_truth_row, publish, run_jobs
 from experiments.report import markdown_table
-from experiments.results_io import write_result
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="ablate_offsets")
@@ -34,18 +33,18 @@ def main(cfg: DictConfig) -> None:
                  n_eval=cfg.n_eval, eval_seed=cfg.eval_seed, sample_batch=cfg.sample_batch, out_dir=out_dir,
                  project=cfg.wandb_project, tag=cfg.name, save_mp4=cfg.save_mp4)
             for seed in cfg.seeds for variant in cfg.variants]
-    rows = run_jobs(jobs, cfg.workers)
-    rows.append(ground_truth_row(data, cfg.n_eval, cfg.eval_seed))
-    summary = aggregate(rows)
-    path = write_result("ablate_offsets", cfg.results_name,
-                        {"config": {"speed_px_per_frame": data.speed, "frames": data.frames,
-                                    "size": [data.height, data.width], "patch": list(model.patch_size),
-                                    "kernel_size": list(model.attention.kernel_size),
-                                    "max_offset": model.attention.max_offset, "steps": train.steps},
-                         "rows": summary, "tables": {"per seed": strip_samples(rows)}},
-                        results_dir=cfg.results_dir)
-    save_grid(path.with_name(f"{cfg.results_name}_samples.png"), rows)
-    print(markdown_table(summary))
+    truth = [ground_truth_row(data, cfg.n_eval, cfg.eval_seed)]
+    config = {"speed_px_per_frame": data.speed, "frames": data.frames, "size": [data.height, data.width],
+              "patch": list(model.patch_size), "kernel_size": list(model.attention.kernel_size),
+              "max_offset": model.attention.max_offset, "steps": train.steps, "seeds": list(cfg.seeds)}
+
+    def save(rows: list[dict]) -> Path:
+        return publish("ablate_offsets", cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs),
+                       {"": None})
+
+    rows = run_jobs(jobs, cfg.workers, on_row=save)
+    path = save(rows)
+    print(markdown_table(aggregate(rows + truth)))
     print(f"wrote {path}")
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from baselines.swin_attention import SwinAttention
-from experiments.results_io import RESULTS_DIR, write_result
+from experiments.results_io import write_result
 from megaslide.attention.dsa import deformable_slide_attention
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet

@@ -16,9 +16,8 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.hydra_config import typed_configs
-from experiments.quality_protocol import aggregate, ground_truth_row, run_jobs, save_grid, strip_samples
+from experiments.quality_protocol import aggregate, ground_truth_row, publish, run_jobs
 from experiments.report import markdown_table
-from experiments.results_io import write_result
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="quality")
@@ -39,20 +38,19 @@ def main(cfg: DictConfig) -> None:
                  train=dataclasses.replace(train, seed=int(seed), batch_size=batch),
                  n_eval=cfg.n_eval, eval_seed=cfg.eval_seed, sample_batch=cfg.sample_batch, out_dir=out_dir,
                  project=cfg.wandb_project, tag=f"{cfg.name}{clip.frames}f", save_mp4=cfg.save_mp4)
-            for clip, batch in zip(clips, batches) for seed in cfg.seeds for variant in cfg.variants]
-    rows = run_jobs(jobs, cfg.workers)
-    rows += [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips]
-    summary = aggregate(rows)
-    path = write_result("quality", cfg.results_name,
-                        {"config": {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
-                                    "size": [data.height, data.width], "swin_window": list(cfg.swin_window),
-                                    "steps": train.steps, "seeds": list(cfg.seeds), "batch_sizes": batches},
-                         "rows": summary, "tables": {"per seed": strip_samples(rows)}},
-                        results_dir=cfg.results_dir)
-    for clip in clips:
-        save_grid(path.with_name(f"{cfg.results_name}_{clip.frames}f_samples.png"),
-                  [r for r in rows if r["frames"] == clip.frames])
-    print(markdown_table(summary))
+            for seed in cfg.seeds for clip, batch in zip(clips, batches) for variant in cfg.variants]
+    truth = [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips]
+    config = {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
+              "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": train.steps,
+              "seeds": list(cfg.seeds), "batch_sizes": batches}
+
+    def save(rows: list[dict]) -> Path:
+        return publish("quality", cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs),
+                       {f"_{clip.frames}f": clip.frames for clip in clips})
+
+    rows = run_jobs(jobs, cfg.workers, on_row=save)
+    path = save(rows)
+    print(markdown_table(aggregate(rows + truth)))
     print(f"wrote {path}")
 
 

@@ -15,11 +15,13 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 import baselines  # noqa: F401  (registers the swin attention, also in worker processes)
+from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
 from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
@@ -97,21 +99,45 @@ def _run_job(job: dict) -> dict:
     return run_variant(**job)
 
 
-def run_jobs(jobs: list[dict], workers: int) -> list[dict]:
+def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """run_variant(**job) for every job; result rows in job order.
 
-    workers > 1 runs that many jobs at once in spawned processes (on one GPU: small models
-    leave it idle between kernel launches and data batches, which other runs then fill).
-    Each worker gets an equal share of the CPU threads. Every job is independent and
-    seeded, so the rows do not depend on `workers`."""
+    `on_row(rows_so_far)` is called after each finished job (in job order), so a caller can
+    publish partial results that survive an interrupted run. workers > 1 runs that many
+    jobs at once in spawned processes; each gets an equal share of the CPU threads. Every
+    job is independent and seeded, so the rows do not depend on `workers`."""
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 (1 runs the jobs one after another in this process)")
+    rows: list[dict] = []
     if workers == 1:
-        return [run_variant(**job) for job in jobs]
+        for job in jobs:
+            rows.append(run_variant(**job))
+            on_row(rows)
+        return rows
     threads = max(1, (os.cpu_count() or 1) // workers)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_init_worker, initargs=(threads,)) as pool:
-        return list(pool.map(_run_job, jobs))
+        for row in pool.map(_run_job, jobs):
+            rows.append(row)
+            on_row(rows)
+    return rows
+
+
+def publish(experiment: str, name: str, results_dir, config: dict, rows: list[dict], truth: list[dict],
+            jobs_total: int, grids: dict[str, int | None]) -> Path:
+    """Write the result JSON (summary over seeds + per-seed table) and the sample grids.
+
+    `rows` may be a prefix of the jobs (`jobs_done` < `jobs_total` marks a partial result);
+    `grids` maps a PNG suffix to the clip length it shows (None: every row)."""
+    everything = rows + truth
+    path = write_result(experiment, name, {"config": config, "jobs_done": len(rows), "jobs_total": jobs_total,
+                                           "rows": aggregate(everything),
+                                           "tables": {"per seed": strip_samples(everything)}},
+                        results_dir=results_dir)
+    for suffix, frames in grids.items():
+        save_grid(path.with_name(f"{name}{suffix}_samples.png"),
+                  [r for r in rows if frames is None or r["frames"] == frames])
+    return path
 
 
 def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:

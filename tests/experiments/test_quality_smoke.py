@@ -20,6 +20,7 @@ def test_ablate_offsets_smoke(tmp_path):
     assert len({r["params"] for r in per_seed if "params" in r}) == 1   # equal parameter counts
     gt = next(r for r in data["rows"] if r["variant"] == "ground_truth")
     assert gt["text_alignment_mean"] == 1.0                            # the ceiling is reachable
+    assert data["jobs_done"] == data["jobs_total"] == 2                 # complete, not a partial result
 
 
 def test_quality_smoke(tmp_path):
