@@ -81,10 +81,18 @@ def render(experiment: str, results_dir: Path = RESULTS_DIR) -> Path | None:
         out += [f"- command: `{data.get('command', '?')}`", f"- commit: `{data.get('commit', '?')}`",
                 f"- hardware: {_hardware(data.get('hardware', {}))}", f"- date: {data.get('date', '?')}", ""]
         for png in sorted((results_dir / experiment).glob(f"{f.stem}*.png")):
-            out += [f"![{png.stem}]({experiment}/{png.name})", ""]
+            if owner(png.stem, [g.stem for g in files]) == f.stem:
+                out += [f"![{png.stem}]({experiment}/{png.name})", ""]
     path = results_dir / f"{experiment}.md"
     path.write_text("\n".join(out))
     return path
+
+
+def owner(png_stem: str, json_stems: list[str]) -> str | None:
+    """The result a plot belongs to: the longest JSON stem that prefixes its name
+    (`h200_seeds12_samples` belongs to `h200_seeds12`, not to `h200`)."""
+    matches = [s for s in json_stems if png_stem == s or png_stem.startswith(s + "_")]
+    return max(matches, key=len, default=None)
 
 
 def main() -> None:

@@ -286,13 +286,38 @@ def benchmark(cfg) -> None:
     symm_ok, symm_reason = can_use_symm_mem(None, device)
     sample = torch.zeros(1, 1, 8, cfg.head_dim, device=device, dtype=dtype)
     backend, why_not = select_backend(sample, sample, sample)
+    backward_backend, _ = select_backend(sample, sample, sample, backward=True)
 
     unavailable = {v.name: unavailable_reason(v, world, cfg.heads, device) for v in variants}
     runnable = [v for v in variants if unavailable[v.name] is None]
     correctness = [check_variant(v, cfg, device, dtype, rank, world, causal)
                    for v in runnable if v.plan is not None for causal in (False, True)]
 
-    timings = []
+    timings: list[dict] = []
+    sim_intra = a2a["busbw_GBps"] if a2a and device.type == "cuda" else cfg.intra_bw
+    payload = {
+        "world_size": world, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "heads": cfg.heads, "head_dim": cfg.head_dim, "usp_degrees": [usp_u, world // usp_u],
+        "degenerate": world == 1,
+        "note": ("one rank: every distributed mode runs as local attention without communication"
+                 if world == 1 else ""),
+        "ceilings": {"sdpa": ceiling, "all_to_all": a2a},
+        "symm_mem": {"available": symm_ok, "reason": symm_reason},
+        "attention_backend": {"name": backend.name, "why_not_others": why_not,
+                              "backward": backward_backend.name},
+        "run_topology": asdict(topo), "unavailable": {k: r for k, r in unavailable.items() if r},
+        "correctness": correctness, "timings": timings, "jobs_done": 0, "jobs_total": len(cfg.seq_lens),
+        "simulation_inputs": {
+            "simulated": True, "attn_tflops": ceiling["tflops"], "attn_tflops_source": f"measured SDPA on {device}",
+            "intra_bw_GBps": sim_intra,
+            "intra_bw_source": "measured all-to-all busbw" if sim_intra != cfg.intra_bw else "--intra-bw (assumed)",
+            "inter_bw_GBps": cfg.inter_bw, "inter_bw_source": "--inter-bw (assumed)",
+            "gpus_per_node": cfg.sim_gpus_per_node},
+        "simulation": simulate(cfg, ceiling["tflops"], sim_intra, cfg.inter_bw),
+    }
+    name = cfg.name or ("smoke" if cfg.smoke else f"{device.type}_w{world}")
+    if rank == 0:                            # correctness and simulation first; timings are added per length
+        path = write_result("swiftfusion", name, payload)
     for n in cfg.seq_lens:
         n = n // world * world
         rows = [time_variant(v, n, cfg, device, dtype, world, topo, ceiling["tflops"]) for v in runnable]
@@ -303,29 +328,10 @@ def benchmark(cfg) -> None:
             if usp_t and "time_s" in r:
                 r["speedup_vs_usp"] = usp_t / r["time_s"]
         timings.extend(rows)
-
-    sim_intra = a2a["busbw_GBps"] if a2a and device.type == "cuda" else cfg.intra_bw
-    payload = {
-        "world_size": world, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "heads": cfg.heads, "head_dim": cfg.head_dim, "usp_degrees": [usp_u, world // usp_u],
-        "degenerate": world == 1,
-        "note": ("one rank: every distributed mode runs as local attention without communication"
-                 if world == 1 else ""),
-        "ceilings": {"sdpa": ceiling, "all_to_all": a2a},
-        "symm_mem": {"available": symm_ok, "reason": symm_reason},
-        "attention_backend": {"name": backend.name, "why_not_others": why_not},
-        "run_topology": asdict(topo), "unavailable": {k: r for k, r in unavailable.items() if r},
-        "correctness": correctness, "timings": timings,
-        "simulation_inputs": {
-            "simulated": True, "attn_tflops": ceiling["tflops"], "attn_tflops_source": f"measured SDPA on {device}",
-            "intra_bw_GBps": sim_intra,
-            "intra_bw_source": "measured all-to-all busbw" if sim_intra != cfg.intra_bw else "--intra-bw (assumed)",
-            "inter_bw_GBps": cfg.inter_bw, "inter_bw_source": "--inter-bw (assumed)",
-            "gpus_per_node": cfg.sim_gpus_per_node},
-        "simulation": simulate(cfg, ceiling["tflops"], sim_intra, cfg.inter_bw),
-    }
+        payload["jobs_done"] += 1
+        if rank == 0:                        # rewritten after every length: a cut-short run keeps its rows
+            path = write_result("swiftfusion", name, payload)
     if rank == 0:
-        path = write_result("swiftfusion", cfg.name or ("smoke" if cfg.smoke else f"{device.type}_w{world}"), payload)
         print_tables(payload)
         print(f"wrote {path}")
 

@@ -10,6 +10,9 @@ masks are expressed through positions, so the same code serves contiguous shards
 gathered shards (Ulysses) and interleaved shards (hybrid with ring_intra placement).
 
 Kernels, NATTEN-style: `_BACKENDS` is walked in order, each has `can_run(q, k, v) -> (ok, why)`:
+- `cudnn` (forward only): `torch.ops.aten._scaled_dot_product_cudnn_attention` with its lse,
+  the kernel PyTorch's SDPA picks on Hopper; probed like `flash`. Backward falls through to
+  the next backend, which needs only the merged out and lse.
 - `flash`: `torch.ops.aten._scaled_dot_product_flash_attention` and its backward (CUDA, fp16 /
   bf16), which return / accept the lse. It is probed once per device and dtype against the
   explicit path and used only if it agrees.
@@ -146,6 +149,13 @@ def _explicit_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+# ----------------------------------------------------------------------------- cuDNN kernel (forward)
+def _cudnn_forward(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]  # (B, h, Nq, d), (B, h, Nq, 1)
+    return out.float(), lse.reshape(q.shape[:3]).float()
+
+
 # ----------------------------------------------------------------------------- flash kernel
 def _flash_forward(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -163,36 +173,60 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.float(), dk.float(), dv.float()
 
 
-@functools.lru_cache(maxsize=None)
-def _flash_probe(device: str, dtype: torch.dtype) -> tuple[bool, str]:
-    """Run the flash op and its backward once on a tiny input and compare with the explicit path."""
+def _probe(forward, backward, device: str, dtype: torch.dtype) -> tuple[bool, str]:
+    """Run a fast path (and its backward, if any) once on a tiny input against the explicit path."""
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v, dout = (torch.randn(1, 2, 80, 64, device=device, dtype=dtype, generator=gen)
                          for _ in range(4))
         for causal in (False, True):
-            out, lse = _flash_forward(q, k, v, causal, 0.125)
+            out, lse = forward(q, k, v, causal, 0.125)
             ref_out, ref_lse = _explicit_forward(q, k, v, causal, 0.125)
-            grads = _flash_backward(dout, q, k, v, out, lse, causal, 0.125)
-            ref_grads = _explicit_backward(dout, q, k, v, out, lse, causal, 0.125)
-            for name, a, b in [("out", out, ref_out), ("lse", lse, ref_lse),
-                               *zip(("dq", "dk", "dv"), grads, ref_grads)]:
+            checks = [("out", out, ref_out), ("lse", lse, ref_lse)]
+            if backward is not None:
+                grads = backward(dout, q, k, v, ref_out, ref_lse, causal, 0.125)
+                ref_grads = _explicit_backward(dout, q, k, v, ref_out, ref_lse, causal, 0.125)
+                checks += zip(("dq", "dk", "dv"), grads, ref_grads)
+            for name, a, b in checks:
                 err = (a.float() - b.float()).abs().max().item()
                 if not err < 0.05:
-                    return False, f"flash {name} differs from the explicit path by {err:.3g} (causal={causal})"
+                    return False, f"{name} differs from the explicit path by {err:.3g} (causal={causal})"
         return True, "ok"
     except (RuntimeError, TypeError, AttributeError) as e:
-        return False, f"flash attention op failed: {type(e).__name__}: {e}"
+        return False, f"op failed: {type(e).__name__}: {e}"
 
 
-def _flash_can_run(q, k, v) -> tuple[bool, str]:
+@functools.lru_cache(maxsize=None)
+def _flash_probe(device: str, dtype: torch.dtype) -> tuple[bool, str]:
+    return _probe(_flash_forward, _flash_backward, device, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_probe(device: str, dtype: torch.dtype) -> tuple[bool, str]:
+    return _probe(_cudnn_forward, None, device, dtype)
+
+
+def _fused_kernel_check(q) -> tuple[bool, str]:
+    """What the fused CUDA kernels need of the inputs."""
     if q.device.type != "cuda":
         return False, f"needs CUDA tensors, got {q.device.type}"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False, f"needs fp16/bf16, got {q.dtype}"
     if q.shape[-1] % 8 or q.shape[-1] > 256:
         return False, f"needs head_dim a multiple of 8 and <= 256, got {q.shape[-1]}"
-    return _flash_probe(str(q.device), q.dtype)
+    return True, "ok"
+
+
+def _cudnn_can_run(q, k, v) -> tuple[bool, str]:
+    ok, why = _fused_kernel_check(q)
+    if ok and q.shape[-1] > 128:
+        ok, why = False, f"needs head_dim <= 128, got {q.shape[-1]}"
+    return _cudnn_probe(str(q.device), q.dtype) if ok else (ok, why)
+
+
+def _flash_can_run(q, k, v) -> tuple[bool, str]:
+    ok, why = _fused_kernel_check(q)
+    return _flash_probe(str(q.device), q.dtype) if ok else (ok, why)
 
 
 def _explicit_can_run(q, k, v) -> tuple[bool, str]:
@@ -204,19 +238,25 @@ class _Backend:
     name: str
     can_run: Callable[..., tuple[bool, str]]
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None  # None: forward only
 
 
 _BACKENDS = (
+    _Backend("cudnn", _cudnn_can_run, _cudnn_forward, None),
     _Backend("flash", _flash_can_run, _flash_forward, _flash_backward),
     _Backend("explicit", _explicit_can_run, _explicit_forward, _explicit_backward),
 )
 
 
-def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[_Backend, dict[str, str]]:
-    """The first backend that can run these tensors, and why each earlier one could not."""
+def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   backward: bool = False) -> tuple[_Backend, dict[str, str]]:
+    """The first backend that can run these tensors (and their backward, if asked), and why
+    each earlier one could not."""
     why_not: dict[str, str] = {}
     for backend in _BACKENDS:
+        if backward and backend.backward is None:
+            why_not[backend.name] = "forward only"
+            continue
         ok, reason = backend.can_run(q, k, v)
         if ok:
             return backend, why_not
@@ -242,7 +282,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """Gradients of one pair given the *final* out (B, h, Nq, d) and lse (B, h, Nq) of the query
     rows (merged over all key blocks): then the pair's dq, dk, dv are its exact share of the
     full gradients. Returns dq (B, h, Nq, d), dk and dv (B, h, Nk, d) in the accumulation dtype."""
-    backend, _ = select_backend(q, k, v)
+    backend, _ = select_backend(q, k, v, backward=True)
     cdt = compute_dtype(q.dtype)
     return tuple(g.to(cdt) for g in backend.backward(dout, q, k, v, out, lse, causal, scale))
 

@@ -12,3 +12,13 @@ def test_report_renders_rows_and_provenance(tmp_path):
     md = render("demo", tmp_path).read_text()
     assert "### rows" in md and "| n | ms | shape |" in md and "| 8192 | 1.5 | 1x2x3 |" in md and "| 16384 | 3.25 |  |" in md
     assert "nested" not in md and "a note" in md and "- commit:" in md
+
+
+def test_each_plot_is_shown_under_its_own_result(tmp_path):
+    for name in ("h200", "h200_seeds12"):
+        write_result("demo", name, {"rows": [{"x": 1}]}, results_dir=tmp_path)
+        (tmp_path / "demo" / f"{name}_samples.png").write_bytes(b"")
+    md = render("demo", tmp_path).read_text()
+    assert md.count("](demo/h200_samples.png)") == 1 and md.count("](demo/h200_seeds12_samples.png)") == 1
+    first, second = md.split("## h200_seeds12")
+    assert "h200_samples.png" in first and "h200_seeds12_samples.png" in second

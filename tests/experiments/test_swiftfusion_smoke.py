@@ -16,6 +16,7 @@ def test_swiftfusion_smoke_writes_a_complete_result(tmp_path):
     assert all(c["passed"] for c in record["correctness"]), record["correctness"]
 
     rows = record["timings"]
+    assert record["jobs_done"] == record["jobs_total"] == 2       # both sequence lengths, not a partial file
     assert {(r["variant"], r["seq_len"]) for r in rows} == {(v, n) for v in SP_VARIANTS | {"sdpa_1gpu", "ring_onesided"}
                                                             for n in (16, 32)}
     for r in rows:

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaslide.parallel.local_attn import (BlockPair, Segment, _flash_backward, _flash_forward, attention_backward,
+from megaslide.parallel.local_attn import (BlockPair, Segment, _cudnn_forward, _flash_backward, _flash_forward,
+                                           attention_backward,
                                            attention_forward, block_backward_, block_forward_, contiguous_layout,
                                            layout_from_shards, plan_block_pairs, select_backend)
 
@@ -130,11 +131,13 @@ def test_fp32_error_within_twice_torch(causal):
         assert err <= 2 * bar, f"{name}: {err:.3g} > 2 x torch's {bar:.3g}"
 
 
-def test_cpu_selects_explicit_and_says_why_not_flash():
+def test_cpu_selects_explicit_and_says_why_not_the_fused_kernels():
     q = rand(1, 1, 4, 8, dtype=torch.float32)
     backend, why_not = select_backend(q, q, q)
     assert backend.name == "explicit"
-    assert "CUDA" in why_not["flash"]
+    assert "CUDA" in why_not["flash"] and "CUDA" in why_not["cudnn"]
+    backend, why_not = select_backend(q, q, q, backward=True)
+    assert backend.name == "explicit" and why_not["cudnn"] == "forward only"
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -147,3 +150,12 @@ def test_flash_op_calls_match_this_torch_schema(causal):
     assert lse.shape == (2, 3, 40) and lse.dtype == torch.float32
     dq, dk, dv = _flash_backward(torch.empty_like(q), q, k, v, out, lse, causal, 0.125)
     assert dq.shape == dk.shape == dv.shape == (2, 3, 40, 64) and dq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_op_call_matches_this_torch_schema(causal):
+    """The cuDNN forward returns lse as (B, h, Nq, 1); ours hands it on as (B, h, Nq) fp32 (meta tensors)."""
+    q, k, v = (torch.empty(2, 3, 40, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = _cudnn_forward(q, k, v, causal, 0.125)
+    assert out.shape == (2, 3, 40, 64) and out.dtype == torch.float32
+    assert lse.shape == (2, 3, 40) and lse.dtype == torch.float32
