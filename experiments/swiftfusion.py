@@ -11,8 +11,10 @@ Variants (P ranks; U x R degrees of the hybrids from --usp-ulysses):
   swiftfusion        torus + ring_intra placement + one-sided ring where available
 Order of a run: ceilings (single-device SDPA TFLOP/s; all-to-all bus bandwidth if P >= 2) ->
 correctness (every variant vs single-device SDPA and an fp32/fp64 reference, output and grads,
-full and causal) -> timings with the cost model's prediction beside each -> a SIMULATED table
-(cost model only) for 2-8 nodes of 8 GPUs -> JSON (rank 0) -> tables.
+full and causal) -> timings with the cost model's prediction beside each -> end-to-end
+denoising-step latency of a DiT per mode (experiments/swiftfusion_step.py) -> tables. A SIMULATED
+table (cost model only) for 2-8 nodes of 8 GPUs is computed first. Rank 0 rewrites the JSON
+after every length, so a run that is cut short keeps what it measured.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         torchrun --nproc_per_node 2 -m experiments.swiftfusion          # GPUs
@@ -40,6 +42,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from experiments.results_io import write_result  # noqa: E402
+from experiments.swiftfusion_step import measure_denoising_steps  # noqa: E402
 from megaslide.parallel import resolve_degrees, sequence_parallel_attention  # noqa: E402
 from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans  # noqa: E402
 from megaslide.parallel.groups import Topology  # noqa: E402
@@ -257,6 +260,13 @@ def print_tables(payload: dict) -> None:
         speedup = f"{r['speedup_ring_intra_vs_usp']:.2f}x" if r["speedup_ring_intra_vs_usp"] else "-"
         print(f"{r['nodes']:>5} {r['gpus']:>5} {r['seq_len']:>9} {_plan_str(u):>22} {_ms(u):>9} "
               f"{_plan_str(s):>24} {_ms(s):>9} {speedup:>8}")
+    print(f"\ndenoising step of {payload['denoising_step_model']['preset']} (random weights), end to end")
+    print(f"{'variant':>18} {'frames':>6} {'tokens':>8} {'status':>11} {'ms':>10} {'vs USP':>7} {'max|diff|':>10}")
+    for r in payload["denoising_step"]:
+        ms = f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-"
+        vs = f"{r['speedup_vs_usp']:.2f}x" if r.get("speedup_vs_usp") else "-"
+        diff = f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else "-"
+        print(f"{r['variant']:>18} {r['latent_frames']:>6} {r['tokens']:>8} {r['status']:>11} {ms:>10} {vs:>7} {diff:>10}")
     print(f"\nmeasured on {payload['world_size']} rank(s), {payload['device']}, {payload['dtype']}, block attention "
           f"{payload['attention_backend']['name']}; one-sided: {payload['symm_mem']['reason']}; "
           f"correctness {'PASSED' if all(c['passed'] for c in payload['correctness']) else 'FAILED'}")
@@ -306,7 +316,9 @@ def benchmark(cfg) -> None:
         "attention_backend": {"name": backend.name, "why_not_others": why_not,
                               "backward": backward_backend.name},
         "run_topology": asdict(topo), "unavailable": {k: r for k, r in unavailable.items() if r},
-        "correctness": correctness, "timings": timings, "jobs_done": 0, "jobs_total": len(cfg.seq_lens),
+        "correctness": correctness, "timings": timings, "denoising_step": [], "denoising_step_model": {
+            "preset": cfg.e2e_preset, "latent_hw": [cfg.e2e_height, cfg.e2e_width], "weights": "random"},
+        "jobs_done": 0, "jobs_total": len(cfg.seq_lens) + len(cfg.e2e_frames),
         "simulation_inputs": {
             "simulated": True, "attn_tflops": ceiling["tflops"], "attn_tflops_source": f"measured SDPA on {device}",
             "intra_bw_GBps": sim_intra,
@@ -316,8 +328,13 @@ def benchmark(cfg) -> None:
         "simulation": simulate(cfg, ceiling["tflops"], sim_intra, cfg.inter_bw),
     }
     name = cfg.name or ("smoke" if cfg.smoke else f"{device.type}_w{world}")
-    if rank == 0:                            # correctness and simulation first; timings are added per length
-        path = write_result("swiftfusion", name, payload)
+    path = write_result("swiftfusion", name, payload) if rank == 0 else None  # correctness + simulation first
+
+    def save() -> None:                      # after every length: a cut-short run keeps the rows it has
+        payload["jobs_done"] += 1
+        if rank == 0:
+            write_result("swiftfusion", name, payload)
+
     for n in cfg.seq_lens:
         n = n // world * world
         rows = [time_variant(v, n, cfg, device, dtype, world, topo, ceiling["tflops"]) for v in runnable]
@@ -328,9 +345,10 @@ def benchmark(cfg) -> None:
             if usp_t and "time_s" in r:
                 r["speedup_vs_usp"] = usp_t / r["time_s"]
         timings.extend(rows)
-        payload["jobs_done"] += 1
-        if rank == 0:                        # rewritten after every length: a cut-short run keeps its rows
-            path = write_result("swiftfusion", name, payload)
+        save()
+
+    measure_denoising_steps(payload["denoising_step"], variants, unavailable, cfg, device, dtype, world, timed,
+                            on_length=save)
     if rank == 0:
         print_tables(payload)
         print(f"wrote {path}")
@@ -370,6 +388,12 @@ def parse_args(argv=None):
     ap.add_argument("--sim-nodes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--sim-gpus-per-node", type=int, default=8)
     ap.add_argument("--sim-seq-lens", type=int, nargs="+", default=[262144, 1048576])
+    ap.add_argument("--e2e-preset", default="wan-1.3b", help="DiT preset of the denoising-step table (random weights)")
+    ap.add_argument("--e2e-frames", type=int, nargs="*", default=[10, 21, 42],
+                    help="latent frames of the denoising-step table (none: skip it)")
+    ap.add_argument("--e2e-height", type=int, default=60, help="latent height (480p / 8)")
+    ap.add_argument("--e2e-width", type=int, default=104, help="latent width (832p / 8)")
+    ap.add_argument("--e2e-max-seconds", type=float, default=5.0, help="skip longer lengths after a slower step")
     ap.add_argument("--name", default=None, help="result file name (default: smoke or <device>_w<ranks>)")
     cfg = ap.parse_args(argv)
     if cfg.smoke:
@@ -378,6 +402,7 @@ def parse_args(argv=None):
         cfg.check_seq_len = cfg.check_seq_len or 16
         cfg.ceiling_seq_len = cfg.ceiling_seq_len or 64
         cfg.a2a_bytes, cfg.repeats = 2 ** 16, 2
+        cfg.e2e_preset, cfg.e2e_frames, cfg.e2e_height, cfg.e2e_width = "tiny", [2, 3], 4, 8
         cfg.world_size = cfg.world_size or 2
     cfg.seq_lens = cfg.seq_lens or GPU_SEQ_LENS
     cfg.check_seq_len = cfg.check_seq_len or 4096

@@ -29,7 +29,7 @@ from megaslide.inference.launch import add_model_args, build_model, group_size, 
 from megaslide.inference.sharded import Rope, ShardedDiT, TokenShard, gather_rows, patchify, shard_rope, unpatchify
 from megaslide.models.dit import VideoDiT
 from megaslide.models.rope import RopeTable
-from megaslide.parallel import MODES, resolve_degrees, sequence_parallel_attention
+from megaslide.parallel import MODES, PLACEMENTS, TRANSPORTS, resolve_degrees, sequence_parallel_attention
 
 
 @dataclass
@@ -38,6 +38,9 @@ class FullConfig:
     mode: str = "ulysses"                            # a sequence_parallel_attention mode
     ulysses_degree: int | None = None                # for mode hybrid / torus
     ring_degree: int | None = None
+    placement: str = "ulysses_intra"                 # sequence_parallel_attention's placement, transport, chunks
+    transport: str = "p2p"
+    chunks: int | None = None
     precompute_rope: bool = True
     fused_qk_rope: bool = True
 
@@ -48,8 +51,10 @@ class FullConfig:
         ts = self.timesteps
         if not ts or any(not 0 < t <= 1 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
             raise ValueError(f"timesteps={ts} must be strictly descending values in (0, 1]")
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r}: choose one of {MODES}")
+        for name, value, known in (("mode", self.mode, MODES), ("placement", self.placement, PLACEMENTS),
+                                   ("transport", self.transport, TRANSPORTS)):
+            if value not in known:
+                raise ValueError(f"{name}={value!r}: choose one of {known}")
 
 
 class SPAttention:
@@ -68,7 +73,8 @@ class SPAttention:
         else:
             c = self.config
             o = sequence_parallel_attention(q, k, v, mode=c.mode, group=self.group, ulysses_degree=c.ulysses_degree,
-                                            ring_degree=c.ring_degree, seq_len=self.seq_len)  # (B, n, h, d)
+                                            ring_degree=c.ring_degree, seq_len=self.seq_len, placement=c.placement,
+                                            transport=c.transport, chunks=c.chunks)  # (B, n, h, d)
         return self.attn.project_out(o)                         # (B, n, D)
 
 
@@ -121,11 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Full-sequence sequence-parallel sampling (run under torchrun)")
     add_model_args(parser)
     parser.add_argument("--mode", default="ulysses", choices=MODES)
+    parser.add_argument("--placement", default="ulysses_intra", choices=PLACEMENTS)
+    parser.add_argument("--transport", default="p2p", choices=TRANSPORTS)
     args = parser.parse_args(argv)
     ctx = init_distributed(args.device)
     model, noise, ids = build_model(args, ctx)
     sampler = FullSequenceSampler(model, frames=args.frames, height=args.height, width=args.width,
-                                  config=FullConfig(mode=args.mode), group=ctx.group)
+                                  config=FullConfig(mode=args.mode, placement=args.placement, transport=args.transport),
+                                  group=ctx.group)
     video = sampler.sample(noise, ids)
     if ctx.is_main:
         torch.save(video.cpu(), args.out)

@@ -16,7 +16,7 @@ def test_swiftfusion_smoke_writes_a_complete_result(tmp_path):
     assert all(c["passed"] for c in record["correctness"]), record["correctness"]
 
     rows = record["timings"]
-    assert record["jobs_done"] == record["jobs_total"] == 2       # both sequence lengths, not a partial file
+    assert record["jobs_done"] == record["jobs_total"] == 4       # 2 attention + 2 denoising-step lengths
     assert {(r["variant"], r["seq_len"]) for r in rows} == {(v, n) for v in SP_VARIANTS | {"sdpa_1gpu", "ring_onesided"}
                                                             for n in (16, 32)}
     for r in rows:
@@ -25,6 +25,16 @@ def test_swiftfusion_smoke_writes_a_complete_result(tmp_path):
         else:
             assert r["status"] == "ok" and r["time_s"] > 0 and r["predicted_s"] > 0
     assert all(r["speedup_vs_usp"] == 1.0 for r in rows if r["variant"] == "usp")
+
+    steps = record["denoising_step"]   # end to end, tiny DiT: every SP variant, fp32 on CPU agrees closely
+    assert {(r["variant"], r["latent_frames"]) for r in steps} == {(v, f) for v in SP_VARIANTS | {"ring_onesided"}
+                                                                   for f in (2, 3)}
+    for r in steps:
+        if r["variant"] == "ring_onesided":
+            assert r["status"] == "unavailable"
+        else:
+            assert r["status"] == "ok" and r["step_s"] > 0 and r["max_abs_diff"] < 1e-4 and r["diff_vs"] == "ulysses"
+    assert all(r["speedup_vs_usp"] == 1.0 for r in steps if r["variant"] == "usp")
 
     sim = record["simulation"]
     assert record["simulation_inputs"]["simulated"] is True and all(r["simulated"] for r in sim)

@@ -45,6 +45,10 @@ def test_errors():
     model = tiny_model()
     with pytest.raises(ValueError, match="mode="):
         FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(mode="nope"))
+    with pytest.raises(ValueError, match="placement="):
+        FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(placement="across"))
+    with pytest.raises(ValueError, match="transport="):
+        FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(transport="pigeon"))
     with pytest.raises(ValueError, match="timesteps"):
         FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(timesteps=(1.0, 1.0)))
     with pytest.raises(ValueError, match="patch size"):
