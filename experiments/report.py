@@ -73,6 +73,9 @@ def render(experiment: str, results_dir: Path = RESULTS_DIR) -> Path | None:
         out += [f"## {f.stem}", ""]
         if data.get("note"):
             out += [str(data["note"]), ""]
+        if data.get("jobs_done", 0) < data.get("jobs_total", 0):
+            out += [f"**Partial result:** {data['jobs_done']} of {data['jobs_total']} planned runs finished "
+                    "(the run was cut short); the tables hold only those.", ""]
         tables = find_tables(data)
         for name, rows in tables.items():
             if name:

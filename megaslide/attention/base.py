@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from megaslide.models.layers import RMSNorm
 from megaslide.models.rope import apply_rope
 
 
@@ -20,8 +21,8 @@ class SelfAttention(nn.Module):
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
-        self.q_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
 
     def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x (B, N, D) -> q, k, v (B, N, heads, d), RoPE applied to q and k."""

@@ -1,4 +1,4 @@
-"""Building blocks of the video DiT: embeddings, MLP, cross-attention, final layer."""
+"""Building blocks of the video DiT: embeddings, RMSNorm, MLP, cross-attention, final layer."""
 from __future__ import annotations
 
 import math
@@ -6,6 +6,17 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` whose weight follows the input's dtype. Under bf16 autocast the input is bf16
+    and the weight fp32, a mix for which torch skips its fused kernel (which accumulates in
+    fp32 anyway) and runs the unfused ops; casting the weight keeps the fused kernel. The
+    weight and its gradient stay fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
 class PatchEmbed3D(nn.Module):
@@ -58,8 +69,8 @@ class CrossAttention(nn.Module):
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(context_dim, 2 * dim)
         self.out = nn.Linear(dim, dim)
-        self.q_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor | None) -> torch.Tensor:
         B, N, D = x.shape

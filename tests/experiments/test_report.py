@@ -22,3 +22,11 @@ def test_each_plot_is_shown_under_its_own_result(tmp_path):
     assert md.count("](demo/h200_samples.png)") == 1 and md.count("](demo/h200_seeds12_samples.png)") == 1
     first, second = md.split("## h200_seeds12")
     assert "h200_samples.png" in first and "h200_seeds12_samples.png" in second
+
+
+def test_partial_results_are_marked(tmp_path):
+    write_result("demo", "cut", {"rows": [{"x": 1}], "jobs_done": 2, "jobs_total": 6}, results_dir=tmp_path)
+    write_result("demo", "whole", {"rows": [{"x": 1}], "jobs_done": 6, "jobs_total": 6}, results_dir=tmp_path)
+    md = render("demo", tmp_path).read_text()
+    cut, whole = md.split("## whole")
+    assert "2 of 6 planned runs" in cut and "Partial" not in whole

@@ -64,3 +64,18 @@ def test_unknown_preset_and_attention():
         build_dit("nope")
     with pytest.raises(ValueError, match="attention.name"):
         build_dit("tiny", attention="nope")
+
+
+def test_rmsnorm_matches_torch_and_keeps_fp32_weight_under_bf16():
+    from megaslide.models.layers import RMSNorm
+    ours, ref = RMSNorm(24, eps=1e-6), torch.nn.RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.normal_()
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(3, 5, 24)
+    assert torch.equal(ours(x), ref(x))                                   # fp32: the same op
+    y = ours(x.bfloat16())                                                # bf16 input, fp32 weight
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref(x), rtol=2e-2, atol=2e-2)
+    y.float().sum().backward()
+    assert ours.weight.grad is not None and ours.weight.grad.dtype == torch.float32
