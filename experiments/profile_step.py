@@ -34,7 +34,7 @@ def profile_variant(name: str, args: argparse.Namespace) -> dict:
                       attention=AttentionConfig(name=name, window=tuple(args.swin_window)))
     data = DataConfig(frames=args.frames, height=args.size, width=args.size, shape_size=max(3, args.size // 4),
                       speed=args.size / 5)
-    train = TrainConfig(device=args.device, batch_size=args.batch, steps=10**9, log_every=10**9)
+    train = TrainConfig(device=args.device, batch_size=args.batch, steps=10**9, log_every=10**9, compile=args.compile)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(model, data, train, tmp)
         for _ in range(args.warmup):
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, default=32, help="frame height and width in pixels (patch 2)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--swin-window", type=int, nargs=3, default=[2, 4, 4])
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="train.compile: torch.compile each DiT block")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (with --compile they include compiling)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--name", default="cpu_tiny")

@@ -164,6 +164,7 @@ class TrainConfig:
     sample_steps: int = 20
     cfg_scale: float = 3.0
     resume: str = ""               # checkpoint path to resume from ("" = fresh, "auto" = latest in out dir)
+    compile: bool = False          # torch.compile each DiT block of the trained model (fuses the small ops)
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)

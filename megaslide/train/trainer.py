@@ -70,6 +70,13 @@ def sample_videos(model: Callable, tokenizer: Callable, captions: list[str], see
     return x.float().clamp(-1, 1).cpu()
 
 
+def compile_blocks(model: VideoDiT) -> None:
+    """torch.compile every DiT block in place (state-dict names unchanged). The blocks share
+    their code, so one compiled graph per input shape and grad mode serves all of them."""
+    for block in model.blocks:
+        block.compile()
+
+
 class Trainer:
     def __init__(self, model_cfg: DiTConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out_dir: str | Path,
                  logger: RunLogger | None = None):
@@ -89,6 +96,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
         self.ema = copy.deepcopy(self.model).requires_grad_(False) if train_cfg.ema_decay > 0 else None
+        if train_cfg.compile:
+            compile_blocks(self.model)
         self.step = 0
         self.logger = logger
 
