@@ -306,7 +306,8 @@ def main(cfg: DictConfig) -> None:
     plans = {v: planner.plan_offload(model_cfg, batch=bench.batch, grid=grid, param_dtype=dtype,
                                      optimizer_device=VARIANTS[v][1],
                                      grad_clip=(bench.grad_clip if VARIANTS[v][2] is None else VARIANTS[v][2]) > 0,
-                                     pin_optimizer_state=bench.pin_optimizer_state) for v in bench.variants}
+                                     pin_optimizer_state=bench.pin_optimizer_state,
+                                     resident_blocks=bench.resident_blocks) for v in bench.variants}
     plan = plans[bench.variants[0]]
     print(plan.table(), flush=True)
     fraction = bench.gpu_memory_fraction if cuda else 0.0
@@ -328,7 +329,8 @@ def main(cfg: DictConfig) -> None:
     # 5. the engine
     train_cfg = TrainConfig(lr=bench.lr, grad_clip=bench.grad_clip, device=device.type,
                             precision="bf16" if cuda else "fp32")
-    offload_cfg = OffloadConfig(enabled=True, cpu_threads=threads, gpu_memory_fraction=fraction)
+    offload_cfg = OffloadConfig(enabled=True, cpu_threads=threads, gpu_memory_fraction=fraction,
+                                resident_blocks=bench.resident_blocks)
     t0 = time.perf_counter()
     engine = build_engine(model_cfg, device, train_cfg, offload_cfg, bench.pin_optimizer_state)
     payload = {"device": str(device), "tiny": bool(cfg.tiny), "preset": "tiny" if cfg.tiny else c["model"]["preset"],
@@ -336,7 +338,7 @@ def main(cfg: DictConfig) -> None:
                "bench": OmegaConf.to_container(bench), "cpu_threads": threads, "gpu_memory_fraction": fraction,
                "ceilings": {"matmul_TFLOPs": peak, "matmul_n": bench.matmul_n, "matmul_dtype": str(matmul_dtype),
                             "datasheet_TFLOPs": H200_DATASHEET_BF16_TFLOPS, "pcie": pcie},
-               "model_flops_per_step": flops.train, "executed_flops_per_step": flops.executed,
+               "model_flops_per_step": flops.train, "executed_flops_per_step": plan.executed_flops,
                "correctness": correctness, "plan": plan.as_dict(), "memory_wall": wall,
                "engine_setup_s": time.perf_counter() - t0, "host_state": engine.host.bytes_report(),
                "variants": [], "targets": TARGETS, "complete": False}

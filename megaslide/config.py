@@ -193,8 +193,11 @@ class OffloadConfig:
     optimizer_device: str = "cpu"      # cpu | gpu (master + moments streamed to the GPU: ablation)
     cpu_threads: int = 0               # 0: torch.get_num_threads()
     gpu_memory_fraction: float = 0.0   # >0 caps usable HBM to emulate a smaller card
+    resident_blocks: int = 0           # the last k blocks keep weights + activations on the GPU through backward
 
     def validate(self) -> None:
+        if self.resident_blocks < 0:
+            raise ValueError(f"offload.resident_blocks={self.resident_blocks} must be >= 0 (0: recompute every block)")
         if self.optimizer_device not in ("cpu", "gpu"):
             raise ValueError(f"offload.optimizer_device={self.optimizer_device!r}: choose cpu or gpu")
         if not 0 <= self.gpu_memory_fraction <= 1:

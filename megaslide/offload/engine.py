@@ -7,7 +7,9 @@ One training step (`OffloadEngine.train_step`):
 3. unembed + loss with autograd: gradients of the last hidden state and of t_emb, and the
    final layer's parameter gradients;
 4. streamed backward: block l is recomputed from its input and backpropagated; its flat
-   gradient goes D2H and to the optimizer (below);
+   gradient goes D2H and to the optimizer (below). With offload.resident_blocks = k the
+   last k blocks kept their weights and graphs on the device from step 2 and skip the
+   recompute and the re-stream;
 5. one backward through the stem graph with the accumulated gradients of x, t_mod, ctx,
    t_emb: each stem tensor gets exactly the gradient it gets in a resident backward;
 6. global-norm clipping and the updates.
@@ -82,6 +84,9 @@ class OffloadEngine:
             torch.cuda.set_per_process_memory_fraction(offload_cfg.gpu_memory_fraction, torch.cuda.current_device())
         self.layout = BlockLayout.from_module(model.blocks[0])
         depth = len(model.blocks)
+        if offload_cfg.resident_blocks > depth:
+            raise ValueError(f"offload.resident_blocks={offload_cfg.resident_blocks} exceeds the model's "
+                             f"{depth} blocks; use at most {depth}")
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
         planner.require_host_fit(planner.host_bytes(self.layout, depth, self.param_dtype, pin_state),
                                  host_available_bytes(), what=f"the host state of {depth} blocks")
@@ -107,7 +112,7 @@ class OffloadEngine:
         self.versions = [0] * depth
         self.streamer = BlockStreamer(model.blocks, self.host, self.lanes, device, self.compute_ctx,
                                       before_load=lambda i: self.updater.before_load(i),
-                                      version=lambda i: self.versions[i])
+                                      version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks)
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
         self.hyper = AdamHyper(train_cfg.betas[0], train_cfg.betas[1], 1e-8, train_cfg.weight_decay)

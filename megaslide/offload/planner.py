@@ -14,7 +14,9 @@ block, the resident stem (fp32 weights, gradients, AdamW moments), every block's
 the activations of one block under recomputation (bytes saved per token for backward,
 measured on CPU with saved_tensors_hooks: about 65 D + 4 F in bf16 autocast, 104 D + 8 F in
 fp32; x1.5 for activation gradients, an estimate), the update slots of the GPU optimizer
-ablation, and a reserve for the CUDA context and workspaces. Dense attention is assumed to be
+ablation, and a reserve for the CUDA context and workspaces. With `resident_blocks=k` the
+last k blocks add a shell, a flat gradient and their saved activations each, and skip their
+recompute and backward re-stream. Dense attention is assumed to be
 flash (O(N) memory); the samples DSA materialises are not modelled.
 Step-time floor: max(compute, H2D, D2H, CPU AdamW) from executed FLOPs (model FLOPs plus the
 recomputed forward), bytes moved and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s
@@ -90,6 +92,8 @@ class OffloadPlan:
     seconds: dict[str, float]   # per step: compute, h2d, d2h, optimizer
     h2d_bytes: int
     d2h_bytes: int
+    resident_blocks: int = 0    # last blocks kept on the device through backward (no recompute, no re-stream)
+    executed_flops: float = 0.0  # model FLOPs plus the recomputed forward of the other blocks
 
     @property
     def tokens(self) -> int:
@@ -121,7 +125,8 @@ class OffloadPlan:
                 "host_bytes": self.host, "host_total_bytes": self.host_total, "pinned_bytes": self.pinned_bytes,
                 "host_bytes_per_block_param": host_bytes_per_param(self.param_dtype),
                 "hbm_bytes": self.hbm, "hbm_total_bytes": self.hbm_total,
-                "model_flops_per_step": self.flops.train, "executed_flops_per_step": self.flops.executed,
+                "model_flops_per_step": self.flops.train, "executed_flops_per_step": self.executed_flops,
+                "resident_blocks": self.resident_blocks,
                 "seconds": self.seconds, "floor_s": self.floor_s, "serial_s": self.serial_s, "bound": self.bound,
                 "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
 
@@ -144,9 +149,12 @@ class OffloadPlan:
 
 def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], param_dtype: torch.dtype,
                  optimizer_device: str = "cpu", grad_clip: bool = True, pin_optimizer_state: bool | None = None,
-                 build_on_host: bool = False, ceilings: Ceilings = Ceilings()) -> OffloadPlan:
+                 build_on_host: bool = False, resident_blocks: int = 0,
+                 ceilings: Ceilings = Ceilings()) -> OffloadPlan:
     """Host RAM, HBM and step-time floor of one offloaded training step (allocates nothing)."""
     cfg.validate()
+    if not 0 <= resident_blocks <= cfg.depth:
+        raise ValueError(f"offload.resident_blocks={resident_blocks} must be in [0, {cfg.depth}] (the model's depth)")
     if optimizer_device not in ("cpu", "gpu"):
         raise ValueError(f"optimizer_device={optimizer_device!r}: choose cpu or gpu")
     pin_state = optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
@@ -163,11 +171,15 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
 
     tokens = batch * math.prod(grid)
     per_d, per_f = ACT_BYTES_PER_TOKEN[param_dtype]
-    hbm = {"block shells (2 x weights)": 2 * n * w,
-           "block gradients (2 flat + 1 autograd)": 3 * n * w,
+    k = resident_blocks
+    block_acts = tokens * (per_d * cfg.dim + per_f * cfg.ffn_dim)  # one block's saved activations
+    hbm = {f"block shells ({2 + k} x weights)": (2 + k) * n * w,
+           f"block gradients ({2 + k} flat + 1 autograd)": (3 + k) * n * w,
            "resident stem (weights, grads, AdamW)": resident * 16,
-           "saved block inputs": (depth + 1) * tokens * cfg.dim * w,
-           "one block's activations (recompute)": int(BACKWARD_TRANSIENT * tokens * (per_d * cfg.dim + per_f * cfg.ffn_dim))}
+           "saved block inputs": (depth - k + 1) * tokens * cfg.dim * w,
+           "one block's activations (backward)": int(BACKWARD_TRANSIENT * block_acts)}
+    if k:
+        hbm[f"kept activations of the last {k} blocks"] = k * block_acts
     if optimizer_device == "gpu":
         hbm["GPU optimizer slots (2) + AdamW temporaries"] = 2 * n * (12 + 2 * w) + 8 * n
     hbm["CUDA context and workspaces"] = HBM_RESERVE_BYTES
@@ -175,7 +187,8 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
     flops = dit_flops(cfg, batch, grid)
     weights_bytes = n * w
     grads_to_host = grad_clip or optimizer_device == "cpu"
-    h2d = weights_bytes * (2 * depth - min(depth, 2))  # forward + backward; the last two stay in their shells
+    # forward + backward; the backward re-streams neither the kept blocks nor the two last streamed ones
+    h2d = weights_bytes * (depth + max(0, depth - k - 2))
     d2h = weights_bytes * depth if grads_to_host else 0
     if optimizer_device == "gpu":
         h2d += depth * n * 12 + (depth * weights_bytes if grad_clip else 0)
@@ -183,11 +196,12 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
         optimizer_s = depth * n * 28 / (ceilings.hbm_TBps * 1e12)
     else:
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
-    seconds = {"compute": flops.executed / (ceilings.tflops * 1e12), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
+    executed = flops.train + flops.forward * (depth - k) / depth  # blocks dominate the forward; stem ignored
+    seconds = {"compute": executed / (ceilings.tflops * 1e12), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
     pinned = arenas["pinned"]
     return OffloadPlan(cfg, batch, tuple(grid), param_dtype, optimizer_device, grad_clip, params, block_params,
-                       host, pinned, hbm, flops, seconds, h2d, d2h)
+                       host, pinned, hbm, flops, seconds, h2d, d2h, k, executed)
 
 
 def largest_depth(cfg: DiTConfig, *, host_budget: int, param_dtype: torch.dtype, pin_optimizer_state: bool) -> int:
@@ -226,7 +240,7 @@ def require_fit(plan: OffloadPlan, device: torch.device, gpu_memory_fraction: fl
 # ---- command line -----------------------------------------------------------------------------
 _KEYS = {"model": "7B", "depth": None, "dim": None, "num_heads": None, "ffn_dim": None, "attention": None,
          "batch": "1", "frames": "16", "resolution": "64x128", "precision": "bf16", "optimizer_device": "cpu",
-         "grad_clip": "1", "tflops": None, "h2d_GBps": None, "d2h_GBps": None, "cpu_adam_gparams": None}
+         "grad_clip": "1", "resident_blocks": "0", "tflops": None, "h2d_GBps": None, "d2h_GBps": None, "cpu_adam_gparams": None}
 
 
 def parse_args(argv: list[str]) -> tuple[dict, bool]:
@@ -261,7 +275,7 @@ def plan_from_args(args: dict) -> OffloadPlan:
     dtype = torch.bfloat16 if args["precision"] == "bf16" else torch.float32
     return plan_offload(cfg, batch=int(args["batch"]), grid=grid, param_dtype=dtype,
                         optimizer_device=args["optimizer_device"], grad_clip=args["grad_clip"] not in ("0", "false"),
-                        ceilings=ceilings)
+                        resident_blocks=int(args["resident_blocks"]), ceilings=ceilings)
 
 
 def main(argv: list[str] | None = None) -> int:

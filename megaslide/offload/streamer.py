@@ -11,11 +11,16 @@ buffer whose views are block l's parameters (`BlockLayout.mount`). While block l
 block l +- 1 is copied into the other shell.
 - forward (no grad): keeps only each block's input;
 - backward: re-streams blocks in reverse, recomputes block l from its saved input with
-  grad enabled, and produces the gradients of its input, of the shared modulation t_mod
+  grad enabled (the recompute is skipped for a resident tail, below), and produces the gradients of its input, of the shared modulation t_mod
   and of the caption features ctx (summed over blocks in reverse order, as autograd sums
   them in a resident backward), the block's flat parameter gradient, and per-parameter
   gradient norms (on the device, for global-norm clipping). The flat gradient is sent D2H
   into the block's pinned staging buffer, and a callback hands it on to the optimizer.
+
+Resident tail (`resident=k`, offload.resident_blocks): the last k blocks each get a shell of
+their own and, in a training forward, run with grad enabled and keep their autograd graph.
+They are the first blocks of the backward, which then neither re-streams nor recomputes
+them: HBM traded for k blocks' H2D and recompute.
 """
 from __future__ import annotations
 
@@ -181,15 +186,20 @@ class BlockStreamer:
 
     def __init__(self, blocks: nn.ModuleList, host: HostState, lanes: Lanes, device: torch.device,
                  compute_ctx: Callable[[], contextlib.AbstractContextManager],
-                 before_load: Callable[[int], None], version: Callable[[int], int]):
+                 before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0):
+        if not 0 <= resident <= len(blocks):
+            raise ValueError(f"offload.resident_blocks={resident} must be in [0, {len(blocks)}] (the model's depth)")
         self.blocks, self.host, self.lanes = blocks, host, lanes
         self.compute_ctx, self.before_load, self.version = compute_ctx, before_load, version
+        self.first_resident = len(blocks) - resident
         layout = host.layout
-        self.shells = [BlockShell(layout, device, host.param_dtype) for _ in range(2)]
+        self.shells = [BlockShell(layout, device, host.param_dtype) for _ in range(2 + resident)]
         for index, block in enumerate(blocks):
-            layout.mount(block, self.shells[index % 2].params)
+            layout.mount(block, self.shell(index).params)
 
     def shell(self, index: int) -> BlockShell:
+        if index >= self.first_resident:
+            return self.shells[2 + index - self.first_resident]
         return self.shells[index % 2]
 
     def invalidate(self) -> None:
@@ -213,16 +223,24 @@ class BlockStreamer:
 
     @torch.no_grad()
     def forward(self, h: torch.Tensor, inp: BlockInputs, keep_inputs: bool) -> tuple[torch.Tensor, list]:
-        """h (B, N, D) through all blocks -> (output (B, N, D), each block's input if kept)."""
+        """h (B, N, D) through all blocks -> (output (B, N, D), per block what its backward needs
+        if `keep_inputs`: its input, or for the resident tail (input leaf, output with graph))."""
         compute, saved = self.lanes.compute, []
         self.load(0)
         for index, block in enumerate(self.blocks):
             shell = self.shell(index)
             compute.wait(shell.ready)
             with compute.timed(), self.compute_ctx():
-                if keep_inputs:
-                    saved.append(h)
-                h = block(h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
+                if keep_inputs and index >= self.first_resident:
+                    x = h.detach().requires_grad_()
+                    with torch.enable_grad():
+                        out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
+                    saved.append((x, out))
+                    h = out.detach()
+                else:
+                    if keep_inputs:
+                        saved.append(h)
+                    h = block(h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
             shell.free = compute.record()
             if index + 1 < len(self.blocks):
                 self.load(index + 1)
@@ -247,9 +265,12 @@ class BlockStreamer:
             compute.wait(shell.ready)
             compute.wait(shell.grads_free)
             with compute.timed():
-                x = saved[index].requires_grad_()                                          # (B, N, D)
-                with torch.enable_grad(), self.compute_ctx():
-                    out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)   # (B, N, D)
+                if index >= self.first_resident:
+                    x, out = saved[index]                                                  # kept graph
+                else:
+                    x = saved[index].requires_grad_()                                      # (B, N, D)
+                    with torch.enable_grad(), self.compute_ctx():
+                        out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
                 grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
                                             allow_unused=True)
                 grad_h, g_t_mod, g_ctx, param_grads = grads[0], grads[1], grads[2], grads[3:]

@@ -42,7 +42,7 @@ class OffloadTrainer:
         dtype = param_dtype_for(train_cfg.precision, self.device)
         plan = planner.plan_offload(model_cfg, batch=train_cfg.batch_size, grid=grid, param_dtype=dtype,
                                     optimizer_device=offload_cfg.optimizer_device, grad_clip=train_cfg.grad_clip > 0,
-                                    build_on_host=True)
+                                    build_on_host=True, resident_blocks=offload_cfg.resident_blocks)
         planner.require_fit(plan, self.device, offload_cfg.gpu_memory_fraction)
         self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         torch.manual_seed(train_cfg.seed)

@@ -27,12 +27,14 @@ def _model_cfg(attention="dense", **kw):
     return dataclasses.replace(tiny_model_cfg(attention, **kw), depth=DEPTH)
 
 
-def _pair(tmp_path, model_cfg=None, *, overlap=True, optimizer_device="cpu", adam_backend="torch", **train):
+def _pair(tmp_path, model_cfg=None, *, overlap=True, optimizer_device="cpu", adam_backend="torch",
+          resident_blocks=0, **train):
     train = {"steps": STEPS, "grad_clip": CLIP, "weight_decay": 0.01, **train}
     model_cfg = model_cfg or _model_cfg()
     ref = Trainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**train), tmp_path / "ref")
     eng = OffloadTrainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**train),
-                         OffloadConfig(enabled=True, overlap=overlap, optimizer_device=optimizer_device),
+                         OffloadConfig(enabled=True, overlap=overlap, optimizer_device=optimizer_device,
+                                       resident_blocks=resident_blocks),
                          tmp_path / "eng", adam_backend=adam_backend)
     return ref, eng
 
@@ -73,6 +75,32 @@ def test_bit_identical_without_clipping(tmp_path, optimizer_device):
     for loss_ref, loss_eng, _, _ in _run_both(ref, eng):
         assert loss_ref == loss_eng
     _assert_weights(ref, eng)
+
+
+@pytest.mark.parametrize("resident_blocks,grad_clip", [(1, CLIP), (2, 0.0), (DEPTH, CLIP)])
+def test_resident_tail_is_bit_identical(tmp_path, resident_blocks, grad_clip):
+    """The last k blocks keep their graphs from the forward instead of being recomputed: the
+    same numbers as recomputing (and as the resident trainer), with and without clipping."""
+    ref, eng = _pair(tmp_path, resident_blocks=resident_blocks, grad_clip=grad_clip)
+    for loss_ref, loss_eng, norm_ref, norm_eng in _run_both(ref, eng):
+        assert loss_ref == loss_eng and norm_ref == norm_eng
+    _assert_weights(ref, eng)
+
+
+def test_resident_tail_is_not_restreamed(tmp_path):
+    """With k kept blocks the backward re-streams depth - k - 2 blocks (the two streamed last
+    stay in their shells); the forward still loads every block (their weights changed)."""
+    _, eng = _pair(tmp_path, steps=4, resident_blocks=2)
+    for _ in range(4):
+        eng.train_step()
+    parts = eng.engine.breakdown(range(1, 3))
+    depth = eng.engine.host.depth
+    assert parts.h2d_bytes == eng.engine.layout.numel * 4 * (depth + depth - 2 - 2)
+
+
+def test_resident_blocks_beyond_depth_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="resident_blocks=6"):
+        _pair(tmp_path, resident_blocks=DEPTH + 1)
 
 
 def test_swin_blocks_keep_their_own_layer_index(tmp_path):

@@ -51,6 +51,21 @@ def test_step_floor_is_the_max_of_compute_pcie_and_optimizer():
     assert "GPU optimizer slots (2) + AdamW temporaries" in gpu.hbm
 
 
+def test_resident_tail_trades_hbm_for_recompute_and_pcie():
+    cfg, grid = DIT_PRESETS["7B"], (16, 32, 64)
+    base = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16)
+    k = 4
+    kept = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, resident_blocks=k)
+    n, tokens, f = planner.block_layout(cfg).numel, 16 * 32 * 64, dit_flops(cfg, 1, grid)
+    acts = tokens * (65 * cfg.dim + 4 * cfg.ffn_dim)                       # bf16 bytes per token, one block
+    assert kept.hbm_total - base.hbm_total == k * (2 * n * 2) + k * acts - k * tokens * cfg.dim * 2
+    assert kept.h2d_bytes == base.h2d_bytes - k * n * 2
+    assert kept.executed_flops == pytest.approx(f.train + f.forward * (cfg.depth - k) / cfg.depth)
+    assert kept.seconds["compute"] < base.seconds["compute"] and base.executed_flops == pytest.approx(f.executed)
+    with pytest.raises(ValueError, match="resident_blocks"):
+        plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, resident_blocks=cfg.depth + 1)
+
+
 def test_host_ram_error_gives_the_numbers_and_a_depth_that_fits():
     cfg = DIT_PRESETS["7B"]
     plan = plan_offload(cfg, batch=1, grid=(16, 32, 64), param_dtype=torch.bfloat16)
