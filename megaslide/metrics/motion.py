@@ -10,9 +10,14 @@ Videos are parsed with the known palette and shapes of ``megaslide.data.moving_s
 3. Per frame, weighting each pixel of the component (grown by one pixel) by how much the
    colour covers it (projection onto colour - background, background = median colour, so
    anti-aliased edges count partially): area, centroid (computed after rolling the object
-   to the frame centre, so wrapping shapes are handled exactly), and a shape descriptor
-   (box fill = area / box area; vertical offset = (centroid_y - box centre_y) / box height).
-   Templates: circle (pi/4, 0), square (1, 0), triangle (1/2, 1/6), diamond (1/2, 0); the
+   to the frame centre, so wrapping shapes are handled exactly), and a shape descriptor:
+   kurtosis = the mean over the y and x axes of the weighted pixels' fourth central moment
+   / variance^2, and vertical offset = (centroid_y - box centre_y) / box height. The
+   kurtosis of a shape's marginals tells the shapes apart without their size: uniform
+   (square) 1.8, semicircle (circle) 2.0, triangular (diamond, and the triangle's both
+   marginals) 2.4; the offset tells the triangle (1/6) from the rest (0). Unlike the box fill
+   ratio, it does not swing with the sub-pixel position of small anti-aliased shapes.
+   Templates: circle (2.0, 0), square (1.8, 0), triangle (2.4, 1/6), diamond (2.4, 0); the
    nearest template (offset weighted x4) names the frame's shape, the majority names the
    object's.
 4. Motion: centroids are unwrapped (each frame step taken as the shortest displacement on
@@ -53,11 +58,11 @@ from megaslide.data.video_io import to_uint8_frames
 
 COLOR_RADIUS = 100.0
 SHAPE_TEMPLATES: dict[str, tuple[float, float]] = {
-    # (box fill ratio, vertical centroid offset / box height)
-    "circle": (math.pi / 4.0, 0.0),
-    "square": (1.0, 0.0),
-    "triangle": (0.5, 1.0 / 6.0),
-    "diamond": (0.5, 0.0),
+    # (kurtosis of the x and y marginals, vertical centroid offset / box height)
+    "circle": (2.0, 0.0),
+    "square": (1.8, 0.0),
+    "triangle": (2.4, 1.0 / 6.0),
+    "diamond": (2.4, 0.0),
 }
 _OFFSET_WEIGHT = 4.0
 
@@ -86,11 +91,11 @@ class MotionFit:
     residual: float
 
 
-def classify_shape(fill: float, offset: float) -> str:
-    """Nearest SHAPE_TEMPLATES entry to a (box fill, vertical offset) descriptor."""
+def classify_shape(kurtosis: float, offset: float) -> str:
+    """Nearest SHAPE_TEMPLATES entry to a (marginal kurtosis, vertical offset) descriptor."""
 
     def distance(template: tuple[float, float]) -> float:
-        return (fill - template[0]) ** 2 + (_OFFSET_WEIGHT * (offset - template[1])) ** 2
+        return (kurtosis - template[0]) ** 2 + (_OFFSET_WEIGHT * (offset - template[1])) ** 2
 
     return min(SHAPE_TEMPLATES, key=lambda name: distance(SHAPE_TEMPLATES[name]))
 
@@ -144,13 +149,14 @@ def _dilate_torus(mask: np.ndarray) -> np.ndarray:
 
 
 def measure_object(mask: np.ndarray, coverage: np.ndarray | None = None) -> tuple[float, np.ndarray, float, float]:
-    """Area, centroid (y, x) on the torus, box fill and vertical offset of one object.
+    """Area, centroid (y, x) on the torus, marginal kurtosis and vertical offset of one object.
 
     ``mask``: bool (H, W), the object's pixels; ``coverage``: float (H, W) in [0, 1], how
     much of each pixel the object covers (None: the mask itself). Measurements use the
     coverage inside the mask grown by one pixel, so anti-aliased edges count partially:
-    area = sum of weights; box height/width = sums of the per-row/per-column maximum
-    weight; the box centre is the weighted mean row of that per-row profile. The object is
+    area = sum of weights; kurtosis = mean over y and x of the weighted fourth central
+    moment / variance^2; box height = sum of the per-row maximum weight; the box centre is
+    the weighted mean row of that per-row profile. The object is
     rolled so that its circular mean sits at the frame centre, measured there, and the
     centroid is rolled back.
     """
@@ -167,10 +173,18 @@ def measure_object(mask: np.ndarray, coverage: np.ndarray | None = None) -> tupl
     center_y = float(weight.sum(axis=1) @ rows) / area
     center_x = float(weight.sum(axis=0) @ cols) / area
     row_profile = weight.max(axis=1)  # (H,)
-    box_h, box_w = float(row_profile.sum()), float(weight.max(axis=0).sum())
+    box_h = float(row_profile.sum())
     offset = (center_y - float(row_profile @ rows) / box_h) / box_h
+    kurtosis = 0.5 * (_kurtosis(weight.sum(axis=1), rows - center_y) + _kurtosis(weight.sum(axis=0), cols - center_x))
     centroid = np.array([(center_y - shift[0]) % height, (center_x - shift[1]) % width])
-    return area, centroid, area / (box_h * box_w), offset
+    return area, centroid, kurtosis, offset
+
+
+def _kurtosis(mass: np.ndarray, distance: np.ndarray) -> float:
+    """Fourth central moment / variance^2 of a 1-D mass (n,) at signed distances (n,) from its mean."""
+    total = float(mass.sum())
+    variance = float(mass @ distance ** 2) / total
+    return float(mass @ distance ** 4) / total / variance ** 2 if variance > 0 else 0.0
 
 
 def track_colors(frames: np.ndarray, colors: Sequence[str], min_area: int = 4) -> list[ObjectTrack]:
@@ -204,13 +218,13 @@ def track_colors(frames: np.ndarray, colors: Sequence[str], min_area: int = 4) -
             sizes = np.bincount(labels.ravel(), minlength=count + 1)[1:]  # (count,)
             if sizes.max() < min_area:
                 continue
-            area, centroid, fill, offset = measure_object(labels == 1 + int(sizes.argmax()), coverage[t])
+            area, centroid, kurtosis, offset = measure_object(labels == 1 + int(sizes.argmax()), coverage[t])
             if area <= 0:
                 continue
             track.present[t] = True
             track.area[t] = area
             track.centroid[t] = centroid
-            track.shape[t] = classify_shape(fill, offset)
+            track.shape[t] = classify_shape(kurtosis, offset)
         tracks.append(track)
     return tracks
 

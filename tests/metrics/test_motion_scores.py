@@ -78,17 +78,17 @@ def test_measure_object_on_a_wrapped_shape():
     for center in ([0.4, 29.1], [12.3, 15.8], [23.6, 0.2]):
         video = render_video(height, width, torch.tensor([[center]]), [{"color": "white", "shape": "square"}], size)
         mask = video[0, 0].numpy() > 127.5
-        area, centroid, fill, offset = measure_object(mask)
+        area, centroid, kurtosis, offset = measure_object(mask)
         extent = np.array([height, width])
         error = (centroid - np.array(center) + extent / 2) % extent - extent / 2
         assert np.all(np.abs(error) < 0.5)
         assert area == pytest.approx(size * size, rel=0.25)
-        assert fill == 1.0 and offset == pytest.approx(0.0, abs=0.06)
+        assert kurtosis == pytest.approx(1.8, abs=0.1) and offset == pytest.approx(0.0, abs=0.06)
 
 
 def test_classifiers_on_templates_and_unit_vectors():
-    for name, (fill, offset) in SHAPE_TEMPLATES.items():
-        assert classify_shape(fill, offset) == name
+    for name, (kurtosis, offset) in SHAPE_TEMPLATES.items():
+        assert classify_shape(kurtosis, offset) == name
     for name, unit in DIRECTIONS.items():
         assert classify_direction(3.0 * np.array(unit)) == name
         assert classify_direction(3.0 * np.array(unit) + 0.3) == name
@@ -201,7 +201,7 @@ def test_blur_and_noise_break_shape_and_consistency():
     assert blur["temporal_consistency"] <= clean["temporal_consistency"] - 0.08
     noisy = [np.clip(v + rng.normal(0.0, 100.0, v.shape), 0, 255).astype(np.uint8) for v in videos]
     noise = score_videos(noisy, labels)
-    assert noise["text_alignment"] <= clean["text_alignment"] - 0.2
+    assert noise["text_alignment"] <= clean["text_alignment"] - 0.15  # moments average the noise out a little
     assert noise["shape_stability"] <= clean["shape_stability"] - 0.1
     assert noise["temporal_consistency"] <= clean["temporal_consistency"] - 0.08
 
@@ -234,5 +234,5 @@ def test_near_colour_pixels_with_zero_coverage_are_not_an_object():
     from megaslide.metrics.motion import measure_object
     mask = np.zeros((8, 8), bool)
     mask[2:4, 2:4] = True
-    area, centroid, fill, _ = measure_object(mask, np.zeros((8, 8)))
-    assert area == 0.0 and np.isnan(centroid).all() and fill == 0.0
+    area, centroid, kurtosis, _ = measure_object(mask, np.zeros((8, 8)))
+    assert area == 0.0 and np.isnan(centroid).all() and kurtosis == 0.0
