@@ -11,11 +11,12 @@ buffer whose views are block l's parameters (`BlockLayout.mount`). While block l
 block l +- 1 is copied into the other shell.
 - forward (no grad): keeps only each block's input;
 - backward: re-streams blocks in reverse, recomputes block l from its saved input with
-  grad enabled (the recompute is skipped for a resident tail, below), and produces the gradients of its input, of the shared modulation t_mod
-  and of the caption features ctx (summed over blocks in reverse order, as autograd sums
-  them in a resident backward), the block's flat parameter gradient, and per-parameter
-  gradient norms (on the device, for global-norm clipping). The flat gradient is sent D2H
-  into the block's pinned staging buffer, and a callback hands it on to the optimizer.
+  grad enabled (not for a resident tail, below), and produces the gradients of its input,
+  of the shared modulation t_mod and of the caption features ctx (summed over blocks in
+  reverse order, as autograd sums them in a resident backward), the block's flat parameter
+  gradient, and per-parameter gradient norms (on the device, for global-norm clipping). The
+  flat gradient is sent D2H into the block's pinned staging buffer, and a callback hands it
+  on to the optimizer.
 
 Resident tail (`resident=k`, offload.resident_blocks): the last k blocks each get a shell of
 their own and, in a training forward, run with grad enabled and keep their autograd graph.
