@@ -387,7 +387,7 @@ def parse_args(argv=None):
     ap.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU, network, e.g. 400 Gb/s NIC (assumed)")
     ap.add_argument("--sim-nodes", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--sim-gpus-per-node", type=int, default=8)
-    ap.add_argument("--sim-seq-lens", type=int, nargs="+", default=[262144, 1048576])
+    ap.add_argument("--sim-seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
     ap.add_argument("--e2e-preset", default="wan-1.3b", help="DiT preset of the denoising-step table (random weights)")
     ap.add_argument("--e2e-frames", type=int, nargs="*", default=[10, 21, 42],
                     help="latent frames of the denoising-step table (none: skip it)")
