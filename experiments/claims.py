@@ -97,24 +97,52 @@ def c5():
             f"drop measured, smaller than the paper's: {100 * g['mfu_vs_measured_peak']:.1f}% vs {100 * PAPER_MFU_GPU_OPT:.0f}%")
 
 
-def pooled(experiment: str, names: list[str]) -> tuple[dict, int, list[str]] | None:
-    """Per-variant summary over the per-seed rows of several result files of one config
-    (e.g. a run cut short and the run that added its missing seeds); with their steps."""
-    results = [(n, r) for n in names if (r := load(experiment, n))]
-    if not results:
+@dataclass
+class Pooled:
+    rows: dict          # (variant, frames) -> mean/std row over the pooled seeds (ground truth included)
+    per_seed: list      # every per-seed row of the pooled files (no ground truth)
+    steps: int
+    links: list[str]
+
+
+def pooled(experiment: str) -> Pooled | None:
+    """The GPU results of `experiment` pooled over their per-seed rows: of the files that share
+    one config (seeds aside), the group with the most finished runs (e.g. a run cut short and
+    the run that added its missing seeds). None if there is no GPU result."""
+    groups: dict[str, list] = {}
+    for f in sorted((RESULTS_DIR / experiment).glob("*.json")):
+        r = json.loads(f.read_text())
+        if r.get("hardware", {}).get("gpus") and "config" in r:
+            key = json.dumps({k: v for k, v in r["config"].items() if k != "seeds"}, sort_keys=True)
+            groups.setdefault(key, []).append((f.stem, r))
+
+    def finished(group):
+        return sum(row.get("status") == "ok" and row["variant"] != "ground_truth"
+                   for _, r in group for row in r["tables"]["per seed"])
+    if not groups:
         return None
-    configs = {json.dumps({k: v for k, v in r["config"].items() if k != "seeds"}, sort_keys=True) for _, r in results}
-    if len(configs) > 1:
-        raise ValueError(f"{experiment}: {[n for n, _ in results]} have different configs; they cannot be pooled")
-    per_seed = [row for _, r in results for row in r["tables"]["per seed"] if row["variant"] != "ground_truth"]
-    truth = next(row for row in results[0][1]["tables"]["per seed"] if row["variant"] == "ground_truth")
-    rows = {(r["variant"], r["frames"]): r for r in aggregate(per_seed + [truth])}
-    return rows, results[0][1]["config"]["steps"], [link(experiment, n) for n, _ in results]
+    group = max(groups.values(), key=finished)
+    per_seed = [row for _, r in group for row in r["tables"]["per seed"] if row["variant"] != "ground_truth"]
+    truth = [row for row in group[0][1]["tables"]["per seed"] if row["variant"] == "ground_truth"]
+    rows = {(r["variant"], r["frames"]): r for r in aggregate(per_seed + truth)}
+    return Pooled(rows, per_seed, group[0][1]["config"]["steps"], [link(experiment, n) for n, _ in group])
 
 
 def _scores(r: dict) -> str:
     return (f"TC {r['temporal_consistency_mean']:.2f}, TA {r['text_alignment_mean']:.2f}, "
             f"motion err {r['motion_error_mean']:.2f} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
+
+
+def _undertrained(p: Pooled) -> str | None:
+    """Why the pooled models are too weak to test a claim (best TA < half the ground truth's), or None."""
+    best = max(r["text_alignment_mean"] for (v, _), r in p.rows.items() if v != "ground_truth")
+    truth = max(r["text_alignment_mean"] for (v, _), r in p.rows.items() if v == "ground_truth")
+    return f"every model is under-trained (best TA {best:.2f} vs ground truth {truth:.2f})" if best < truth / 2 else None
+
+
+def _margin(a: dict, b: dict, key: str) -> float:
+    """The gap that counts as a difference between two pooled rows: 2 x their combined seed spread, at least 0.02."""
+    return max(0.02, 2 * (a[f"{key}_std"] ** 2 + b[f"{key}_std"] ** 2) ** 0.5)
 
 
 def c_quality(key):
@@ -123,44 +151,48 @@ def c_quality(key):
     TC: our weight-free MovingShapes temporal consistency, TA: caption match (colour,
     shape, direction), both 1.0 on ideal videos; the papers' figures are VBench scores."""
     def f():
-        q = pooled("quality", ["h200"])
         if key == "C8":
-            a = pooled("ablate_offsets", ["h200", "h200_seeds12"])
+            a = pooled("ablate_offsets")
             if not a:
                 return "not measured at GPU scale", "open"
-            rows, steps, links = a
-            d, z, gt = rows[("dsa", 16)], rows[("dsa_zero", 16)], rows[("ground_truth", 16)]
-            by_seed = {(r["variant"], r["seed"]): r for n in ("h200", "h200_seeds12")
-                       for r in (load("ablate_offsets", n) or {"tables": {"per seed": []}})["tables"]["per seed"]}
+            frames = max(fr for _, fr in a.rows)
+            d, z, gt = a.rows[("dsa", frames)], a.rows[("dsa_zero", frames)], a.rows[("ground_truth", frames)]
+            by_seed = {(r["variant"], r["seed"]): r for r in a.per_seed}
             seeds = sorted(sd for v, sd in by_seed if v == "dsa" and ("dsa_zero", sd) in by_seed)
             every = all(by_seed[("dsa", sd)][m] > by_seed[("dsa_zero", sd)][m]
                         for sd in seeds for m in ("temporal_consistency", "text_alignment"))
-            better = d["temporal_consistency_mean"] > z["temporal_consistency_mean"]
-            return (f"MovingShapes fast motion (1.5 tokens/frame), 10M-param DiT, {steps} steps, H200: dsa {_scores(d)} "
+            better = d["temporal_consistency_mean"] - z["temporal_consistency_mean"] > _margin(d, z, "temporal_consistency")
+            weak = _undertrained(a)
+            return (f"MovingShapes fast motion, 10M-param DiT, {frames} frames, {a.steps} steps, H200: dsa {_scores(d)} "
                     f"vs dsa_zero {_scores(z)}; ground truth TC {gt['temporal_consistency_mean']:.2f}, TA "
-                    f"{gt['text_alignment_mean']:.2f} ({', '.join(links)})",
-                    ("supported at this scale: zero offsets lose consistency and caption match"
-                     + (f" on each of the {len(seeds)} seeds" if every else " on average (not on every seed)"))
+                    f"{gt['text_alignment_mean']:.2f} ({', '.join(a.links)})",
+                    ("supported at this scale: zero offsets lose consistency"
+                     + (f" and caption match on each of the {len(seeds)} seeds" if every else " on average")
+                     + (f"; caveat: {weak}" if weak else ""))
                     if better else "not supported by this run")
+        q = pooled("quality")
         if not q:
             return "not measured at GPU scale", "open"
-        rows, steps, links = q
-        long = max(fr for _, fr in rows)
+        long = max(fr for _, fr in q.rows)
+        weak = _undertrained(q)
         if key == "C6":
-            pairs = [(fr, rows[("dsa", fr)], rows[("dense", fr)]) for fr in sorted({fr for _, fr in rows})]
+            pairs = [(fr, q.rows[("dsa", fr)], q.rows[("dense", fr)]) for fr in sorted({fr for _, fr in q.rows})]
             text = "; ".join(f"{fr} frames: dsa {_scores(d)} vs dense {_scores(x)}" for fr, d, x in pairs)
-            gap = "; ".join(f"{fr} frames: TC {d['temporal_consistency_mean'] - x['temporal_consistency_mean']:+.2f}, "
-                            f"TA {d['text_alignment_mean'] - x['text_alignment_mean']:+.2f}" for fr, d, x in pairs)
-            top = max(r["text_alignment_mean"] for (v, _), r in rows.items() if v != "ground_truth")
-            truth = rows[("ground_truth", pairs[0][0])]["text_alignment_mean"]
-            return (f"{steps} steps, H200: {text} ({', '.join(links)})",
-                    f"inconclusive: every model is under-trained at this budget (best TA {top:.2f} vs ground truth "
-                    f"{truth:.2f}) and has 1-2 seeds; dsa minus dense: {gap}")
-        d, w = rows[("dsa", long)], rows[("swin", long)]
-        return (f"{long} frames (not 256), {steps} steps, H200: dsa {_scores(d)} vs Swin {_scores(w)} "
-                f"({', '.join(links)})",
-                "supported at this scale" if d["temporal_consistency_mean"] > w["temporal_consistency_mean"] + 0.05
-                else "not supported by this run: no consistency gain over Swin at the long clip (under-trained models)")
+            _, d, x = pairs[-1]
+            matches = all(abs(d[f"{m}_mean"] - x[f"{m}_mean"]) <= _margin(d, x, m)
+                          for m in ("temporal_consistency", "text_alignment"))
+            verdict = (f"inconclusive: {weak}" if weak else
+                       f"{'supported' if matches else 'not supported'} at {long} frames: dsa minus dense TC "
+                       f"{d['temporal_consistency_mean'] - x['temporal_consistency_mean']:+.2f}, TA "
+                       f"{d['text_alignment_mean'] - x['text_alignment_mean']:+.2f}")
+            return f"{q.steps} steps, H200: {text} ({', '.join(q.links)})", verdict
+        d, w = q.rows[("dsa", long)], q.rows[("swin", long)]
+        gain = d["temporal_consistency_mean"] - w["temporal_consistency_mean"]
+        verdict = (f"inconclusive: {weak}" if weak else
+                   f"{'supported' if gain > _margin(d, w, 'temporal_consistency') else 'not supported'} at {long} "
+                   f"frames (TC gain {gain:+.2f})")
+        return (f"{long} frames (not 256), {q.steps} steps, H200: dsa {_scores(d)} vs Swin {_scores(w)} "
+                f"({', '.join(q.links)})", verdict)
     return f
 
 
