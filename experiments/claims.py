@@ -105,6 +105,13 @@ class Pooled:
     links: list[str]
 
 
+def config_key(result: dict) -> str | None:
+    """A result's config without its seeds (None if it has no config): runs that may be pooled share it."""
+    if "config" not in result:
+        return None
+    return json.dumps({k: v for k, v in result["config"].items() if k != "seeds"}, sort_keys=True)
+
+
 def pooled(experiment: str) -> Pooled | None:
     """The GPU results of `experiment` pooled over their per-seed rows: of the files that share
     one config (seeds aside), the group with the most finished runs (e.g. a run cut short and
@@ -113,8 +120,7 @@ def pooled(experiment: str) -> Pooled | None:
     for f in sorted((RESULTS_DIR / experiment).glob("*.json")):
         r = json.loads(f.read_text())
         if r.get("hardware", {}).get("gpus") and "config" in r:
-            key = json.dumps({k: v for k, v in r["config"].items() if k != "seeds"}, sort_keys=True)
-            groups.setdefault(key, []).append((f.stem, r))
+            groups.setdefault(config_key(r), []).append((f.stem, r))
 
     def finished(group):
         return sum(row.get("status") == "ok" and row["variant"] != "ground_truth"
@@ -319,6 +325,13 @@ CLAIMS = {
 }
 
 
+def _same_config(path: Path, result: dict) -> list[Path]:
+    """Other result files of the same experiment whose config matches `result`'s (seeds aside)."""
+    mine = config_key(result)
+    return [g for g in sorted(path.parent.glob("*.json"))
+            if g != path and mine is not None and config_key(json.loads(g.read_text())) == mine]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "README.md")
@@ -337,7 +350,8 @@ def main() -> None:
     if partial:
         out += ["## Runs cut short", "",
                 "These runs hit the device time limit; their tables hold only the runs that finished:", ""]
-        out += [f"- {link(f.parent.name, f.stem)}: {r['jobs_done']} of {r['jobs_total']} planned runs (of its variant x clip x seed or sequence-length grid)"
+        out += [f"- {link(f.parent.name, f.stem)}: {r['jobs_done']} of {r['jobs_total']} planned runs"
+                + "".join(f"; more seeds of its config in {link(g.parent.name, g.stem)}" for g in _same_config(f, r))
                 for f, r in partial]
         out.append("")
     args.out.write_text("\n".join(out))
