@@ -11,14 +11,12 @@ trained, sampled on held-out captions and scored (experiments/quality_protocol.p
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from experiments.hydra_config import typed_configs
-from experiments.quality_protocol import aggregate, ground_truth_row, publish, run_jobs
-from experiments.report import markdown_table
+from experiments.quality_protocol import ground_truth_row, make_job, run_study
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="ablate_offsets")
@@ -28,24 +26,12 @@ def main(cfg: DictConfig) -> None:
         model.attention.name = name
         model.validate()
         model.attention.validate(model.token_grid(data.frames, data.height, data.width))
-    out_dir = Path(cfg.out_dir)
-    jobs = [dict(attention=variant, model=model, data=data, train=dataclasses.replace(train, seed=int(seed)),
-                 n_eval=cfg.n_eval, eval_seed=cfg.eval_seed, sample_batch=cfg.sample_batch, out_dir=out_dir,
-                 project=cfg.wandb_project, tag=cfg.name, save_mp4=cfg.save_mp4)
+    jobs = [make_job(cfg, variant, model, data, dataclasses.replace(train, seed=int(seed)), cfg.name)
             for seed in cfg.seeds for variant in cfg.variants]
-    truth = [ground_truth_row(data, cfg.n_eval, cfg.eval_seed)]
     config = {"speed_px_per_frame": data.speed, "frames": data.frames, "size": [data.height, data.width],
               "patch": list(model.patch_size), "kernel_size": list(model.attention.kernel_size),
               "max_offset": model.attention.max_offset, "steps": train.steps, "seeds": list(cfg.seeds)}
-
-    def save(rows: list[dict]) -> Path:
-        return publish("ablate_offsets", cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs),
-                       {"": None})
-
-    rows = run_jobs(jobs, cfg.workers, on_row=save)
-    path = save(rows)
-    print(markdown_table(aggregate(rows + truth)))
-    print(f"wrote {path}")
+    run_study("ablate_offsets", cfg, jobs, [ground_truth_row(data, cfg.n_eval, cfg.eval_seed)], config, {"": None})
 
 
 if __name__ == "__main__":

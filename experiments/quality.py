@@ -10,14 +10,12 @@ and spread. A variant that runs out of memory is recorded as OOM, not dropped.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from experiments.hydra_config import typed_configs
-from experiments.quality_protocol import aggregate, ground_truth_row, publish, run_jobs
-from experiments.report import markdown_table
+from experiments.quality_protocol import ground_truth_row, make_job, run_study
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="quality")
@@ -33,25 +31,14 @@ def main(cfg: DictConfig) -> None:
         grid = model.token_grid(clip.frames, clip.height, clip.width)
         for name in cfg.variants:
             dataclasses.replace(model.attention, name=name).validate(grid)
-    out_dir = Path(cfg.out_dir)
-    jobs = [dict(attention=variant, model=model, data=clip,
-                 train=dataclasses.replace(train, seed=int(seed), batch_size=batch),
-                 n_eval=cfg.n_eval, eval_seed=cfg.eval_seed, sample_batch=cfg.sample_batch, out_dir=out_dir,
-                 project=cfg.wandb_project, tag=f"{cfg.name}{clip.frames}f", save_mp4=cfg.save_mp4)
+    jobs = [make_job(cfg, variant, model, clip, dataclasses.replace(train, seed=int(seed), batch_size=batch),
+                     f"{cfg.name}{clip.frames}f")
             for seed in cfg.seeds for clip, batch in zip(clips, batches) for variant in cfg.variants]
-    truth = [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips]
     config = {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
               "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": train.steps,
               "seeds": list(cfg.seeds), "batch_sizes": batches}
-
-    def save(rows: list[dict]) -> Path:
-        return publish("quality", cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs),
-                       {f"_{clip.frames}f": clip.frames for clip in clips})
-
-    rows = run_jobs(jobs, cfg.workers, on_row=save)
-    path = save(rows)
-    print(markdown_table(aggregate(rows + truth)))
-    print(f"wrote {path}")
+    run_study("quality", cfg, jobs, [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips], config,
+              {f"_{clip.frames}f": clip.frames for clip in clips})
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import baselines  # noqa: F401  (registers the swin attention, also in worker processes)
+from experiments.report import markdown_table
 from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
@@ -138,6 +139,25 @@ def publish(experiment: str, name: str, results_dir, config: dict, rows: list[di
         save_grid(path.with_name(f"{name}{suffix}_samples.png"),
                   [r for r in rows if frames is None or r["frames"] == frames])
     return path
+
+
+def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, tag: str) -> dict:
+    """run_variant's keyword arguments for one (variant, clip, seed) of a study config `cfg`."""
+    return dict(attention=attention, model=model, data=data, train=train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
+                sample_batch=cfg.sample_batch, out_dir=Path(cfg.out_dir), project=cfg.wandb_project, tag=tag,
+                save_mp4=cfg.save_mp4)
+
+
+def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config: dict,
+              grids: dict[str, int | None]) -> None:
+    """Run the jobs (cfg.workers at once), publishing the result after each, and print the summary."""
+    def save(rows: list[dict]) -> Path:
+        return publish(experiment, cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs), grids)
+
+    path = save([])                      # the ground truth and the plan, before the first run finishes
+    rows = run_jobs(jobs, cfg.workers, on_row=save)
+    print(markdown_table(aggregate(rows + truth)))
+    print(f"wrote {path}")
 
 
 def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:

@@ -170,12 +170,13 @@ def measure_object(mask: np.ndarray, coverage: np.ndarray | None = None) -> tupl
     if area <= 0:  # colour-near pixels that the colour does not cover at all: no object
         return 0.0, np.full(2, np.nan), 0.0, 0.0
     rows, cols = np.arange(height, dtype=np.float64), np.arange(width, dtype=np.float64)
-    center_y = float(weight.sum(axis=1) @ rows) / area
-    center_x = float(weight.sum(axis=0) @ cols) / area
+    row_mass, col_mass = weight.sum(axis=1), weight.sum(axis=0)  # (H,), (W,)
+    center_y = float(row_mass @ rows) / area
+    center_x = float(col_mass @ cols) / area
     row_profile = weight.max(axis=1)  # (H,)
     box_h = float(row_profile.sum())
     offset = (center_y - float(row_profile @ rows) / box_h) / box_h
-    kurtosis = 0.5 * (_kurtosis(weight.sum(axis=1), rows - center_y) + _kurtosis(weight.sum(axis=0), cols - center_x))
+    kurtosis = 0.5 * (_kurtosis(row_mass, rows - center_y) + _kurtosis(col_mass, cols - center_x))
     centroid = np.array([(center_y - shift[0]) % height, (center_x - shift[1]) % width])
     return area, centroid, kurtosis, offset
 

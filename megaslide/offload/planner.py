@@ -92,8 +92,8 @@ class OffloadPlan:
     seconds: dict[str, float]   # per step: compute, h2d, d2h, optimizer
     h2d_bytes: int
     d2h_bytes: int
-    resident_blocks: int = 0    # last blocks kept on the device through backward (no recompute, no re-stream)
-    executed_flops: float = 0.0  # model FLOPs plus the recomputed forward of the other blocks
+    resident_blocks: int        # last blocks kept on the device through backward (no recompute, no re-stream)
+    executed_flops: float       # model FLOPs plus the recomputed forward of the other blocks
 
     @property
     def tokens(self) -> int:
