@@ -78,6 +78,15 @@ def build_variants(world: int, heads: int, usp_u: int, max_chunks: int) -> list[
     ]
 
 
+def select_variants(variants: list[Variant], names: list[str] | None) -> list[Variant]:
+    """The variants named in `names` (None: all), in benchmark order."""
+    known = [v.name for v in variants]
+    unknown = sorted(set(names or []) - set(known))
+    if unknown:
+        raise ValueError(f"--variants {' '.join(unknown)}: unknown; choose among {' '.join(known)}")
+    return [v for v in variants if names is None or v.name in names]
+
+
 def unavailable_reason(v: Variant, world: int, heads: int, device: torch.device) -> str | None:
     """Why `v` cannot run here (indivisible heads, no symmetric memory), or None."""
     if not v.kwargs:
@@ -99,6 +108,12 @@ def default_usp_ulysses(world: int, heads: int) -> int:
 
 
 # ----------------------------------------------------------------------------- measurement
+def progress(message: str) -> None:
+    """A line on rank 0 before each collective stage, so that a hung stage is named in the log."""
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -163,6 +178,7 @@ def gather_seq(x: torch.Tensor, world: int) -> torch.Tensor:
 def check_variant(v: Variant, cfg, device, dtype, rank: int, world: int, causal: bool) -> dict:
     """Output and grads of `v` vs same-dtype single-device SDPA and a high-precision reference."""
     n = cfg.check_seq_len
+    progress(f"checking {v.name} causal={causal} at N={n}")
     gen = torch.Generator(device=device).manual_seed(1234)
     full = [torch.randn(1, n, cfg.heads, cfg.head_dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
@@ -194,6 +210,7 @@ def check_variant(v: Variant, cfg, device, dtype, rank: int, world: int, causal:
 # ----------------------------------------------------------------------------- timing
 def time_variant(v: Variant, n: int, cfg, device, dtype, world: int, topo: Topology, tflops: float) -> dict:
     row = {"variant": v.name, "seq_len": n}
+    progress(f"timing {v.name} at N={n}")
     workload = AttentionWorkload(1, n, cfg.heads, cfg.head_dim, torch.finfo(dtype).bits // 8)
     plan = v.plan or Plan("ulysses", 1, 1)
     one_gpu = Topology(1, 1, topo.intra_bw, topo.inter_bw)
@@ -287,7 +304,7 @@ def benchmark(cfg) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     usp_u = cfg.usp_ulysses or default_usp_ulysses(world, cfg.heads)
-    variants = build_variants(world, cfg.heads, usp_u, cfg.chunks)
+    variants = select_variants(build_variants(world, cfg.heads, usp_u, cfg.chunks), cfg.variants)
 
     ceiling = measure_sdpa_tflops(cfg, device, dtype)
     a2a = measure_all_to_all(cfg, device, dtype, world)
@@ -380,6 +397,7 @@ def parse_args(argv=None):
     ap.add_argument("--ceiling-seq-len", type=int, default=None, help="N of the SDPA ceiling (default 32768)")
     ap.add_argument("--a2a-bytes", type=int, default=256 * 2 ** 20, help="bytes per rank of the all-to-all ceiling")
     ap.add_argument("--usp-ulysses", type=int, default=None, help="Ulysses degree of the hybrids")
+    ap.add_argument("--variants", nargs="+", default=None, help="time only these (default: all)")
     ap.add_argument("--chunks", type=int, default=4, help="max Torus head chunks per rank")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-seconds", type=float, default=3.0, help="skip a timing predicted slower than this")
