@@ -202,10 +202,12 @@ def c_quality(key):
     return f
 
 
-def widest(experiment: str, ranks_key: str) -> tuple[str, dict] | None:
-    """The GPU result of `experiment` with the most ranks, as (name, data); CPU smoke runs excluded."""
+def widest(experiment: str, ranks_key: str, timed: str | None = None) -> tuple[str, dict] | None:
+    """The GPU result of `experiment` with the most ranks, as (name, data); CPU smoke runs excluded.
+    `timed`: only results with a finished timing of that variant (runs may time a subset)."""
     found = [(f.stem, json.loads(f.read_text())) for f in sorted((RESULTS_DIR / experiment).glob("*.json"))]
-    found = [(n, d) for n, d in found if str(d.get("device", "")).startswith("cuda")]
+    found = [(n, d) for n, d in found if str(d.get("device", "")).startswith("cuda") and (
+        timed is None or any(r["variant"] == timed and "time_s" in r for r in d.get("timings", [])))]
     return max(found, key=lambda nd: nd[1].get(ranks_key, 0), default=None)
 
 
@@ -261,7 +263,8 @@ def swift(which):
                     f"{100 * min(gaps):+.1f}% to {100 * max(gaps):+.1f}% of the best USP-placement plan, because at "
                     f"these lengths attention compute hides the ring traffic ({link('swiftfusion', 'h200_1gpu')})",
                     "not supported by our model (a tie within a few percent); needs multi-node hardware")
-        wide = widest("swiftfusion", "world_size")
+        wide = (widest("swiftfusion", "world_size", "ring_onesided" if which == "F3" else "torus")
+                or widest("swiftfusion", "world_size"))
         if not wide or wide[1]["world_size"] < 2:
             return ("only 1 GPU was lent: every mode degenerates to local attention "
                     f"({link('swiftfusion', 'h200_1gpu')}); 2- and 8-GPU runs open", "not measured")
