@@ -151,6 +151,11 @@ def _margin(a: dict, b: dict, key: str) -> float:
     return max(0.02, 2 * (a[f"{key}_std"] ** 2 + b[f"{key}_std"] ** 2) ** 0.5)
 
 
+def _diff(a: dict, b: dict, key: str) -> str:
+    """a - b of a pooled score, with the margin a difference must exceed to count."""
+    return f"{a[f'{key}_mean'] - b[f'{key}_mean']:+.2f} (counts beyond ±{_margin(a, b, key):.2f})"
+
+
 def c_quality(key):
     """C6-C8 from quality.py (dense, swin, dsa, dsa_zero; short and long clip) and ablate_offsets.py.
 
@@ -187,16 +192,16 @@ def c_quality(key):
             _, d, x = pairs[-1]
             matches = all(abs(d[f"{m}_mean"] - x[f"{m}_mean"]) <= _margin(d, x, m)
                           for m in ("temporal_consistency", "text_alignment"))
-            verdict = (f"inconclusive: {weak}" if weak else
-                       f"{'supported' if matches else 'not supported'} at {long} frames: dsa minus dense TC "
-                       f"{d['temporal_consistency_mean'] - x['temporal_consistency_mean']:+.2f}, TA "
-                       f"{d['text_alignment_mean'] - x['text_alignment_mean']:+.2f}")
+            measured = (f"at {long} frames dsa minus dense TC {_diff(d, x, 'temporal_consistency')}, "
+                        f"TA {_diff(d, x, 'text_alignment')}")
+            verdict = (f"inconclusive: {weak}; as measured, {measured}" if weak else
+                       f"{'supported' if matches else 'not supported'}: {measured}")
             return f"{q.steps} steps, H200: {text} ({', '.join(q.links)})", verdict
         d, w = q.rows[("dsa", long)], q.rows[("swin", long)]
         gain = d["temporal_consistency_mean"] - w["temporal_consistency_mean"]
-        verdict = (f"inconclusive: {weak}" if weak else
-                   f"{'supported' if gain > _margin(d, w, 'temporal_consistency') else 'not supported'} at {long} "
-                   f"frames (TC gain {gain:+.2f})")
+        measured = f"at {long} frames dsa minus Swin TC {_diff(d, w, 'temporal_consistency')}"
+        verdict = (f"inconclusive: {weak}; as measured, {measured}" if weak else
+                   f"{'supported' if gain > _margin(d, w, 'temporal_consistency') else 'not supported'}: {measured}")
         return (f"{long} frames (not 256), {q.steps} steps, H200: dsa {_scores(d)} vs Swin {_scores(w)} "
                 f"({', '.join(q.links)})", verdict)
     return f
@@ -335,6 +340,18 @@ def _same_config(path: Path, result: dict) -> list[Path]:
             if g != path and mine is not None and config_key(json.loads(g.read_text())) == mine]
 
 
+def pooled_table(experiment: str, p: Pooled) -> list[str]:
+    """Markdown lines: mean +- std over seeds per (variant, frames) of a pooled quality study."""
+    def cell(r, key):
+        return f"{r[f'{key}_mean']:.2f} ± {r[f'{key}_std']:.2f}"
+    out = [f"### {experiment} ({p.steps} steps; {', '.join(p.links)})", "",
+           "| variant | frames | seeds | text alignment | temporal consistency | motion error |", "|---|---|---|---|---|---|"]
+    for (variant, frames), r in sorted(p.rows.items(), key=lambda kv: (kv[0][1], kv[0][0] == "ground_truth")):
+        out.append(f"| {variant} | {frames} | {r['seeds']} | {cell(r, 'text_alignment')} | "
+                   f"{cell(r, 'temporal_consistency')} | {cell(r, 'motion_error')} |")
+    return out + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "README.md")
@@ -348,6 +365,13 @@ def main() -> None:
             ours, verdict = c.ours()
             out.append(f"| {c.id} | {c.paper} | {ours} | {verdict} |")
         out.append("")
+    studies = [(e, p) for e in ("ablate_offsets", "quality") if (p := pooled(e))]
+    if studies:
+        out += ["## Quality studies pooled over seeds", "",
+                "Mean ± standard deviation over seeds of the GPU runs behind C6-C8 (MovingShapes scores: "
+                "text alignment and temporal consistency are 1.0 on ideal videos, motion error 0).", ""]
+        for experiment, p in studies:
+            out += pooled_table(experiment, p)
     partial = [(f, r) for f in sorted(RESULTS_DIR.glob("*/*.json"))
                if (r := json.loads(f.read_text())).get("jobs_done", 0) < r.get("jobs_total", 0)]
     if partial:
