@@ -151,3 +151,22 @@ def test_kernels_compile_for_sm90():
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(" ok") == 2
+
+
+def test_fused_op_inside_torch_compile():
+    """Under torch.compile (train.compile) the fused op runs as in eager: the same output and
+    gradients. Dynamo must not retrace the Triton launches (on the H200 inductor passed the
+    float scale as fp64, which the kernel's fp32 loop state rejects)."""
+    kernel_size = (3, 3, 3)
+    inputs = make_inputs((1, 3, 4, 5, 2, 8), kernel_size, torch.float32)
+
+    def attend(q, k, v, offsets):
+        return deformable_slide_attention(q.relu(), k, v, offsets, kernel_size, backend="triton") * 2
+
+    results = []
+    for fn in (attend, torch.compile(attend, backend="aot_eager")):
+        leaves = [x.clone().requires_grad_() for x in inputs[:4]]
+        out = fn(*leaves)
+        results.append([out.detach(), *torch.autograd.grad(out, leaves, inputs[4])])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)

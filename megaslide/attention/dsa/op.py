@@ -35,13 +35,44 @@ def _triton_interpreted() -> bool:
     return loaded.INTERPRETED if loaded is not None else triton_interpreted()
 
 
+# The kernels are wrapped as custom ops so that torch.compile (train.compile) treats them as
+# opaque calls: traced by Dynamo, the Triton launches got the float scale as fp64, which the
+# kernels' fp32 loop state rejects. The fake functions give compile the output shapes.
+@torch.library.custom_op("megaslide::dsa_fused_forward", mutates_args=())
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                   kernel_size: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().dsa_forward(q, k, v, offsets, tuple(kernel_size), scale)
+
+
+@_fused_forward.register_fake
+def _(q, k, v, offsets, kernel_size, scale):
+    B, T, H, W, heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, heads, T * H * W), dtype=torch.float32)
+
+
+@torch.library.custom_op("megaslide::dsa_fused_backward", mutates_args=())
+def _fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, kernel_size: list[int],
+                    scale: float, offsets_grad: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, doff = _kernels().dsa_backward(q, k, v, offsets, out, lse, dout, tuple(kernel_size), scale,
+                                               offsets_grad=offsets_grad)
+    return dq, dk, dv, doff if offsets_grad else offsets.new_empty(0)  # an op returns tensors only
+
+
+@_fused_backward.register_fake
+def _(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(offsets) if offsets_grad else offsets.new_empty(0))
+
+
 class _DSATritonFunction(torch.autograd.Function):
     """Fused Triton forward / backward; saves q, k, v, offsets, out and the log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-        out, lse = _kernels().dsa_forward(q, k, v, offsets, kernel_size, scale)  # (B, T, H, W, heads, d), (B, heads, N)
+        out, lse = _fused_forward(q, k, v, offsets, list(kernel_size), scale)  # (B, T, H, W, heads, d), (B, heads, N)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.kernel_size = kernel_size
         ctx.scale = scale
@@ -50,10 +81,10 @@ class _DSATritonFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offsets, out, lse = ctx.saved_tensors
-        dq, dk, dv, doff = _kernels().dsa_backward(
-            q, k, v, offsets, out, lse, dout, ctx.kernel_size, ctx.scale,
-            offsets_grad=ctx.needs_input_grad[3])
-        return dq, dk, dv, doff, None, None
+        offsets_grad = ctx.needs_input_grad[3]
+        dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), list(ctx.kernel_size),
+                                           ctx.scale, offsets_grad)
+        return dq, dk, dv, doff if offsets_grad else None, None, None
 
 
 def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
