@@ -32,6 +32,7 @@ import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (before any NCCL init)
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -412,6 +413,8 @@ def parse_args(argv=None):
     ap.add_argument("--e2e-height", type=int, default=60, help="latent height (480p / 8)")
     ap.add_argument("--e2e-width", type=int, default=104, help="latent width (832p / 8)")
     ap.add_argument("--e2e-max-seconds", type=float, default=5.0, help="skip longer lengths after a slower step")
+    ap.add_argument("--timeout-s", type=float, default=120.0,
+                    help="under torchrun: a collective stuck this long aborts the run and is named in the log")
     ap.add_argument("--name", default=None, help="result file name (default: smoke or <device>_w<ranks>)")
     cfg = ap.parse_args(argv)
     if cfg.smoke:
@@ -433,7 +436,8 @@ def main(argv=None) -> None:
     if "RANK" in os.environ:  # torchrun
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(seconds=cfg.timeout_s))
         try:
             benchmark(cfg)
         finally:
