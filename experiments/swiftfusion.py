@@ -48,7 +48,8 @@ from megaslide.parallel import resolve_degrees, sequence_parallel_attention  # n
 from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans  # noqa: E402
 from megaslide.parallel.groups import Topology  # noqa: E402
 from megaslide.parallel.local_attn import select_backend  # noqa: E402
-from megaslide.parallel.onesided import can_use_symm_mem, release_symm_mem_workspaces  # noqa: E402
+from megaslide.parallel.onesided import (  # noqa: E402
+    can_use_symm_mem, release_symm_mem_workspaces, symm_mem_backend)
 
 GPU_SEQ_LENS = [16384, 32768, 65536, 131072, 262144, 524288, 1048576]
 
@@ -330,7 +331,7 @@ def benchmark(cfg) -> None:
         "note": ("one rank: every distributed mode runs as local attention without communication"
                  if world == 1 else ""),
         "ceilings": {"sdpa": ceiling, "all_to_all": a2a},
-        "symm_mem": {"available": symm_ok, "reason": symm_reason},
+        "symm_mem": {"available": symm_ok, "reason": symm_reason, "backend": symm_mem_backend(device)},
         "attention_backend": {"name": backend.name, "why_not_others": why_not,
                               "backward": backward_backend.name},
         "run_topology": asdict(topo), "unavailable": {k: r for k, r in unavailable.items() if r},

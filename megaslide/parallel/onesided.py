@@ -72,6 +72,18 @@ def can_use_symm_mem(group: dist.ProcessGroup | None = None,
     return _PROBED[key]
 
 
+def symm_mem_backend(device: torch.device) -> str | None:
+    """The symmetric-memory allocator torch uses on a CUDA `device` (e.g. "CUDA", "NVSHMEM",
+    "NCCL"; they differ in whether freeing a buffer is collective), or None if unknown."""
+    if device.type != "cuda":
+        return None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        return symm_mem.get_backend(device)
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
 def _probe(group, device) -> tuple[bool, str]:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     reason = "ok"

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaslide.parallel.onesided import can_use_symm_mem, resolve_transport
+from megaslide.parallel.onesided import can_use_symm_mem, resolve_transport, symm_mem_backend
 
 
 def test_cpu_tensors_decline_symm_mem():
     ok, reason = can_use_symm_mem(None, torch.device("cpu"))
     assert not ok and "cpu" in reason
+    assert symm_mem_backend(torch.device("cpu")) is None  # no allocator to name off CUDA
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA branch")
