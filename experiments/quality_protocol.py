@@ -32,7 +32,9 @@ from megaslide.models.dit import count_params
 from megaslide.train.logger import RunLogger
 from megaslide.train.trainer import Trainer
 
-SCORE_KEYS = ("text_alignment", "temporal_consistency", "motion_error", "flickering", "frame_consistency")
+# text_alignment needs every part of the caption; color/shape/direction_match say which part fails
+SCORE_KEYS = ("text_alignment", "color_match", "shape_match", "direction_match", "temporal_consistency",
+              "motion_error", "flickering", "frame_consistency")
 
 
 def eval_set(data: DataConfig, n: int, seed: int) -> tuple[list[str], list, torch.Tensor]:
@@ -47,8 +49,9 @@ def score(videos: torch.Tensor, labels) -> dict:
     """All scores of a batch of videos (B, 3, T, H, W) in [-1, 1]."""
     motion = score_videos(videos, labels)
     frames = [to_uint8_frames(v) for v in videos]
-    return {"text_alignment": motion["text_alignment"], "temporal_consistency": motion["temporal_consistency"],
-            "motion_error": motion["motion_error"],
+    return {"text_alignment": motion["text_alignment"], "color_match": motion["color_ok"],
+            "shape_match": motion["shape_ok"], "direction_match": motion["direction_ok"],
+            "temporal_consistency": motion["temporal_consistency"], "motion_error": motion["motion_error"],
             "flickering": float(np.mean([temporal_flickering(f) for f in frames])),
             "frame_consistency": float(np.mean([frame_consistency(f) for f in frames]))}
 
@@ -167,13 +170,13 @@ def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Mean and std over seeds per (variant, frames)."""
+    """Mean and std over seeds per (variant, frames); a score that rows of older results lack is NaN."""
     out = []
     for key in dict.fromkeys((r["variant"], r["frames"]) for r in rows):
         group = [r for r in rows if (r["variant"], r["frames"]) == key and r.get("status") == "ok"]
         agg = {"variant": key[0], "frames": key[1], "seeds": len(group)}
         for k in SCORE_KEYS:
-            vals = [g[k] for g in group if not math.isnan(g[k])]
+            vals = [g[k] for g in group if not math.isnan(g.get(k, math.nan))]
             agg[f"{k}_mean"] = float(np.mean(vals)) if vals else math.nan
             agg[f"{k}_std"] = float(np.std(vals)) if vals else math.nan
         if not group:

@@ -20,6 +20,9 @@ def test_ablate_offsets_smoke(tmp_path):
     assert len({r["params"] for r in per_seed if "params" in r}) == 1   # equal parameter counts
     gt = next(r for r in data["rows"] if r["variant"] == "ground_truth")
     assert gt["text_alignment_mean"] == 1.0                            # the ceiling is reachable
+    assert gt["color_match_mean"] == gt["shape_match_mean"] == gt["direction_match_mean"] == 1.0
+    for r in per_seed:                                                 # all of the caption implies each part
+        assert r["text_alignment"] <= min(r["color_match"], r["shape_match"], r["direction_match"])
     assert data["jobs_done"] == data["jobs_total"] == 2                 # complete, not a partial result
 
 
