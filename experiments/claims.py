@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -344,11 +345,15 @@ def pooled_table(experiment: str, p: Pooled) -> list[str]:
     """Markdown lines: mean +- std over seeds per (variant, frames) of a pooled quality study."""
     def cell(r, key):
         return f"{r[f'{key}_mean']:.2f} ± {r[f'{key}_std']:.2f}"
+    keys = ["text_alignment", "temporal_consistency", "motion_error"]
+    parts = ["color_match", "shape_match", "direction_match"]   # scored since the runs after 62c792d
+    if all(not math.isnan(r.get(f"{k}_mean", math.nan)) for r in p.rows.values() for k in parts):
+        keys[1:1] = parts
     out = [f"### {experiment} ({p.steps} steps; {', '.join(p.links)})", "",
-           "| variant | frames | seeds | text alignment | temporal consistency | motion error |", "|---|---|---|---|---|---|"]
+           "| variant | frames | seeds | " + " | ".join(k.replace("_", " ") for k in keys) + " |",
+           "|---|---|---|" + "---|" * len(keys)]
     for (variant, frames), r in sorted(p.rows.items(), key=lambda kv: (kv[0][1], kv[0][0] == "ground_truth")):
-        out.append(f"| {variant} | {frames} | {r['seeds']} | {cell(r, 'text_alignment')} | "
-                   f"{cell(r, 'temporal_consistency')} | {cell(r, 'motion_error')} |")
+        out.append(f"| {variant} | {frames} | {r['seeds']} | " + " | ".join(cell(r, k) for k in keys) + " |")
     return out + [""]
 
 

@@ -62,3 +62,17 @@ def test_cpu_results_are_not_claims_and_weak_models_get_a_caveat(results, monkey
     monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
     _write(results, "gpu", 1500, [0], _rows(0, {"dsa": (0.60, 0.2), "dsa_zero": (0.50, 0.0)}))
     assert "caveat: every model is under-trained (best TA 0.20" in _c8()[1]
+
+
+def test_pooled_table_shows_caption_parts_only_when_every_row_has_them(results, monkeypatch):
+    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
+    rows = _rows(0, {"dsa": (0.6, 0.2), "dsa_zero": (0.5, 0.0)})
+    _write(results, "old", 1500, [0], rows)
+    header = claims.pooled_table("ablate_offsets", claims.pooled("ablate_offsets"))[2]
+    assert "color match" not in header and "text alignment" in header
+    for r in rows:
+        r.update(color_match=1.0, shape_match=0.5, direction_match=0.25)
+    _write(results, "old", 1500, [0], rows)
+    table = claims.pooled_table("ablate_offsets", claims.pooled("ablate_offsets"))
+    assert "| color match | shape match | direction match |" in table[2]
+    assert "| dsa | 16 | 1 | 0.20 ± 0.00 | 1.00 ± 0.00 | 0.50 ± 0.00 | 0.25 ± 0.00 |" in table[4]
