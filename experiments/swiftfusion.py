@@ -312,6 +312,9 @@ def benchmark(cfg) -> None:
     a2a = measure_all_to_all(cfg, device, dtype, world)
     run_bw = a2a["busbw_GBps"] if a2a else cfg.intra_bw
     topo = Topology(1, world, run_bw, run_bw)
+    if cfg.symm_mem_backend and device.type == "cuda":  # before the first symmetric allocation
+        import torch.distributed._symmetric_memory as symm_mem
+        symm_mem.set_backend(cfg.symm_mem_backend)
     symm_ok, symm_reason = can_use_symm_mem(None, device)
     sample = torch.zeros(1, 1, 8, cfg.head_dim, device=device, dtype=dtype)
     backend, why_not = select_backend(sample, sample, sample)
@@ -400,6 +403,8 @@ def parse_args(argv=None):
     ap.add_argument("--a2a-bytes", type=int, default=256 * 2 ** 20, help="bytes per rank of the all-to-all ceiling")
     ap.add_argument("--usp-ulysses", type=int, default=None, help="Ulysses degree of the hybrids")
     ap.add_argument("--variants", nargs="+", default=None, help="time only these (default: all)")
+    ap.add_argument("--symm-mem-backend", default=None,
+                    help="symmetric-memory allocator for the one-sided ring, e.g. CUDA or NVSHMEM (default: torch's)")
     ap.add_argument("--chunks", type=int, default=4, help="max Torus head chunks per rank")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-seconds", type=float, default=3.0, help="skip a timing predicted slower than this")
