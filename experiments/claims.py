@@ -346,7 +346,7 @@ def pooled_table(experiment: str, p: Pooled) -> list[str]:
     def cell(r, key):
         return f"{r[f'{key}_mean']:.2f} ± {r[f'{key}_std']:.2f}"
     keys = ["text_alignment", "temporal_consistency", "motion_error"]
-    parts = ["color_match", "shape_match", "direction_match"]   # scored since the runs after 62c792d
+    parts = ["color_match", "shape_match", "direction_match"]   # older result files lack them
     if all(not math.isnan(r.get(f"{k}_mean", math.nan)) for r in p.rows.values() for k in parts):
         keys[1:1] = parts
     out = [f"### {experiment} ({p.steps} steps; {', '.join(p.links)})", "",
