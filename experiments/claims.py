@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from experiments.quality_protocol import aggregate
-from experiments.results_io import RESULTS_DIR
+from experiments.results_io import RESULTS_DIR, is_partial
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import DIT_PRESETS, count_params
 
@@ -378,7 +378,7 @@ def main() -> None:
         for experiment, p in studies:
             out += pooled_table(experiment, p)
     partial = [(f, r) for f in sorted(RESULTS_DIR.glob("*/*.json"))
-               if (r := json.loads(f.read_text())).get("jobs_done", 0) < r.get("jobs_total", 0)]
+               if is_partial(r := json.loads(f.read_text()))]
     if partial:
         out += ["## Runs cut short", "",
                 "These runs hit the device time limit; their tables hold only the runs that finished:", ""]

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from experiments.results_io import RESULTS_DIR
+from experiments.results_io import RESULTS_DIR, is_partial
 
 
 def _fmt(v) -> str:
@@ -73,7 +73,7 @@ def render(experiment: str, results_dir: Path = RESULTS_DIR) -> Path | None:
         out += [f"## {f.stem}", ""]
         if data.get("note"):
             out += [str(data["note"]), ""]
-        if data.get("jobs_done", 0) < data.get("jobs_total", 0):
+        if is_partial(data):
             out += [f"**Partial result:** {data['jobs_done']} of {data['jobs_total']} planned runs finished "
                     "(the run was cut short); the tables hold only those.", ""]
         tables = find_tables(data)

@@ -80,3 +80,7 @@ def write_result(experiment: str, name: str, payload: dict, results_dir: Path | 
     os.replace(tmp, path)
     return path
 
+
+def is_partial(result: dict) -> bool:
+    """Whether a result was cut short: fewer runs finished (`jobs_done`) than planned (`jobs_total`)."""
+    return result.get("jobs_done", 0) < result.get("jobs_total", 0)

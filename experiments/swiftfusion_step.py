@@ -22,13 +22,6 @@ from megaslide.models.dit import build_dit
 CAPTION = "a red circle moving left"
 
 
-def full_config(sp: dict) -> FullConfig:
-    """FullConfig for one denoising step in the mode given by sequence_parallel_attention kwargs."""
-    return FullConfig(timesteps=(1.0,), mode=sp["mode"], ulysses_degree=sp.get("ulysses_degree"),
-                      ring_degree=sp.get("ring_degree"), placement=sp.get("placement", "ulysses_intra"),
-                      transport=sp.get("transport", "p2p"), chunks=sp.get("chunks"))
-
-
 def measure_denoising_steps(rows: list[dict], variants: list, unavailable: dict[str, str | None], cfg, device: torch.device,
                         dtype: torch.dtype, world: int, timed: Callable[..., float],
                         on_length: Callable[[], None] = lambda: None) -> None:
@@ -55,12 +48,13 @@ def measure_denoising_steps(rows: list[dict], variants: list, unavailable: dict[
                 rows.append({**row, "status": "unavailable" if unavailable.get(v.name) else "skipped", "reason": why})
                 continue
             sampler = FullSequenceSampler(model, frames=frames, height=cfg.e2e_height, width=cfg.e2e_width,
-                                          config=full_config(v.kwargs) if v.kwargs else FullConfig(timesteps=(1.0,)),
+                                          config=FullConfig(timesteps=(1.0,), **v.kwargs),  # SP kwargs = fields
                                           group=None if world == 1 else torch.distributed.group.WORLD)
+            last = {}  # the latents of the last timed step, for the comparison
             try:
                 with torch.no_grad():
-                    step_s = timed(lambda: sampler.sample(noise, ids), device, cfg.repeats)
-                    latents = sampler.sample(noise, ids)
+                    step_s = timed(lambda: last.update(latents=sampler.sample(noise, ids)), device, cfg.repeats)
+                latents = last["latents"]
             except torch.cuda.OutOfMemoryError as e:
                 rows.append({**row, "status": "oom", "reason": str(e).splitlines()[0]})
                 continue
