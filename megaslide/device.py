@@ -1,0 +1,25 @@
+"""Device choice, written once for training, sampling and distributed inference."""
+from __future__ import annotations
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str, *, key: str = "device", local_rank: int = 0) -> torch.device:
+    """"auto" -> cuda:local_rank if CUDA is available, else cpu; "cuda" -> cuda:local_rank.
+
+    `key` is the config key the caller's user typed (e.g. `train.device`), so that an error
+    names the user's own setting and how to fix it."""
+    if name not in DEVICE_CHOICES:
+        raise ValueError(f"{key}={name!r}: choose one of {', '.join(DEVICE_CHOICES)}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{key}=cuda but no CUDA device is visible; use {key}=cpu or {key}=auto")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                         f"start at most that many processes per node")
+    return torch.device("cuda", local_rank)
