@@ -1,0 +1,198 @@
+"""The benchmarking harness every experiment script and multi-process test shares.
+
+- `sync(device)`: wait for the device's queued work (a no-op on CPU).
+- `timed(fn, device)`: warm-up calls, then at least `MIN_REPEATS` timed calls; a `Timing` with the
+  median and the spread (min, max, std). Across ranks it reports the slowest rank.
+- ceilings measured in the run itself: `matmul_tflops` (n^3 matmul), `hbm_copy_gbps` (device copy),
+  `pcie_gbps` (pinned H2D, D2H and both at once).
+- `within_tolerance(err, ref_err, floor)`: the one accuracy rule of kernels against a reference.
+- `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+MIN_REPEATS = 5   # fewer timed calls give no usable spread
+GB = 1e9
+
+
+# ----------------------------------------------------------------------------- timing
+def sync(device: torch.device | str) -> None:
+    """Block until the work queued on `device` has run (CUDA); CPU work is already done."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of each timed call, with the summary statistics tables report."""
+
+    times: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def max(self) -> float:
+        return max(self.times)
+
+    @property
+    def std(self) -> float:
+        return statistics.pstdev(self.times)
+
+    def ms(self, prefix: str = "ms") -> dict:
+        """Median and spread in milliseconds, as result-row fields: `ms`, `ms_min`, `ms_max`, `ms_std`."""
+        return {prefix: 1e3 * self.median, f"{prefix}_min": 1e3 * self.min, f"{prefix}_max": 1e3 * self.max,
+                f"{prefix}_std": 1e3 * self.std}
+
+
+def timed(fn, device: torch.device | str, repeats: int = MIN_REPEATS, warmup: int = 1,
+          group: dist.ProcessGroup | None = None, across_ranks: bool = False) -> Timing:
+    """Time `repeats` calls of fn() after `warmup` untimed ones, synchronising the device around each.
+
+    With `across_ranks` (torch.distributed initialised) every rank enters each call together
+    (a barrier on `group`) and each statistic is the slowest rank's, so one straggler is seen."""
+    if repeats < MIN_REPEATS:
+        raise ValueError(f"repeats={repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if across_ranks:
+            dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    if across_ranks:
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # per call, the slowest rank
+        times = t.tolist()
+    return Timing(tuple(times))
+
+
+# ----------------------------------------------------------------------------- ceilings
+def matmul_tflops(device: torch.device | str, n: int = 8192, dtype: torch.dtype = torch.bfloat16,
+                  repeats: int = 10) -> float:
+    """Achieved TFLOP/s of an n x n x n matmul (2 n^3 FLOPs), median call: the compute ceiling."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / timed(lambda: a @ b, device, repeats, warmup=3).median / 1e12
+
+
+def hbm_copy_gbps(device: torch.device | str, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
+    """Device-to-device copy, read + write bytes per second in GB/s: the memory-bandwidth ceiling."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), device, repeats).median / GB
+
+
+def pcie_gbps(device: torch.device | str, nbytes: int, repeats: int = MIN_REPEATS) -> dict:
+    """GB/s of pinned copies (page-locked the way the offload engine pins its arena): H2D alone,
+    D2H alone, and both at once on two streams. CUDA only."""
+    from megaslide.offload.host_state import HostArena
+
+    device = torch.device(device)
+    arena = HostArena([nbytes], pin=True)
+    host, dev = arena.buffer, torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev2 = torch.empty_like(dev)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def copies(pairs):
+        def run():
+            for stream, dst, src in pairs:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+        return run
+
+    h2d = timed(copies([(up, dev, host)]), device, repeats).median
+    d2h = timed(copies([(down, host, dev)]), device, repeats).median
+    both = timed(copies([(up, dev, host), (down, host, dev2)]), device, repeats).median
+    arena.close()
+    return {"bytes": nbytes, "h2d_GBps": nbytes / h2d / GB, "d2h_GBps": nbytes / d2h / GB,
+            "both_total_GBps": 2 * nbytes / both / GB}
+
+
+# ----------------------------------------------------------------------------- accuracy
+TOLERANCE_RULE = "err <= 2 x same-dtype reference err + floor"
+
+
+def within_tolerance(err: float, ref_err: float, floor: float) -> bool:
+    """The accuracy rule for a kernel (fused, distributed, ...) against an fp32/fp64 truth.
+
+    `err` is the kernel's max error against the truth, `ref_err` the error of the plain PyTorch
+    path in the kernel's dtype against the same truth: a kernel may be at most 2x as wrong as
+    PyTorch, plus `floor` for outputs whose reference error is at rounding level (where a 2x
+    ratio is noise). NaN anywhere fails."""
+    return math.isfinite(err) and err <= 2 * ref_err + floor
+
+
+def rounding_floor(dtype: torch.dtype, reference: torch.Tensor, ulps: float = 2) -> float:
+    """`ulps` x eps(dtype) x max(1, max|reference|): the floor of `within_tolerance` at rounding level."""
+    return ulps * torch.finfo(dtype).eps * max(1.0, reference.abs().max().item())
+
+
+# ----------------------------------------------------------------------------- processes
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, backend: str | None, timeout_s: float | None, fn, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if backend is None:  # fn joins the group itself, from the torchrun environment set above
+        fn(rank, world, *args)
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, args: tuple = (), backend: str | None = "gloo", timeout_s: float | None = 150.0) -> None:
+    """Run `fn(rank, world, *args)` in `world` local processes and wait for all of them.
+
+    Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT on a free port) and its share of the CPU threads; with `backend` ("gloo" or
+    "nccl", one GPU per rank) it is in the default process group while fn runs, with None fn
+    joins itself. Processes fork from a server with torch preloaded (one fork each rather than one
+    torch import). A failing rank raises here with its traceback; past `timeout_s` (also the
+    collectives' timeout; None: no limit) the rest are stopped and TimeoutError is raised. `fn`
+    must be a module-level function."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed"])
+    ctx = tmp.start_processes(_worker, args=(world, free_port(), backend, timeout_s, fn, tuple(args)),
+                              nprocs=world, join=False, start_method="forkserver")
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):  # True once all exited; raises when one failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"{world} spawned processes ran past {timeout_s} s")
