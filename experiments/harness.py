@@ -7,6 +7,8 @@
   `pcie_gbps` (pinned H2D, D2H and both at once).
 - `within_tolerance(err, ref_err, floor)`: the one accuracy rule of kernels against a reference.
 - `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
+- `ExperimentRun`: a table script's W&B run (config, result tables, headline scalars, plots)
+  beside its result JSON, which records where the W&B run lies.
 """
 from __future__ import annotations
 
@@ -18,10 +20,15 @@ import socket
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
+
+from experiments.report import find_tables
+from experiments.results_io import write_result
+from megaslide.train.logger import RunLogger
 
 MIN_REPEATS = 5   # fewer timed calls give no usable spread
 GB = 1e9
@@ -196,3 +203,34 @@ def spawn(fn, world: int, args: tuple = (), backend: str | None = "gloo", timeou
                 if p.is_alive():
                     p.terminate()
             raise TimeoutError(f"{world} spawned processes ran past {timeout_s} s")
+
+
+# ----------------------------------------------------------------------------- W&B + result JSON
+class ExperimentRun:
+    """One run of a table script: its W&B run and its result file `results/<experiment>/<name>.json`.
+
+    The W&B run (offline unless WANDB_MODE says otherwise, nothing at all when it is `disabled`)
+    lies in `<out_dir>/<experiment>/<name>/wandb` and holds the config; `finish` adds every
+    table of the result (as report.py finds them), the headline scalars and the plots. Every
+    saved result records the run's folder as `wandb_dir` (None when W&B is disabled)."""
+
+    def __init__(self, experiment: str, name: str, config: dict, out_dir: str | Path = "runs",
+                 project: str = "megaslide", rank: int = 0):
+        self.experiment, self.name = experiment, name
+        self.logger = RunLogger(Path(out_dir) / experiment / name, project=project, name=f"{experiment}-{name}",
+                                config=config, rank=rank)
+
+    def save(self, payload: dict) -> Path:
+        """Write the result file now (scripts call this after each row, so a crash keeps the rows)."""
+        return write_result(self.experiment, self.name, {**payload, "wandb_dir": self.logger.wandb_dir})
+
+    def finish(self, payload: dict, scalars: dict, images: dict[str, Path] | None = None) -> Path:
+        """Log the result's tables, `scalars` and `images` (key -> png) to W&B, write the result, close."""
+        for key, rows in find_tables(payload).items():
+            self.logger.log_table(key, rows)
+        self.logger.summary(scalars)
+        for key, path in (images or {}).items():
+            self.logger.log_image(key, path)
+        path = self.save(payload)
+        self.logger.finish()
+        return path

@@ -1,5 +1,7 @@
 """A small run logger: W&B (imported lazily, offline by default) plus a local metrics.jsonl.
 
+Training logs scalars per step (`log`) and sample videos; a benchmark or table script logs its
+result tables (`log_table`), its headline numbers (`summary`) and its plots (`log_image`).
 Only rank 0 logs. The W&B mode comes from `WANDB_MODE` when set, else `offline`, so runs
 never need a network; upload them later with `wandb sync <run folder>/wandb/offline-run-*`.
 """
@@ -41,6 +43,28 @@ class RunLogger:
         import wandb
         self.run.log({key: wandb.Video(str(mp4_path), caption=caption, format="mp4")}, step=step)
 
+    def log_table(self, key: str, rows: list[dict]) -> None:
+        """A result table as a W&B table: one column per key any row has (in first-seen order);
+        a value that is not a number, string or bool (a list, a dict) is shown as its JSON."""
+        if self.run is None:
+            return
+        import wandb
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        self.run.log({key: wandb.Table(columns=columns, data=data)})
+
+    def log_image(self, key: str, path: str | Path) -> None:
+        """Attach a plot already written to disk (png)."""
+        if self.run is None:
+            return
+        import wandb
+        self.run.log({key: wandb.Image(str(path))})
+
+    def summary(self, values: dict) -> None:
+        """Headline numbers of the run: the run's W&B summary (nested dicts allowed)."""
+        if self.run is not None:
+            self.run.summary.update(values)
+
     @property
     def wandb_dir(self) -> str | None:
         return None if self.run is None else str(Path(self.run.dir).parent)
@@ -51,3 +75,10 @@ class RunLogger:
         self.metrics_file.close()
         if self.run is not None:
             self.run.finish()
+
+
+def _cell(value):
+    """A table cell W&B can show: scalars as they are, anything else as its JSON text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return json.dumps(value, default=str)

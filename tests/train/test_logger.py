@@ -1,0 +1,50 @@
+"""RunLogger: what reaches W&B (a stand-in module records it) and what is written with W&B disabled."""
+import sys
+import types
+
+from megaslide.train.logger import RunLogger
+
+
+class FakeRun:
+    def __init__(self, **init):
+        self.init, self.logged, self.summary, self.dir = init, [], {}, init["dir"] + "/wandb/run-x/files"
+
+    def log(self, values, step=None):
+        self.logged.append(values)
+
+    def finish(self):
+        pass
+
+
+def fake_wandb(monkeypatch):
+    mod = types.ModuleType("wandb")
+    mod.init = lambda **kw: FakeRun(**kw)
+    mod.Table = lambda columns, data: ("table", columns, data)
+    mod.Image = lambda path: ("image", path)
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+
+
+def test_tables_images_and_summary_reach_wandb(tmp_path, monkeypatch):
+    fake_wandb(monkeypatch)
+    logger = RunLogger(tmp_path, config={"heads": 2}, mode="offline")
+    logger.log_table("sweep", [{"variant": "dense", "ms": 1.5}, {"variant": "dsa", "grid": [4, 8], "peak": None}])
+    logger.log_image("plot", tmp_path / "p.png")
+    logger.summary({"speedup": 2.0})
+    run = logger.run
+    assert run.init["config"] == {"heads": 2} and run.init["mode"] == "offline"
+    assert run.logged[0] == {"sweep": ("table", ["variant", "ms", "grid", "peak"],
+                                       [["dense", 1.5, None, None], ["dsa", None, "[4, 8]", None]])}
+    assert run.logged[1] == {"plot": ("image", str(tmp_path / "p.png"))}
+    assert run.summary == {"speedup": 2.0}
+    assert logger.wandb_dir == str(tmp_path / "wandb" / "run-x")
+    logger.finish()
+
+
+def test_disabled_writes_nothing_for_wandb(tmp_path):
+    logger = RunLogger(tmp_path, mode="disabled")
+    logger.log_table("t", [{"a": 1}])
+    logger.log_image("i", tmp_path / "missing.png")
+    logger.summary({"a": 1})
+    logger.finish()
+    assert logger.wandb_dir is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
