@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from megaslide.models.layers import RMSNorm
-from megaslide.models.rope import apply_rope
+from megaslide.nn import RMSNorm, apply_rope
 
 
 class SelfAttention(nn.Module):

@@ -51,7 +51,7 @@ from megaslide.inference.launch import add_model_args, build_model, group_size, 
 from megaslide.inference.sharded import (Rope, ShardedDiT, TokenShard, gather_rows, patchify, shard_rope,
                                          unpatchify)
 from megaslide.models.dit import VideoDiT
-from megaslide.models.rope import RopeTable
+from megaslide.nn.rope import RopeTable
 from megaslide.parallel.ulysses import head_to_seq, seq_to_head_qkv
 
 DEFAULT_TIMESTEPS = (1.0, 0.75, 0.5, 0.25)

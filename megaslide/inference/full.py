@@ -28,7 +28,7 @@ from megaslide.inference.causal import DEFAULT_TIMESTEPS
 from megaslide.inference.launch import add_model_args, build_model, group_size, init_distributed, shutdown
 from megaslide.inference.sharded import Rope, ShardedDiT, TokenShard, gather_rows, patchify, shard_rope, unpatchify
 from megaslide.models.dit import VideoDiT
-from megaslide.models.rope import RopeTable
+from megaslide.nn.rope import RopeTable
 from megaslide.parallel import MODES, PLACEMENTS, TRANSPORTS, resolve_degrees, sequence_parallel_attention
 
 

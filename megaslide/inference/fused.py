@@ -27,7 +27,7 @@ import torch
 
 from megaslide.backends import Backend, triton_device_check, triton_interpreted
 from megaslide.backends import select_backend as choose_backend
-from megaslide.models.rope import apply_rope
+from megaslide.nn.rope import apply_rope
 
 tl = None  # triton.language, imported with the first kernel call (after a test can set TRITON_INTERPRET)
 

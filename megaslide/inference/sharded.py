@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megaslide.inference.fused import qk_norm_rope
 from megaslide.inference.launch import group_rank, group_size
 from megaslide.models.dit import N_MOD, VideoDiT
-from megaslide.models.rope import RopeTable
+from megaslide.nn.rope import RopeTable
 from megaslide.parallel.padding import shard_len, shard_sequence, valid_len
 
 Rope = tuple[torch.Tensor, torch.Tensor]

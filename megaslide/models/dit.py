@@ -17,9 +17,9 @@ from torch.utils.checkpoint import checkpoint
 from megaslide.attention import _REGISTRY, build_attention
 from megaslide.attention.base import SelfAttention
 from megaslide.config import AttentionConfig, DiTConfig
-from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3D, TimestepEmbedder, modulate
-from megaslide.models.rope import RopeTable
+from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3D, TimestepEmbedder
 from megaslide.models.text import HashTokenizer, TextEncoder, text_encoder_params
+from megaslide.nn import RopeTable, modulate
 
 N_MOD = 9  # (shift, scale, gate) for self-attention, cross-attention and MLP
 

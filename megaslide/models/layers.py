@@ -1,4 +1,4 @@
-"""Building blocks of the video DiT: embeddings, RMSNorm, MLP, cross-attention, final layer."""
+"""Building blocks of the video DiT: embeddings, MLP, cross-attention, final layer."""
 from __future__ import annotations
 
 import math
@@ -7,16 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class RMSNorm(nn.RMSNorm):
-    """`nn.RMSNorm` whose weight follows the input's dtype. Under bf16 autocast the input is bf16
-    and the weight fp32, a mix for which torch skips its fused kernel (which accumulates in
-    fp32 anyway) and runs the unfused ops; casting the weight keeps the fused kernel. The
-    weight and its gradient stay fp32."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.to(x.dtype)
-        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+from megaslide.nn import RMSNorm, modulate
 
 
 class PatchEmbed3D(nn.Module):
@@ -82,11 +73,6 @@ class CrossAttention(nn.Module):
         mask = None if ctx_mask is None else ctx_mask[:, None, None, :]  # (B, 1, 1, L)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, h, N, d)
         return self.out(o.transpose(1, 2).reshape(B, N, D))           # (B, N, D)
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """adaLN: x (B, N, D), shift/scale (B, D)."""
-    return x * (1 + scale[:, None]) + shift[:, None]
 
 
 class FinalLayer(nn.Module):

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from megaslide.inference import fused  # noqa: E402
 from megaslide.inference.fused import qk_norm_rope, qk_norm_rope_reference, select_backend  # noqa: E402
-from megaslide.models.rope import RopeTable  # noqa: E402
+from megaslide.nn.rope import RopeTable  # noqa: E402
 
 EPS = 1e-6
 

@@ -67,7 +67,7 @@ def test_unknown_preset_and_attention():
 
 
 def test_rmsnorm_matches_torch_and_keeps_fp32_weight_under_bf16():
-    from megaslide.models.layers import RMSNorm
+    from megaslide.nn import RMSNorm
     ours, ref = RMSNorm(24, eps=1e-6), torch.nn.RMSNorm(24, eps=1e-6)
     with torch.no_grad():
         ours.weight.normal_()

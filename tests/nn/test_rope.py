@@ -1,6 +1,6 @@
 import torch
 
-from megaslide.models.rope import RopeTable, apply_rope, grid_positions
+from megaslide.nn.rope import RopeTable, apply_rope, grid_positions
 
 
 def test_scores_depend_only_on_relative_position():
