@@ -5,43 +5,27 @@ DSA reference (materialised samples), DSA fused (Triton) and `dsa_zero` fused. T
 are 1080p latents (8x VAE, patch 2: 68 x 120 tokens per latent frame) at growing frame
 counts, plus the 262K-token target grid (16 x 128 x 128). The same run re-measures the
 ceilings (HBM copy bandwidth, bf16 matmul) and works out the fused kernel's roofline.
+Configuration: experiments/conf/bench_attention.yaml.
 
-    python experiments/bench_attention.py                  # GPU sweep -> results/attention/
-    python experiments/bench_attention.py --smoke          # tiny, CPU, seconds
+    python -m experiments.bench_attention                  # GPU sweep -> results/attention/
+    python -m experiments.bench_attention smoke=true       # tiny, CPU, seconds
 """
 from __future__ import annotations
 
-import argparse
 import math
-import time
 
+import hydra
 import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
 
 from baselines.swin_attention import SwinAttention
-from experiments.results_io import write_result
+from experiments.harness import ExperimentRun, copy_gbps, matmul_tflops, timed
 from megaslide.attention.dsa import deformable_slide_attention
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats, after one warm-up call."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+SMOKE = {"heads": 2, "head_dim": 16, "repeats": 5}
 
 
 def make_inputs(grid, heads, d, K, dtype, device, max_offset=4.0, zero=False):
@@ -96,11 +80,10 @@ def measure(setup, repeats: int, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     try:
-        step = setup()
-        seconds = timed(step, repeats)
+        timing = timed(setup(), device, repeats)
     except torch.OutOfMemoryError:
         return {"status": "OOM"}
-    out = {"status": "ok", "ms": seconds * 1e3}
+    out = {"status": "ok", **timing.ms()}
     if device.type == "cuda":
         out["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
     return out
@@ -110,13 +93,7 @@ def ceilings(device) -> dict:
     """HBM copy bandwidth and bf16 matmul peak, measured now."""
     if device.type != "cuda":
         return {}
-    x = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    copy_s = timed(lambda: y.copy_(x), 10)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm_s = timed(lambda: a @ a, 10)
-    del x, y, a
-    return {"hbm_gbps": 2 * 2 ** 30 / copy_s / 1e9, "matmul_tflops": 2 * 8192 ** 3 / mm_s / 1e12}
+    return {"hbm_gbps": copy_gbps(device), "matmul_tflops": matmul_tflops(device)}
 
 
 def dsa_roofline(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dict) -> dict:
@@ -179,67 +156,9 @@ def loglog_slope(rows, variant) -> float | None:
     return float(np.polyfit(x, y, 1)[0])
 
 
-def plot(rows, path_prefix):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        pts = [r for r in rows if r["variant"] == variant and r.get("status") == "ok"]
-        if pts:
-            axes[0].loglog([r["tokens"] for r in pts], [r["ms"] for r in pts], "o-", label=variant)
-            if "peak_gb" in pts[0]:
-                axes[1].loglog([r["tokens"] for r in pts], [max(r["peak_gb"], 1e-3) for r in pts], "o-", label=variant)
-    axes[0].set(xlabel="tokens", ylabel="fwd+bwd ms", title="time")
-    axes[1].set(xlabel="tokens", ylabel="peak GB", title="peak memory")
-    for ax in axes:
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(f"{path_prefix}.png", dpi=110)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, for CI")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--frames", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--name", default="sweep")
-    args = ap.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kernel, window = (3, 3, 3), (2, 4, 4)
-    variants = ["dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_zero_fused"]
-    if args.smoke:
-        heads, d, repeats = 2, 16, 1
-        sweep_grids, target_grid = [(4, 4, 8), (8, 4, 8)], (4, 8, 8)
-    else:
-        heads, d, repeats = args.heads, args.head_dim, args.repeats
-        sweep_grids, target_grid = [(f, 68, 120) for f in args.frames], (16, 128, 128)
-
-    ceil = ceilings(device)
-    print(f"device {device}, dtype {dtype}, ceilings {ceil}", flush=True)
-    name = "smoke" if args.smoke else args.name
-    config = {"heads": heads, "head_dim": d, "dtype": str(dtype), "kernel": kernel, "window": window,
-              "device": str(device)}
-    tables: dict[str, list] = {}
-
-    def save(key):
-        def on_row(rows):
-            tables[key] = rows
-            write_result("attention", name, {"config": config, "ceilings": ceil, "partial": True, "tables": tables})
-        return on_row
-
-    print("target grid", target_grid, flush=True)
-    target = sweep([target_grid], variants, heads, d, dtype, device, window, kernel, repeats,
-                   dense_limit=10 ** 9, ref_limit=10 ** 9, on_row=save("target"))
-    print("sweep", flush=True)
-    rows = sweep(sweep_grids, variants, heads, d, dtype, device, window, kernel, repeats,
-                 dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
-
+def summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, device) -> dict:
+    """The headline numbers: the fused kernel at the target grid against the others and its
+    roofline, speed-ups at the largest common N, and each variant's log-log slope of time vs N."""
     by = {r["variant"]: r for r in target if r.get("status") == "ok"}
     n_t = math.prod(target_grid)
     roof = dsa_roofline(n_t, heads, d, math.prod(kernel), torch.finfo(dtype).bits // 8, ceil)
@@ -267,12 +186,71 @@ def main():
     summary["fused_loglog_slope"] = loglog_slope(rows, "dsa_fused")
     summary["swin_loglog_slope"] = loglog_slope(rows, "swin2x4x4")
     summary["dense_loglog_slope"] = loglog_slope(rows, "dense")
+    return summary
+
+
+def plot(rows, path_prefix) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        pts = [r for r in rows if r["variant"] == variant and r.get("status") == "ok"]
+        if pts:
+            axes[0].loglog([r["tokens"] for r in pts], [r["ms"] for r in pts], "o-", label=variant)
+            if "peak_gb" in pts[0]:
+                axes[1].loglog([r["tokens"] for r in pts], [max(r["peak_gb"], 1e-3) for r in pts], "o-", label=variant)
+    axes[0].set(xlabel="tokens", ylabel="fwd+bwd ms", title="time")
+    axes[1].set(xlabel="tokens", ylabel="peak GB", title="peak memory")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{path_prefix}.png", dpi=110)
+    return f"{path_prefix}.png"
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="bench_attention")
+def main(cfg: DictConfig) -> None:
+    opts = {**OmegaConf.to_container(cfg, resolve=True), **(SMOKE if cfg.smoke else {})}
+    device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernel, window = (3, 3, 3), (2, 4, 4)
+    variants = ["dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_zero_fused"]
+    heads, d, repeats = opts["heads"], opts["head_dim"], opts["repeats"]
+    if cfg.smoke:
+        sweep_grids, target_grid = [(4, 4, 8), (8, 4, 8)], (4, 8, 8)
+    else:
+        sweep_grids, target_grid = [(f, 68, 120) for f in opts["frames"]], (16, 128, 128)
+
+    ceil = ceilings(device)
+    print(f"device {device}, dtype {dtype}, ceilings {ceil}", flush=True)
+    name = cfg.name or ("smoke" if cfg.smoke else "sweep")
+    config = {"heads": heads, "head_dim": d, "dtype": str(dtype), "kernel": kernel, "window": window,
+              "device": str(device)}
+    run = ExperimentRun("attention", name, opts, cfg.wandb.dir, cfg.wandb.project)
+    tables: dict[str, list] = {}
+
+    def save(key):
+        def on_row(rows):
+            tables[key] = rows
+            run.save({"config": config, "ceilings": ceil, "partial": True, "tables": tables})
+        return on_row
+
+    print("target grid", target_grid, flush=True)
+    target = sweep([target_grid], variants, heads, d, dtype, device, window, kernel, repeats,
+                   dense_limit=10 ** 9, ref_limit=10 ** 9, on_row=save("target"))
+    print("sweep", flush=True)
+    rows = sweep(sweep_grids, variants, heads, d, dtype, device, window, kernel, repeats,
+                 dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
+    summary = summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, device)
 
     payload = {"config": config, "ceilings": ceil, "summary": summary,
                "tables": {"target": target, "sweep": rows}}
-    path = write_result("attention", name, payload)
-    if not args.smoke:
-        plot(rows, str(path.parent / name))
+    images = {}
+    if not cfg.smoke:
+        images["time and memory vs tokens"] = plot(rows, str(run.result_path.parent / name))
+    path = run.finish(payload, summary, images)
     print("\nsummary")
     for k, v in summary.items():
         print(f"  {k}: {v}")

@@ -16,30 +16,31 @@ HARDWARE.md counts it) and an in-place add (a.add_(b): 12 B/element, two reads a
 to lines already read, the access pattern of AdamW).
 
 Order: correctness (C++ vs torch.optim.AdamW on a small buffer) -> ceilings -> timings ->
-JSON (results/cpu_adam/<name>.json, or under $MEGASLIDE_RESULTS_DIR) -> table.
+JSON (results/cpu_adam/<name>.json, or under $MEGASLIDE_RESULTS_DIR) and W&B -> table.
+Configuration: experiments/conf/bench_cpu_adam.yaml.
 
     python -m experiments.bench_cpu_adam                       # 64M and 268M params
-    python -m experiments.bench_cpu_adam --params 268435456 --threads 16
-    python -m experiments.bench_cpu_adam --tiny                # CI smoke: 1M params
+    python -m experiments.bench_cpu_adam params=[268435456] threads=16
+    python -m experiments.bench_cpu_adam tiny=true             # CI smoke: 1M params
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
+import hydra
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from experiments.results_io import write_result
+from experiments.harness import ExperimentRun, copy_gbps, timed
 from megaslide.offload import cpu_adam
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 TARGET_SPEEDUP = 1.2  # vs torch fused AdamW, the goal set for the offload engine
 VARIANTS = ("megaslide", "megaslide-torch-backend", "torch-fused", "torch-foreach", "torch-single")
+TINY = {"params": [2 ** 20], "iters": 5, "warmup": 1, "bw_bytes": 16 * 2 ** 20}
 
 
 @dataclass(frozen=True)
@@ -117,23 +118,12 @@ def check_correctness(workload: Workload, n: int = 100_003, steps: int = 3) -> d
             "passed": bool(exact) and err_ours <= 2 * max(err_torch, one_ulp)}
 
 
-def _median_time(fn: Callable[[], None], iters: int) -> tuple[float, float]:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
-
-
 def host_bandwidth(nbytes: int, iters: int) -> dict:
     """Host memory bandwidth in GB/s with torch kernels on the current torch threads."""
     src = torch.ones(nbytes // 4)
     dst = torch.zeros(nbytes // 4)
-    dst.copy_(src)  # warm: pages touched, threads up
-    copy_s, _ = _median_time(lambda: dst.copy_(src), iters)
-    add_s, _ = _median_time(lambda: dst.add_(src), iters)
-    return {"bytes": nbytes, "copy_GBps": 2 * nbytes / copy_s / 1e9,
+    add_s = timed(lambda: dst.add_(src), "cpu", iters).median  # the warm-up touches the pages
+    return {"bytes": nbytes, "copy_GBps": copy_gbps("cpu", nbytes, iters),
             "inplace_add_GBps": 3 * nbytes / add_s / 1e9}
 
 
@@ -172,11 +162,11 @@ def time_variant(variant: str, b: Buffers, threads: int, warmup: int, iters: int
     except RuntimeError as err:  # e.g. fused AdamW not supported on this CPU build
         return {"variant": variant, "error": str(err).splitlines()[0]}
     counter = iter(range(warmup + 1, warmup + iters + 1))
-    median_s, best_s = _median_time(lambda: step_fn(next(counter)), iters)
-    return {"variant": variant, "median_s": median_s, "best_s": best_s}
+    t = timed(lambda: step_fn(next(counter)), "cpu", iters, warmup=0)
+    return {"variant": variant, "median_s": t.median, "best_s": t.min, "worst_s": t.max, "std_s": t.std}
 
 
-def run(sizes: list[int], threads: int, warmup: int, iters: int, bw_bytes: int) -> dict:
+def bench(sizes: list[int], threads: int, warmup: int, iters: int, bw_bytes: int) -> dict:
     torch.set_num_threads(threads)
     correctness = [check_correctness(w) for w in WORKLOADS]
     if not all(c["passed"] for c in correctness):
@@ -189,14 +179,14 @@ def run(sizes: list[int], threads: int, warmup: int, iters: int, bw_bytes: int) 
         init_param = torch.randn(n, generator=gen)
         init_grad = torch.randn(n, generator=gen) * 1e-3
         for w in WORKLOADS:
-            timed = []
+            timings = []
             for variant in VARIANTS:
                 b = Buffers.create(init_param, init_grad, w)
-                timed.append(time_variant(variant, b, threads, warmup, iters))
+                timings.append(time_variant(variant, b, threads, warmup, iters))
                 del b
                 gc.collect()
-            fused = next((t for t in timed if t["variant"] == "torch-fused" and "median_s" in t), None)
-            for t in timed:
+            fused = next((t for t in timings if t["variant"] == "torch-fused" and "median_s" in t), None)
+            for t in timings:
                 row = {"params": n, "workload": w.name, "bytes_per_param": w.bytes_per_param, **t}
                 if "median_s" in t:
                     row["gparams_per_s"] = n / t["median_s"] / 1e9
@@ -227,28 +217,22 @@ def print_table(payload: dict) -> None:
               f"{r['GBps']:>7.1f} {r['frac_of_bandwidth']:>6.0%} {ratio:>9}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, nargs="+", default=[64 * 2**20, 256 * 2**20],
-                        help="parameter counts to time (default 64M and 256M = 268,435,456)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bw-bytes", type=int, default=2**30, help="buffer size of the ceilings")
-    parser.add_argument("--tiny", action="store_true", help="CI smoke: 1M params, few iterations")
-    parser.add_argument("--name", default=None, help="result file name (default from the sizes)")
-    args = parser.parse_args(argv)
-    if args.tiny:
-        args.params, args.iters, args.warmup, args.bw_bytes = [2**20], 3, 1, 16 * 2**20
-    for flag in ("threads", "iters", "warmup", "bw_bytes"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if min(args.params) < 1:
-        parser.error("--params must be >= 1")
-    payload = run(args.params, args.threads, args.warmup, args.iters, args.bw_bytes)
-    name = args.name or ("tiny" if args.tiny else
-                         "n" + "-".join(str(n) for n in args.params) + f"_t{args.threads}")
-    path = write_result("cpu_adam", name, payload)
+@hydra.main(version_base="1.3", config_path="conf", config_name="bench_cpu_adam")
+def main(cfg: DictConfig) -> None:
+    opts = {**OmegaConf.to_container(cfg, resolve=True), **(TINY if cfg.tiny else {})}
+    opts["threads"] = opts["threads"] or torch.get_num_threads()
+    for key in ("threads", "iters", "warmup", "bw_bytes"):
+        if opts[key] < 1:
+            raise ValueError(f"{key}={opts[key]} must be >= 1")
+    if min(opts["params"]) < 1:
+        raise ValueError(f"params={opts['params']}: every count must be >= 1")
+    name = cfg.name or ("tiny" if cfg.tiny else "n" + "-".join(str(n) for n in opts["params"]) + f"_t{opts['threads']}")
+    run = ExperimentRun("cpu_adam", name, opts, cfg.wandb.dir, cfg.wandb.project)
+    payload = bench(opts["params"], opts["threads"], opts["warmup"], opts["iters"], opts["bw_bytes"])
+    ours = {f"{r['workload']} {r['params']}": r["speedup_vs_torch_fused"] for r in payload["results"]
+            if r["variant"] == "megaslide" and r.get("speedup_vs_torch_fused") is not None}
+    path = run.finish(payload, {"bandwidth_ceiling_GBps": payload["bandwidth_ceiling_GBps"],
+                                "speedup_vs_torch_fused": ours})
     print(f"wrote {path}")
     print_table(payload)
 

@@ -3,7 +3,7 @@
 - `sync(device)`: wait for the device's queued work (a no-op on CPU).
 - `timed(fn, device)`: warm-up calls, then at least `MIN_REPEATS` timed calls; a `Timing` with the
   median and the spread (min, max, std). Across ranks it reports the slowest rank.
-- ceilings measured in the run itself: `matmul_tflops` (n^3 matmul), `hbm_copy_gbps` (device copy),
+- ceilings measured in the run itself: `matmul_tflops` (n^3 matmul), `copy_gbps` (HBM or DRAM copy),
   `pcie_gbps` (pinned H2D, D2H and both at once).
 - `within_tolerance(err, ref_err, floor)`: the one accuracy rule of kernels against a reference.
 - `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from experiments.report import find_tables
-from experiments.results_io import write_result
+from experiments.results_io import result_path, write_result
 from megaslide.train.logger import RunLogger
 
 MIN_REPEATS = 5   # fewer timed calls give no usable spread
@@ -106,8 +106,9 @@ def matmul_tflops(device: torch.device | str, n: int = 8192, dtype: torch.dtype 
     return 2 * n ** 3 / timed(lambda: a @ b, device, repeats, warmup=3).median / 1e12
 
 
-def hbm_copy_gbps(device: torch.device | str, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
-    """Device-to-device copy, read + write bytes per second in GB/s: the memory-bandwidth ceiling."""
+def copy_gbps(device: torch.device | str, nbytes: int = 2 ** 30, repeats: int = 10) -> float:
+    """A copy within `device`'s memory, read + write bytes per second in GB/s: the memory-bandwidth
+    ceiling (HBM on a GPU, DRAM on the CPU with the current torch threads)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / timed(lambda: dst.copy_(src), device, repeats).median / GB
@@ -219,6 +220,10 @@ class ExperimentRun:
         self.experiment, self.name = experiment, name
         self.logger = RunLogger(Path(out_dir) / experiment / name, project=project, name=f"{experiment}-{name}",
                                 config=config, rank=rank)
+
+    @property
+    def result_path(self) -> Path:
+        return result_path(self.experiment, self.name)
 
     def save(self, payload: dict) -> Path:
         """Write the result file now (scripts call this after each row, so a crash keeps the rows)."""

@@ -67,12 +67,16 @@ def provenance() -> dict:
     }
 
 
-def write_result(experiment: str, name: str, payload: dict, results_dir: Path | str | None = None) -> Path:
-    """Write `payload` plus provenance to `<results_dir>/<experiment>/<name>.json` atomically.
-
-    `results_dir` defaults to `$MEGASLIDE_RESULTS_DIR` or the repo's results/ folder."""
+def result_path(experiment: str, name: str, results_dir: Path | str | None = None) -> Path:
+    """`<results_dir>/<experiment>/<name>.json`; `results_dir` defaults to `$MEGASLIDE_RESULTS_DIR`
+    or the repo's results/ folder."""
     root = Path(results_dir or os.environ.get("MEGASLIDE_RESULTS_DIR") or RESULTS_DIR)
-    path = root / experiment / f"{name}.json"
+    return root / experiment / f"{name}.json"
+
+
+def write_result(experiment: str, name: str, payload: dict, results_dir: Path | str | None = None) -> Path:
+    """Write `payload` plus provenance to `result_path(experiment, name, results_dir)` atomically."""
+    path = result_path(experiment, name, results_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {**provenance(), **payload}
     tmp = path.with_suffix(".json.tmp")

@@ -3,7 +3,7 @@ from tests.experiments.runner import load_result, run_script
 
 
 def test_bench_cpu_adam_tiny_writes_a_complete_result(tmp_path):
-    stdout = run_script(["-m", "experiments.bench_cpu_adam", "--tiny"], tmp_path)
+    stdout = run_script(["-m", "experiments.bench_cpu_adam", "tiny=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
     record = load_result(tmp_path, "cpu_adam", "tiny")
     assert {"command", "commit", "hardware", "date"} <= record.keys()
     assert all(c["passed"] and c["moments_and_bf16_exact"] for c in record["correctness"])
@@ -14,6 +14,8 @@ def test_bench_cpu_adam_tiny_writes_a_complete_result(tmp_path):
     ours = [r for r in rows if r["variant"] == "megaslide"]
     assert len(ours) == 3 and all(r["gparams_per_s"] > 0 and r["GBps"] > 0 for r in ours)
     assert {r["bytes_per_param"] for r in ours} == {28, 26}
+    assert all(r["best_s"] <= r["median_s"] <= r["worst_s"] for r in ours)
+    assert "wandb_dir" in record
     fused = [r for r in rows if r["variant"] == "torch-fused"]
     assert all(("error" in r) or r["speedup_vs_torch_fused"] == 1.0 for r in fused)
     assert "Gparam/s" in stdout.splitlines()[-len(rows) - 1]  # the table is printed last
