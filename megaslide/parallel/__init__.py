@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megaslide.parallel.groups import PLACEMENTS, SPMesh, Topology, build_mesh
+from megaslide.parallel.groups import PLACEMENTS, SPMesh, Topology, build_mesh, group_rank, group_size, world_if_none
 from megaslide.parallel.hybrid import hybrid_attention
 from megaslide.parallel.onesided import TRANSPORTS, can_use_symm_mem
 from megaslide.parallel.padding import pad_shard, shard_len, shard_sequence, unpad_shard, valid_len
@@ -28,7 +28,7 @@ MODES = ("ulysses", "ring", "hybrid", "torus")
 class SPOptions:
     """Everything a mode needs besides q, k, v (see `sequence_parallel_attention`)."""
 
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup
     ulysses_degree: int
     ring_degree: int
     causal: bool
@@ -80,10 +80,17 @@ def resolve_degrees(mode: str, world: int, heads: int, ulysses_degree: int | Non
     return u, r
 
 
+def check_options(mode: str, placement: str, transport: str) -> None:
+    """ValueError naming the option and its choices unless mode, placement and transport are known."""
+    for name, value, known in (("mode", mode, MODES), ("placement", placement, PLACEMENTS),
+                               ("transport", transport, TRANSPORTS)):
+        if value not in known:
+            raise ValueError(f"{name}={value!r}: choose one of {known}")
+
+
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, world: int,
                   seq_len: int | None, placement: str, transport: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r}: choose one of {MODES}")
+    check_options(mode, placement, transport)
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must all be (B, N_local, heads, d) of one shape; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -93,10 +100,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, 
     if seq_len is not None and not 1 <= seq_len <= world * q.shape[1]:
         raise ValueError(f"seq_len={seq_len} must be in [1, {world * q.shape[1]}] (group size {world} x "
                          f"N_local {q.shape[1]}); pad shards with megaslide.parallel.pad_shard")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r}: choose one of {PLACEMENTS}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r}: choose one of {TRANSPORTS}")
 
 
 def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode: str,
@@ -122,7 +125,8 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
       gets from symmetric memory; CUDA + NCCL only, else ValueError), "auto" (symm_mem if usable).
     chunks: Torus head chunks per rank (default min(heads / ulysses_degree, 4)).
     """
-    world = dist.get_world_size(group)
+    group = world_if_none(group)
+    world = group_size(group)
     _check_inputs(q, k, v, mode, world, seq_len, placement, transport)
     u, r = resolve_degrees(mode, world, q.shape[2], ulysses_degree, ring_degree)
     opts = SPOptions(group, u, r, causal, seq_len, placement, transport, chunks)
@@ -131,6 +135,6 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 __all__ = [
     "MODES", "PLACEMENTS", "TRANSPORTS", "SPMesh", "SPOptions", "Topology", "build_mesh", "can_use_symm_mem",
-    "head_to_seq", "pad_shard", "resolve_degrees", "seq_to_head", "sequence_parallel_attention", "shard_len",
-    "shard_sequence", "unpad_shard", "valid_len",
+    "check_options", "group_rank", "group_size", "head_to_seq", "pad_shard", "resolve_degrees", "seq_to_head",
+    "sequence_parallel_attention", "shard_len", "shard_sequence", "unpad_shard", "valid_len",
 ]

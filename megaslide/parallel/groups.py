@@ -11,6 +11,13 @@ SP ranks form which Ulysses and ring groups, i.e. which physical links each kind
 
 Here j is the ring index (0..R-1) and u the Ulysses index (0..U-1). After the Ulysses
 all-to-all, the rank at (j, u) holds heads chunk u of the tokens of SP ranks grid[j][0..U-1].
+
+A process group of None means "no group: this process alone" (`group_size` 1, `group_rank` 0),
+for the helpers here, the samplers of `megaslide.inference` and `parallel.apply.parallelize_dit`.
+The collective ops of this package (`sequence_parallel_attention`, `seq_to_head`, `ring_attention`,
+`build_mesh`, ...) keep torch.distributed's default argument instead, `group=None` for the world,
+and turn it into the world group with `world_if_none` on entry, so no None reaches `group_size`
+meaning anything else.
 """
 from __future__ import annotations
 
@@ -21,6 +28,22 @@ import torch.distributed as dist
 from megaslide.parallel.local_attn import Layout, layout_from_shards
 
 PLACEMENTS = ("ulysses_intra", "ring_intra")
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in `group`; None (no group) is this process alone: 1."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside `group`; 0 for None (no group)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def world_if_none(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group a collective op runs over when its caller passed `group` (None: the world, the
+    default argument of torch.distributed and of this package's collective ops)."""
+    return dist.group.WORLD if group is None else group
 
 
 @dataclass(frozen=True)
@@ -73,7 +96,9 @@ def ring_groups(grid) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class SPMesh:
-    """This rank's view of a ring x Ulysses mesh. A group is None when its degree is 1."""
+    """This rank's view of a ring x Ulysses mesh. A group is None when its degree is 1 (no group).
+
+    `parent` is the group the mesh divides (`build_mesh` sets it; None for a mesh made by hand)."""
 
     ulysses_degree: int
     ring_degree: int
@@ -83,6 +108,7 @@ class SPMesh:
     ring_group: dist.ProcessGroup | None
     ulysses_rank: int
     ring_rank: int
+    parent: dist.ProcessGroup | None = None
 
     def ring_layouts(self, shard_len: int) -> tuple[Layout, ...]:
         """Global token positions held by each ring member after the Ulysses all-to-all."""
@@ -99,6 +125,7 @@ def build_mesh(ulysses_degree: int, ring_degree: int, placement: str = "ulysses_
     Collective: every rank of `group` must call it with the same arguments; new groups are
     created in the same order on every rank, as torch.distributed requires. A degree equal to
     the group size reuses `group` itself; a degree of 1 makes no group."""
+    group = world_if_none(group)
     world = dist.get_world_size(group)
     if ulysses_degree * ring_degree != world:
         raise ValueError(f"ulysses_degree ({ulysses_degree}) x ring_degree ({ring_degree}) must equal the "
@@ -106,18 +133,17 @@ def build_mesh(ulysses_degree: int, ring_degree: int, placement: str = "ulysses_
     if topology is not None and topology.world_size != world:
         raise ValueError(f"topology has {topology.world_size} GPUs ({topology.nodes} nodes x "
                          f"{topology.gpus_per_node}) but the group has {world} ranks")
-    global_ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    global_ranks = tuple(dist.get_process_group_ranks(group))
     key = (global_ranks, ulysses_degree, ring_degree, placement)
     if key not in _MESH_CACHE:
         _MESH_CACHE[key] = _create_mesh(ulysses_degree, ring_degree, placement, group, global_ranks)
     return _MESH_CACHE[key]
 
 
-def _create_mesh(u_deg: int, r_deg: int, placement: str, group, global_ranks) -> SPMesh:
+def _create_mesh(u_deg: int, r_deg: int, placement: str, parent: dist.ProcessGroup, global_ranks) -> SPMesh:
     grid = rank_grid(u_deg, r_deg, placement)
-    me = dist.get_rank(group)
+    me = dist.get_rank(parent)
     ring_idx, u_idx = next((j, u) for j, row in enumerate(grid) for u, r in enumerate(row) if r == me)
-    parent = group or dist.group.WORLD
 
     def make(members_per_group: list[list[int]], degree: int, mine: int):
         if degree == 1:
@@ -129,4 +155,4 @@ def _create_mesh(u_deg: int, r_deg: int, placement: str, group, global_ranks) ->
 
     u_group = make(ulysses_groups(grid), u_deg, ring_idx)
     r_group = make(ring_groups(grid), r_deg, u_idx)
-    return SPMesh(u_deg, r_deg, placement, grid, u_group, r_group, u_idx, ring_idx)
+    return SPMesh(u_deg, r_deg, placement, grid, u_group, r_group, u_idx, ring_idx, parent)

@@ -25,6 +25,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megaslide.parallel.groups import group_rank, group_size, world_if_none
+
 TRANSPORTS = ("p2p", "symm_mem", "auto")
 
 _PROBED: dict[tuple[int, ...], tuple[bool, str]] = {}
@@ -63,10 +65,11 @@ def can_use_symm_mem(group: dist.ProcessGroup | None = None,
     all-reduce. Collective when the local checks pass: call it on every rank of `group`."""
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    group = world_if_none(group)
     ok, reason = _local_checks(group, device)
     if not ok:
         return ok, reason
-    key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    key = tuple(dist.get_process_group_ranks(group))
     if key not in _PROBED:
         _PROBED[key] = _probe(group, device)
     return _PROBED[key]
@@ -85,7 +88,7 @@ def symm_mem_backend(device: torch.device) -> str | None:
 
 
 def _probe(group, device) -> tuple[bool, str]:
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    rank, size = group_rank(group), group_size(group)
     reason = "ok"
     try:
         buf, hdl = _workspace(group, (1,), torch.float32, device)
@@ -108,7 +111,7 @@ def _probe(group, device) -> tuple[bool, str]:
 def _workspace(group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
     """A cached symmetric buffer and its handle (collective on first use of a shape)."""
     import torch.distributed._symmetric_memory as symm_mem
-    g = group or dist.group.WORLD
+    g = world_if_none(group)
     key = (g.group_name, tuple(shape), dtype, device)
     if key not in _WORKSPACES:
         if not symm_mem.is_symm_mem_enabled_for_group(g.group_name):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megaslide.parallel.groups import group_rank, group_size, world_if_none
 from megaslide.parallel.local_attn import (Layout, block_backward_, block_forward_, compute_dtype,
                                            contiguous_layout, plan_block_pairs)
 from megaslide.parallel.onesided import SymmMemKVStream, resolve_transport
@@ -171,10 +172,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                    *, causal: bool = False, seq_len: int | None = None, transport: str = "p2p") -> torch.Tensor:
     """Attention over the full sequence; q, k, v (B, n, h, d) are this rank's contiguous shard
     (SP rank r holds tokens [r*n, (r+1)*n)). Returns this rank's shard of the output (B, n, h, d)."""
-    group = group if group is not None else dist.group.WORLD
-    size, n = dist.get_world_size(group), q.shape[1]
+    group = world_if_none(group)
+    size, n = group_size(group), q.shape[1]
     layouts = tuple(contiguous_layout(j * n, n) for j in range(size))
-    spec = RingSpec(group, dist.get_rank(group), size, layouts, causal, seq_len,
+    spec = RingSpec(group, group_rank(group), size, layouts, causal, seq_len,
                     resolve_transport(transport, group, q.device))
     out = ring_attention_bhnd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec)  # (B, h, n, d)
     return out.transpose(1, 2)  # (B, n, h, d)

@@ -18,11 +18,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megaslide.parallel.groups import SPMesh
+from megaslide.parallel.groups import SPMesh, group_size
 from megaslide.parallel.hybrid import hybrid_attention, mesh_ring_spec
 from megaslide.parallel.ring import RingSpec, ring_backward, ring_forward
-from megaslide.parallel.ulysses import (PendingExchange, check_heads_divisible, group_size, start_head_to_seq,
-                                        start_seq_to_head)
+from megaslide.parallel.ulysses import PendingExchange, check_heads_divisible, start_head_to_seq, start_seq_to_head
 
 
 def head_chunks(heads: int, chunks: int) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megaslide.parallel.groups import group_size, world_if_none
 from megaslide.parallel.local_attn import contiguous_layout
 from megaslide.parallel.ring import RingSpec, ring_attention_bhnd
 
@@ -36,11 +37,7 @@ class PendingExchange:
         return self.recv.permute(1, 2, 3, 0, 4, 5)  # (B, n, G, P, hc, d)
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
-
-
-def start_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup | None) -> PendingExchange:
+def start_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> PendingExchange:
     """Start the exchange of x (B, n, G, P, hc, d): head block p goes to rank p, which receives
     every rank's tokens. `.wait()` gives (B, P*n, G, hc, d)."""
     send = x.permute(3, 0, 1, 2, 4, 5).contiguous()  # (P, B, n, G, hc, d): destination first
@@ -49,7 +46,7 @@ def start_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup | None) -> Pendi
     return PendingExchange(work, recv, "head")
 
 
-def start_head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> PendingExchange:
+def start_head_to_seq(y: torch.Tensor, group: dist.ProcessGroup) -> PendingExchange:
     """Start the inverse exchange of y (B, P*n, G, hc, d): token block p goes back to rank p.
     `.wait()` gives (B, n, G, P, hc, d) with the heads of source rank p at index p."""
     p = group_size(group)
@@ -100,15 +97,17 @@ def check_heads_divisible(heads: int, degree: int) -> None:
 
 
 def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sequence shard (B, n, h, d) -> head shard (B, P*n, h/P, d) over `group` (P ranks).
+    """Sequence shard (B, n, h, d) -> head shard (B, P*n, h/P, d) over `group` (P ranks; None: the world).
 
     Differentiable. Rank p receives heads [p*h/P, (p+1)*h/P) of all P*n tokens, ordered by rank."""
+    group = world_if_none(group)
     check_heads_divisible(x.shape[2], group_size(group))
     return _SeqToHead.apply(x.unsqueeze(2), group).squeeze(2)
 
 
 def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Head shard (B, P*n, h/P, d) -> sequence shard (B, n, h, d); the inverse of `seq_to_head`."""
+    group = world_if_none(group)
     p = group_size(group)
     if y.shape[1] % p:
         raise ValueError(f"head_to_seq: sequence length {y.shape[1]} is not divisible by the group size {p}")
@@ -117,6 +116,7 @@ def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None = None) -> torc
 
 def seq_to_head_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None):
     """`seq_to_head` of q, k, v (each (B, n, h, d)) in ONE all-to-all; returns three (B, P*n, h/P, d)."""
+    group = world_if_none(group)
     check_heads_divisible(q.shape[2], group_size(group))
     qkv = torch.stack((q, k, v), dim=2)  # (B, n, 3, h, d)
     return _SeqToHead.apply(qkv, group).unbind(2)  # 3 x (B, P*n, h/P, d)
