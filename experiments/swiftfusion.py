@@ -1,6 +1,6 @@
 """SwiftFusion benchmark: forward time of one attention layer against sequence length, per SP mode.
 
-Variants (P ranks; U x R degrees of the hybrids from --usp-ulysses):
+Variants (P ranks; U x R degrees of the hybrids from `usp_ulysses`):
   sdpa_1gpu          F.scaled_dot_product_attention over all N tokens on one device (no SP)
   ulysses            all-to-all, heads sharded over P
   ring               K/V ring, isend/irecv
@@ -14,36 +14,37 @@ correctness (every variant vs single-device SDPA and an fp32/fp64 reference, out
 full and causal) -> timings with the cost model's prediction beside each -> end-to-end
 denoising-step latency of a DiT per mode (experiments/swiftfusion_step.py) -> tables. A SIMULATED
 table (cost model only) for 2-8 nodes of 8 GPUs is computed first. Rank 0 rewrites the JSON
-after every length, so a run that is cut short keeps what it measured.
+after every length, so a run that is cut short keeps what it measured, and logs the run to W&B
+(offline by default). Configuration: experiments/conf/swiftfusion.yaml.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         torchrun --nproc_per_node 2 -m experiments.swiftfusion          # GPUs
     python -m experiments.swiftfusion                                   # one GPU (or CPU) in-process
-    python -m experiments.swiftfusion --smoke                           # CI: 2 gloo processes, tiny
+    python -m experiments.swiftfusion smoke=true                        # CI: 2 gloo processes, tiny
 
 With one rank every distributed mode degenerates to local attention (no communication); the run
 still times them, re-measures SDPA and prints the simulation.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import socket
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (before any NCCL init)
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
+import hydra  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from experiments.results_io import write_result  # noqa: E402
-from experiments.swiftfusion_step import measure_denoising_steps  # noqa: E402
+from experiments.harness import (ExperimentRun, free_port, rounding_floor, spawn, timed,  # noqa: E402
+                                 within_tolerance)
+from experiments.hydra_config import model_config  # noqa: E402
+from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps  # noqa: E402
+from megaslide.config import DiTConfig, from_dict  # noqa: E402
 from megaslide.parallel import resolve_degrees, sequence_parallel_attention  # noqa: E402
 from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans  # noqa: E402
 from megaslide.parallel.groups import Topology  # noqa: E402
@@ -51,7 +52,54 @@ from megaslide.parallel.local_attn import select_backend  # noqa: E402
 from megaslide.parallel.onesided import (  # noqa: E402
     can_use_symm_mem, release_symm_mem_workspaces, symm_mem_backend)
 
-GPU_SEQ_LENS = [16384, 32768, 65536, 131072, 262144, 524288, 1048576]
+SMOKE = {"world_size": 2, "heads": 4, "head_dim": 8, "seq_lens": [16, 32], "check_seq_len": 16,
+         "ceiling_seq_len": 64, "a2a_bytes": 2 ** 16, "model": {"preset": "tiny"},
+         "step": {"frames": [2, 3], "height": 4, "width": 8, "max_seconds": 5.0}}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    nodes: list[int]       # node counts of the simulated table
+    gpus_per_node: int
+    seq_lens: list[int]
+
+
+@dataclass(frozen=True)
+class SwiftFusionConfig:
+    """The keys of experiments/conf/swiftfusion.yaml (their meaning is documented there)."""
+
+    name: str
+    smoke: bool
+    world_size: int
+    heads: int
+    head_dim: int
+    seq_lens: list[int]
+    check_seq_len: int
+    ceiling_seq_len: int
+    a2a_bytes: int
+    usp_ulysses: int | None
+    variants: list[str] | None
+    symm_mem_backend: str | None
+    chunks: int
+    repeats: int
+    max_seconds: float
+    intra_bw: float
+    inter_bw: float
+    timeout_s: float
+    sim: SimConfig
+    step: StepTableConfig
+    model: DiTConfig       # the DiT of the denoising-step table (random weights)
+    model_preset: str
+    wandb_dir: str
+    wandb_project: str
+
+
+def typed_config(cfg: DictConfig) -> SwiftFusionConfig:
+    """The Hydra config as plain typed values (smoke=true replaces the sizes that SMOKE names)."""
+    opts = {**OmegaConf.to_container(cfg, resolve=True), **(SMOKE if cfg.smoke else {})}
+    wandb, model = opts.pop("wandb"), opts.pop("model")
+    return from_dict(SwiftFusionConfig, {**opts, "model": model_config(model, {}), "model_preset": model["preset"],
+                                         "wandb_dir": wandb["dir"], "wandb_project": wandb["project"]})
 
 
 @dataclass(frozen=True)
@@ -85,7 +133,7 @@ def select_variants(variants: list[Variant], names: list[str] | None) -> list[Va
     known = [v.name for v in variants]
     unknown = sorted(set(names or []) - set(known))
     if unknown:
-        raise ValueError(f"--variants {' '.join(unknown)}: unknown; choose among {' '.join(known)}")
+        raise ValueError(f"variants={unknown}: unknown; choose among {known}")
     return [v for v in variants if names is None or v.name in names]
 
 
@@ -116,27 +164,6 @@ def progress(message: str) -> None:
         print(message, flush=True)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device, repeats: int, group=None) -> float:
-    """Median seconds of fn() over `repeats` after one warm-up, slowest rank's median."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
-
-
 def sdpa(q, k, v, causal: bool = False):
     """(B, N, h, d) layout wrapper of F.scaled_dot_product_attention."""
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -147,9 +174,9 @@ def measure_sdpa_tflops(cfg, device, dtype) -> dict:
     n = cfg.ceiling_seq_len
     q, k, v = (torch.randn(1, n, cfg.heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(3))
     with torch.no_grad():
-        t = timed(lambda: sdpa(q, k, v), device, cfg.repeats)
+        t = timed(lambda: sdpa(q, k, v), device, cfg.repeats, across_ranks=True)
     flops = AttentionWorkload(1, n, cfg.heads, cfg.head_dim).flops()
-    return {"seq_len": n, "time_s": t, "tflops": flops / t / 1e12}
+    return {"seq_len": n, "time_s": t.median, **t.ms(), "tflops": flops / t.median / 1e12}
 
 
 def measure_all_to_all(cfg, device, dtype, world: int) -> dict | None:
@@ -158,7 +185,7 @@ def measure_all_to_all(cfg, device, dtype, world: int) -> dict | None:
     numel = cfg.a2a_bytes // (torch.finfo(dtype).bits // 8) // world * world
     send = torch.randn(numel, device=device, dtype=dtype)
     recv = torch.empty_like(send)
-    t = timed(lambda: dist.all_to_all_single(recv, send), device, cfg.repeats)
+    t = timed(lambda: dist.all_to_all_single(recv, send), device, cfg.repeats, across_ranks=True).median
     nbytes = numel * send.element_size()
     return {"bytes_per_rank": nbytes, "time_s": t, "algbw_GBps": nbytes / t / 1e9,
             "busbw_GBps": nbytes / t / 1e9 * (world - 1) / world}
@@ -200,13 +227,12 @@ def check_variant(v: Variant, cfg, device, dtype, rank: int, world: int, causal:
     names = ("out", "dq", "dk", "dv")
     err = {k: (a.to(ref_dtype) - r).abs().max().item() for k, a, r in zip(names, ours, ref)}
     bar = {k: (a.to(ref_dtype) - r).abs().max().item() for k, a, r in zip(names, base, ref)}
-    # DESIGN.md's rule: ~2x the same-dtype PyTorch error, plus 2 eps x max|value| so that a
-    # sum over P blocks instead of one pass is not failed for rounding at the last bit.
-    floor = {k: 2 * torch.finfo(dtype).eps * r.abs().max().item() for k, r in zip(names, ref)}
+    # The floor keeps a sum over P blocks instead of one pass from failing on last-bit rounding.
+    floor = {k: rounding_floor(dtype, r) for k, r in zip(names, ref)}
     return {"variant": v.name, "causal": causal, "seq_len": n, "dtype": str(dtype).replace("torch.", ""),
             "max_abs_diff_vs_sdpa": (ours[0].float() - base[0].float()).abs().max().item(),
-            "err_vs_ref": err, "sdpa_err_vs_ref": bar,
-            "passed": all(err[k] <= 2 * bar[k] + floor[k] for k in names)}
+            "err_vs_ref": err, "sdpa_err_vs_ref": bar, "floor": floor,
+            "passed": all(within_tolerance(err[k], bar[k], floor[k]) for k in names)}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -219,12 +245,12 @@ def time_variant(v: Variant, n: int, cfg, device, dtype, world: int, topo: Topol
     predicted = predict(plan, workload, one_gpu if v.plan is None else topo, tflops).total_s
     row["predicted_s"] = predicted
     if predicted > cfg.max_seconds:
-        return {**row, "status": "skipped", "reason": f"predicted {predicted:.2f} s > --max-seconds {cfg.max_seconds}"}
+        return {**row, "status": "skipped", "reason": f"predicted {predicted:.2f} s > max_seconds={cfg.max_seconds}"}
     local = n if v.plan is None else n // world
     q, k, vv = (torch.randn(1, local, cfg.heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(3))
     try:
         with torch.no_grad():
-            t = timed(lambda: run_variant(v, q, k, vv), device, cfg.repeats)
+            t = timed(lambda: run_variant(v, q, k, vv), device, cfg.repeats, across_ranks=True)
     except torch.cuda.OutOfMemoryError as e:  # with several ranks, one rank's OOM can stall the others
         return {**row, "status": "oom", "reason": str(e).splitlines()[0]}
     finally:
@@ -232,17 +258,17 @@ def time_variant(v: Variant, n: int, cfg, device, dtype, world: int, topo: Topol
         release_symm_mem_workspaces()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {**row, "status": "ok", "time_s": t, "measured_over_predicted": t / predicted,
-            "tflops_per_rank": workload.flops() / (1 if v.plan is None else world) / t / 1e12}
+    return {**row, "status": "ok", "time_s": t.median, **t.ms(), "measured_over_predicted": t.median / predicted,
+            "tflops_per_rank": workload.flops() / (1 if v.plan is None else world) / t.median / 1e12}
 
 
 # ----------------------------------------------------------------------------- simulation
 def simulate(cfg, tflops: float, intra_bw: float, inter_bw: float) -> list[dict]:
     """Cost-model-only table: best USP plan (ulysses_intra, no torus) vs best ring_intra plan."""
     rows = []
-    for nodes in cfg.sim_nodes:
-        topo = Topology(nodes, cfg.sim_gpus_per_node, intra_bw, inter_bw)
-        for n in cfg.sim_seq_lens:
+    for nodes in cfg.sim.nodes:
+        topo = Topology(nodes, cfg.sim.gpus_per_node, intra_bw, inter_bw)
+        for n in cfg.sim.seq_lens:
             ranked = rank_plans(AttentionWorkload(1, n, cfg.heads, cfg.head_dim), topo, tflops)
             usp = next((p for p in ranked if p.plan.placement == "ulysses_intra" and p.plan.mode != "torus"), None)
             swift = next((p for p in ranked if p.plan.placement == "ring_intra"), None)
@@ -339,23 +365,25 @@ def benchmark(cfg) -> None:
                               "backward": backward_backend.name},
         "run_topology": asdict(topo), "unavailable": {k: r for k, r in unavailable.items() if r},
         "correctness": correctness, "timings": timings, "denoising_step": [], "denoising_step_model": {
-            "preset": cfg.e2e_preset, "latent_hw": [cfg.e2e_height, cfg.e2e_width], "weights": "random"},
-        "jobs_done": 0, "jobs_total": len(cfg.seq_lens) + len(cfg.e2e_frames),
+            "preset": cfg.model_preset, "latent_hw": [cfg.step.height, cfg.step.width], "weights": "random"},
+        "jobs_done": 0, "jobs_total": len(cfg.seq_lens) + len(cfg.step.frames),
         "simulation_inputs": {
             "simulated": True, "attn_tflops": ceiling["tflops"], "attn_tflops_source": f"measured SDPA on {device}",
             "intra_bw_GBps": sim_intra,
-            "intra_bw_source": "measured all-to-all busbw" if sim_intra != cfg.intra_bw else "--intra-bw (assumed)",
-            "inter_bw_GBps": cfg.inter_bw, "inter_bw_source": "--inter-bw (assumed)",
-            "gpus_per_node": cfg.sim_gpus_per_node},
+            "intra_bw_source": "measured all-to-all busbw" if sim_intra != cfg.intra_bw else "intra_bw (assumed)",
+            "inter_bw_GBps": cfg.inter_bw, "inter_bw_source": "inter_bw (assumed)",
+            "gpus_per_node": cfg.sim.gpus_per_node},
         "simulation": simulate(cfg, ceiling["tflops"], sim_intra, cfg.inter_bw),
     }
     name = cfg.name or ("smoke" if cfg.smoke else f"{device.type}_w{world}")
-    path = write_result("swiftfusion", name, payload) if rank == 0 else None  # correctness + simulation first
+    run = ExperimentRun("swiftfusion", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project) if rank == 0 else None
+    if run:
+        run.save(payload)  # correctness + simulation first
 
     def save() -> None:                      # after every length: a cut-short run keeps the rows it has
         payload["jobs_done"] += 1
-        if rank == 0:
-            write_result("swiftfusion", name, payload)
+        if run:
+            run.save(payload)
 
     for n in cfg.seq_lens:
         n = n // world * world
@@ -369,94 +397,55 @@ def benchmark(cfg) -> None:
         timings.extend(rows)
         save()
 
-    measure_denoising_steps(payload["denoising_step"], variants, unavailable, cfg, device, dtype, world, timed,
-                            on_length=save)
-    if rank == 0:
+    measure_denoising_steps(payload["denoising_step"], variants, unavailable, cfg.model, cfg.step, cfg.repeats,
+                            device, dtype, world, on_length=save)
+    if run:
+        path = run.finish(payload, headline(payload))
         print_tables(payload)
         print(f"wrote {path}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def headline(payload: dict) -> dict:
+    """The run's scalars: correctness, the ceilings, and each variant's speedup over USP at the longest
+    length it was timed at (attention layer and denoising step)."""
+    out = {"correctness_passed": all(c["passed"] for c in payload["correctness"]),
+           "sdpa_tflops": payload["ceilings"]["sdpa"]["tflops"]}
+    if payload["ceilings"]["all_to_all"]:
+        out["all_to_all_busbw_GBps"] = payload["ceilings"]["all_to_all"]["busbw_GBps"]
+    for table, length in (("timings", "seq_len"), ("denoising_step", "tokens")):
+        for r in sorted(payload[table], key=lambda r: r[length]):
+            if "speedup_vs_usp" in r:
+                out[f"{table}/{r['variant']}/speedup_vs_usp"] = r["speedup_vs_usp"]
+    return out
 
 
-def _spawned(rank: int, world: int, port: int, cfg) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def run_rank(rank: int, world: int, cfg: SwiftFusionConfig) -> None:
+    """One rank: join the process group that torchrun's environment variables describe, run the
+    benchmark, leave. Teardown order: every collective of the benchmark has been waited on (each
+    mode waits on its async handles before returning); a barrier, so that no rank destroys its
+    group while a peer still talks to it; then the group is destroyed while the interpreter is
+    fully alive (a gloo worker thread that outlives it aborts the process)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
     try:
         benchmark(cfg)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU with 2 gloo processes, for CI")
-    ap.add_argument("--world-size", type=int, default=None, help="gloo processes to spawn when not under torchrun")
-    ap.add_argument("--heads", type=int, default=24)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=None, help=f"default {GPU_SEQ_LENS}")
-    ap.add_argument("--check-seq-len", type=int, default=None, help="N of the correctness check (default 4096)")
-    ap.add_argument("--ceiling-seq-len", type=int, default=None, help="N of the SDPA ceiling (default 32768)")
-    ap.add_argument("--a2a-bytes", type=int, default=256 * 2 ** 20, help="bytes per rank of the all-to-all ceiling")
-    ap.add_argument("--usp-ulysses", type=int, default=None, help="Ulysses degree of the hybrids")
-    ap.add_argument("--variants", nargs="+", default=None, help="time only these (default: all)")
-    ap.add_argument("--symm-mem-backend", default=None,
-                    help="symmetric-memory allocator for the one-sided ring, e.g. CUDA or NVSHMEM (default: torch's)")
-    ap.add_argument("--chunks", type=int, default=4, help="max Torus head chunks per rank")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-seconds", type=float, default=3.0, help="skip a timing predicted slower than this")
-    ap.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU per direction, NVLink (assumed)")
-    ap.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU, network, e.g. 400 Gb/s NIC (assumed)")
-    ap.add_argument("--sim-nodes", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--sim-gpus-per-node", type=int, default=8)
-    ap.add_argument("--sim-seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
-    ap.add_argument("--e2e-preset", default="wan-1.3b", help="DiT preset of the denoising-step table (random weights)")
-    ap.add_argument("--e2e-frames", type=int, nargs="*", default=[10, 21, 42],
-                    help="latent frames of the denoising-step table (none: skip it)")
-    ap.add_argument("--e2e-height", type=int, default=60, help="latent height (480p / 8)")
-    ap.add_argument("--e2e-width", type=int, default=104, help="latent width (832p / 8)")
-    ap.add_argument("--e2e-max-seconds", type=float, default=5.0, help="skip longer lengths after a slower step")
-    ap.add_argument("--timeout-s", type=float, default=120.0,
-                    help="under torchrun: a collective stuck this long aborts the run and is named in the log")
-    ap.add_argument("--name", default=None, help="result file name (default: smoke or <device>_w<ranks>)")
-    cfg = ap.parse_args(argv)
-    if cfg.smoke:
-        cfg.heads, cfg.head_dim = 4, 8
-        cfg.seq_lens = cfg.seq_lens or [16, 32]
-        cfg.check_seq_len = cfg.check_seq_len or 16
-        cfg.ceiling_seq_len = cfg.ceiling_seq_len or 64
-        cfg.a2a_bytes, cfg.repeats = 2 ** 16, 2
-        cfg.e2e_preset, cfg.e2e_frames, cfg.e2e_height, cfg.e2e_width = "tiny", [2, 3], 4, 8
-        cfg.world_size = cfg.world_size or 2
-    cfg.seq_lens = cfg.seq_lens or GPU_SEQ_LENS
-    cfg.check_seq_len = cfg.check_seq_len or 4096
-    cfg.ceiling_seq_len = cfg.ceiling_seq_len or 32768
-    return cfg
-
-
-def main(argv=None) -> None:
-    cfg = parse_args(argv)
+@hydra.main(version_base="1.3", config_path="conf", config_name="swiftfusion")
+def main(cfg: DictConfig) -> None:
+    config = typed_config(cfg)
     if "RANK" in os.environ:  # torchrun
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=timedelta(seconds=cfg.timeout_s))
-        try:
-            benchmark(cfg)
-        finally:
-            dist.destroy_process_group()
-    elif cfg.world_size and cfg.world_size > 1:
-        mp.spawn(_spawned, args=(cfg.world_size, free_port(), cfg), nprocs=cfg.world_size)
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
+    elif config.world_size > 1:
+        spawn(run_rank, config.world_size, (config,), backend=None, timeout_s=None)
     else:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        try:
-            benchmark(cfg)
-        finally:
-            dist.destroy_process_group()
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        run_rank(0, 1, config)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megaslide.attention import _REGISTRY, build_attention
-from megaslide.attention.base import SelfAttention
+from megaslide.attention import build_attention
 from megaslide.config import AttentionConfig, DiTConfig
 from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3D, TimestepEmbedder
 from megaslide.models.text import HashTokenizer, TextEncoder, text_encoder_params
@@ -30,8 +29,7 @@ class DiTBlock(nn.Module):
         a = cfg.attention
         self.norm1 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.attn = build_attention(a.name, cfg.dim, cfg.num_heads, qk_norm=cfg.qk_norm, layer_idx=layer_idx,
-                                    window=a.window, kernel_size=a.kernel_size, max_offset=a.max_offset,
-                                    backend=a.backend)
+                                    **dataclasses.asdict(a.options))
         self.norm2 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.cross = CrossAttention(cfg.dim, cfg.num_heads, cfg.dim, cfg.qk_norm)
         self.norm3 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
@@ -163,18 +161,13 @@ class VideoDiT(nn.Module):
         return self.unembed(h, e)                  # (B, C, T, H, W)
 
 
-def _attention_extra_params(a: AttentionConfig, dim: int, num_heads: int) -> int:
-    cls = _REGISTRY.get(a.name, SelfAttention)
-    extra = getattr(cls, "extra_params", None)
-    return 0 if extra is None else extra(dim, num_heads, kernel_size=a.kernel_size)
-
-
 def count_params(cfg: DiTConfig) -> int:
     """Exact parameter count of `VideoDiT(cfg)`, computed analytically (allocates nothing)."""
     D, F, Dt, C = cfg.dim, cfg.ffn_dim, cfg.text_dim, cfg.in_channels
     pv = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
     norms = 2 * D if cfg.qk_norm else 0
-    self_attn = 4 * D * D + 4 * D + norms + _attention_extra_params(cfg.attention, D, cfg.num_heads)
+    a = cfg.attention
+    self_attn = 4 * D * D + 4 * D + norms + a.variant.extra_params(a.options, D, cfg.num_heads)
     cross_attn = 4 * D * D + 4 * D + norms
     mlp = 2 * D * F + F + D
     block = self_attn + cross_attn + mlp + N_MOD * D
@@ -217,8 +210,8 @@ def build_dit(name_or_config: str | DiTConfig, **overrides) -> VideoDiT:
     else:
         cfg = name_or_config
     if isinstance(overrides.get("attention"), str):
-        overrides["attention"] = dataclasses.replace(cfg.attention, name=overrides["attention"])
+        overrides["attention"] = AttentionConfig(overrides["attention"])
     elif isinstance(overrides.get("attention"), dict):
-        overrides["attention"] = dataclasses.replace(cfg.attention, **overrides["attention"])
+        overrides["attention"] = AttentionConfig.parse(overrides["attention"])
     cfg = dataclasses.replace(cfg, **overrides)
     return VideoDiT(cfg)

@@ -5,9 +5,10 @@ SP_VARIANTS = {"ulysses", "ring", "usp", "hybrid_ring_intra", "torus", "swiftfus
 
 
 def test_swiftfusion_smoke_writes_a_complete_result(tmp_path):
-    stdout = run_script(["-m", "experiments.swiftfusion", "--smoke"], tmp_path)
+    stdout = run_script(["-m", "experiments.swiftfusion", "smoke=true"], tmp_path)
     record = load_result(tmp_path, "swiftfusion", "smoke")
-    assert {"command", "commit", "hardware", "date"} <= record.keys()
+    assert {"command", "commit", "hardware", "date", "wandb_dir"} <= record.keys()
+    assert record["wandb_dir"] is None                            # WANDB_MODE=disabled: no W&B run
     assert record["world_size"] == 2 and record["ceilings"]["sdpa"]["tflops"] > 0
     assert record["ceilings"]["all_to_all"]["busbw_GBps"] > 0
 
