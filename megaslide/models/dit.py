@@ -3,15 +3,23 @@
 Latents (B, C, T, H, W) are cut into 3D patches, run through adaLN-Zero blocks
 (self-attention from the registry, cross-attention to caption tokens, MLP, all modulated
 by the timestep) and mapped back. Offload, sequence parallelism and checkpointing are
-applied from outside; the pieces they need are the public methods `embed`, `blocks` and
+applied from outside; the pieces they need are the public methods `embed`, `run_block` and
 `unembed`, which `forward` simply chains.
+
+Token rows: a clip is also a sequence of N patch rows (B, N, pv*C) (`patchify` / `unpatchify`),
+and the patch embedding, the timestep modulation and the final layer act on each row alone.
+Sequence-parallel inference uses that: `embed_shard` embeds any run of rows (one rank's
+shard), `run_block(..., attn=...)` runs a block with its self-attention replaced, and `head`
+maps tokens back to rows; only self-attention makes tokens meet.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import build_attention
@@ -61,6 +69,26 @@ class Embedded:
     ctx_mask: torch.Tensor          # (B, L) True where a caption token is real
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (N, d/2)
     grid: tuple[int, int, int]      # token grid (T', H', W')
+
+
+def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """Latents (B, C, T, H, W) -> rows (B, N, pv*C): tokens row-major over (t, y, x), each row's
+    values in (pt, ph, pw, C) order (the order of the final layer's output)."""
+    B, C, T, H, W = x.shape
+    pt, ph, pw = patch
+    x = x.reshape(B, C, T // pt, pt, H // ph, ph, W // pw, pw)                # (B, C, T', pt, H', ph, W', pw)
+    x = x.permute(0, 2, 4, 6, 3, 5, 7, 1)                                      # (B, T', H', W', pt, ph, pw, C)
+    return x.reshape(B, (T // pt) * (H // ph) * (W // pw), pt * ph * pw * C)  # (B, N, pv*C)
+
+
+def unpatchify(rows: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int]) -> torch.Tensor:
+    """Rows (B, N, pv*C) of the token grid (T', H', W') -> latents (B, C, T, H, W); inverts `patchify`."""
+    B = rows.shape[0]
+    T, H, W = grid
+    pt, ph, pw = patch
+    x = rows.reshape(B, T, H, W, pt, ph, pw, -1)             # (B, T', H', W', pt, ph, pw, C)
+    x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)                    # (B, C, T', pt, H', ph, W', pw)
+    return x.reshape(B, x.shape[1], T * pt, H * ph, W * pw)  # (B, C, T, H, W)
 
 
 class VideoDiT(nn.Module):
@@ -121,35 +149,64 @@ class VideoDiT(nn.Module):
                                                                         device=context.device)
         return context, mask
 
+    def embed_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None):
+        """Caption ids (B, L) or embeddings (B, L, Dt) -> ctx (B, L, D), ctx_mask (B, L): the blocks'
+        cross-attention input, which depends on the caption only (compute it once per video)."""
+        ctx, ctx_mask = self.encode_text(context, context_mask)  # (B, L, Dt), (B, L)
+        return self.text_proj(ctx.to(self.text_proj[0].weight.dtype)), ctx_mask  # (B, L, D), (B, L)
+
+    def embed_timestep(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Timesteps t (B,) in [0, 1000] -> t_emb (B, D), the shared block modulation t_mod (B, 9, D).
+
+        The sinusoidal features are fp32; a model with bf16 / fp16 weights runs the timestep MLP
+        under autocast to its own dtype (an fp32 model runs it as called)."""
+        dtype = self.t_proj[1].weight.dtype
+        low = dtype in (torch.bfloat16, torch.float16)
+        with torch.autocast(t.device.type, dtype=dtype, cache_enabled=False) if low else contextlib.nullcontext():
+            t_emb = self.t_embed(t)                          # (B, D)
+        t_mod = self.t_proj(t_emb).unflatten(1, (N_MOD, -1))  # (B, 9, D)
+        return t_emb, t_mod
+
     def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
               context_mask: torch.Tensor | None = None, t_start: int = 0) -> Embedded:
         """Latents x (B, C, T, H, W), timesteps t (B,) in [0, 1000], captions -> block inputs.
 
         `t_start` is the global index of the first latent frame (in tokens along t), used for RoPE."""
         grid = self.cfg.token_grid(*x.shape[2:])
-        tokens = self.patch_embed(x)                             # (B, N, D)
-        t_emb = self.t_embed(t)                                  # (B, D)
-        t_mod = self.t_proj(t_emb).unflatten(1, (N_MOD, -1))     # (B, 9, D)
-        ctx, ctx_mask = self.encode_text(context, context_mask)  # (B, L, Dt), (B, L)
-        ctx = self.text_proj(ctx)                                # (B, L, D)
+        tokens = self.patch_embed(x)                               # (B, N, D)
+        t_emb, t_mod = self.embed_timestep(t)                      # (B, D), (B, 9, D)
+        ctx, ctx_mask = self.embed_context(context, context_mask)  # (B, L, D), (B, L)
         rope = self.rope_table(grid, t_start).grid(grid, t_start, device=x.device)  # (N, d/2) x 2
         return Embedded(tokens, t_emb, t_mod, ctx, ctx_mask, rope, grid)
 
-    def run_block(self, i: int, x: torch.Tensor, e: Embedded) -> torch.Tensor:
+    def embed_shard(self, rows: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor], grid: tuple[int, int, int]) -> Embedded:
+        """Block inputs for a run of n token rows, e.g. one rank's shard of a sequence.
+
+        rows (B, n, pv*C) in `patchify`'s layout; t (B,) in [0, 1000]; ctx (B, L, D), ctx_mask (B, L)
+        from `embed_context`; rope: cos, sin (n, d/2) of exactly these tokens; grid: the token grid
+        of the whole sequence. The patch embedding is `patch_embed`'s Conv3d as the linear map of
+        each row that it is (its kernel equals its stride)."""
+        w = self.patch_embed.proj.weight                                # (D, C, pt, ph, pw)
+        w = w.permute(0, 2, 3, 4, 1).flatten(1)                         # (D, pv*C), (pt, ph, pw, C) order
+        tokens = F.linear(rows.to(w.dtype), w, self.patch_embed.proj.bias)  # (B, n, D)
+        t_emb, t_mod = self.embed_timestep(t)                           # (B, D), (B, 9, D)
+        return Embedded(tokens, t_emb, t_mod, ctx, ctx_mask, rope, grid)
+
+    def run_block(self, i: int, x: torch.Tensor, e: Embedded, attn=None) -> torch.Tensor:
+        """Block i on tokens x (B, N, D); `attn(h, rope, grid) -> (B, N, D)` replaces its self-attention."""
         block = self.blocks[i]
         if self.cfg.checkpoint_blocks and self.training and torch.is_grad_enabled():
-            return checkpoint(block, x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, use_reentrant=False)
-        return block(x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid)
+            return checkpoint(block, x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, attn, use_reentrant=False)
+        return block(x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, attn)
+
+    def head(self, x: torch.Tensor, e: Embedded) -> torch.Tensor:
+        """Tokens (B, n, D) -> velocity rows (B, n, pv*C) in `patchify`'s layout: the final layer, per row."""
+        return self.final(x, e.t_emb)
 
     def unembed(self, x: torch.Tensor, e: Embedded) -> torch.Tensor:
         """Tokens (B, N, D) -> latents (B, C, T, H, W)."""
-        B = x.shape[0]
-        T, H, W = e.grid
-        pt, ph, pw = self.cfg.patch_size
-        x = self.final(x, e.t_emb)                                          # (B, N, pv*C)
-        x = x.view(B, T, H, W, pt, ph, pw, self.cfg.in_channels)            # (B, T, H, W, pt, ph, pw, C)
-        x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)                               # (B, C, T, pt, H, ph, W, pw)
-        return x.reshape(B, self.cfg.in_channels, T * pt, H * ph, W * pw)  # (B, C, T, H, W)
+        return unpatchify(self.head(x, e), e.grid, self.cfg.patch_size)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None, t_start: int = 0) -> torch.Tensor:

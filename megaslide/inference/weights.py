@@ -1,0 +1,59 @@
+"""Models for inference: weights from a training checkpoint, or seeded random weights for speed runs."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from megaslide.config import DiTConfig, from_dict
+from megaslide.models.dit import VideoDiT, build_dit
+from megaslide.train.checkpoint import load_checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@torch.no_grad()
+def random_weights_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Fill every parameter with seeded random values (identical on every rank of one device type).
+
+    Matrices get N(0, 1/fan_in), norm weights 1 + N(0, 0.1^2), other vectors N(0, 0.1^2). Unlike
+    the adaLN-Zero init, no gate or output layer is zero, so every path of the network carries
+    signal: what speed and equivalence checks of an untrained model need."""
+    norms = {id(mod.weight) for mod in model.modules()
+             if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) and mod.weight is not None}
+    for i, p in enumerate(model.parameters()):
+        gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
+        noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+        if p.dim() >= 2:
+            p.copy_(noise / p[0].numel() ** 0.5)
+        elif id(p) in norms:
+            p.copy_(1 + 0.1 * noise)
+        else:
+            p.copy_(0.1 * noise)
+    return model
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" -> bf16 on CUDA, fp32 elsewhere; "fp32" / "bf16" as named."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r}: choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(config: DiTConfig, *, checkpoint: str = "", seed: int = 0, device: torch.device,
+               dtype: torch.dtype) -> VideoDiT:
+    """An eval-mode VideoDiT on `device` in `dtype`, the same on every rank.
+
+    With `checkpoint` (a file of experiments/train.py) the model takes the checkpoint's own config
+    and its EMA weights (its raw weights if it kept no EMA), and `config` is not used; without it,
+    `config` gets seeded random weights (`random_weights_`)."""
+    if checkpoint:
+        state = load_checkpoint(checkpoint)
+        model = VideoDiT(from_dict(DiTConfig, state["model_cfg"]))
+        model.load_state_dict(state["ema"] or state["model"])
+        model.to(device)
+    else:
+        with torch.device(device):
+            model = random_weights_(build_dit(config), seed)
+    return model.to(dtype).eval()
