@@ -2,33 +2,32 @@
 
 For each case and dtype (fp32, bf16) it draws inputs in float64, rounds them to the dtype
 and compares the Triton output and the gradients of q, k, v and offsets with the float64
-PyTorch reference run on the same rounded inputs. The rule (DESIGN.md): the kernel's max
-error may be at most 2x the error of the same-dtype PyTorch reference, plus a floor of
-2 x eps(dtype) x max|value|. Cases cover d = 32..128 (48, 80
+PyTorch reference run on the same rounded inputs. The rule (DESIGN.md, harness.within_tolerance):
+the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
+floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
-an offset gradient, many query blocks and (3, 5, 5) windows. `--sweep` also times the
+an offset gradient, many query blocks and (3, 5, 5) windows. `sweep=true` also times the
 kernels' launch configurations at the 262K-token benchmark shape, beside a re-measured HBM
-copy ceiling, to pick the default tiles.
+copy ceiling, to pick the default tiles. Configuration: experiments/conf/gpu_check_dsa.yaml.
 
-    PYTHONPATH=. python experiments/gpu_check_dsa.py            # H200: checks -> results/attention/dsa_gpu_check.json
-    PYTHONPATH=. python experiments/gpu_check_dsa.py --sweep    # + launch-config timings
-    PYTHONPATH=. python experiments/gpu_check_dsa.py --smoke    # tiny, CPU via TRITON_INTERPRET=1, seconds
+    python -m experiments.gpu_check_dsa               # H200: checks -> results/attention/dsa_gpu_check.json
+    python -m experiments.gpu_check_dsa sweep=true    # + launch-config timings
+    python -m experiments.gpu_check_dsa smoke=true    # tiny, CPU via TRITON_INTERPRET=1, seconds
 
 Exits with status 1 when any comparison fails.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 
+import hydra
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from experiments.results_io import write_result
+from experiments.harness import TOLERANCE_RULE, ExperimentRun, copy_gbps, rounding_floor, timed, within_tolerance
 from megaslide.attention.dsa import deformable_slide_attention
 from megaslide.attention.dsa.op import select_backend
 
@@ -98,41 +97,14 @@ def check_case(case: Case, dtype_name: str, device: torch.device) -> dict:
     for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
         err_fused = (got.to(F64) - want).abs().max().item()
         err_ref = (ref.to(F64) - want).abs().max().item()
-        floor = FLOOR_ULPS * torch.finfo(got.dtype).eps * max(1.0, want.abs().max().item())
-        ok = bool(torch.isfinite(got).all()) and err_fused <= 2 * err_ref + floor
+        floor = rounding_floor(got.dtype, want, FLOOR_ULPS)
+        ok = within_tolerance(err_fused, err_ref, floor)
         row["errors"][name] = {"triton": err_fused, "reference_same_dtype": err_ref, "floor": floor, "ok": ok}
         row["passed"] &= ok
     del truth, same_dtype, fused
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-def hbm_copy_gbps(device: torch.device, n_bytes: int = 1 << 30) -> float:
-    """Device-to-device copy rate, read + write bytes per second, in GB/s (the ceiling)."""
-    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), device, repeats=10)
-    return 2 * n_bytes / seconds / 1e9
-
-
-def median_seconds(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of fn() after one warm-up (CUDA events on GPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
@@ -143,7 +115,6 @@ def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
     kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
     dtype = torch.float32 if smoke else torch.bfloat16
     candidates = [(16, 1), (32, 1)] if smoke else [(8, 4), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
-    repeats = 1 if smoke else 5
     B, T, H, W, heads, d = shape
     K = math.prod(kernel_size)
     g = torch.Generator(device=device).manual_seed(0)
@@ -156,15 +127,13 @@ def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
     for block_q, num_warps in candidates:
         cfg = kernels.LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg)
-        fwd_s = median_seconds(lambda: kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg),
-                               device, repeats)
-        bwd_s = median_seconds(lambda: kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size,
-                                                            scale, offsets_grad=True, config=cfg),
-                               device, repeats)
+        fwd_s = timed(lambda: kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg), device).median
+        bwd_s = timed(lambda: kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale,
+                                                   offsets_grad=True, config=cfg), device).median
         rows.append({"block_q": block_q, "num_warps": num_warps, "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3})
     return {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
-            "default_config": asdict(default), "hbm_copy_gbps": hbm_copy_gbps(device, 1 << 20 if smoke else 1 << 30),
+            "default_config": asdict(default), "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30),
             "configs": rows}
 
 
@@ -183,43 +152,48 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
             print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny case; on CPU through the Triton interpreter")
-    parser.add_argument("--sweep", action="store_true", help="also time launch configs at the 262K-token shape")
-    parser.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16, fp16")
-    args = parser.parse_args()
-
+def check(cfg: DictConfig) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
-    elif args.smoke:
+    elif cfg.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is first imported
         device = torch.device("cpu")
     else:
-        print("gpu_check_dsa needs a CUDA GPU (use --smoke for the CPU interpreter run)", file=sys.stderr)
+        print("gpu_check_dsa needs a CUDA GPU (use smoke=true for the CPU interpreter run)", file=sys.stderr)
         return 2
-    cases = SMOKE_CASES if args.smoke else GPU_CASES
-    dtypes = args.dtypes.split(",")
+    cases = SMOKE_CASES if cfg.smoke else GPU_CASES
+    dtypes = list(cfg.dtypes)
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
-        parser.error(f"--dtypes {unknown} unknown; choose from {sorted(DTYPES)}")
+        raise ValueError(f"dtypes {unknown} unknown; choose from {sorted(DTYPES)}")
+    name = cfg.name or ("dsa_gpu_check_smoke" if cfg.smoke else "dsa_gpu_check")
+    run = ExperimentRun("attention", name, OmegaConf.to_container(cfg, resolve=True), cfg.wandb.dir,
+                        cfg.wandb.project)
 
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     rows = [check_case(case, dtype, device) for case in cases for dtype in dtypes]
-    sweep = sweep_launch_configs(device, args.smoke) if args.sweep else None
+    sweep = sweep_launch_configs(device, cfg.smoke) if cfg.sweep else None
     expected_auto = "triton" if device.type == "cuda" else "reference"
     passed = all(r["passed"] for r in rows) and auto_backend == expected_auto
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
-               "auto_backend": auto_backend, "passed": passed, "tolerance": f"err <= 2 x same-dtype reference err "
-               f"+ {FLOOR_ULPS} eps x max|value|", "rows": rows, "sweep": sweep}
-    path = write_result("attention", "dsa_gpu_check_smoke" if args.smoke else "dsa_gpu_check", payload)
+               "auto_backend": auto_backend, "passed": passed,
+               "tolerance": f"{TOLERANCE_RULE}, floor {FLOOR_ULPS} eps x max(1, max|value|)", "rows": rows,
+               "sweep": sweep}
+    path = run.finish(payload, {"passed": passed, "checks_passed": sum(r["passed"] for r in rows),
+                                "checks": len(rows), "auto_backend": auto_backend})
     print_tables(rows, sweep)
     print(f"\n{'PASS' if passed else 'FAIL'}: {sum(r['passed'] for r in rows)}/{len(rows)} checks; "
           f"auto backend = {auto_backend} (expected {expected_auto}); wrote {path}")
     return 0 if passed else 1
 
 
+@hydra.main(version_base="1.3", config_path="conf", config_name="gpu_check_dsa")
+def main(cfg: DictConfig) -> None:
+    """Exit status 0: every check passed; 1: a comparison failed; 2: no GPU (and not smoke)."""
+    sys.exit(check(cfg))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -3,8 +3,8 @@ interpreter (TRITON_INTERPRET=1), for the output and the gradients of q, k, v an
 
 Tolerance rule: with every input rounded to the tested dtype, the float64 reference is
 the truth; the kernel's max error may be at most 2x the error of the same-dtype PyTorch
-reference, plus a floor of 2 x eps(dtype) x max|value| (at rounding level a 2x ratio
-between two summation orders is noise).
+reference, plus a floor of 2 x eps(dtype) x max(1, max|value|) (at rounding level a 2x ratio
+between two summation orders is noise): experiments.harness.within_tolerance.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
+from experiments.harness import rounding_floor, within_tolerance  # noqa: E402
 from megaslide.attention.dsa import deformable_slide_attention, kernels  # noqa: E402
 
 if not kernels.INTERPRETED:  # built earlier in this process without the interpreter
@@ -68,8 +69,8 @@ def assert_matches_reference(shape, kernel_size, dtype=torch.float32, offsets_gr
         assert got.dtype == ref.dtype and got.shape == ref.shape, name
         err_fused = (got.to(F64) - want).abs().max().item()
         err_ref = (ref.to(F64) - want).abs().max().item()
-        floor = FLOOR_ULPS * torch.finfo(got.dtype).eps * max(1.0, want.abs().max().item())
-        assert err_fused <= 2 * err_ref + floor, (
+        floor = rounding_floor(got.dtype, want, FLOOR_ULPS)
+        assert within_tolerance(err_fused, err_ref, floor), (
             f"{name}: triton error {err_fused:.3e} > 2 x reference error {err_ref:.3e} + {floor:.1e}")
 
 

@@ -2,6 +2,7 @@ from tests.experiments.runner import load_result, run_script
 
 
 def test_gpu_check_dsa_smoke(tmp_path):
-    run_script(["experiments/gpu_check_dsa.py", "--smoke"], tmp_path, PYTHONPATH=".")
+    run_script(["-m", "experiments.gpu_check_dsa", "smoke=true", "sweep=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
     data = load_result(tmp_path, "attention", "dsa_gpu_check_smoke")
     assert data["passed"] is True and data["rows"]
+    assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 for c in data["sweep"]["configs"])
