@@ -1,3 +1,3 @@
-"""Baselines: dense 3D-DiT and Swin-DiT. Importing this package registers `swin`."""
-from baselines import swin_attention  # noqa: F401  (registers 'swin')
-from baselines.presets import dense_dit, swin_dit  # noqa: F401
+"""Baselines: the Swin-DiT self-attention (swin_attention.py). It is registered as `swin` by
+the `megaslide.attention` entry point in pyproject.toml, so importing this package has no
+side effects; the dense 3D-DiT baseline is megaslide's own `dense` attention."""

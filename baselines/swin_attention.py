@@ -7,11 +7,13 @@ whole grid nothing is shifted.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from megaslide.attention import register_attention
-from megaslide.attention.base import SelfAttention
+from megaslide.attention.base import Grid, SelfAttention, check_fits_grid, option_triple
 
 
 def _partition(x: torch.Tensor, grid, window) -> torch.Tensor:
@@ -45,25 +47,43 @@ def shift_mask(grid, window, shift, device) -> torch.Tensor:
     return (win[:, :, None] == win[:, None, :]).to(device)
 
 
-@register_attention("swin")
+@dataclass(frozen=True)
+class SwinOptions:
+    window: tuple[int, int, int] = (2, 4, 4)  # (wt, wh, ww) in tokens; must divide the token grid
+
+    def __post_init__(self):
+        object.__setattr__(self, "window", option_triple("window", self.window))
+
+
 class SwinAttention(SelfAttention):
-    def __init__(self, dim: int, num_heads: int, window=(2, 4, 4), layer_idx: int = 0, **kw):
-        super().__init__(dim, num_heads, **kw)
-        self.window = tuple(window)
-        self.shifted = layer_idx % 2 == 1
+    """Registered as `swin` by the `megaslide.attention` entry point in pyproject.toml."""
+
+    name = "swin"
+    Options = SwinOptions
+
+    @classmethod
+    def check_grid(cls, options: SwinOptions, grid: Grid) -> None:
+        check_fits_grid("window", options.window, grid, "use a window of at most the grid size")
+        for axis, w, s in zip("thw", options.window, grid):
+            if s % w:
+                raise ValueError(f"token grid {tuple(grid)} is not divisible by attention.window={options.window} "
+                                 f"along {axis} ({s} % {w} != 0); pick a window that divides the grid")
+
+    @classmethod
+    def keys_per_query(cls, options: SwinOptions, grid: Grid) -> int:
+        return math.prod(options.window)
 
     def attend(self, q, k, v, x, grid):
-        for axis, w, s in zip("thw", self.window, grid):
-            if s % w:
-                raise ValueError(f"token grid {tuple(grid)} is not divisible by the Swin window {self.window} "
-                                 f"along {axis}; pick a window that divides the grid")
-        shift = tuple(w // 2 if self.shifted and w < s else 0 for w, s in zip(self.window, grid))
+        self.check_grid(self.options, grid)
+        window = self.options.window
+        shifted = self.layer_idx % 2 == 1
+        shift = tuple(w // 2 if shifted and w < s else 0 for w, s in zip(window, grid))
         if any(shift):
             q, k, v = (self._roll(t, grid, [-s for s in shift]) for t in (q, k, v))
-        qw, kw_, vw = (_partition(t, grid, self.window) for t in (q, k, v))  # (B, nW, h, wlen, d)
-        mask = shift_mask(grid, self.window, shift, q.device)[None, :, None] if any(shift) else None
-        o = F.scaled_dot_product_attention(qw, kw_, vw, attn_mask=mask)        # (B, nW, h, wlen, d)
-        o = _unpartition(o, grid, self.window)                                 # (B, N, h, d)
+        qw, kw_, vw = (_partition(t, grid, window) for t in (q, k, v))  # (B, nW, h, wlen, d)
+        mask = shift_mask(grid, window, shift, q.device)[None, :, None] if any(shift) else None
+        o = F.scaled_dot_product_attention(qw, kw_, vw, attn_mask=mask)   # (B, nW, h, wlen, d)
+        o = _unpartition(o, grid, window)                                 # (B, N, h, d)
         return self._roll(o, grid, list(shift)) if any(shift) else o
 
     @staticmethod

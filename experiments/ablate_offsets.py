@@ -29,8 +29,8 @@ def main(cfg: DictConfig) -> None:
     jobs = [make_job(cfg, variant, model, data, dataclasses.replace(train, seed=int(seed)), cfg.name)
             for seed in cfg.seeds for variant in cfg.variants]
     config = {"speed_px_per_frame": data.speed, "frames": data.frames, "size": [data.height, data.width],
-              "patch": list(model.patch_size), "kernel_size": list(model.attention.kernel_size),
-              "max_offset": model.attention.max_offset, "steps": train.steps, "seeds": list(cfg.seeds)}
+              "patch": list(model.patch_size), "kernel_size": list(model.attention.options.kernel_size),
+              "max_offset": model.attention.options.max_offset, "steps": train.steps, "seeds": list(cfg.seeds)}
     run_study("ablate_offsets", cfg, jobs, [ground_truth_row(data, cfg.n_eval, cfg.eval_seed)], config, {"": None})
 
 

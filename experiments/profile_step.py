@@ -17,7 +17,6 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import baselines  # noqa: F401  (registers the swin attention)
 from experiments.report import markdown_table
 from experiments.results_io import write_result
 from megaslide.config import AttentionConfig, DataConfig, DiTConfig, TrainConfig
@@ -31,7 +30,7 @@ def sync(device: torch.device) -> None:
 
 def profile_variant(name: str, args: argparse.Namespace) -> dict:
     model = DiTConfig(dim=args.dim, depth=args.depth, num_heads=args.heads, ffn_dim=4 * args.dim, text_dim=128,
-                      attention=AttentionConfig(name=name, window=tuple(args.swin_window)))
+                      attention=AttentionConfig(name, {"window": tuple(args.swin_window)} if name == "swin" else None))
     data = DataConfig(frames=args.frames, height=args.size, width=args.size, shape_size=max(3, args.size // 4),
                       speed=args.size / 5)
     train = TrainConfig(device=args.device, batch_size=args.batch, steps=10**9, log_every=10**9, compile=args.compile)

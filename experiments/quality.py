@@ -21,7 +21,9 @@ from experiments.quality_protocol import ground_truth_row, make_job, run_study
 @hydra.main(version_base="1.3", config_path="conf", config_name="quality")
 def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
-    model.attention.window = tuple(cfg.swin_window)
+    swin = {"window": tuple(cfg.swin_window)}
+    models = {v: dataclasses.replace(model, attention=model.attention.for_variant(v, **(swin if v == "swin" else {})))
+              for v in cfg.variants}
     clips = [dataclasses.replace(data, frames=int(f)) for f in cfg.clip_frames]
     batches = [int(b) for b in cfg.clip_batch_sizes] or [train.batch_size] * len(clips)
     if len(batches) != len(clips):
@@ -30,9 +32,9 @@ def main(cfg: DictConfig) -> None:
     for clip in clips:                       # every (variant, clip) is validated before training starts
         grid = model.token_grid(clip.frames, clip.height, clip.width)
         for name in cfg.variants:
-            dataclasses.replace(model.attention, name=name).validate(grid)
-    jobs = [make_job(cfg, variant, model, clip, dataclasses.replace(train, seed=int(seed), batch_size=batch),
-                     f"{cfg.name}{clip.frames}f")
+            models[name].attention.validate(grid)
+    jobs = [make_job(cfg, variant, models[variant], clip,
+                     dataclasses.replace(train, seed=int(seed), batch_size=batch), f"{cfg.name}{clip.frames}f")
             for seed in cfg.seeds for clip, batch in zip(clips, batches) for variant in cfg.variants]
     config = {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
               "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": train.steps,

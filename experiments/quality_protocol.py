@@ -20,7 +20,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-import baselines  # noqa: F401  (registers the swin attention, also in worker processes)
 from experiments.report import markdown_table
 from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
@@ -66,7 +65,7 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row.
 
     `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary)."""
-    model = dataclasses.replace(model, attention=dataclasses.replace(model.attention, name=attention))
+    model = dataclasses.replace(model, attention=model.attention.for_variant(attention))
     run_dir = out_dir / f"{tag}_{attention}_seed{train.seed}"
     row = {"variant": attention, "frames": data.frames, "seed": train.seed, "params": count_params(model),
            "steps": train.steps}

@@ -8,7 +8,6 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-import baselines  # noqa: F401  (registers the swin attention)
 from megaslide.config import DataConfig, DiTConfig, from_dict
 from megaslide.data.video_io import write_mp4
 from megaslide.diffusion.samplers import euler_sample

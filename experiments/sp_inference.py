@@ -49,6 +49,7 @@ from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
 from megaslide.inference.sharded import random_weights_
+from megaslide.metrics.flops import token_path_flops
 from megaslide.models.dit import build_dit
 
 TARGETS = {"ttff_1gpu_s": 1.0, "speedup_2gpu_vs_1gpu": 1.8, "speedup_vs_full_sequence": 1.58}
@@ -98,16 +99,6 @@ def matmul_ceiling(device: torch.device, tiny: bool) -> dict:
             "tflops": 2 * n ** 3 / statistics.median(times) / 1e12}
 
 
-def forward_flops(cfg, queries: int, keys: int, ctx_len: int, head: bool) -> float:
-    """Model FLOPs of one DiT forward for `queries` real tokens attending to `keys` tokens each
-    (a multiply-add = 2; weights on video tokens, cross-attention K/V on caption tokens)."""
-    D, F_, pvc = cfg.dim, cfg.ffn_dim, math.prod(cfg.patch_size) * cfg.in_channels
-    per_block = 2 * queries * (6 * D * D + 2 * D * F_) + 2 * ctx_len * 2 * D * D  # weights
-    per_block += 4 * queries * keys * D + 4 * queries * ctx_len * D                # self + cross attention
-    edges = 2 * queries * pvc * D * (2 if head else 1)                             # patch embed (+ final)
-    return cfg.depth * per_block + edges
-
-
 def causal_flops(cfg, setup: Setup, steps: int, window: int | None) -> float:
     frame_tokens = (setup.height // cfg.patch_size[1]) * (setup.width // cfg.patch_size[2])
     nc = setup.chunk_frames // cfg.patch_size[0] * frame_tokens
@@ -115,15 +106,15 @@ def causal_flops(cfg, setup: Setup, steps: int, window: int | None) -> float:
     total = 0.0
     for c in range(chunks):
         keys = (min(c, window) if window is not None else c) * nc + nc
-        total += steps * forward_flops(cfg, nc, keys, cfg.text_len, True)
+        total += steps * token_path_flops(cfg, nc, keys, cfg.text_len).forward
         if c + 1 < chunks:
-            total += forward_flops(cfg, nc, keys, cfg.text_len, False)
+            total += token_path_flops(cfg, nc, keys, cfg.text_len, final_layer=False).forward
     return total
 
 
 def full_flops(cfg, setup: Setup, steps: int) -> float:
     n = setup.frames // cfg.patch_size[0] * (setup.height // cfg.patch_size[1]) * (setup.width // cfg.patch_size[2])
-    return steps * forward_flops(cfg, n, n, cfg.text_len, True)
+    return steps * token_path_flops(cfg, n, n, cfg.text_len).forward
 
 
 def time_causal(gen: CausalGenerator, noise, ids, device, group_active: bool, warmup: int, repeats: int):

@@ -15,7 +15,6 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import baselines  # noqa: F401  (registers the swin attention)
 from experiments.hydra_config import typed_configs
 from megaslide.data.video_io import write_mp4
 from megaslide.train.logger import RunLogger

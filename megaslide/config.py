@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-ATTENTION_NAMES = ("dense", "swin", "dsa", "dsa_zero")
+from megaslide.attention import SelfAttention, attention_class
 
 
 def _tuple3(name: str, value) -> tuple[int, int, int]:
@@ -24,46 +24,47 @@ def _tuple3(name: str, value) -> tuple[int, int, int]:
     return t
 
 
-@dataclass
+@dataclass(slots=True)
 class AttentionConfig:
-    """Self-attention of the DiT blocks (cross-attention is always dense)."""
+    """Self-attention of the DiT blocks (cross-attention is always dense).
 
-    name: str = "dense"                            # dense | swin | dsa | dsa_zero
-    window: tuple[int, int, int] = (2, 4, 4)       # swin: window (wt, wh, ww) in tokens
-    kernel_size: tuple[int, int, int] = (3, 3, 3)  # dsa: sampling kernel (kt, kh, kw)
-    max_offset: float = 4.0                        # dsa: offsets bounded by max_offset * tanh
-    backend: str = "auto"                          # dsa: auto | triton | reference
+    `name` picks a variant of the attention registry; `options` are that variant's own typed
+    options, its `Options` dataclass (dense: none; swin: window; dsa and dsa_zero: kernel_size,
+    max_offset, backend). Given as a dict or as another variant's options they are converted
+    field by field, and one the variant does not take raises a ValueError listing those it does.
+    As a dict (`from_dict`) the config is either flat, `name` beside the options as in the
+    Hydra group experiments/conf/attention, or `{name, options}` as `dataclasses.asdict` writes it.
+    """
+
+    name: str = "dense"
+    options: Any = None
 
     def __post_init__(self):
-        self.window = _tuple3("attention.window", self.window)
-        self.kernel_size = _tuple3("attention.kernel_size", self.kernel_size)
+        self.validate()
+
+    @property
+    def variant(self) -> type[SelfAttention]:
+        return attention_class(self.name)
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> AttentionConfig:
+        rest = {k: v for k, v in data.items() if k != "name"}
+        options = rest["options"] if set(rest) == {"options"} else rest
+        return cls(options=options) if "name" not in data else cls(data["name"], options)
+
+    def for_variant(self, name: str, **options) -> AttentionConfig:
+        """This config moved to variant `name`, for a study that runs several variants from one
+        config: the options `name` also takes carry over, the others stay behind; `options` override."""
+        takes = {f.name for f in dataclasses.fields(attention_class(name).Options)}
+        carried = {k: v for k, v in dataclasses.asdict(self.options).items() if k in takes}
+        return AttentionConfig(name, {**carried, **options})
 
     def validate(self, grid: tuple[int, int, int] | None = None) -> None:
-        if self.name not in ATTENTION_NAMES:
-            raise ValueError(f"attention.name={self.name!r} is unknown; choose one of {list(ATTENTION_NAMES)}")
-        if any(w < 1 for w in self.window):
-            raise ValueError(f"attention.window={self.window} must be positive in every axis")
-        if any(k < 1 or k % 2 == 0 for k in self.kernel_size):
-            raise ValueError(f"attention.kernel_size={self.kernel_size} must be odd and positive in every axis")
-        if self.max_offset < 0:
-            raise ValueError(f"attention.max_offset={self.max_offset} must be >= 0")
-        if self.backend not in ("auto", "triton", "reference"):
-            raise ValueError(f"attention.backend={self.backend!r}: choose auto, triton or reference")
-        if grid is None:
-            return
-        if self.name == "swin":
-            for axis, w, s in zip("thw", self.window, grid):
-                if w > s:
-                    raise ValueError(f"attention.window={self.window} is larger than the token grid {grid} "
-                                     f"along {axis} ({w} > {s}); use a window of at most the grid size")
-                if s % w:
-                    raise ValueError(f"token grid {grid} is not divisible by attention.window={self.window} "
-                                     f"along {axis} ({s} % {w} != 0); pick a window that divides the grid")
-        if self.name in ("dsa", "dsa_zero"):
-            for axis, k, s in zip("thw", self.kernel_size, grid):
-                if k > s:
-                    raise ValueError(f"attention.kernel_size={self.kernel_size} is larger than the token grid "
-                                     f"{grid} along {axis} ({k} > {s}); use a smaller kernel or more tokens")
+        """Convert the options to the variant's (again: `name` may have been reassigned since)
+        and, given the token grid (T', H', W'), check that they fit it."""
+        self.options = self.variant.parse_options(self.options)
+        if grid is not None:
+            self.variant.check_grid(self.options, grid)
 
 
 @dataclass
@@ -219,8 +220,11 @@ def _coerce(tp, value):
 
 
 def from_dict(cls, data: dict[str, Any] | None):
-    """Build dataclass `cls` from a plain dict; unknown keys are an error that lists the known ones."""
+    """Build dataclass `cls` from a plain dict; unknown keys are an error that lists the known ones.
+    A config with a dict form of its own (AttentionConfig) reads it with its `parse`."""
     data = dict(data or {})
+    if hasattr(cls, "parse"):
+        return cls.parse(data)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)

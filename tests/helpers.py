@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from megaslide.config import DataConfig, TrainConfig
+from megaslide.config import AttentionConfig, DataConfig, TrainConfig
 from megaslide.models.dit import DIT_PRESETS
 
 
 def tiny_model_cfg(attention: str = "dense", **kw):
     cfg = DIT_PRESETS["tiny"]
-    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, name=attention, **kw))
+    return dataclasses.replace(cfg, attention=AttentionConfig(attention, kw))
 
 
 def tiny_data_cfg(**kw) -> DataConfig:

@@ -1,7 +1,6 @@
-import pytest
-
-import baselines  # noqa: F401
 import dataclasses
+
+import pytest
 
 from megaslide.config import AttentionConfig, DataConfig, from_dict
 from megaslide.train.trainer import Trainer

@@ -1,35 +1,57 @@
 """Self-attention registry: `build_attention(name, dim, num_heads, **kw)`.
 
-Variants register themselves with `@register_attention(name)`. `dense` and the DSA
-variants live in megaslide; `swin` is registered by the `baselines` package, which the
-core never imports (import `baselines` first to use it).
+Each variant is one class (see `base.SelfAttention`) that owns its typed options, their
+validation against the token grid, `keys_per_query` and its extra parameters. `dense`, `dsa`
+and `dsa_zero` register here with `@register_attention`. Other packages add variants through
+the `megaslide.attention` entry-point group (pyproject.toml:
+`swin = "baselines.swin_attention:SwinAttention"`), loaded the first time their name is asked
+for, so the core never imports them.
 """
 from __future__ import annotations
 
-from typing import Callable
+from importlib.metadata import EntryPoint, entry_points
 
-import torch.nn as nn
+from megaslide.attention.base import SelfAttention
 
-_REGISTRY: dict[str, Callable[..., nn.Module]] = {}
+ENTRY_POINT_GROUP = "megaslide.attention"
+
+_REGISTRY: dict[str, type[SelfAttention]] = {}
 
 
-def register_attention(name: str):
-    def deco(cls):
-        _REGISTRY[name] = cls
-        return cls
-    return deco
+def register_attention(cls: type[SelfAttention]) -> type[SelfAttention]:
+    """Class decorator: make `cls` available as `cls.name`."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _entry_points() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def known_attention() -> list[str]:
-    return sorted(_REGISTRY)
+    """Every variant name: registered ones and those an installed package declares."""
+    return sorted(set(_REGISTRY) | set(_entry_points()))
 
 
-def build_attention(name: str, dim: int, num_heads: int, **kw) -> nn.Module:
-    """Build a self-attention module. kw: qk_norm, layer_idx, window, kernel_size, max_offset, backend."""
+def attention_class(name: str) -> type[SelfAttention]:
+    """The variant class called `name`, loaded from its entry point the first time."""
     if name not in _REGISTRY:
-        hint = " ('swin' is registered by `import baselines`)" if name == "swin" else ""
-        raise ValueError(f"unknown attention {name!r}; known: {known_attention()}{hint}")
-    return _REGISTRY[name](dim, num_heads, **kw)
+        ep = _entry_points().get(name)
+        if ep is None:
+            raise ValueError(f"attention.name={name!r} is unknown; known: {known_attention()}")
+        cls = ep.load()
+        if cls.name != name:
+            raise ValueError(f"entry point {name!r} of group {ENTRY_POINT_GROUP!r} loads {ep.value}, "
+                             f"whose name is {cls.name!r}; make the two agree")
+        register_attention(cls)
+    return _REGISTRY[name]
+
+
+def build_attention(name: str, dim: int, num_heads: int, **kw) -> SelfAttention:
+    """Build a self-attention module. kw: qk_norm, layer_idx and the variant's own options
+    (swin: window; dsa and dsa_zero: kernel_size, max_offset, backend). An option the variant
+    does not take raises a ValueError listing the ones it does."""
+    return attention_class(name)(dim, num_heads, **kw)
 
 
 from megaslide.attention import dense  # noqa: E402,F401  (registers 'dense')

@@ -1,27 +1,101 @@
-"""Shared shell of every self-attention variant: projections, QK-norm, RoPE, output.
+"""What every self-attention variant shares and what each one fills in.
 
-A variant implements only `attend(q, k, v, x, grid)`, the token mixing itself. Callers
-that need the projected heads (the KV-cached causal generator, sequence parallelism)
-use `project_qkv` and `project_out` around their own attention.
+Shared: the projections, QK-norm, RoPE and the output projection. A variant is one class
+(registered in `megaslide.attention`) that owns:
+- `name`, its registry name, and `Options`, a frozen dataclass of its own options whose
+  `__post_init__` checks their values;
+- `attend(q, k, v, x, grid)`, the token mixing itself;
+- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `extra_params(...)` and
+  `extra_macs_per_token(...)`: what config validation, FLOP and parameter accounting need
+  to know without building the module.
+Callers that need the projected heads (the KV-cached causal generator, sequence
+parallelism) use `project_qkv` and `project_out` around their own attention.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 
 from megaslide.nn import RMSNorm, apply_rope
 
+Grid = tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a variant that takes none."""
+
+
+def option_triple(option: str, value, *, odd: bool = False) -> tuple[int, int, int]:
+    """`value` as three positive ints (t, h, w), odd ones if `odd`; else a ValueError naming `attention.<option>`."""
+    t = tuple(int(v) for v in value)
+    if len(t) != 3 or not all(v >= 1 and (v % 2 or not odd) for v in t):
+        what = "odd positive" if odd else "positive"
+        raise ValueError(f"attention.{option}={value!r} must be three {what} ints (t, h, w)")
+    return t
+
+
+def check_fits_grid(option: str, value: tuple[int, int, int], grid: Grid, fix: str) -> None:
+    """A ValueError naming `attention.<option>` where `value` exceeds the token grid along an axis."""
+    for axis, v, s in zip("thw", value, grid):
+        if v > s:
+            raise ValueError(f"attention.{option}={value} is larger than the token grid {tuple(grid)} "
+                             f"along {axis} ({v} > {s}); {fix}")
+
 
 class SelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, **_):
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = True, layer_idx: int = 0, **options):
+        """`options` are this variant's own (`Options` fields); `layer_idx` is the block's index."""
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide dim={dim}")
+        self.options = self.parse_options(options)
+        self.layer_idx = layer_idx
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
         self.q_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+
+    @classmethod
+    def parse_options(cls, given: Any = None):
+        """`given` (None, a mapping, or any variant's options dataclass) as `cls.Options`, field by
+        field: an option this variant does not take raises a ValueError that names it, the variant
+        and the options it takes; missing ones take their defaults."""
+        if isinstance(given, cls.Options):
+            return given
+        values = dataclasses.asdict(given) if dataclasses.is_dataclass(given) else dict(given or {})
+        known = [f.name for f in dataclasses.fields(cls.Options)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            takes = f"takes only {known}" if known else "takes no options"
+            raise ValueError(f"attention option(s) {unknown} unknown to the {cls.name!r} attention, which {takes}")
+        return cls.Options(**values)
+
+    @classmethod
+    def check_grid(cls, options, grid: Grid) -> None:
+        """Raise a ValueError naming the option if `options` do not fit the token grid (T, H, W)."""
+
+    @classmethod
+    def keys_per_query(cls, options, grid: Grid) -> int:
+        """Keys each video token attends to in self-attention on the token grid (T, H, W)."""
+        raise NotImplementedError
+
+    @classmethod
+    def extra_params(cls, options, dim: int, num_heads: int) -> int:
+        """Parameters beyond the shared projections and norms."""
+        return 0
+
+    @classmethod
+    def extra_macs_per_token(cls, options, dim: int, num_heads: int) -> int:
+        """Multiply-adds per video token of the weights beyond the shared projections."""
+        return 0
 
     def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x (B, N, D) -> q, k, v (B, N, heads, d), RoPE applied to q and k."""
@@ -38,7 +112,7 @@ class SelfAttention(nn.Module):
         """q, k, v (B, N, h, d); x (B, N, D) the block input; grid (T, H, W) -> (B, N, h, d)."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, rope, grid: tuple[int, int, int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, grid: Grid) -> torch.Tensor:
         q, k, v = self.project_qkv(x, rope)       # (B, N, h, d) each
         o = self.attend(q, k, v, x, grid)         # (B, N, h, d)
         return self.project_out(o)                # (B, N, D)

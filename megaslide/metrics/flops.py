@@ -3,13 +3,14 @@
 What is counted (a multiply-add is 2 FLOPs):
 - weight FLOPs: 2 x (elements of every Linear / Conv weight) x (tokens it acts on). Block
   weights act on the B*N video tokens, except the cross-attention K/V projection, which acts
-  on the B*L caption tokens; patch embedding and the final layer act on video tokens; the
-  text encoder and caption projection on caption tokens; the timestep MLPs once per sample.
-  Biases, norms and modulation vectors are not matmuls and are not counted.
+  on the B*L caption tokens; so do the attention variant's own weights (its
+  `extra_macs_per_token`: DSA's offset net); patch embedding and the final layer act on video
+  tokens; the text encoder and caption projection on caption tokens; the timestep MLPs once
+  per sample. Biases, norms and modulation vectors are not matmuls and are not counted.
 - attention FLOPs: QK^T and PV, 4 x keys x head_dim x heads = 4 x keys x D per query:
-  dense self-attention has N keys per query, Swin one window (wt*wh*ww), DSA its K samples
-  (kt*kh*kw; the trilinear gathers are not counted); cross-attention L keys; the text
-  encoder's self-attention L keys over caption tokens.
+  self-attention has the variant's `keys_per_query` keys (dense N, Swin one window
+  wt*wh*ww, DSA its K = kt*kh*kw samples; the trilinear gathers are not counted);
+  cross-attention L keys; the text encoder's self-attention L keys over caption tokens.
 Training FLOPs = 3 x forward (backward = 2 x forward). This is "6 x params x tokens plus
 attention". The recomputation of the offload engine (one more forward) is NOT counted as
 model FLOPs; `executed` adds it, for the compute floor of the planner.
@@ -31,15 +32,8 @@ H200_DATASHEET_BF16_TFLOPS = 989.0  # dense bf16, NVIDIA H200 SXM datasheet
 
 
 def keys_per_query(attention: AttentionConfig, grid: tuple[int, int, int]) -> int:
-    """Keys each video token attends to in self-attention."""
-    if attention.name == "dense":
-        return math.prod(grid)
-    if attention.name == "swin":
-        return math.prod(attention.window)
-    if attention.name in ("dsa", "dsa_zero"):
-        return math.prod(attention.kernel_size)
-    raise ValueError(f"attention.name={attention.name!r} has no FLOP formula; "
-                     f"known: dense, swin, dsa, dsa_zero")
+    """Keys each video token attends to in self-attention (the variant's own count)."""
+    return attention.variant.keys_per_query(attention.options, grid)
 
 
 @dataclass(frozen=True)
@@ -64,24 +58,31 @@ class DiTFlops:
         return 4 * self.forward
 
 
+def token_path_flops(cfg: DiTConfig, queries: int, keys: int, ctx_len: int, final_layer: bool = True) -> DiTFlops:
+    """Forward FLOPs of one clip's video tokens through `VideoDiT(cfg)`: `queries` tokens through
+    the patch embedding, every block (self-attention to `keys` tokens each, cross-attention to
+    `ctx_len` caption tokens, MLP) and, if `final_layer`, the final layer. Keys may differ from
+    queries: a chunk of causal generation attends to its KV cache too. The caption encoder and
+    the timestep embedding, which run once per sample, are left to `dit_flops`."""
+    D, a = cfg.dim, cfg.attention
+    out_patch = cfg.in_channels * math.prod(cfg.patch_size)
+    per_video_token = 4 * D * D + 2 * D * D + 2 * D * cfg.ffn_dim  # self qkv+out, cross q+out, MLP
+    per_video_token += a.variant.extra_macs_per_token(a.options, D, cfg.num_heads)
+    edges = out_patch * D * (2 if final_layer else 1)               # patch embed (+ final Linear)
+    weights = 2 * (queries * (cfg.depth * per_video_token + edges) + ctx_len * cfg.depth * 2 * D * D)  # + cross K/V
+    attention = cfg.depth * (4 * queries * keys * D + 4 * queries * ctx_len * D)
+    return DiTFlops(weights, attention)
+
+
 def dit_flops(cfg: DiTConfig, batch: int, grid: tuple[int, int, int]) -> DiTFlops:
     """Forward FLOPs of `VideoDiT(cfg)` on `batch` clips of token grid (T', H', W')."""
-    D, F, Dt, L = cfg.dim, cfg.ffn_dim, cfg.text_dim, cfg.text_len
-    N = math.prod(grid)
-    out_patch = cfg.in_channels * math.prod(cfg.patch_size)
-    per_video_token = 4 * D * D + 2 * D * D + 2 * D * F  # self qkv+out, cross q+out, MLP
-    if cfg.attention.name in ("dsa", "dsa_zero"):
-        K = math.prod(cfg.attention.kernel_size)
-        per_video_token += 27 * D + D * cfg.num_heads * K * 3  # depthwise 3^3 conv, offset Linear
-    per_caption_token = 2 * D * D                            # cross K/V
-    stem_video = out_patch * D + D * out_patch               # patch embed, final Linear
-    text_layer = 4 * Dt * Dt + 2 * Dt * 4 * Dt               # in/out projections, FFN (4x)
-    stem_caption = cfg.text_layers * text_layer + Dt * D + D * D  # text encoder, text_proj
-    per_sample = cfg.freq_dim * D + D * D + N_MOD * D * D    # t_embed MLP, t_proj
-    weights = 2 * batch * (N * (cfg.depth * per_video_token + stem_video)
-                           + L * (cfg.depth * per_caption_token + stem_caption) + per_sample)
-    keys = keys_per_query(cfg.attention, grid)
-    attention = batch * (cfg.depth * (4 * N * keys * D + 4 * N * L * D) + cfg.text_layers * 4 * L * L * Dt)
+    D, Dt, L = cfg.dim, cfg.text_dim, cfg.text_len
+    tokens = token_path_flops(cfg, math.prod(grid), keys_per_query(cfg.attention, grid), L)
+    text_layer = 4 * Dt * Dt + 2 * Dt * 4 * Dt                      # in/out projections, FFN (4x)
+    stem_caption = cfg.text_layers * text_layer + Dt * D + D * D    # text encoder, text_proj
+    per_sample = cfg.freq_dim * D + D * D + N_MOD * D * D           # t_embed MLP, t_proj
+    weights = batch * (tokens.weights + 2 * (L * stem_caption + per_sample))
+    attention = batch * (tokens.attention + cfg.text_layers * 4 * L * L * Dt)
     return DiTFlops(float(weights), float(attention))
 
 

@@ -1,7 +1,6 @@
 import torch
 import torch.nn.functional as F
 
-import baselines  # noqa: F401
 from baselines.swin_attention import SwinAttention, shift_mask
 from megaslide.attention import build_attention
 

@@ -17,7 +17,6 @@ from tests.helpers import tiny_model_cfg
 def test_forward_flops_match_torch_flop_counter(attention, batch, text_layers):
     """Every matmul, conv and attention product of a real forward, counted by torch (the math
     SDPA backend, so attention runs as counted bmm's), equals the analytic count."""
-    import baselines  # noqa: F401  (registers swin)
     cfg = dataclasses.replace(tiny_model_cfg(attention), text_layers=text_layers, depth=3)
     model = VideoDiT(cfg)
     g = torch.Generator().manual_seed(0)

@@ -105,7 +105,6 @@ def test_resident_blocks_beyond_depth_are_refused(tmp_path):
 
 def test_swin_blocks_keep_their_own_layer_index(tmp_path):
     """Odd Swin blocks shift their windows: each block must run as itself, not as its shell's."""
-    import baselines  # noqa: F401  (registers swin)
     ref, eng = _pair(tmp_path, _model_cfg("swin", window=(2, 4, 4)))
     for loss_ref, loss_eng, _, _ in _run_both(ref, eng, steps=2):
         assert loss_ref == loss_eng

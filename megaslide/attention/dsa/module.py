@@ -4,32 +4,46 @@ Offsets are predicted from the block input: a depthwise Conv3d over the token gr
 and a Linear to heads * K * 3, bounded by `max_offset * tanh`. The Linear starts at zero,
 so a fresh `dsa` layer is exactly 3D neighbourhood attention and learns to move its
 samples. `dsa_zero` is the ablation: offsets fixed at exactly zero. It keeps the (inert)
-offset net so both variants have the same parameter count.
+offset net so both variants have the same parameter count. Both take `DSAOptions`.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megaslide.attention import register_attention
-from megaslide.attention.base import SelfAttention
-from megaslide.attention.dsa.op import deformable_slide_attention
+from megaslide.attention.base import Grid, SelfAttention, check_fits_grid, option_triple
+from megaslide.attention.dsa.op import BACKENDS, deformable_slide_attention
 
 
-@register_attention("dsa")
+@dataclass(frozen=True)
+class DSAOptions:
+    kernel_size: tuple[int, int, int] = (3, 3, 3)  # sampling kernel (kt, kh, kw), odd
+    max_offset: float = 4.0                        # offsets bounded by max_offset * tanh, in tokens
+    backend: str = "auto"                          # the op's backend: auto or one of dsa.op.BACKENDS
+
+    def __post_init__(self):
+        object.__setattr__(self, "kernel_size", option_triple("kernel_size", self.kernel_size, odd=True))
+        if self.max_offset < 0:
+            raise ValueError(f"attention.max_offset={self.max_offset} must be >= 0")
+        known = ["auto", *(b.name for b in BACKENDS)]
+        if self.backend not in known:
+            raise ValueError(f"attention.backend={self.backend!r}: choose one of {known}")
+
+
+@register_attention
 class DSAAttention(SelfAttention):
+    name = "dsa"
+    Options = DSAOptions
     fixed_zero_offsets = False
 
-    def __init__(self, dim: int, num_heads: int, kernel_size=(3, 3, 3), max_offset: float = 4.0,
-                 backend: str = "auto", **kw):
+    def __init__(self, dim: int, num_heads: int, **kw):
         super().__init__(dim, num_heads, **kw)
-        self.kernel_size = tuple(kernel_size)
-        self.num_samples = math.prod(self.kernel_size)
-        self.max_offset = max_offset
-        self.backend = backend
+        self.num_samples = math.prod(self.options.kernel_size)
         self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)  # depthwise
         self.offset_proj = nn.Linear(dim, num_heads * self.num_samples * 3)
 
@@ -37,12 +51,24 @@ class DSAAttention(SelfAttention):
         nn.init.zeros_(self.offset_proj.weight)
         nn.init.zeros_(self.offset_proj.bias)
 
-    @staticmethod
-    def extra_params(dim: int, num_heads: int, kernel_size=(3, 3, 3), **_) -> int:
-        out = num_heads * math.prod(kernel_size) * 3
-        return (27 * dim + dim) + (dim * out + out)
+    @classmethod
+    def check_grid(cls, options: DSAOptions, grid: Grid) -> None:
+        check_fits_grid("kernel_size", options.kernel_size, grid, "use a smaller kernel or more tokens")
 
-    def offsets(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    @classmethod
+    def keys_per_query(cls, options: DSAOptions, grid: Grid) -> int:
+        return math.prod(options.kernel_size)
+
+    @classmethod
+    def extra_params(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
+        out = num_heads * math.prod(options.kernel_size) * 3
+        return (27 * dim + dim) + (dim * out + out)           # depthwise 3^3 Conv3d, offset Linear
+
+    @classmethod
+    def extra_macs_per_token(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
+        return 27 * dim + dim * num_heads * math.prod(options.kernel_size) * 3
+
+    def offsets(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         """x (B, N, D) -> offsets (B, T, H, W, heads, K, 3) in token units, |.| < max_offset."""
         B, N, D = x.shape
         # contiguous NCDHW: the strided view is channels-last, where cuDNN's bf16 depthwise
@@ -51,7 +77,7 @@ class DSAAttention(SelfAttention):
         h = F.gelu(self.offset_conv(h)).permute(0, 2, 3, 4, 1)      # (B, T, H, W, D)
         o = self.offset_proj(h)                                     # (B, T, H, W, heads*K*3)
         o = o.view(B, *grid, self.num_heads, self.num_samples, 3)  # (B, T, H, W, heads, K, 3)
-        return self.max_offset * torch.tanh(o.float())
+        return self.options.max_offset * torch.tanh(o.float())
 
     def attend(self, q, k, v, x, grid):
         B, N, h, d = q.shape
@@ -60,10 +86,11 @@ class DSAAttention(SelfAttention):
             off = torch.zeros(B, *grid, h, self.num_samples, 3, device=q.device, dtype=torch.float32)
         else:
             off = self.offsets(x, grid)
-        o = deformable_slide_attention(q6, k6, v6, off, self.kernel_size, backend=self.backend)
+        o = deformable_slide_attention(q6, k6, v6, off, self.options.kernel_size, backend=self.options.backend)
         return o.reshape(B, N, h, d)                                  # (B, N, h, d)
 
 
-@register_attention("dsa_zero")
+@register_attention
 class DSAZeroAttention(DSAAttention):
+    name = "dsa_zero"
     fixed_zero_offsets = True
