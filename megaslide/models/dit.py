@@ -31,6 +31,14 @@ from megaslide.nn import RopeTable, modulate
 N_MOD = 9  # (shift, scale, gate) for self-attention, cross-attention and MLP
 
 
+def _xavier_linears(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
 class DiTBlock(nn.Module):
     def __init__(self, cfg: DiTConfig, layer_idx: int):
         super().__init__()
@@ -43,6 +51,15 @@ class DiTBlock(nn.Module):
         self.norm3 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
         self.modulation = nn.Parameter(torch.zeros(N_MOD, cfg.dim))  # per-block offsets to the shared t_mod
+
+    def initialize_weights(self) -> None:
+        """The block's part of `VideoDiT.initialize_weights`: Xavier linears, zero biases, the
+        attention's own rule (DSA: zero offsets); the gates start at zero through `modulation`.
+        The offload engine initialises a model one block at a time with it."""
+        _xavier_linears(self)
+        init = getattr(self.attn, "initialize_weights", None)
+        if init is not None:
+            init()
 
     def forward(self, x, t_mod, ctx, ctx_mask, rope, grid, attn=None):
         """x (B, N, D); t_mod (B, 9, D); ctx (B, L, D); ctx_mask (B, L); rope (cos, sin) (N, d/2).
@@ -110,12 +127,14 @@ class VideoDiT(nn.Module):
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """Xavier linears, zero biases, and adaLN-Zero: every gate and the output start at zero."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        """Xavier linears, zero biases, and adaLN-Zero: every gate and the output start at zero.
+        Children are visited in registration order: the random draws of one walk over all modules."""
+        for name, child in self.named_children():
+            if name == "blocks":
+                for block in child:
+                    block.initialize_weights()
+            else:
+                _xavier_linears(child)
         w = self.patch_embed.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.proj.bias)
@@ -125,10 +144,6 @@ class VideoDiT(nn.Module):
         nn.init.zeros_(self.t_proj[1].bias)
         nn.init.zeros_(self.final.linear.weight)
         nn.init.zeros_(self.final.linear.bias)
-        for block in self.blocks:
-            init = getattr(block.attn, "initialize_weights", None)
-            if init is not None:
-                init()
 
     def rope_table(self, grid: tuple[int, int, int], t_start: int = 0) -> RopeTable:
         """The cos/sin tables, grown (rarely) to cover frames up to t_start + T and the spatial grid."""
