@@ -13,19 +13,35 @@ Configuration: experiments/conf/bench_attention.yaml.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import hydra
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
 from experiments.harness import ExperimentRun, copy_gbps, matmul_tflops, timed
+from experiments.hydra_config import script_config
 from megaslide.attention.dsa import deformable_slide_attention
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
 SMOKE = {"heads": 2, "head_dim": 16, "repeats": 5}
+
+
+@dataclass(frozen=True)
+class BenchAttentionConfig:
+    """The keys of experiments/conf/bench_attention.yaml (their meaning is documented there)."""
+
+    name: str
+    smoke: bool
+    heads: int
+    head_dim: int
+    frames: list[int]
+    repeats: int
+    wandb_dir: str
+    wandb_project: str
 
 
 def make_inputs(grid, heads, d, K, dtype, device, max_offset=4.0, zero=False):
@@ -211,24 +227,24 @@ def plot(rows, path_prefix) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="bench_attention")
-def main(cfg: DictConfig) -> None:
-    opts = {**OmegaConf.to_container(cfg, resolve=True), **(SMOKE if cfg.smoke else {})}
+def main(hydra_cfg: DictConfig) -> None:
+    cfg = script_config(BenchAttentionConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernel, window = (3, 3, 3), (2, 4, 4)
     variants = ["dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_zero_fused"]
-    heads, d, repeats = opts["heads"], opts["head_dim"], opts["repeats"]
+    heads, d, repeats = cfg.heads, cfg.head_dim, cfg.repeats
     if cfg.smoke:
         sweep_grids, target_grid = [(4, 4, 8), (8, 4, 8)], (4, 8, 8)
     else:
-        sweep_grids, target_grid = [(f, 68, 120) for f in opts["frames"]], (16, 128, 128)
+        sweep_grids, target_grid = [(f, 68, 120) for f in cfg.frames], (16, 128, 128)
 
     ceil = ceilings(device)
     print(f"device {device}, dtype {dtype}, ceilings {ceil}", flush=True)
     name = cfg.name or ("smoke" if cfg.smoke else "sweep")
     config = {"heads": heads, "head_dim": d, "dtype": str(dtype), "kernel": kernel, "window": window,
               "device": str(device)}
-    run = ExperimentRun("attention", name, opts, cfg.wandb.dir, cfg.wandb.project)
+    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
     tables: dict[str, list] = {}
 
     def save(key):

@@ -27,20 +27,43 @@ from __future__ import annotations
 
 import gc
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, copy_gbps, timed
+from experiments.hydra_config import script_config
 from megaslide.offload import cpu_adam
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 TARGET_SPEEDUP = 1.2  # vs torch fused AdamW, the goal set for the offload engine
 VARIANTS = ("megaslide", "megaslide-torch-backend", "torch-fused", "torch-foreach", "torch-single")
 TINY = {"params": [2 ** 20], "iters": 5, "warmup": 1, "bw_bytes": 16 * 2 ** 20}
+
+
+@dataclass(frozen=True)
+class BenchCpuAdamConfig:
+    """The keys of experiments/conf/bench_cpu_adam.yaml (their meaning is documented there)."""
+
+    name: str
+    tiny: bool
+    params: list[int]
+    threads: int
+    iters: int
+    warmup: int
+    bw_bytes: int
+    wandb_dir: str
+    wandb_project: str
+
+    def validate(self) -> None:
+        for key in ("threads", "iters", "warmup", "bw_bytes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if min(self.params) < 1:
+            raise ValueError(f"params={self.params}: every count must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -218,17 +241,13 @@ def print_table(payload: dict) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="bench_cpu_adam")
-def main(cfg: DictConfig) -> None:
-    opts = {**OmegaConf.to_container(cfg, resolve=True), **(TINY if cfg.tiny else {})}
-    opts["threads"] = opts["threads"] or torch.get_num_threads()
-    for key in ("threads", "iters", "warmup", "bw_bytes"):
-        if opts[key] < 1:
-            raise ValueError(f"{key}={opts[key]} must be >= 1")
-    if min(opts["params"]) < 1:
-        raise ValueError(f"params={opts['params']}: every count must be >= 1")
-    name = cfg.name or ("tiny" if cfg.tiny else "n" + "-".join(str(n) for n in opts["params"]) + f"_t{opts['threads']}")
-    run = ExperimentRun("cpu_adam", name, opts, cfg.wandb.dir, cfg.wandb.project)
-    payload = bench(opts["params"], opts["threads"], opts["warmup"], opts["iters"], opts["bw_bytes"])
+def main(hydra_cfg: DictConfig) -> None:
+    threads = hydra_cfg.threads or torch.get_num_threads()
+    cfg = script_config(BenchCpuAdamConfig, hydra_cfg, {"threads": threads, **(TINY if hydra_cfg.tiny else {})})
+    cfg.validate()
+    name = cfg.name or ("tiny" if cfg.tiny else "n" + "-".join(str(n) for n in cfg.params) + f"_t{cfg.threads}")
+    run = ExperimentRun("cpu_adam", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    payload = bench(cfg.params, cfg.threads, cfg.warmup, cfg.iters, cfg.bw_bytes)
     ours = {f"{r['workload']} {r['params']}": r["speedup_vs_torch_fused"] for r in payload["results"]
             if r["variant"] == "megaslide" and r.get("speedup_vs_torch_fused") is not None}
     path = run.finish(payload, {"bandwidth_ceiling_GBps": payload["bandwidth_ceiling_GBps"],

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from experiments.harness import TOLERANCE_RULE, ExperimentRun, copy_gbps, rounding_floor, timed, within_tolerance
+from experiments.hydra_config import script_config
 from megaslide.attention.dsa import deformable_slide_attention
 from megaslide.attention.dsa.op import select_backend
 
@@ -35,6 +36,18 @@ F64 = torch.float64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR_ULPS = 2
 GRADS = ("out", "dq", "dk", "dv", "doffsets")
+
+
+@dataclass(frozen=True)
+class GpuCheckConfig:
+    """The keys of experiments/conf/gpu_check_dsa.yaml (their meaning is documented there)."""
+
+    name: str
+    smoke: bool
+    sweep: bool
+    dtypes: list[str]
+    wandb_dir: str
+    wandb_project: str
 
 
 @dataclass(frozen=True)
@@ -152,7 +165,7 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
             print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f}")
 
 
-def check(cfg: DictConfig) -> int:
+def check(cfg: GpuCheckConfig) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
@@ -163,13 +176,12 @@ def check(cfg: DictConfig) -> int:
         print("gpu_check_dsa needs a CUDA GPU (use smoke=true for the CPU interpreter run)", file=sys.stderr)
         return 2
     cases = SMOKE_CASES if cfg.smoke else GPU_CASES
-    dtypes = list(cfg.dtypes)
+    dtypes = cfg.dtypes
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise ValueError(f"dtypes {unknown} unknown; choose from {sorted(DTYPES)}")
     name = cfg.name or ("dsa_gpu_check_smoke" if cfg.smoke else "dsa_gpu_check")
-    run = ExperimentRun("attention", name, OmegaConf.to_container(cfg, resolve=True), cfg.wandb.dir,
-                        cfg.wandb.project)
+    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
 
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
@@ -192,7 +204,7 @@ def check(cfg: DictConfig) -> int:
 @hydra.main(version_base="1.3", config_path="conf", config_name="gpu_check_dsa")
 def main(cfg: DictConfig) -> None:
     """Exit status 0: every check passed; 1: a comparison failed; 2: no GPU (and not smoke)."""
-    sys.exit(check(cfg))
+    sys.exit(check(script_config(GpuCheckConfig, cfg)))
 
 
 if __name__ == "__main__":

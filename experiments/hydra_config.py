@@ -21,6 +21,20 @@ def model_config(model: dict, attention: dict) -> DiTConfig:
     return from_dict(DiTConfig, merged)
 
 
+def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
+    """A table script's typed config `cls` from its Hydra config, `overrides` (a smoke preset) merged
+    over it: the `wandb` group becomes `wandb_dir` and `wandb_project`; a `model` group, where the
+    script builds a model, becomes a DiTConfig in `model` (with `attention`, dense when absent) and
+    its preset name in `model_preset`."""
+    c = OmegaConf.to_container(OmegaConf.merge(cfg, overrides or {}), resolve=True)
+    wandb = c.pop("wandb")
+    fields = {**c, "wandb_dir": wandb["dir"], "wandb_project": wandb["project"]}
+    if "model" in c:
+        model, attention = fields.pop("model"), fields.pop("attention", {})
+        fields.update(model=model_config(model, attention), model_preset=model.get("preset", "tiny"))
+    return from_dict(cls, fields)
+
+
 def typed_configs(cfg: DictConfig) -> tuple[DiTConfig, DataConfig, TrainConfig, OffloadConfig]:
     c = OmegaConf.to_container(cfg, resolve=True)
     return (model_config(c["model"], c["attention"]), from_dict(DataConfig, c["data"]),

@@ -48,7 +48,7 @@ from experiments.results_io import write_result
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
-from megaslide.inference.sharded import random_weights_
+from megaslide.inference.weights import random_weights_
 from megaslide.metrics.flops import token_path_flops
 from megaslide.models.dit import build_dit
 

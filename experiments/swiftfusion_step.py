@@ -21,7 +21,7 @@ import torch
 from experiments.harness import timed
 from megaslide.config import DiTConfig
 from megaslide.inference.full import FullConfig, FullSequenceSampler
-from megaslide.inference.sharded import random_weights_
+from megaslide.inference.weights import random_weights_
 from megaslide.models.dit import build_dit
 
 CAPTION = "a red circle moving left"
