@@ -36,9 +36,14 @@ def euler_integrate(velocity: Callable[[torch.Tensor, float], torch.Tensor], x: 
     return x
 
 
+def model_timesteps(t: float, batch: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The model's timestep input (batch,) for a time t in [0, 1]: TIME_SCALE * t."""
+    return torch.full((batch,), float(t) * TIME_SCALE, device=device)
+
+
 def guided_velocity(model, x, t, context, null_context, cfg_scale: float, **kw) -> torch.Tensor:
     """v_uncond + s * (v_cond - v_uncond), both halves in one batch; s = 1 skips the unconditional pass."""
-    tt = torch.full((x.shape[0],), float(t) * TIME_SCALE, device=x.device)
+    tt = model_timesteps(t, x.shape[0], x.device)
     if cfg_scale == 1.0 or null_context is None:
         return model(x, tt, context, **kw)
     v = model(torch.cat([x, x]), torch.cat([tt, tt]), torch.cat([context, null_context]), **kw)

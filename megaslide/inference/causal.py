@@ -1,8 +1,8 @@
 """Chunk-by-chunk autoregressive video generation with a KV cache (Self-Forcing style), over P ranks.
 
 A video of T latent frames is made in chunks of F frames (default 3). For chunk c:
-1. Start from its slice of the noise and run the few-step rectified-flow Euler sampler of
-   `megaslide.diffusion.samplers` (same convention: x_t = (1 - t) x0 + t noise, the model
+1. Start from its slice of the noise and run the few-step rectified-flow Euler loop of
+   `megaslide.diffusion.samplers` (`euler_integrate`; same convention: x_t = (1 - t) x0 + t noise, the model
    predicts v = noise - x0 at timestep 1000 t, x <- x + (t_next - t) v) over the timesteps
    (default t = 1.0, 0.75, 0.5, 0.25, then to 0). Self-Forcing re-noises an x0 prediction
    instead; Euler keeps one convention across the codebase and is deterministic given the noise.
@@ -17,12 +17,15 @@ Causal RoPE: the temporal index of a token is its global frame index (chunk star
 frame); the cos/sin tables are built once for the longest video, and each rank looks up the
 rows of its own token shard, so positions never travel.
 
-Sequence parallelism (`group` of P ranks; None = one rank): each rank holds a contiguous,
-tail-padded shard of the chunk's row-major tokens (`sharded.TokenShard`), embeds it, and per
-block projects q, k, v for its tokens; one Ulysses all-to-all turns them into all tokens of
-heads / P heads, attention runs against this rank's head-sharded cache, and the inverse
-all-to-all brings the output back to token shards. The cache holds heads / P heads of every
-token and never moves. Heads not divisible by P raise ValueError.
+Sequence parallelism (`group` of P ranks; None = this process alone): the generator runs its
+own copy of the model (sharing the weights) parallelized for Ulysses by
+`megaslide.parallel.apply.parallelize_dit`. Each rank holds a contiguous, tail-padded shard of
+the chunk's row-major tokens (`sharded.TokenShard`), embeds it, and per block projects q, k, v
+for its tokens; the block's attention is overridden by `CachedAttention`: one Ulysses
+all-to-all turns q, k, v into all tokens of heads / P heads, attention runs against this rank's
+head-sharded cache, and the inverse all-to-all brings the output back to token shards. The
+cache holds heads / P heads of every token and never moves. Heads not divisible by P raise
+ValueError.
 
 Optimisations, each switchable for the ablation (`CausalConfig`): RoPE rows precomputed per
 chunk on the device (else looked up on the host and copied every forward, as
@@ -30,14 +33,11 @@ chunk on the device (else looked up on the host and copied every forward, as
 positions are Python ints; the ablation reads a device index with `.item()` in every layer);
 CUDA graphs of the per-chunk forward (static shapes per cache slot; CUDA only).
 
-    torchrun --standalone --nproc_per_node 2 -m megaslide.inference.causal --preset wan-1.3b \
-        --frames 21 --height 60 --width 104 --chunk-frames 3 --out causal.pt
+Entry point: experiments/generate_causal.py.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,22 +45,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megaslide.diffusion.flow import TIME_SCALE
+from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
+from megaslide.inference.fused import fused_project_qkv
 from megaslide.inference.kv_cache import KVCache
-from megaslide.inference.launch import add_model_args, build_model, group_size, init_distributed, shutdown
-from megaslide.inference.sharded import (Rope, ShardedDiT, TokenShard, gather_rows, patchify, shard_rope,
-                                         unpatchify)
-from megaslide.models.dit import VideoDiT
+from megaslide.inference.sharded import (Rope, TokenShard, forward_shard, gather_rows, shard_rope,
+                                         weight_sharing_copy)
+from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
+from megaslide.parallel.apply import SequenceParallelAttention, parallelize_dit
+from megaslide.parallel.groups import group_size
 from megaslide.parallel.ulysses import head_to_seq, seq_to_head_qkv
-
-DEFAULT_TIMESTEPS = (1.0, 0.75, 0.5, 0.25)
 
 
 @dataclass
 class CausalConfig:
-    chunk_frames: int = 3                            # latent frames per chunk (F)
-    timesteps: tuple[float, ...] = DEFAULT_TIMESTEPS  # descending, in (0, 1]; the last step goes to 0
+    chunk_frames: int = 3                              # latent frames per chunk (F)
+    timesteps: tuple[float, ...] = FEW_STEP_TIMESTEPS  # descending, in (0, 1]; the last step goes to 0
     window: int | None = None                        # past chunks attended (None: all of them)
     precompute_rope: bool = True                     # device-resident RoPE rows per chunk
     fused_qk_rope: bool = True                       # fused QK-norm + RoPE (Triton on CUDA)
@@ -73,10 +73,7 @@ class CausalConfig:
     def validate(self) -> None:
         if self.chunk_frames < 1:
             raise ValueError(f"chunk_frames={self.chunk_frames} must be >= 1")
-        ts = self.timesteps
-        if not ts or any(not 0 < t <= 1 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
-            raise ValueError(f"timesteps={ts} must be strictly descending values in (0, 1], e.g. "
-                             f"{DEFAULT_TIMESTEPS}")
+        check_timesteps(self.timesteps)
         if self.window is not None and self.window < 1:
             raise ValueError(f"window={self.window} must be >= 1 past chunks, or None to attend to all")
         if self.cuda_graphs and not self.host_sync_free:
@@ -92,18 +89,18 @@ class GeneratedChunk:
 
 
 class CachedAttention:
-    """Self-attention of block `layer` for the current chunk, against the KV cache.
+    """Self-attention of block `layer` for the current chunk, against the KV cache; it overrides the
+    block's attention `attn` (its Ulysses form from `parallelize_dit`), whose projections it uses.
 
     h (B, n, D) this rank's token rows -> q, k, v (B, n, heads, d) -> [Ulysses all-to-all ->
     (B, P*n, heads/P, d)] -> the chunk's real K/V into the cache -> softmax attention of every
     query to the cached keys (B, heads/P, L, d) -> [inverse all-to-all] -> (B, n, D)."""
 
-    def __init__(self, runner: ShardedDiT, layer: int, cache: KVCache, group: dist.ProcessGroup | None):
-        self.runner, self.layer, self.cache, self.group = runner, layer, cache, group
-        self.attn = runner.model.blocks[layer].attn
+    def __init__(self, attn: SequenceParallelAttention, layer: int, cache: KVCache):
+        self.attn, self.layer, self.cache, self.group = attn, layer, cache, attn.group
 
     def __call__(self, h: torch.Tensor, rope: Rope, grid: tuple[int, int, int]) -> torch.Tensor:
-        q, k, v = self.runner.project_qkv(self.attn, h, rope)          # (B, n, h, d) each
+        q, k, v = self.attn.project_qkv(h, rope)                        # (B, n, h, d) each
         if self.group is not None:
             q, k, v = seq_to_head_qkv(q, k, v, self.group)              # (B, P*n, h/P, d) each
         real = self.cache.chunk_tokens                                  # padding sits at the tail
@@ -222,21 +219,23 @@ class CausalGenerator:
         if mc.num_heads % P:
             raise ValueError(f"model heads={mc.num_heads} are not divisible by the {P} sequence-parallel ranks; "
                              f"use a number of ranks that divides the head count")
-        self.model, self.config, self.batch = model, cfg, batch
+        self.config, self.batch = cfg, batch
         self.group = group if P > 1 else None
+        self.model = parallelize_dit(weight_sharing_copy(model), self.group, "ulysses",
+                                     project_qkv=fused_project_qkv if cfg.fused_qk_rope else None)
         self.frames, self.height, self.width = frames, height, width
         self.num_chunks = frames // F_
         self.chunk_tokens = math.prod(self.chunk_grid)
         self.shard = TokenShard.of(self.chunk_tokens, self.group)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.runner = ShardedDiT(model, fused_qk=cfg.fused_qk_rope)
+        self.rows_width = math.prod(mc.patch_size) * mc.in_channels  # pv*C values per token row
         _, Hc, Wc = self.chunk_grid
         self.rope_table = RopeTable(mc.head_dim, frames // mc.patch_size[0], Hc, Wc)  # the longest video, once
         self.cache = KVCache(depth=mc.depth, batch=batch, heads=mc.num_heads // P, head_dim=mc.head_dim,
                              chunk_tokens=self.chunk_tokens, num_chunks=self.num_chunks, window=cfg.window,
                              dtype=self.dtype, device=self.device, host_sync=not cfg.host_sync_free)
-        self.attns = [CachedAttention(self.runner, i, self.cache, self.group) for i in range(mc.depth)]
+        self.attns = [CachedAttention(block.attn, i, self.cache) for i, block in enumerate(self.model.blocks)]
         self._ropes = ([self._lookup_rope(c) for c in range(self.num_chunks)] if cfg.precompute_rope else None)
         use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.graphs = StepGraphs(self.group) if use_graphs else None
@@ -259,7 +258,7 @@ class CausalGenerator:
 
     def encode_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None):
         """Caption ids (B, L) or embeddings (B, L, Dt) -> (ctx (B, L, D), ctx_mask (B, L)), once per video."""
-        return self.runner.encode_context(context, context_mask)
+        return self.model.embed_context(context, context_mask)
 
     @torch.no_grad()
     def forward_chunk(self, chunk: int, x: torch.Tensor, t: float, ctx: torch.Tensor, ctx_mask: torch.Tensor,
@@ -267,15 +266,15 @@ class CausalGenerator:
         """One forward of chunk `chunk` at time t in [0, 1]: rows x (B, n, pv*C) -> velocity rows
         (B, n, pv*C) float32 (None if head=False). Writes the chunk's K/V into its cache slot and
         attends to the cached chunks; call chunks in increasing order within one video."""
-        if x.shape != (self.batch, self.shard.n, self.runner.embed_weight.shape[1]):
+        if x.shape != (self.batch, self.shard.n, self.rows_width):
             raise ValueError(f"x must be this rank's rows (B, n, pv*C) = ({self.batch}, {self.shard.n}, "
-                             f"{self.runner.embed_weight.shape[1]}); got {tuple(x.shape)}: use shard_rows")
+                             f"{self.rows_width}); got {tuple(x.shape)}: use shard_rows")
         self.cache.begin_chunk(chunk)
-        tt = torch.full((self.batch,), t * TIME_SCALE, device=self.device)  # (B,)
+        tt = model_timesteps(t, self.batch, self.device)  # (B,)
         cos, sin = self.rope(chunk)
 
         def step(x, tt, cos, sin, ctx, ctx_mask):
-            return self.runner.forward(x, tt, ctx, ctx_mask, (cos, sin), self.chunk_grid, self.attns, head)
+            return forward_shard(self.model, x, tt, ctx, ctx_mask, (cos, sin), self.chunk_grid, self.attns, head)
 
         inputs = (x, tt, cos, sin, ctx, ctx_mask)
         if self.graphs is None:
@@ -310,9 +309,7 @@ class CausalGenerator:
         chunks = noise.shape[2] // F_
         for c in range(chunks):
             x = self.shard_rows(noise[:, :, c * F_:(c + 1) * F_].to(self.device))  # (B, n, pv*C)
-            for t, t_next in zip(ts, ts[1:] + (0.0,)):
-                v = self.forward_chunk(c, x, t, ctx, ctx_mask)                  # (B, n, pv*C)
-                x = x + (t_next - t) * v
+            x = euler_integrate(lambda x, t: self.forward_chunk(c, x, t, ctx, ctx_mask), x, ts)
             yield GeneratedChunk(c, c * F_, self.gather_chunk(x))
             if c + 1 < chunks:
                 self.forward_chunk(c, x, 0.0, ctx, ctx_mask, head=False)        # clean K/V into the cache
@@ -322,29 +319,3 @@ class CausalGenerator:
         """The whole video (B, C, T, H, W) float32."""
         return torch.cat([c.latents for c in self.generate(noise, context, context_mask)], dim=2)
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Chunked causal generation, sequence-parallel (run under torchrun)")
-    add_model_args(parser)
-    parser.add_argument("--chunk-frames", type=int, default=3)
-    parser.add_argument("--window", type=int, default=None, help="past chunks attended (default: all)")
-    args = parser.parse_args(argv)
-    ctx = init_distributed(args.device)
-    model, noise, ids = build_model(args, ctx)
-    config = CausalConfig(chunk_frames=args.chunk_frames, window=args.window)
-    generator = CausalGenerator(model, frames=args.frames, height=args.height, width=args.width, config=config,
-                                group=ctx.group)
-    start, chunks = time.perf_counter(), []
-    for chunk in generator.generate(noise, ids):
-        chunks.append(chunk.latents.cpu())  # waits for the chunk
-        if ctx.is_main:
-            print(f"chunk {chunk.index} (latent frames {chunk.start}..{chunk.start + config.chunk_frames - 1}) "
-                  f"final after {time.perf_counter() - start:.3f} s", flush=True)
-    if ctx.is_main:
-        torch.save(torch.cat(chunks, dim=2), args.out)
-        print(f"wrote latents to {args.out}", flush=True)
-    shutdown(ctx)
-
-
-if __name__ == "__main__":
-    main()

@@ -181,3 +181,16 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         if w is not None and w.shape != (D,):
             raise ValueError(f"{name} must be (D,) = ({D},), got {tuple(w.shape)}")
     return select_backend(backend, q).run(q, k, q_weight, k_weight, cos, sin, heads, eps)
+
+
+def fused_project_qkv(attn, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attn.project_qkv(h, rope)` of a `SelfAttention` with QK-norm + RoPE fused (`qk_norm_rope`):
+    h (B, n, D), cos / sin (n, d/2) -> q, k, v (B, n, heads, d)."""
+    B, n, _ = h.shape
+    q, k, v = attn.qkv(h).chunk(3, dim=-1)                     # (B, n, D) each
+    weights = [getattr(norm, "weight", None) for norm in (attn.q_norm, attn.k_norm)]
+    eps = getattr(attn.q_norm, "eps", None)
+    eps = torch.finfo(h.dtype).eps if eps is None else eps  # nn.RMSNorm's default
+    q, k = qk_norm_rope(q, k, *weights, *rope, heads=attn.num_heads, eps=eps, backend=backend)  # (B, n, h, d)
+    return q, k, v.view(B, n, attn.num_heads, attn.head_dim)

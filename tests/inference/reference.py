@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from megaslide.diffusion.flow import TIME_SCALE
-from megaslide.inference.sharded import random_weights_
+from megaslide.inference.weights import random_weights_
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 
 

@@ -1,7 +1,7 @@
 """Full-sequence sampling on one process against the model's own forward under `euler_sample`.
 
-The sampler runs the DiT on token rows (a linear patch embedding, RoPE rows from the
-precomputed table, the `attn=` override); the reference is `VideoDiT.forward` (Conv3d,
+The sampler runs the DiT on token rows (`embed_shard`'s linear patch embedding, RoPE rows from
+the precomputed table, the attention swapped by `parallelize_dit`); the reference is `VideoDiT.forward` (Conv3d,
 `VideoDiT.embed`'s RoPE) in `megaslide.diffusion.samplers.euler_sample` with the same
 timesteps. fp32; tolerance as in test_causal.py.
 """
@@ -12,7 +12,6 @@ import torch
 
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.inference.full import FullConfig, FullSequenceSampler
-from megaslide.inference.sharded import patchify, unpatchify
 from tests.inference.reference import tiny_model
 
 STEPS = (1.0, 0.75, 0.5, 0.25)
@@ -30,15 +29,6 @@ def test_full_sequence_sampler_equals_euler_sample_of_the_model(flags):
                                   config=FullConfig(timesteps=STEPS, **flags))
     assert (ref - noise).abs().mean() > 0.1  # the model moved the sample: random weights, not zero-init
     torch.testing.assert_close(sampler.sample(noise, ids), ref, **TOL)
-
-
-def test_patchify_round_trip_and_order():
-    x = torch.randn(2, 3, 4, 6, 8)
-    rows = patchify(x, (2, 2, 2))                                   # (B, 2*3*4, 8*3)
-    assert rows.shape == (2, 24, 24)
-    torch.testing.assert_close(unpatchify(rows, (2, 3, 4), (2, 2, 2)), x, atol=0, rtol=0)
-    # token 1 is patch (t=0, y=0, x=1); its values are ordered (pt, ph, pw, C)
-    assert torch.equal(rows[0, 1].view(2, 2, 2, 3), x[0, :, 0:2, 0:2, 2:4].permute(1, 2, 3, 0))
 
 
 def test_errors():

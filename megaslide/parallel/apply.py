@@ -1,0 +1,96 @@
+"""Sequence parallelism applied to a built VideoDiT from outside, as torchtitan applies its parallelisms.
+
+`parallelize_dit(model, group, mode, ...)` swaps each block's self-attention for its
+sequence-parallel form, `SequenceParallelAttention`; nothing else in the model changes, and the
+model code stays single-device. Afterwards the model runs on token shards: rank r of the P ranks
+of `group` holds a contiguous run of the video's token rows (`megaslide.inference.sharded.TokenShard`),
+embeds it with `VideoDiT.embed_shard`, runs the blocks, and maps its tokens back with
+`VideoDiT.head`. Self-attention is the one place tokens meet, and the SP form runs it over all N
+tokens with `sequence_parallel_attention` in the chosen mode. One rank (`group` None, or a group
+of one) keeps the attention local.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megaslide.attention.dense import DenseAttention
+from megaslide.models.dit import VideoDiT
+from megaslide.parallel import check_options, resolve_degrees, sequence_parallel_attention
+from megaslide.parallel.groups import SPMesh, group_size
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+ProjectQKV = Callable[[DenseAttention, torch.Tensor, Rope], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class SequenceParallelAttention(nn.Module):
+    """A block's dense self-attention over a token sequence sharded across `group`: h (B, n, D) -> (B, n, D).
+
+    The weights are those of the wrapped attention (`inner`). `project_qkv(inner, h, rope)`, if
+    given, computes q, k, v (B, n, heads, d) instead of `inner.project_qkv` (inference passes a
+    fused kernel). The sequence is the token grid `grid` of the block call: its N = prod(grid) real
+    tokens are sharded contiguously, tail-padded to n rows per rank."""
+
+    def __init__(self, inner: DenseAttention, group: dist.ProcessGroup | None, mode: str, *,
+                 ulysses_degree: int | None, ring_degree: int | None, placement: str, transport: str,
+                 chunks: int | None, project_qkv: ProjectQKV | None = None):
+        super().__init__()
+        self.inner = inner
+        self.group, self.world, self.mode = group, group_size(group), mode
+        self.sp_kwargs = dict(ulysses_degree=ulysses_degree, ring_degree=ring_degree, placement=placement,
+                              transport=transport, chunks=chunks)
+        self._project_qkv = project_qkv
+
+    def project_qkv(self, h: torch.Tensor, rope: Rope):
+        """h (B, n, D) -> q, k, v (B, n, heads, d), QK-norm and RoPE applied (rope: cos, sin (n, d/2))."""
+        if self._project_qkv is None:
+            return self.inner.project_qkv(h, rope)
+        return self._project_qkv(self.inner, h, rope)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.inner.project_out(o)  # (B, n, heads, d) -> (B, n, D)
+
+    def forward(self, h: torch.Tensor, rope: Rope, grid: tuple[int, int, int]) -> torch.Tensor:
+        q, k, v = self.project_qkv(h, rope)                  # (B, n, heads, d) each
+        if self.world == 1:
+            o = self.inner.attend(q, k, v, h, grid)          # (B, N, heads, d)
+        else:
+            o = sequence_parallel_attention(q, k, v, mode=self.mode, group=self.group, seq_len=math.prod(grid),
+                                            **self.sp_kwargs)  # (B, n, heads, d)
+        return self.project_out(o)                           # (B, n, D)
+
+
+def parallelize_dit(model: VideoDiT, group: dist.ProcessGroup | SPMesh | None, mode: str = "ulysses", *,
+                    ulysses_degree: int | None = None, ring_degree: int | None = None,
+                    placement: str = "ulysses_intra", transport: str = "p2p", chunks: int | None = None,
+                    project_qkv: ProjectQKV | None = None) -> VideoDiT:
+    """Swap every block's self-attention of `model` for its sequence-parallel form, in place; returns `model`.
+
+    group: the SP process group; None (no group) is this process alone, whose attention stays
+      local; an `SPMesh` from `build_mesh` fixes the group, ulysses_degree, ring_degree and placement.
+    mode, ulysses_degree, ring_degree, placement, transport, chunks: as `sequence_parallel_attention`
+      takes them, checked here (ValueError before any collective).
+    project_qkv(attn, h, rope) -> q, k, v: how each block projects its heads (None: its own way).
+    Applied again, it replaces the SP form. Only dense attention has one: other variants attend
+    locally by design (windows, deformable neighbourhoods) and raise ValueError."""
+    if isinstance(group, SPMesh):
+        if group.parent is None:
+            raise ValueError("the mesh has no parent group: build it with megaslide.parallel.build_mesh")
+        ulysses_degree, ring_degree, placement = group.ulysses_degree, group.ring_degree, group.placement
+        group = group.parent
+    check_options(mode, placement, transport)
+    if group_size(group) > 1:
+        resolve_degrees(mode, group_size(group), model.cfg.num_heads, ulysses_degree, ring_degree)
+    for block in model.blocks:
+        inner = block.attn.inner if isinstance(block.attn, SequenceParallelAttention) else block.attn
+        if not isinstance(inner, DenseAttention):
+            raise ValueError(f"attention {model.cfg.attention.name!r} has no sequence-parallel form; "
+                             f"sequence parallelism runs dense attention (model attention=dense)")
+        block.attn = SequenceParallelAttention(inner, group, mode, ulysses_degree=ulysses_degree,
+                                               ring_degree=ring_degree, placement=placement, transport=transport,
+                                               chunks=chunks, project_qkv=project_qkv)
+    return model
