@@ -1,49 +1,60 @@
 """Where does a training step go? Step time and the top operators per attention variant.
 
-For each variant: build the reference Trainer on MovingShapes, warm up, time `--steps`
-steps (synchronised), then run `torch.profiler` over two more and keep the operators
-with the most device time (CPU time on a CPU run). Batches are made inside the step, so
-the data cost is part of the step time.
+For each variant: build the reference Trainer on MovingShapes, warm up, time `steps` steps
+(synchronised; median and spread), then run `torch.profiler` over two more and keep the
+operators with the most device time (CPU time on a CPU run). Batches are made inside the step,
+so the data cost is part of the step time. The DiT comes from the `model` group; each variant
+takes from the `attention` group the options it has (`attention.window` is Swin's window).
+Configuration: experiments/conf/profile_step.yaml.
 
-    python experiments/profile_step.py --device cpu --dim 64 --depth 2 --frames 4 --size 16   # tiny
-    python experiments/profile_step.py --device cuda --frames 16 --size 32 --batch 16         # GPU
+    python -m experiments.profile_step device=cpu model=tiny frames=4 size=16                # tiny
+    python -m experiments.profile_step device=cuda frames=16 size=32 batch=16 name=h200     # GPU
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import tempfile
-import time
+from dataclasses import dataclass
 
-import torch
+import hydra
+from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity, profile
 
+from experiments.harness import ExperimentRun, sync, timed
+from experiments.hydra_config import script_config
 from experiments.report import markdown_table
-from experiments.results_io import write_result
-from megaslide.config import AttentionConfig, DataConfig, DiTConfig, TrainConfig
+from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.train.trainer import Trainer
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass(frozen=True)
+class ProfileStepConfig:
+    """The keys of experiments/conf/profile_step.yaml (their meaning is documented there)."""
+
+    name: str
+    variants: list[str]
+    device: str
+    frames: int
+    size: int
+    batch: int
+    compile: bool
+    warmup: int
+    steps: int
+    top: int
+    model: DiTConfig
+    model_preset: str
+    wandb_dir: str
+    wandb_project: str
 
 
-def profile_variant(name: str, args: argparse.Namespace) -> dict:
-    model = DiTConfig(dim=args.dim, depth=args.depth, num_heads=args.heads, ffn_dim=4 * args.dim, text_dim=128,
-                      attention=AttentionConfig(name, {"window": tuple(args.swin_window)} if name == "swin" else None))
-    data = DataConfig(frames=args.frames, height=args.size, width=args.size, shape_size=max(3, args.size // 4),
-                      speed=args.size / 5)
-    train = TrainConfig(device=args.device, batch_size=args.batch, steps=10**9, log_every=10**9, compile=args.compile)
+def profile_variant(name: str, cfg: ProfileStepConfig) -> dict:
+    model = dataclasses.replace(cfg.model, attention=cfg.model.attention.for_variant(name))
+    data = DataConfig(frames=cfg.frames, height=cfg.size, width=cfg.size, shape_size=max(3, cfg.size // 4),
+                      speed=cfg.size / 5)
+    train = TrainConfig(device=cfg.device, batch_size=cfg.batch, steps=10**9, log_every=10**9, compile=cfg.compile)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(model, data, train, tmp)
-        for _ in range(args.warmup):
-            trainer.train_step()
-        sync(trainer.device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            trainer.train_step()
-        sync(trainer.device)
-        step_s = (time.perf_counter() - t0) / args.steps
+        step = timed(trainer.train_step, trainer.device, cfg.steps, warmup=cfg.warmup)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(2):
@@ -54,35 +65,25 @@ def profile_variant(name: str, args: argparse.Namespace) -> dict:
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events)
     top = [{"variant": name, "op": e.key[:60], "ms_per_step": getattr(e, key) / 2e3,
-            "share": getattr(e, key) / total, "calls_per_step": e.count / 2} for e in events[:args.top]]
-    t, h, w = model.token_grid(args.frames, args.size, args.size)
-    return {"variant": name, "tokens_per_step": args.batch * t * h * w, "step_ms": 1e3 * step_s, "profiled_ms_per_step": total / 2e3,
-            "top": top}
+            "share": getattr(e, key) / total, "calls_per_step": e.count / 2} for e in events[:cfg.top]]
+    t, h, w = model.token_grid(cfg.frames, cfg.size, cfg.size)
+    return {"variant": name, "tokens_per_step": cfg.batch * t * h * w, **step.ms("step_ms"),
+            "profiled_ms_per_step": total / 2e3, "top": top}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", default=["dense", "swin", "dsa", "dsa_zero"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--frames", type=int, default=16)
-    p.add_argument("--size", type=int, default=32, help="frame height and width in pixels (patch 2)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--swin-window", type=int, nargs=3, default=[2, 4, 4])
-    p.add_argument("--compile", action="store_true", help="train.compile: torch.compile each DiT block")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (with --compile they include compiling)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--top", type=int, default=8)
-    p.add_argument("--name", default="cpu_tiny")
-    args = p.parse_args(argv)
-    rows = [profile_variant(v, args) for v in args.variants]
-    write_result("profile_step", args.name, {"config": vars(args), "rows": [{k: v for k, v in r.items() if k != "top"}
-                                                                             for r in rows],
-                                             "tables": {"top operators": [t for r in rows for t in r["top"]]}})
-    print(markdown_table([t for r in rows for t in r["top"]]))
-    print(markdown_table([{k: v for k, v in r.items() if k != "top"} for r in rows]))
+@hydra.main(version_base="1.3", config_path="conf", config_name="profile_step")
+def main(hydra_cfg: DictConfig) -> None:
+    cfg = script_config(ProfileStepConfig, hydra_cfg)
+    run = ExperimentRun("profile_step", cfg.name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    profiled = [profile_variant(v, cfg) for v in cfg.variants]
+    rows = [{k: v for k, v in r.items() if k != "top"} for r in profiled]
+    top = [t for r in profiled for t in r["top"]]
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "wandb_dir", "wandb_project")}
+    run.finish({"config": {**config, "model": dataclasses.asdict(cfg.model)}, "rows": rows,
+                "tables": {"top operators": top}},
+               {f"step_ms/{r['variant']}": r["step_ms"] for r in rows})
+    print(markdown_table(top))
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":
