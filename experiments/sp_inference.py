@@ -25,26 +25,30 @@ Correctness, in the same run, before any timing: max |P ranks - 1 rank| of the w
 generation over the first two chunks (the tolerance rule: SP may differ from one rank by
 about the rounding noise of the dtype).
 
-    torchrun --standalone --nproc_per_node 1 -m experiments.sp_inference        # one H200
-    torchrun --standalone --nproc_per_node 2 -m experiments.sp_inference        # two H200s
-    torchrun --standalone --nproc_per_node 2 -m experiments.sp_inference --tiny # CPU smoke, gloo
+    torchrun --standalone --nproc_per_node 1 -m experiments.sp_inference            # one H200
+    torchrun --standalone --nproc_per_node 2 -m experiments.sp_inference            # two H200s
+    torchrun --standalone --nproc_per_node 2 -m experiments.sp_inference tiny=true  # CPU smoke, gloo
 
-Writes results/sp_inference/<preset>_P<ranks>.json (or under $MEGASLIDE_RESULTS_DIR) on rank
-0 after every variant, so a run that dies late keeps what it measured; prints a table last.
+Configuration: experiments/conf/sp_inference.yaml (the model group picks the DiT). Writes
+results/sp_inference/<preset>_P<ranks>.json (or under $MEGASLIDE_RESULTS_DIR) on rank 0 after
+every variant, so a run that dies late keeps what it measured; logs the run to W&B (offline by
+default) and prints a table last.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import math
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+import hydra
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 
-from experiments.results_io import write_result
+from experiments.harness import ExperimentRun, Timing, matmul_tflops, sync, within_tolerance
+from experiments.hydra_config import script_config
+from megaslide.config import DiTConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
@@ -64,12 +68,13 @@ LADDER = (  # (name, CausalConfig switches); each row adds one optimisation to t
 
 @dataclass(frozen=True)
 class Setup:
-    preset: str
+    """The latent video (the `video` keys of sp_inference.yaml)."""
+
     frames: int
     height: int
     width: int
     chunk_frames: int
-    caption: str = "a red fox running through fresh snow, cinematic"
+    caption: str
 
     @property
     def video_frames(self) -> int:
@@ -77,26 +82,32 @@ class Setup:
         return 1 + 4 * (self.frames - 1)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+@dataclass(frozen=True)
+class SPInferenceConfig:
+    """The keys of experiments/conf/sp_inference.yaml (their meaning is documented there)."""
+
+    name: str
+    tiny: bool
+    video: Setup
+    repeats: int
+    warmup: int
+    ladder: bool
+    matmul_n: int
+    model: DiTConfig
+    model_preset: str
+    wandb_dir: str
+    wandb_project: str
 
 
-def matmul_ceiling(device: torch.device, tiny: bool) -> dict:
-    """bf16 (CUDA) / fp32 (CPU) matmul TFLOP/s, median of 10 after warm-up."""
-    n = 512 if tiny else 8192
+TINY = {"model": {"preset": "tiny"}, "video": {"frames": 6, "height": 6, "width": 10, "chunk_frames": 3},
+        "repeats": 1, "matmul_n": 512}
+
+
+def matmul_ceiling(device: torch.device, n: int) -> dict:
+    """bf16 (CUDA) / fp32 (CPU) n^3 matmul TFLOP/s, measured now."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    times = []
-    for i in range(13):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
     return {"ceiling": f"matmul {n}^3 {str(dtype).removeprefix('torch.')}",
-            "tflops": 2 * n ** 3 / statistics.median(times) / 1e12}
+            "tflops": matmul_tflops(device, n, dtype)}
 
 
 def causal_flops(cfg, setup: Setup, steps: int, window: int | None) -> float:
@@ -117,44 +128,30 @@ def full_flops(cfg, setup: Setup, steps: int) -> float:
     return steps * token_path_flops(cfg, n, n, cfg.text_len).forward
 
 
-def time_causal(gen: CausalGenerator, noise, ids, device, group_active: bool, warmup: int, repeats: int):
-    """(median TTFF s, median total s, video) over `repeats` videos after `warmup` videos."""
+def time_videos(generate, device: torch.device, group, warmup: int, repeats: int) -> tuple[Timing, Timing]:
+    """(TTFF, total) seconds of `repeats` videos after `warmup` untimed ones, on this rank's clock.
+
+    `generate()` makes one video as an iterator of its latent chunks; TTFF ends when the first
+    chunk is final on the device (a one-chunk generator, the full-sequence sampler, has TTFF =
+    total). With an SP `group` every rank starts each video together."""
     for _ in range(warmup):
-        for _chunk in gen.generate(noise, ids):
+        for _chunk in generate():
             pass
-    ttffs, totals, video = [], [], None
+    ttffs, totals = [], []
     for _ in range(repeats):
         sync(device)
-        if group_active:
-            dist.barrier(group=gen.group)
+        if group is not None:
+            dist.barrier(group=group)
         t0 = time.perf_counter()
-        first, chunks = None, []
-        for chunk in gen.generate(noise, ids):
+        first = None
+        for _chunk in generate():
             if first is None:
                 sync(device)
                 first = time.perf_counter() - t0
-            chunks.append(chunk.latents)
         sync(device)
         totals.append(time.perf_counter() - t0)
         ttffs.append(first)
-        video = torch.cat(chunks, dim=2)
-    return statistics.median(ttffs), statistics.median(totals), video
-
-
-def time_full(sampler: FullSequenceSampler, noise, ids, device, group_active: bool, warmup: int, repeats: int):
-    """(median total s, video) over `repeats` videos after `warmup` videos."""
-    for _ in range(warmup):
-        sampler.sample(noise, ids)
-    totals, video = [], None
-    for _ in range(repeats):
-        sync(device)
-        if group_active:
-            dist.barrier(group=sampler.group)
-        t0 = time.perf_counter()
-        video = sampler.sample(noise, ids)
-        sync(device)
-        totals.append(time.perf_counter() - t0)
-    return statistics.median(totals), video
+    return Timing(tuple(ttffs)), Timing(tuple(totals))
 
 
 def flags_of(gen: CausalGenerator) -> dict:
@@ -179,40 +176,29 @@ def log(ctx: DistContext, msg: str) -> None:
         print(msg, flush=True)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny model and video on CPU (gloo): the CI smoke run")
-    ap.add_argument("--heads", type=int, default=None,
-                    help="override the preset's head count (Ulysses needs heads %% ranks == 0, e.g. 8 for 8 ranks)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed videos per variant (default 3; tiny 1)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed videos per variant (graphs capture in the 2nd)")
-    ap.add_argument("--no-ladder", action="store_true", help="time only the all-on causal variant")
-    ap.add_argument("--name", default=None, help="result file name (default <preset>_P<ranks>)")
-    return ap.parse_args(argv)
-
-
 FULL = "full-sequence (ulysses SP)"
 
 
 class Bench:
     """One run: the model (bf16, and its fp32 master for the noise-level check), the inputs, the result."""
 
-    def __init__(self, ctx: DistContext, setup: Setup, args: argparse.Namespace):
-        self.ctx, self.setup, self.args = ctx, setup, args
-        self.repeats = args.repeats or (1 if args.tiny else 3)
+    def __init__(self, ctx: DistContext, cfg: SPInferenceConfig):
+        self.ctx, self.cfg, self.setup = ctx, cfg, cfg.video
+        setup = cfg.video
         self.steps = len(CausalConfig().timesteps)
         with torch.device(ctx.device):
-            overrides = {"num_heads": args.heads} if args.heads else {}
-            self.master = random_weights_(build_dit(setup.preset, **overrides), seed=0).eval()  # fp32, same on every rank
+            self.master = random_weights_(build_dit(cfg.model), seed=0).eval()  # fp32, same on every rank
         self.model = copy.deepcopy(self.master).to(torch.bfloat16)
-        cfg = self.model.cfg
-        self.noise = torch.randn(1, cfg.in_channels, setup.frames, setup.height, setup.width,
+        self.noise = torch.randn(1, cfg.model.in_channels, setup.frames, setup.height, setup.width,
                                  generator=torch.Generator().manual_seed(0))
         self.ids = self.model.tokenizer([setup.caption]).to(ctx.device)
-        shape = dict(preset=setup.preset, latent=(setup.frames, setup.height, setup.width),
-                     tokens_per_chunk=setup.chunk_frames * setup.height * setup.width // math.prod(cfg.patch_size),
+        patch = math.prod(cfg.model.patch_size)
+        shape = dict(preset=cfg.model_preset, latent=(setup.frames, setup.height, setup.width),
+                     tokens_per_chunk=setup.chunk_frames * setup.height * setup.width // patch,
                      chunks=setup.frames // setup.chunk_frames, chunk_frames=setup.chunk_frames, steps=self.steps)
-        self.name = args.name or f"{setup.preset}_P{ctx.world}"
+        self.name = cfg.name or f"{cfg.model_preset}_P{ctx.world}"
+        self.run = ExperimentRun("sp_inference", self.name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project) \
+            if ctx.is_main else None
         self.payload = {
             "note": ("wan-1.3b shapes with RANDOM weights (speed does not depend on values); bf16; no CFG; TTFF = "
                      "first latent chunk final on the device, VAE decode excluded; video frames = 1 + 4 * (latent "
@@ -220,7 +206,7 @@ class Bench:
             "ranks": ctx.world, "device": str(ctx.device), "setup": shape, "targets": TARGETS, "rows": [],
             "tables": {}}
         log(ctx, f"sp_inference: {shape} on {ctx.world} rank(s) of {ctx.device}")
-        self.ceiling = matmul_ceiling(ctx.device, args.tiny)
+        self.ceiling = matmul_ceiling(ctx.device, cfg.matmul_n)
         self.payload["tables"]["ceilings"] = [self.ceiling]
         log(ctx, f"ceiling: {self.ceiling}")
 
@@ -251,28 +237,31 @@ class Bench:
                          (single_video[:, :, :two] - fp32_video).abs().max().item(),
                      "output_max_abs": single_video.abs().max().item()}
             worst = max(check["causal_max_abs_diff_P_vs_1"], check["full_max_abs_diff_P_vs_1"])
-            check["sp_within_2x_bf16_noise"] = worst <= 2 * check["bf16_noise_max_abs_diff_vs_fp32_first_2_chunks"]
+            check["sp_within_2x_bf16_noise"] = within_tolerance(
+                worst, check["bf16_noise_max_abs_diff_vs_fp32_first_2_chunks"], floor=0.0)
             self.payload["tables"]["correctness"] = [check]
             log(ctx, f"correctness: {check}")
         self.master = None
         barrier(ctx)
         release(ctx.device)
 
-    def record(self, variant: str, ranks: int, flags: dict, ttff: float, total: float, flops: float) -> None:
+    def record(self, variant: str, ranks: int, flags: dict, ttff: Timing, total_timing: Timing,
+               flops: float) -> None:
+        total = total_timing.median
         tflops = flops / total / ranks / 1e12
         s = self.setup
         self.payload["rows"].append({
-            "variant": variant, "ranks": ranks, "ttff_ms": 1e3 * ttff, "total_s": total,
+            "variant": variant, "ranks": ranks, **ttff.ms("ttff_ms"), "total_s": total, **total_timing.ms("total_ms"),
             "latent_fps": s.frames / total, "video_fps": s.video_frames / total, "tflops_per_gpu": tflops,
             "frac_of_matmul_ceiling": tflops / self.ceiling["tflops"], **flags})
-        log(self.ctx, f"  {variant} on {ranks} rank(s): TTFF {1e3 * ttff:.1f} ms, total {total:.3f} s")
-        if self.ctx.is_main:
-            write_result("sp_inference", self.name, self.payload)
+        log(self.ctx, f"  {variant} on {ranks} rank(s): TTFF {1e3 * ttff.median:.1f} ms, total {total:.3f} s")
+        if self.run:
+            self.run.save(self.payload)
 
     def time_causal(self, variant: str, group, **switches) -> None:
         gen = self.causal(group, **switches)
-        ttff, total, _ = time_causal(gen, self.noise, self.ids, self.ctx.device, gen.group is not None,
-                                     self.args.warmup, self.repeats)
+        ttff, total = time_videos(lambda: (c.latents for c in gen.generate(self.noise, self.ids)), self.ctx.device,
+                                  gen.group, self.cfg.warmup, self.cfg.repeats)
         flops = causal_flops(self.model.cfg, self.setup, self.steps, None)
         ranks = 1 if gen.group is None else self.ctx.world
         self.record(variant, ranks, {**flags_of(gen), "cuda_graphs_status": graphs_status(gen)}, ttff, total, flops)
@@ -281,8 +270,8 @@ class Bench:
 
     def time_full(self, group) -> None:
         sampler = self.full(group)
-        total, _ = time_full(sampler, self.noise, self.ids, self.ctx.device, sampler.group is not None,
-                             self.args.warmup, self.repeats)
+        _, total = time_videos(lambda: iter([sampler.sample(self.noise, self.ids)]), self.ctx.device, sampler.group,
+                               self.cfg.warmup, self.cfg.repeats)
         ranks = 1 if sampler.group is None else self.ctx.world
         flags = {"precompute_rope": sampler.config.precompute_rope, "fused_qk_rope": sampler.config.fused_qk_rope}
         self.record(FULL, ranks, flags, total, total, full_flops(self.model.cfg, self.setup, self.steps))
@@ -290,13 +279,13 @@ class Bench:
         release(self.ctx.device)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    ctx = init_distributed("cpu" if args.tiny else "auto", timeout_s=300)
-    setup = Setup("tiny", 6, 6, 10, 3) if args.tiny else Setup("wan-1.3b", 21, 60, 104, 3)
-    bench = Bench(ctx, setup, args)
+@hydra.main(version_base="1.3", config_path="conf", config_name="sp_inference")
+def main(hydra_cfg: DictConfig) -> None:
+    cfg = script_config(SPInferenceConfig, hydra_cfg, TINY if hydra_cfg.tiny else None)  # tiny: TINY's sizes
+    ctx = init_distributed("cpu" if cfg.tiny else "auto", timeout_s=300)
+    bench = Bench(ctx, cfg)
     bench.check_correctness()
-    for variant, switches in (LADDER[-1:] if args.no_ladder else LADDER):
+    for variant, switches in (LADDER if cfg.ladder else LADDER[-1:]):
         bench.time_causal(variant, ctx.group, **switches)
     bench.time_full(ctx.group)
     if ctx.world > 1:  # the same generators on rank 0 alone: the speedup over 1 GPU, in this run
@@ -307,7 +296,7 @@ def main(argv=None) -> None:
     if ctx.is_main:
         payload = bench.payload
         payload["summary"] = summarize(payload["rows"], ctx.world)
-        write_result("sp_inference", bench.name, payload)
+        bench.run.finish(payload, payload["summary"])
         print_table(payload["rows"], payload["summary"])
     shutdown(ctx)
 

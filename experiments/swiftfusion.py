@@ -38,13 +38,13 @@ import hydra  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from experiments.harness import (ExperimentRun, free_port, rounding_floor, spawn, timed,  # noqa: E402
                                  within_tolerance)
-from experiments.hydra_config import model_config  # noqa: E402
+from experiments.hydra_config import script_config  # noqa: E402
 from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps  # noqa: E402
-from megaslide.config import DiTConfig, from_dict  # noqa: E402
+from megaslide.config import DiTConfig  # noqa: E402
 from megaslide.parallel import resolve_degrees, sequence_parallel_attention  # noqa: E402
 from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans  # noqa: E402
 from megaslide.parallel.groups import Topology  # noqa: E402
@@ -92,14 +92,6 @@ class SwiftFusionConfig:
     model_preset: str
     wandb_dir: str
     wandb_project: str
-
-
-def typed_config(cfg: DictConfig) -> SwiftFusionConfig:
-    """The Hydra config as plain typed values (smoke=true replaces the sizes that SMOKE names)."""
-    opts = {**OmegaConf.to_container(cfg, resolve=True), **(SMOKE if cfg.smoke else {})}
-    wandb, model = opts.pop("wandb"), opts.pop("model")
-    return from_dict(SwiftFusionConfig, {**opts, "model": model_config(model, {}), "model_preset": model["preset"],
-                                         "wandb_dir": wandb["dir"], "wandb_project": wandb["project"]})
 
 
 @dataclass(frozen=True)
@@ -438,7 +430,7 @@ def run_rank(rank: int, world: int, cfg: SwiftFusionConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="swiftfusion")
 def main(cfg: DictConfig) -> None:
-    config = typed_config(cfg)
+    config = script_config(SwiftFusionConfig, cfg, SMOKE if cfg.smoke else None)  # smoke: SMOKE's sizes
     if "RANK" in os.environ:  # torchrun
         run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
     elif config.world_size > 1:
