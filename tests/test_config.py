@@ -1,10 +1,18 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 
-from megaslide.config import AttentionConfig, DataConfig, from_dict
+from baselines.swin_attention import SwinOptions
+from megaslide.attention.base import NoOptions
+from megaslide.attention.dsa.module import DSAOptions
+from megaslide.config import AttentionConfig, DataConfig, DiTConfig, from_dict
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "experiments" / "conf"
 
 
 def _trainer(tmp_path, model=None, data=None, train=None):
@@ -48,3 +56,54 @@ def test_missing_data_folder(tmp_path):
 def test_unknown_config_key_lists_known():
     with pytest.raises(ValueError, match=r"unknown DataConfig field\(s\) \['fps'\]"):
         from_dict(DataConfig, {"fps": 3})
+
+
+def test_attention_config_reads_the_flat_hydra_form_and_its_own_asdict_form():
+    flat = from_dict(AttentionConfig, {"name": "dsa", "kernel_size": [3, 5, 5], "max_offset": 2, "backend": "reference"})
+    assert flat.options == DSAOptions((3, 5, 5), 2.0, "reference")
+    assert from_dict(AttentionConfig, dataclasses.asdict(flat)) == flat
+    assert from_dict(AttentionConfig, {}) == AttentionConfig("dense")
+    assert from_dict(DiTConfig, {"attention": {"name": "swin", "window": [1, 2, 2]}}).attention.options.window == (1, 2, 2)
+
+
+def test_attention_config_refuses_an_option_of_another_variant():
+    with pytest.raises(ValueError, match=r"\['window'\] unknown to the 'dsa' attention"):
+        from_dict(AttentionConfig, {"name": "dsa", "window": [2, 4, 4]})
+    with pytest.raises(ValueError, match=r"\['backend', 'kernel_size', 'max_offset'\] unknown to the 'dense'"):
+        dataclasses.replace(AttentionConfig("dsa"), name="dense")
+    cfg = AttentionConfig("dsa")
+    cfg.name = "swin"                       # a reassigned name is checked again by validate()
+    with pytest.raises(ValueError, match="unknown to the 'swin' attention"):
+        cfg.validate()
+    with pytest.raises(AttributeError):
+        cfg.window = (2, 4, 4)              # no silent attribute: options live in cfg.options
+
+
+def test_for_variant_keeps_the_options_the_other_variant_takes():
+    dsa = AttentionConfig("dsa", {"kernel_size": (3, 5, 5), "max_offset": 2.0})
+    assert dsa.for_variant("dsa_zero") == AttentionConfig("dsa_zero", dsa.options)
+    assert dsa.for_variant("swin", window=(1, 2, 2)) == AttentionConfig("swin", {"window": (1, 2, 2)})
+    assert dsa.for_variant("dense") == AttentionConfig("dense")
+
+
+@pytest.mark.parametrize("overrides,options", [
+    (["attention=swin", "attention.window=[1,2,2]"], SwinOptions((1, 2, 2))),
+    (["attention=dsa", "attention.kernel_size=[3,5,5]", "attention.max_offset=2", "attention.backend=reference"],
+     DSAOptions((3, 5, 5), 2.0, "reference")),
+    (["attention=dsa_zero"], DSAOptions()),
+    (["attention=dense"], NoOptions())])
+def test_hydra_attention_overrides(overrides, options):
+    assert _compose(overrides).attention.options == options
+
+
+def test_hydra_refuses_an_option_of_another_variant():
+    with pytest.raises(ConfigCompositionException, match="Could not override 'attention.window'"):
+        _compose(["attention=dsa", "attention.window=[2,4,4]"])
+    with pytest.raises(ValueError, match=r"\['window'\] unknown to the 'dsa' attention, which takes only"):
+        _compose(["attention=dsa", "+attention.window=[2,4,4]"])
+
+
+def _compose(overrides: list[str]) -> DiTConfig:
+    from experiments.hydra_config import typed_configs
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return typed_configs(compose("train", overrides=overrides))[0]

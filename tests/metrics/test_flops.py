@@ -1,12 +1,14 @@
 """FLOP and memory accounting: the analytic count against torch's FLOP counter."""
 import dataclasses
+import math
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megaslide.metrics.flops import StepBreakdown, dit_flops, keys_per_query, measure_matmul_tflops, mfu
+from megaslide.metrics.flops import (StepBreakdown, dit_flops, keys_per_query, measure_matmul_tflops, mfu,
+                                     token_path_flops)
 from megaslide.metrics.memory import (host_available_bytes, host_rss_bytes, host_total_bytes, memory_report,
                                       peak_hbm_bytes)
 from megaslide.models.dit import VideoDiT
@@ -26,6 +28,23 @@ def test_forward_flops_match_torch_flop_counter(attention, batch, text_layers):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(x, t, ids)
     assert counter.get_total_flops() == dit_flops(cfg, batch, cfg.token_grid(4, 16, 16)).forward
+
+
+@pytest.mark.parametrize("final_layer", [True, False])
+def test_token_path_flops_match_torch_flop_counter(final_layer):
+    """Patch embedding, every block and (optionally) the final layer of one clip, counted by torch."""
+    cfg = dataclasses.replace(tiny_model_cfg("dense"), depth=3)
+    model = VideoDiT(cfg)
+    x = torch.randn(1, 3, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    e = model.embed(x, torch.tensor([500.0]), model.tokenizer(["a red ball bouncing"]))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        h = model.patch_embed(x)
+        for i in range(cfg.depth):
+            h = model.run_block(i, h, e)
+        if final_layer:
+            model.final(h, e.t_emb)
+    n = math.prod(e.grid)
+    assert counter.get_total_flops() == token_path_flops(cfg, n, n, cfg.text_len, final_layer).forward
 
 
 def test_train_and_executed_flops_and_keys():

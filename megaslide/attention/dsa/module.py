@@ -28,6 +28,7 @@ class DSAOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_size", option_triple("kernel_size", self.kernel_size, odd=True))
+        object.__setattr__(self, "max_offset", float(self.max_offset))
         if self.max_offset < 0:
             raise ValueError(f"attention.max_offset={self.max_offset} must be >= 0")
         known = ["auto", *(b.name for b in BACKENDS)]
