@@ -170,7 +170,7 @@ def _register(buffer: torch.Tensor) -> None:
             f"could not pin {gib:.1f} GiB of host memory for the offload engine (cudaHostRegister "
             f"error {err}). Usually the locked-memory limit is too low: check `ulimit -l` (set it to "
             f"unlimited, e.g. in /etc/security/limits.conf or docker --ulimit memlock=-1), or use a "
-            f"smaller model (the planner, python -m megaslide.offload.planner, gives the sizes)")
+            f"smaller model (the planner, python -m experiments.plan, gives the sizes)")
 
 
 def _unregister(buffer: torch.Tensor) -> None:

@@ -1,14 +1,11 @@
 """Will an offloaded run fit, and how fast can it go? Predicted before anything is allocated.
 
-    python -m megaslide.offload.planner model=7B frames=16 resolution=64x128
-    python -m megaslide.offload.planner model=7B depth=22 optimizer_device=gpu --check
-
-(`resolution` is the latent H x W; tokens = frames/pt * H/ph * W/pw.)
+Its command line is experiments/plan.py (`python -m experiments.plan model=7B check=true`).
 
 Host RAM: the exact bytes of the engine's two arenas (`HostState.arena_sizes`: per block
 parameter 16 B, see host_state.py), plus the fp32 model when it is first built on the host
-(`build_on_host`, what `OffloadTrainer` does for an initialisation identical to the reference
-trainer), plus a reserve for the process (torch, CUDA runtime, data).
+(`build_on_host`, what `Trainer` asks of `OffloadEngine.from_config` for an initialisation
+identical to the resident engine's), plus a reserve for the process (torch, CUDA runtime, data).
 HBM: two block shells, their flat gradients and autograd's per-parameter gradients of one
 block, the resident stem (fp32 weights, gradients, AdamW moments), every block's saved input,
 the activations of one block under recomputation (bytes saved per token for backward,
@@ -24,9 +21,7 @@ effective, 50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +29,7 @@ import torch
 from megaslide.config import DiTConfig
 from megaslide.metrics.flops import DiTFlops, dit_flops
 from megaslide.metrics.memory import hbm_available_bytes, host_available_bytes
-from megaslide.models.dit import DIT_PRESETS, DiTBlock, count_params
+from megaslide.models.dit import DiTBlock, count_params
 from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
 
 GB = 1e9
@@ -72,7 +67,7 @@ def require_host_fit(arenas: dict, available: int, what: str) -> None:
         raise ValueError(f"{what} needs {need / GB:.1f} GB of host RAM ({arenas['pinned'] / GB:.1f} GB pinned + "
                          f"{arenas['pageable'] / GB:.1f} GB pageable + {HOST_RESERVE_BYTES / GB:.1f} GB reserve) but "
                          f"only {available / GB:.1f} GB is available (MemAvailable); use a smaller model (fewer "
-                         f"blocks: python -m megaslide.offload.planner gives the largest depth) or more RAM")
+                         f"blocks: python -m experiments.plan check=true names the largest depth) or more RAM")
 
 
 @dataclass
@@ -235,63 +230,3 @@ def require_fit(plan: OffloadPlan, device: torch.device, gpu_memory_fraction: fl
     """`check_fits` against this machine: MemAvailable and the device's free memory (under the cap)."""
     check_fits(plan, host_available=host_available_bytes(),
                hbm_available=hbm_available_bytes(device, gpu_memory_fraction))
-
-
-# ---- command line -----------------------------------------------------------------------------
-_KEYS = {"model": "7B", "depth": None, "dim": None, "num_heads": None, "ffn_dim": None, "attention": None,
-         "batch": "1", "frames": "16", "resolution": "64x128", "precision": "bf16", "optimizer_device": "cpu",
-         "grad_clip": "1", "resident_blocks": "0", "tflops": None, "h2d_GBps": None, "d2h_GBps": None, "cpu_adam_gparams": None}
-
-
-def parse_args(argv: list[str]) -> tuple[dict, bool]:
-    """key=value arguments (see _KEYS) and the --check flag."""
-    args, check = {k: v for k, v in _KEYS.items() if v is not None}, False
-    for a in argv:
-        if a == "--check":
-            check = True
-            continue
-        key, sep, value = a.partition("=")
-        if not sep or key not in _KEYS:
-            raise ValueError(f"argument {a!r}: expected key=value with key in {sorted(_KEYS)}, or --check")
-        args[key] = value
-    return args, check
-
-
-def plan_from_args(args: dict) -> OffloadPlan:
-    if args["model"] not in DIT_PRESETS:
-        raise ValueError(f"model={args['model']!r} is unknown; known: {sorted(DIT_PRESETS)}")
-    overrides = {k: int(args[k]) for k in ("depth", "dim", "num_heads", "ffn_dim") if k in args}
-    cfg = dataclasses.replace(DIT_PRESETS[args["model"]], **overrides)
-    if "attention" in args:
-        cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, name=args["attention"]))
-    height, sep, width = args["resolution"].partition("x")
-    if not sep:
-        raise ValueError(f"resolution={args['resolution']!r}: write the latent size as HxW, e.g. 64x128")
-    if args["precision"] not in ("bf16", "fp32"):
-        raise ValueError(f"precision={args['precision']!r}: choose bf16 or fp32")
-    grid = cfg.token_grid(int(args["frames"]), int(height), int(width))
-    ceilings = Ceilings(**{k: float(args[k]) for k in ("tflops", "h2d_GBps", "d2h_GBps", "cpu_adam_gparams")
-                           if k in args})
-    dtype = torch.bfloat16 if args["precision"] == "bf16" else torch.float32
-    return plan_offload(cfg, batch=int(args["batch"]), grid=grid, param_dtype=dtype,
-                        optimizer_device=args["optimizer_device"], grad_clip=args["grad_clip"] not in ("0", "false"),
-                        resident_blocks=int(args["resident_blocks"]), ceilings=ceilings)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args, check = parse_args(sys.argv[1:] if argv is None else argv)
-    plan = plan_from_args(args)
-    print(plan.table())
-    if check:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            require_fit(plan, device)
-        except ValueError as err:
-            print(f"does not fit this machine: {err}")
-            return 1
-        print(f"fits this machine ({device.type})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -104,17 +104,3 @@ def test_engine_checks_host_ram_itself(monkeypatch):
     with pytest.raises(ValueError, match=r"host state of 5 blocks needs \d+\.\d GB.*only 1.1 GB is available"):
         engine_module.OffloadEngine(model, device=torch.device("cpu"), train_cfg=tiny_train_cfg(),
                                     offload_cfg=OffloadConfig(enabled=True))
-
-
-def test_cli_prints_the_plan_and_checks_this_machine(capsys):
-    assert planner.main(["model=tiny", "frames=4", "resolution=16x16", "precision=fp32", "--check"]) == 0
-    out = capsys.readouterr().out
-    assert "host RAM:" in out and "HBM:" in out and "floor = max" in out and "fits this machine" in out
-    assert planner.main(["model=105B", "--check"]) == 1
-    assert "does not fit this machine" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="key=value"):
-        planner.main(["frames"])
-    with pytest.raises(ValueError, match="resolution"):
-        planner.main(["resolution=64"])
-    with pytest.raises(ValueError, match="unknown"):
-        planner.main(["model=9B"])
