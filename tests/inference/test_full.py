@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaslide.attention.dense import DenseAttention
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.inference.full import FullConfig, FullSequenceSampler
+from megaslide.parallel.apply import SequenceParallelAttention
 from tests.inference.reference import tiny_model
 
 STEPS = (1.0, 0.75, 0.5, 0.25)
@@ -29,6 +31,14 @@ def test_full_sequence_sampler_equals_euler_sample_of_the_model(flags):
                                   config=FullConfig(timesteps=STEPS, **flags))
     assert (ref - noise).abs().mean() > 0.1  # the model moved the sample: random weights, not zero-init
     torch.testing.assert_close(sampler.sample(noise, ids), ref, **TOL)
+
+
+def test_sampler_runs_a_parallelized_copy_and_leaves_the_model_alone():
+    model = tiny_model()
+    sampler = FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(mode="ring"))
+    assert isinstance(sampler.model.blocks[0].attn, SequenceParallelAttention)
+    assert isinstance(model.blocks[0].attn, DenseAttention)
+    assert sampler.model.blocks[0].attn.inner.qkv.weight is model.blocks[0].attn.qkv.weight
 
 
 def test_errors():

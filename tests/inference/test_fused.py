@@ -108,6 +108,20 @@ def test_reference_is_the_models_own_path():
     assert torch.equal(q, rq) and torch.equal(k, rk)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fused_projection_replaces_project_qkv(backend):
+    """`fused_project_qkv(attn, h, rope)` is `attn.project_qkv(h, rope)`, in the fused kernel's rounding."""
+    from megaslide.attention.dense import DenseAttention
+    attn = DenseAttention(48, 4)
+    torch.nn.init.normal_(attn.q_norm.weight)
+    h = torch.randn(2, 6, 48)
+    rope = rope_rows(6, 12, 3)
+    got = fused.fused_project_qkv(attn, h, rope, backend=backend)
+    want = attn.project_qkv(h, rope)
+    assert [g.shape for g in got] == [(2, 6, 4, 12)] * 3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_backend_choice_and_errors(monkeypatch):
     q = torch.randn(1, 3, 8)
     cos, sin = rope_rows(3, 4, 0)
