@@ -29,27 +29,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (before any NCCL init)
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from experiments.harness import (ExperimentRun, free_port, rounding_floor, spawn, timed,  # noqa: E402
+from experiments.harness import (ExperimentRun, free_port, rounding_floor, spawn, timed,
                                  within_tolerance)
-from experiments.hydra_config import script_config  # noqa: E402
-from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps  # noqa: E402
-from megaslide.config import DiTConfig  # noqa: E402
-from megaslide.parallel import resolve_degrees, sequence_parallel_attention  # noqa: E402
-from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans  # noqa: E402
-from megaslide.parallel.groups import Topology  # noqa: E402
-from megaslide.parallel.local_attn import select_backend  # noqa: E402
-from megaslide.parallel.onesided import (  # noqa: E402
+from experiments.hydra_config import script_config
+from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps
+from megaslide.config import DiTConfig
+from megaslide.inference.launch import init_distributed, shutdown
+from megaslide.parallel import resolve_degrees, sequence_parallel_attention
+from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans
+from megaslide.parallel.groups import Topology
+from megaslide.parallel.local_attn import select_backend
+from megaslide.parallel.onesided import (
     can_use_symm_mem, release_symm_mem_workspaces, symm_mem_backend)
 
 SMOKE = {"world_size": 2, "heads": 4, "head_dim": 8, "seq_lens": [16, 32], "check_seq_len": 16,
@@ -412,20 +409,14 @@ def headline(payload: dict) -> dict:
 
 
 def run_rank(rank: int, world: int, cfg: SwiftFusionConfig) -> None:
-    """One rank: join the process group that torchrun's environment variables describe, run the
-    benchmark, leave. Teardown order: every collective of the benchmark has been waited on (each
-    mode waits on its async handles before returning); a barrier, so that no rank destroys its
-    group while a peer still talks to it; then the group is destroyed while the interpreter is
-    fully alive (a gloo worker thread that outlives it aborts the process)."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
-    try:
-        benchmark(cfg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    """One rank: join the job that torchrun's environment variables describe, run the benchmark,
+    leave. Every collective of the benchmark has been waited on when it returns (each SP mode
+    waits on its async handles); `shutdown` then tears down in a fixed order (barrier, destroy
+    the groups, drop the cached meshes) so no gloo thread outlives the interpreter. A failing
+    rank raises, and its exit code is the run's."""
+    ctx = init_distributed("auto", timeout_s=cfg.timeout_s)
+    benchmark(cfg)
+    shutdown(ctx)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="swiftfusion")

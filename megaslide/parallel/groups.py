@@ -140,6 +140,15 @@ def build_mesh(ulysses_degree: int, ring_degree: int, placement: str = "ulysses_
     return _MESH_CACHE[key]
 
 
+def release_meshes() -> None:
+    """Forget the cached meshes, and with them this module's references to their process groups.
+
+    Call after `dist.destroy_process_group()`: a gloo group's worker threads end only when its last
+    reference goes, and threads still alive while the interpreter exits can abort the process
+    (SIGABRT, "terminate called without an active exception")."""
+    _MESH_CACHE.clear()
+
+
 def _create_mesh(u_deg: int, r_deg: int, placement: str, parent: dist.ProcessGroup, global_ranks) -> SPMesh:
     grid = rank_grid(u_deg, r_deg, placement)
     me = dist.get_rank(parent)
