@@ -1,9 +1,9 @@
 """Chunk-by-chunk autoregressive video generation with a KV cache (Self-Forcing style), over P ranks.
 
 A video of T latent frames is made in chunks of F frames (default 3). For chunk c:
-1. Start from its slice of the noise and run the few-step rectified-flow Euler loop of
-   `megaslide.diffusion.samplers` (`euler_integrate`; same convention: x_t = (1 - t) x0 + t noise, the model
-   predicts v = noise - x0 at timestep 1000 t, x <- x + (t_next - t) v) over the timesteps
+1. Start from its slice of the noise and run the one Euler loop, `euler_integrate` of
+   `megaslide.diffusion.samplers` (its convention: x_t = (1 - t) x0 + t noise, the model
+   predicts v = noise - x0 at timestep 1000 t, x <- x + (t_next - t) v), over the timesteps
    (default t = 1.0, 0.75, 0.5, 0.25, then to 0). Self-Forcing re-noises an x0 prediction
    instead; Euler keeps one convention across the codebase and is deterministic given the noise.
    Each forward attends bidirectionally inside the chunk and to the cached K/V of earlier
@@ -202,8 +202,10 @@ def probe_collective_capture(group: dist.ProcessGroup) -> str | None:
 class CausalGenerator:
     """Chunked autoregressive sampling of videos up to `frames` latent frames of `height` x `width`.
 
-    The model (on its device and dtype, eval mode) is used as is; `group` shards every chunk's
-    tokens over its ranks (None: one rank). Every rank must pass the same noise and caption."""
+    The model (on its device and dtype, eval mode) keeps its weights; the generator runs its own
+    parallelized copy (`self.model`, sharing them), and the model passed in is left as it was.
+    `group` shards every chunk's tokens over its ranks (None: this process alone). Every rank must
+    pass the same noise and caption."""
 
     def __init__(self, model: VideoDiT, *, frames: int, height: int, width: int,
                  config: CausalConfig | None = None, group: dist.ProcessGroup | None = None, batch: int = 1):

@@ -3,7 +3,8 @@
 Public entry point: `sequence_parallel_attention`. Building blocks: `seq_to_head` /
 `head_to_seq` (Ulysses all-to-all), `build_mesh` / `Topology` (placement of the 2D mesh),
 padding helpers for N not divisible by P, `can_use_symm_mem` (one-sided transport) and the
-cost model (`cost_model.predict`, `cost_model.rank_plans`).
+cost model (`cost_model.predict`, `cost_model.rank_plans`). `apply.parallelize_dit` applies a
+mode to a built VideoDiT (each block's attention swapped for its SP form).
 """
 from __future__ import annotations
 

@@ -29,4 +29,5 @@ def test_two_ranks_match_one_process_and_write_the_video(tmp_path, script, sp):
 def test_causal_prints_each_chunk_when_final(tmp_path):
     stdout = run_script(["experiments/generate_causal.py", *VIDEO, "chunk_frames=3", f"out={tmp_path / 'c.pt'}"])
     lines = [line for line in stdout.splitlines() if line.startswith("chunk")]
-    assert [line.split(" final")[0] for line in lines] == ["chunk 0 (latent frames 0..2)", "chunk 1 (latent frames 3..5)"]
+    want = ["chunk 0 (latent frames 0..2)", "chunk 1 (latent frames 3..5)"]
+    assert [line.split(" final")[0] for line in lines] == want
