@@ -1,6 +1,7 @@
 """The benchmarking harness every experiment script and multi-process test shares.
 
-- `sync(device)`: wait for the device's queued work (a no-op on CPU).
+- `sync(device)`: wait for the device's queued work (a no-op on CPU); `progress(message)`: a
+  time-stamped line from rank 0.
 - `timed(fn, device)`: warm-up calls, then at least `MIN_REPEATS` timed calls; a `Timing` with the
   median and the spread (min, max, std). Across ranks it reports the slowest rank.
 - ceilings measured in the run itself: `matmul_tflops` (n^3 matmul), `copy_gbps` (HBM or DRAM copy),
@@ -32,6 +33,7 @@ from megaslide.train.logger import RunLogger
 
 MIN_REPEATS = 5   # fewer timed calls give no usable spread
 GB = 1e9
+_START = time.perf_counter()
 
 
 # ----------------------------------------------------------------------------- timing
@@ -40,6 +42,14 @@ def sync(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def progress(message: str) -> None:
+    """Print `message` stamped with the seconds since the script started, flushed at once (so a
+    hung stage is named in the log), from rank 0 only when torch.distributed is initialised."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print(f"[{time.perf_counter() - _START:7.1f} s] {message}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -99,11 +109,16 @@ def timed(fn, device: torch.device | str, repeats: int = MIN_REPEATS, warmup: in
 
 # ----------------------------------------------------------------------------- ceilings
 def matmul_tflops(device: torch.device | str, n: int = 8192, dtype: torch.dtype = torch.bfloat16,
-                  repeats: int = 10) -> float:
-    """Achieved TFLOP/s of an n x n x n matmul (2 n^3 FLOPs), median call: the compute ceiling."""
+                  repeats: int = MIN_REPEATS, calls: int = 10) -> float:
+    """Achieved TFLOP/s of an n x n x n matmul (2 n^3 FLOPs): the compute ceiling. Each timed
+    repeat runs `calls` matmuls back to back, so launch and sync overheads are amortised."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n ** 3 / timed(lambda: a @ b, device, repeats, warmup=3).median / 1e12
+
+    def matmuls():
+        for _ in range(calls):
+            a @ b
+    return 2 * n ** 3 * calls / timed(matmuls, device, repeats).median / 1e12
 
 
 def copy_gbps(device: torch.device | str, nbytes: int = 2 ** 30, repeats: int = 10) -> float:

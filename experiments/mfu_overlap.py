@@ -6,7 +6,7 @@ with the optimizer on the GPU; and the memory wall: the resident trainer on the 
     python -m experiments.mfu_overlap tiny=true         # CPU smoke test, seconds
 
 Order:
-1. ceilings, measured in this run: bf16 matmul (8192^3, CUDA events) and pinned PCIe
+1. ceilings, measured in this run (experiments/harness.py): bf16 matmul (8192^3) and pinned PCIe
    (1 GiB, page-locked the way the engine pins its arena) H2D, D2H and both at once;
 2. correctness: the engine against the resident `Trainer` on the tiny model in fp32, for
    every variant (losses and weights within 1e-4 relative; bit-identical on CPU), else stop;
@@ -19,7 +19,8 @@ Order:
    (copied to every block: weights do not change the timing; it saves minutes of init);
 6. per variant: warm-up steps, then timed steps; the window runs from the start of the first
    timed step to the start of the step after the last (steady state, no tail);
-7. JSON (results/mfu_overlap/<name>.json or $MEGASLIDE_RESULTS_DIR), then a table.
+7. JSON (results/mfu_overlap/<name>.json or $MEGASLIDE_RESULTS_DIR) and the W&B run (config,
+   tables, headline scalars), then a table.
 MFU counts model FLOPs only (metrics/flops.py: 3 x forward, recompute not counted).
 """
 from __future__ import annotations
@@ -36,18 +37,17 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config
-from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.diffusion.flow import flow_matching_loss
-from megaslide.metrics.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, measure_matmul_tflops, mfu
+from megaslide.metrics.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, mfu
 from megaslide.metrics.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
                                       reset_peak_hbm)
 from megaslide.models.dit import DIT_PRESETS, DiTBlock, VideoDiT
 from megaslide.models.text import HashTokenizer
 from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine
-from megaslide.offload.host_state import HostArena
 from megaslide.offload.trainer import OffloadTrainer
 from megaslide.train.batches import Batch
 from megaslide.train.trainer import Trainer
@@ -61,37 +61,6 @@ TARGETS = {"mfu": 0.61, "overlap_speedup_vs_serial": 2.0, "overlap_efficiency": 
 TINY = {"batch": 1, "frames": 4, "height": 16, "width": 16, "depth": 3, "warmup_steps": 1, "timed_steps": 1,
         "correctness_steps": 2, "matmul_n": 128, "pcie_probe_MiB": 4}
 CORRECTNESS_RTOL = 1e-4
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", flush=True)
-
-
-# ---- 1. ceilings ----------------------------------------------------------------------------
-def measure_pcie(device: torch.device, nbytes: int, iters: int = 5) -> dict:
-    """GB/s of pinned copies: H2D alone, D2H alone, and both at once (two streams)."""
-    arena = HostArena([nbytes], pin=True)
-    host, dev = arena.buffer, torch.empty(nbytes, dtype=torch.uint8, device=device)
-    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def seconds(pairs) -> float:
-        for _ in range(2):  # warm-up, then timed
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                for stream, dst, src in pairs:
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    h2d = nbytes * iters / seconds([(up, dev, host)]) / GB
-    d2h = nbytes * iters / seconds([(down, host, dev)]) / GB
-    dev2 = torch.empty_like(dev)
-    both = 2 * nbytes * iters / seconds([(up, dev, host), (down, host, dev2)]) / GB
-    arena.close()
-    return {"bytes": nbytes, "h2d_GBps": h2d, "d2h_GBps": d2h, "both_total_GBps": both}
 
 
 # ---- 2. correctness -------------------------------------------------------------------------
@@ -123,7 +92,8 @@ def check_correctness(device: torch.device, steps: int) -> dict:
                          "max_loss_rel_diff": loss_rel, "max_weight_rel_diff": weight_rel,
                          "passed": None if precision == "bf16" else bool(max(loss_rel, weight_rel) <= CORRECTNESS_RTOL)})
             eng.engine.close()
-            log(f"correctness {precision} {variant}: loss rel diff {loss_rel:.2e}, weight rel diff {weight_rel:.2e}")
+            progress(f"correctness {precision} {variant}: loss rel diff {loss_rel:.2e}, "
+                     f"weight rel diff {weight_rel:.2e}")
     return {"model": "tiny, depth 4", "steps": steps, "rtol": CORRECTNESS_RTOL, "rows": rows}
 
 
@@ -193,12 +163,12 @@ def build_engine(cfg: DiTConfig, device: torch.device, train_cfg: TrainConfig, o
     t0 = time.perf_counter()
     engine = OffloadEngine(model, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
                            pin_optimizer_state=pin_optimizer_state)
-    log(f"host state allocated and pinned: {engine.host.total_bytes / GB:.1f} GB "
-        f"({engine.host.pinned_bytes / GB:.1f} GB pinned) in {time.perf_counter() - t0:.1f} s")
+    progress(f"host state allocated and pinned: {engine.host.total_bytes / GB:.1f} GB "
+             f"({engine.host.pinned_bytes / GB:.1f} GB pinned) in {time.perf_counter() - t0:.1f} s")
     flat = engine.layout.flatten(initialised_block(cfg))
     for index in range(engine.host.depth):
         engine.host.load_block_(index, flat)
-    log(f"{engine.host.depth} blocks filled from one initialised block")
+    progress(f"{engine.host.depth} blocks filled from one initialised block")
     return engine
 
 
@@ -233,8 +203,8 @@ def run_variant(engine: OffloadEngine, name: str, batch: Batch, bench, flops_tra
                          "h2d_bytes": plan.h2d_bytes, "d2h_bytes": plan.d2h_bytes, "hbm_GB": plan.hbm_total / GB}}
     if pcie is not None:
         row["h2d_frac_of_pinned"] = parts.h2d_GBps / pcie["h2d_GBps"]
-    log(f"{name}: step {parts.step_s:.3f} s, MFU {row['mfu_vs_measured_peak']:.1%} of measured peak, "
-        f"overlap efficiency {parts.overlap_efficiency:.2f}")
+    progress(f"{name}: step {parts.step_s:.3f} s, MFU {row['mfu_vs_measured_peak']:.1%} of measured peak, "
+             f"overlap efficiency {parts.overlap_efficiency:.2f}")
     return row
 
 
@@ -282,13 +252,13 @@ def main(cfg: DictConfig) -> None:
     if unknown:
         raise ValueError(f"bench.variants has unknown {unknown}; known: {sorted(VARIANTS)}")
     threads = bench.cpu_threads if bench.cpu_threads > 0 else max(1, (os.cpu_count() or 2) - 1)
-    log(f"device {device}; {threads} CPU AdamW threads")
+    progress(f"device {device}; {threads} CPU AdamW threads")
 
     # 1. ceilings
     matmul_dtype = torch.bfloat16 if cuda else torch.float32  # the engine computes in fp32 on a CPU
-    peak = measure_matmul_tflops(device, n=bench.matmul_n, dtype=matmul_dtype)
-    pcie = measure_pcie(device, bench.pcie_probe_MiB * 2 ** 20) if cuda else None
-    log(f"ceilings: matmul {peak:.1f} TFLOP/s; pcie {pcie}")
+    peak = matmul_tflops(device, n=bench.matmul_n, dtype=matmul_dtype)
+    pcie = pcie_gbps(device, bench.pcie_probe_MiB * 2 ** 20) if cuda else None
+    progress(f"ceilings: matmul {peak:.1f} TFLOP/s; pcie {pcie}")
 
     # 2. correctness
     correctness = check_correctness(device, bench.correctness_steps)
@@ -320,9 +290,9 @@ def main(cfg: DictConfig) -> None:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
     batch = synthetic_batch(model_cfg, bench, device, HashTokenizer(model_cfg.vocab_size, model_cfg.text_len))
     if bench.resident_baseline and cuda:
-        log("memory wall: the resident trainer's step on the same model")
+        progress("memory wall: the resident trainer's step on the same model")
         wall = resident_step(model_cfg, batch, device, bench.lr, bench.grad_clip)
-        log(f"memory wall: {wall}")
+        progress(f"memory wall: {wall}")
     else:
         wall = {"skipped": "no CUDA device" if not cuda else "bench.resident_baseline=false"}
 
@@ -343,6 +313,7 @@ def main(cfg: DictConfig) -> None:
                "engine_setup_s": time.perf_counter() - t0, "host_state": engine.host.bytes_report(),
                "variants": [], "targets": TARGETS, "complete": False}
     name = cfg.name or ("tiny" if cfg.tiny else f"{device.type}_{payload['preset']}_d{depth}")
+    run = ExperimentRun("mfu_overlap", name, c, cfg.wandb.dir, cfg.wandb.project)
 
     # 6. variants; the result file is rewritten after each, so a failure late keeps the rest
     for variant in bench.variants:
@@ -350,15 +321,17 @@ def main(cfg: DictConfig) -> None:
             row = run_variant(engine, variant, batch, bench, flops.train, peak, pcie, plans[variant])
         except (torch.OutOfMemoryError, RuntimeError) as err:
             row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
-            log(f"{variant} failed: {row['error']}")
+            progress(f"{variant} failed: {row['error']}")
         payload["variants"].append(row)
-        write_result("mfu_overlap", name, payload)
+        run.save(payload)
     engine.close()
     by_name = {r["variant"]: r for r in payload["variants"] if "error" not in r}
     if "overlap" in by_name and "serial" in by_name:
         payload["overlap_speedup_vs_serial"] = by_name["serial"]["step_s"] / by_name["overlap"]["step_s"]
     payload["complete"] = True
-    log(f"wrote {write_result('mfu_overlap', name, payload)}")
+    headline = {"matmul_TFLOPs": peak, "overlap_speedup_vs_serial": payload.get("overlap_speedup_vs_serial")}
+    headline.update({f"{k}/{v}": r[k] for v, r in by_name.items() for k in ("step_s", "mfu_vs_measured_peak")})
+    progress(f"wrote {run.finish(payload, headline)}")
     print_table(payload)
 
 

@@ -15,15 +15,12 @@ Training FLOPs = 3 x forward (backward = 2 x forward). This is "6 x params x tok
 attention". The recomputation of the offload engine (one more forward) is NOT counted as
 model FLOPs; `executed` adds it, for the compute floor of the planner.
 MFU = training FLOPs / step time / peak, against a peak measured in the same run (bf16
-matmul) and against the datasheet.
+matmul: experiments/harness.py matmul_tflops) and against the datasheet.
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
-
-import torch
 
 from megaslide.config import AttentionConfig, DiTConfig
 from megaslide.models.dit import N_MOD
@@ -89,29 +86,6 @@ def dit_flops(cfg: DiTConfig, batch: int, grid: tuple[int, int, int]) -> DiTFlop
 def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
     """Model FLOPs utilisation: achieved FLOP/s over the peak."""
     return flops / seconds / (peak_tflops * 1e12)
-
-
-def measure_matmul_tflops(device: torch.device, n: int = 8192, dtype: torch.dtype = torch.bfloat16,
-                          iters: int = 20, warmup: int = 3) -> float:
-    """Achieved TFLOP/s of an n x n x n matmul (2 n^3 FLOPs), CUDA events on a GPU."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(warmup):
-        a @ b
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            a @ b
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            a @ b
-        seconds = time.perf_counter() - t0
-    return 2 * n ** 3 * iters / seconds / 1e12
 
 
 @dataclass

@@ -4,7 +4,7 @@ from tests.experiments.runner import load_result, run_script
 
 
 def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
-    stdout = run_script(["-m", "experiments.mfu_overlap", "tiny=true"], tmp_path)
+    stdout = run_script(["-m", "experiments.mfu_overlap", "tiny=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
     record = load_result(tmp_path, "mfu_overlap", "tiny")
     assert {"command", "commit", "hardware", "date"} <= record.keys()
     fp32 = [r for r in record["correctness"]["rows"] if r["precision"] == "fp32"]
@@ -22,4 +22,5 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
     assert rows["gpu_optimizer"]["h2d_bytes"] > rows["overlap"]["h2d_bytes"]
     assert record["memory_wall"] == {"skipped": "no CUDA device"}
     assert record["overlap_speedup_vs_serial"] > 0
+    assert record["ceilings"]["matmul_TFLOPs"] > 0 and record["wandb_dir"] is None  # WANDB_MODE=disabled
     assert "variant" in stdout.splitlines()[-6]  # the table is printed last
