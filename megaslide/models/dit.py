@@ -188,7 +188,7 @@ class VideoDiT(nn.Module):
 
         `t_start` is the global index of the first latent frame (in tokens along t), used for RoPE."""
         grid = self.cfg.token_grid(*x.shape[2:])
-        tokens = self.patch_embed(x)                               # (B, N, D)
+        tokens = self.patch_embed(x.to(self.patch_embed.proj.weight.dtype))  # (B, N, D)
         t_emb, t_mod = self.embed_timestep(t)                      # (B, D), (B, 9, D)
         ctx, ctx_mask = self.embed_context(context, context_mask)  # (B, L, D), (B, L)
         rope = self.rope_table(grid, t_start).grid(grid, t_start, device=x.device)  # (N, d/2) x 2

@@ -68,8 +68,8 @@ def test_attention_override_replaces_only_self_attention():
 
 @torch.no_grad()
 def test_bf16_model_embeds_timesteps_and_captions_without_autocast():
-    """Inference holds the model in bf16 with no autocast around it: the fp32 sinusoidal features
-    and fp32 caption embeddings must meet bf16 weights."""
+    """Inference holds the model in bf16 with no autocast around it: fp32 latents, the fp32
+    sinusoidal features and fp32 caption embeddings must meet bf16 weights."""
     model = _model()
     low = _model().to(torch.bfloat16)
     t = torch.tensor([250.0, 900.0])
@@ -82,3 +82,7 @@ def test_bf16_model_embeds_timesteps_and_captions_without_autocast():
     ctx, mask = low.embed_context(emb)
     assert ctx.dtype == torch.bfloat16 and mask.all()
     torch.testing.assert_close(ctx.float(), model.embed_context(emb)[0], atol=5e-2, rtol=5e-2)
+    x = torch.randn(1, 3, 2, 4, 4)
+    out = low(x, t[:1], model.tokenizer(["a red circle"]))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), model(x, t[:1], model.tokenizer(["a red circle"])), atol=0.1, rtol=0.1)
