@@ -89,7 +89,7 @@ def parallelize_dit(model: VideoDiT, group: dist.ProcessGroup | SPMesh | None, m
         inner = block.attn.inner if isinstance(block.attn, SequenceParallelAttention) else block.attn
         if not isinstance(inner, DenseAttention):
             raise ValueError(f"attention {model.cfg.attention.name!r} has no sequence-parallel form; "
-                             f"sequence parallelism runs dense attention (model attention=dense)")
+                             f"sequence parallelism runs dense attention: use attention=dense")
         block.attn = SequenceParallelAttention(inner, group, mode, ulysses_degree=ulysses_degree,
                                                ring_degree=ring_degree, placement=placement, transport=transport,
                                                chunks=chunks, project_qkv=project_qkv)
