@@ -15,8 +15,8 @@ Order:
 4. memory wall: the resident trainer's step (fp32 weights + AdamW on the GPU, bf16 autocast,
    activation checkpointing, built directly on the GPU) on the same model, under the same HBM
    cap as the engine;
-5. the engine: stem built on the device, blocks filled from one freshly initialised block
-   (copied to every block: weights do not change the timing; it saves minutes of init);
+5. the engine (OffloadEngine.from_config): the model built on the meta device, its stem and
+   then each block materialised on the host one at a time with the model's own init rules;
 6. per variant: warm-up steps, then timed steps; the window runs from the start of the first
    timed step to the start of the step after the last (steady state, no tail);
 7. JSON (results/mfu_overlap/<name>.json or $MEGASLIDE_RESULTS_DIR) and the W&B run (config,
@@ -34,22 +34,20 @@ import time
 
 import hydra
 import torch
-import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config
 from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
-from megaslide.diffusion.flow import flow_matching_loss
 from megaslide.metrics.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, mfu
 from megaslide.metrics.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
                                       reset_peak_hbm)
-from megaslide.models.dit import DIT_PRESETS, DiTBlock, VideoDiT
+from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.models.text import HashTokenizer
 from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine
-from megaslide.offload.trainer import OffloadTrainer
 from megaslide.train.batches import Batch
+from megaslide.train.resident import ResidentEngine
 from megaslide.train.trainer import Trainer
 
 GB = 1e9
@@ -79,19 +77,19 @@ def check_correctness(device: torch.device, steps: int) -> dict:
                             device=device.type, precision=precision, log_every=10 ** 9, ckpt_every=10 ** 9)
         ref = Trainer(model_cfg, data_cfg, train, out)
         ref_losses = [ref.train_step()["loss"].item() for _ in range(steps)]
-        ref_weights = {k: v.detach().float().cpu() for k, v in ref.model.named_parameters()}
+        ref_weights = {k: v.detach().float().cpu() for k, v in ref.engine.model.named_parameters()}
         checks = [v for v, (_, _, clip) in VARIANTS.items() if clip is None] if precision == "fp32" else ["overlap"]
         for variant in checks:
             overlap, opt, _ = VARIANTS[variant]
-            eng = OffloadTrainer(model_cfg, data_cfg, train, OffloadConfig(enabled=True, overlap=overlap,
-                                                                           optimizer_device=opt), out)
+            eng = Trainer(model_cfg, data_cfg, train, out,
+                          offload_cfg=OffloadConfig(enabled=True, overlap=overlap, optimizer_device=opt))
             losses = [eng.train_step()["loss"].item() for _ in range(steps)]
             loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
             weight_rel = _max_rel(eng.engine.model_state_dict(), ref_weights)
             rows.append({"precision": precision, "variant": variant, "losses": losses, "reference_losses": ref_losses,
                          "max_loss_rel_diff": loss_rel, "max_weight_rel_diff": weight_rel,
                          "passed": None if precision == "bf16" else bool(max(loss_rel, weight_rel) <= CORRECTNESS_RTOL)})
-            eng.engine.close()
+            eng.close()
             progress(f"correctness {precision} {variant}: loss rel diff {loss_rel:.2e}, "
                      f"weight rel diff {weight_rel:.2e}")
     return {"model": "tiny, depth 4", "steps": steps, "rtol": CORRECTNESS_RTOL, "rows": rows}
@@ -99,77 +97,26 @@ def check_correctness(device: torch.device, steps: int) -> dict:
 
 # ---- 4. memory wall -----------------------------------------------------------------------------
 def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float, clip: float) -> dict:
-    """One step of the resident reference trainer (Trainer.train_step's ops: fp32 weights and
-    AdamW on the device, bf16 autocast), with the model built directly on the device and
-    activation checkpointing per block (its strongest setting: what remains is the
-    parameter wall, 16 B/param of weights, gradients and moments)."""
+    """One step of the resident engine (megaslide/train/resident.py: fp32 weights and AdamW on
+    the device, bf16 autocast), with the model built directly on the device and activation
+    checkpointing per block (its strongest setting: what remains is the parameter wall,
+    16 B/param of weights, gradients and moments)."""
     reset_peak_hbm(device)
-    phase, model, opt, loss = "build", None, None, None
+    model = engine = None
     try:
         with torch.device(device):
             model = VideoDiT(dataclasses.replace(cfg, checkpoint_blocks=True))
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        phase = "forward"
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = flow_matching_loss(model, batch.x0, batch.ids, batch.t, batch.noise)
-        phase = "backward"
-        loss.backward()
-        phase = "optimizer step"
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        result = {"fits": True, "loss": loss.item()}
+        engine = ResidentEngine(model, device=device, train_cfg=TrainConfig(lr=lr, grad_clip=clip, device=device.type))
+        result = {"fits": True, "loss": engine.train_step(batch, lr)["loss"].item()}
     except torch.OutOfMemoryError as err:
-        result = {"fits": False, "oom_phase": phase, "error": str(err).splitlines()[0]}
+        result = {"fits": False, "oom_phase": engine.phase if engine else "build", "error": str(err).splitlines()[0]}
     finally:
-        model = opt = loss = None
+        model = engine = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result["peak_hbm_GB"] = peak_hbm_bytes(device) / GB
     return result
-
-
-# ---- 5. the engine --------------------------------------------------------------------------------
-def initialised_block(cfg: DiTConfig) -> DiTBlock:
-    """One block with the model's initialisation (VideoDiT.initialize_weights' block rules)."""
-    block = DiTBlock(cfg, 0)
-    for m in block.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.xavier_uniform_(m.weight)
-            nn.init.zeros_(m.bias)
-    init = getattr(block.attn, "initialize_weights", None)
-    if init is not None:
-        init()
-    return block
-
-
-def build_engine(cfg: DiTConfig, device: torch.device, train_cfg: TrainConfig, offload_cfg: OffloadConfig,
-                 pin_optimizer_state: bool) -> OffloadEngine:
-    """Blocks on the meta device; the stem materialised and initialised on `device`."""
-    with torch.device("meta"):
-        model = VideoDiT(cfg)
-    for name, child in model.named_children():
-        if name != "blocks":
-            child.to_empty(device=device)
-            for m in child.modules():
-                reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
-                if reset is not None:
-                    reset()
-    nn.init.normal_(model.text_encoder.pos, std=0.02)
-    nn.init.zeros_(model.final.modulation)
-    model.initialize_weights()  # the stem's adaLN-Zero rules (no-ops on the meta blocks)
-    t0 = time.perf_counter()
-    engine = OffloadEngine(model, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                           pin_optimizer_state=pin_optimizer_state)
-    progress(f"host state allocated and pinned: {engine.host.total_bytes / GB:.1f} GB "
-             f"({engine.host.pinned_bytes / GB:.1f} GB pinned) in {time.perf_counter() - t0:.1f} s")
-    flat = engine.layout.flatten(initialised_block(cfg))
-    for index in range(engine.host.depth):
-        engine.host.load_block_(index, flat)
-    progress(f"{engine.host.depth} blocks filled from one initialised block")
-    return engine
 
 
 def synthetic_batch(cfg: DiTConfig, bench, device: torch.device, tokenizer) -> Batch:
@@ -297,12 +244,15 @@ def main(cfg: DictConfig) -> None:
         wall = {"skipped": "no CUDA device" if not cuda else "bench.resident_baseline=false"}
 
     # 5. the engine
-    train_cfg = TrainConfig(lr=bench.lr, grad_clip=bench.grad_clip, device=device.type,
+    train_cfg = TrainConfig(lr=bench.lr, grad_clip=bench.grad_clip, batch_size=bench.batch, device=device.type,
                             precision="bf16" if cuda else "fp32")
     offload_cfg = OffloadConfig(enabled=True, cpu_threads=threads, gpu_memory_fraction=fraction,
                                 resident_blocks=bench.resident_blocks)
     t0 = time.perf_counter()
-    engine = build_engine(model_cfg, device, train_cfg, offload_cfg, bench.pin_optimizer_state)
+    engine = OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
+                                       grid=grid, pin_optimizer_state=bench.pin_optimizer_state)
+    progress(f"engine built in {time.perf_counter() - t0:.1f} s: host state {engine.host.total_bytes / GB:.1f} GB "
+             f"({engine.host.pinned_bytes / GB:.1f} GB pinned), {depth} blocks initialised one at a time")
     payload = {"device": str(device), "tiny": bool(cfg.tiny), "preset": "tiny" if cfg.tiny else c["model"]["preset"],
                "depth": depth, "attention": model_cfg.attention.name, "model_cfg": dataclasses.asdict(model_cfg),
                "bench": OmegaConf.to_container(bench), "cpu_threads": threads, "gpu_memory_fraction": fraction,

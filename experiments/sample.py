@@ -10,10 +10,10 @@ from omegaconf import DictConfig
 
 from megaslide.config import DataConfig, DiTConfig, from_dict
 from megaslide.data.video_io import write_mp4
+from megaslide.device import resolve_device
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.dit import VideoDiT
 from megaslide.train.checkpoint import load_checkpoint
-from megaslide.train.trainer import resolve_device
 
 
 def generate(checkpoint: str, caption: str, steps: int, cfg_scale: float, seed: int, device: str) -> torch.Tensor:

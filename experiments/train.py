@@ -23,11 +23,7 @@ from megaslide.train.trainer import Trainer
 
 def build_trainer(cfg: DictConfig, logger: RunLogger | None):
     model_cfg, data_cfg, train_cfg, offload_cfg = typed_configs(cfg)
-    offload_cfg.validate()
-    if offload_cfg.enabled:
-        from megaslide.offload.trainer import OffloadTrainer
-        return OffloadTrainer(model_cfg, data_cfg, train_cfg, offload_cfg, cfg.out_dir, logger=logger)
-    return Trainer(model_cfg, data_cfg, train_cfg, cfg.out_dir, logger=logger)
+    return Trainer(model_cfg, data_cfg, train_cfg, cfg.out_dir, logger=logger, offload_cfg=offload_cfg)
 
 
 def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger) -> list[Path]:

@@ -19,7 +19,9 @@ the 7B preset's 6.96 B parameters). Block parameters: bf16 weights on the device
 fp32 master and moments on the host, updated by the fused CPU AdamW on a worker thread
 (`CpuUpdater`), or, in the optimizer_device="gpu" ablation, on the device after streaming
 master and moments there and back (`GpuUpdater`); both live in megaslide/offload/updaters.py.
-`OffloadTrainer` (megaslide/offload/trainer.py) wraps this engine in the `Trainer` API.
+It is a step engine of `Trainer` (megaslide/train/engine.py), chosen by offload.enabled;
+`OffloadEngine.from_config` builds the model for it. Checkpoints are sharded: one file per
+block (master weights and moments) plus the resident state.
 
 Clipping scheme (global norm, exact): per-parameter gradient norms are computed on the
 device as each block's gradient is produced (no sync) and combined once, after the
@@ -36,29 +38,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from megaslide.config import OffloadConfig, TrainConfig
+from megaslide.config import DiTConfig, OffloadConfig, TrainConfig
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
 from megaslide.metrics.flops import StepBreakdown
 from megaslide.metrics.memory import host_available_bytes
-from megaslide.models.dit import VideoDiT
+from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload import planner
 from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
 from megaslide.train.batches import Batch
+from megaslide.train.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
+from megaslide.train.engine import compute_dtype
 
 ADAM_BACKENDS = ("fused", "torch")  # cpu_adam.adamw_step_ (C++ SIMD) | cpu_adam.adamw_step_torch_ (torch ops)
-
-
-def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
-    """bf16 block weights where the reference trainer would autocast to bf16, else fp32."""
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    return torch.bfloat16 if bf16 else torch.float32
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,9 @@ class OffloadEngine:
 
     `model`'s blocks may hold real weights (copied into the host state here) or be on the
     meta device; then fill `engine.host` with `load_block_` before training. The stem and
-    final layer must hold real weights; they move to `device`."""
+    final layer must hold real weights; they move to `device`. `from_config` does all this."""
+
+    sharded_checkpoints = True
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
                  offload_cfg: OffloadConfig, adam_backend: str = "fused", pin_optimizer_state: bool | None = None):
@@ -78,7 +80,7 @@ class OffloadEngine:
         if adam_backend not in ADAM_BACKENDS:
             raise ValueError(f"adam_backend={adam_backend!r}: choose one of {ADAM_BACKENDS}")
         self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
-        self.param_dtype = param_dtype_for(train_cfg.precision, device)
+        self.param_dtype = compute_dtype(train_cfg.precision, device)
         cuda = device.type == "cuda"
         if cuda and offload_cfg.gpu_memory_fraction > 0:
             torch.cuda.set_per_process_memory_fraction(offload_cfg.gpu_memory_fraction, torch.cuda.current_device())
@@ -125,6 +127,46 @@ class OffloadEngine:
         self._spans = [[(0, self.layout.numel)] for _ in range(depth)]  # per block: ranges AdamW updates
         self._marks: dict[int, object] = {}
         self.step = 0
+
+    @classmethod
+    def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
+                    offload_cfg: OffloadConfig, grid: tuple[int, int, int], adam_backend: str = "fused",
+                    pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadEngine:
+        """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
+        RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
+
+        With `build_on_host` the model is `VideoDiT(model_cfg)` built on the host under the
+        caller's seed: the resident engine's initial weights bit for bit, at the price of the
+        fp32 model in host RAM once. Without it nothing model-sized exists at any time: the model
+        is built on the meta device, its stem (and block 0) come from a one-block model built on
+        the host, and every further block is built on the host one at a time and initialised by
+        `DiTBlock.initialize_weights`. The model's own init rules, so the same statistics and
+        the same exact zeros (adaLN-Zero gates, final layer), though not its random stream."""
+        for cfg in (model_cfg, train_cfg, offload_cfg):
+            cfg.validate()
+        if train_cfg.ema_decay > 0:
+            raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
+                             f"set train.ema_decay=0 (or train with offload.enabled=false)")
+        plan = planner.plan_offload(model_cfg, batch=train_cfg.batch_size, grid=grid,
+                                    param_dtype=compute_dtype(train_cfg.precision, device),
+                                    optimizer_device=offload_cfg.optimizer_device, grad_clip=train_cfg.grad_clip > 0,
+                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
+                                    resident_blocks=offload_cfg.resident_blocks)
+        planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
+        kw = dict(device=device, train_cfg=train_cfg, offload_cfg=offload_cfg, adam_backend=adam_backend,
+                  pin_optimizer_state=pin_optimizer_state)
+        if build_on_host:
+            return cls(VideoDiT(model_cfg), **kw)
+        with torch.device("meta"):
+            model = VideoDiT(model_cfg)
+        first = VideoDiT(dataclasses.replace(model_cfg, depth=1))
+        for name, child in first.named_children():
+            if name != "blocks":
+                setattr(model, name, child)
+        engine = cls(model, **kw)
+        for index, block in enumerate(_initialised_blocks(model_cfg, first.blocks[0])):
+            engine.host.load_block_(index, engine.layout.flatten(block))
+        return engine
 
     # ---- configuration -----------------------------------------------------------------------
     @property
@@ -266,6 +308,13 @@ class OffloadEngine:
         return StepBreakdown(step_s, parts["compute"][0] / n, parts["h2d"][0] / n, parts["d2h"][0] / n,
                              optimizer_s / n, parts["h2d"][1] / n, parts["d2h"][1] / n)
 
+    def timings(self, steps: range) -> dict[str, float]:
+        """`breakdown` in the names `Trainer` logs."""
+        parts = self.breakdown(steps)
+        return {"step_time_s": parts.step_s, "compute_s": parts.compute_s, "h2d_s": parts.h2d_s,
+                "d2h_s": parts.d2h_s, "optimizer_s": parts.optimizer_s,
+                "overlap_efficiency": parts.overlap_efficiency}
+
     # ---- state -----------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model by name, fp32 on the CPU (blocks from the host master)."""
@@ -283,14 +332,22 @@ class OffloadEngine:
         return [self.resident_names[e[1]] if e[0] == "resident" else f"blocks.{e[1]}.{self.layout.slots[e[2]].name}"
                 for e in self._norm_order]
 
-    def resident_state(self) -> dict:
+    # ---- checkpoints: a folder checkpoints/step_N/ of block_0000.pt ... and state.pt -----------------
+    def save(self, path: Path, extra: dict) -> Path:
+        """Each block's master weights and moments in a file of its own, then the resident
+        parameters, their AdamW state, the step and block versions, and `extra` in state.pt."""
         self.flush()
-        return {"step": self.step, "versions": list(self.versions),
-                "params": {n: p.detach().cpu().clone() for n, p in zip(self.resident_names, self.resident_params)},
-                "optimizer": self.optimizer.state_dict()}
+        blocks = ((f"block_{index:04d}", self.host.block_state(index)) for index in range(self.host.depth))
+        state = {"step": self.step, "versions": list(self.versions),
+                 "params": {n: p.detach().cpu().clone() for n, p in zip(self.resident_names, self.resident_params)},
+                 "optimizer": self.optimizer.state_dict(), **extra}
+        return save_sharded_checkpoint(path, blocks, state)
 
-    def load_resident_state(self, state: dict) -> None:
+    def load(self, path: Path) -> None:
+        state = load_checkpoint(path / SHARDED_STATE)
         self.flush()
+        for index in range(self.host.depth):
+            self.host.load_block_state(index, load_checkpoint(path / f"block_{index:04d}.pt"))
         with torch.no_grad():
             for name, p in zip(self.resident_names, self.resident_params):
                 p.copy_(state["params"][name])
@@ -302,3 +359,12 @@ class OffloadEngine:
     def close(self) -> None:
         self.updater.close()
         self.host.close()
+
+
+def _initialised_blocks(cfg: DiTConfig, first: DiTBlock) -> Iterator[DiTBlock]:
+    """`first` (block 0), then blocks 1.. of `cfg`, each built on the host and initialised when asked for."""
+    yield first
+    for index in range(1, cfg.depth):
+        block = DiTBlock(cfg, index)
+        block.initialize_weights()
+        yield block

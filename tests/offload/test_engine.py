@@ -13,7 +13,6 @@ import torch
 
 from megaslide.config import OffloadConfig
 from megaslide.models.dit import VideoDiT
-from megaslide.offload.trainer import OffloadTrainer
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
@@ -32,10 +31,9 @@ def _pair(tmp_path, model_cfg=None, *, overlap=True, optimizer_device="cpu", ada
     train = {"steps": STEPS, "grad_clip": CLIP, "weight_decay": 0.01, **train}
     model_cfg = model_cfg or _model_cfg()
     ref = Trainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**train), tmp_path / "ref")
-    eng = OffloadTrainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**train),
-                         OffloadConfig(enabled=True, overlap=overlap, optimizer_device=optimizer_device,
-                                       resident_blocks=resident_blocks),
-                         tmp_path / "eng", adam_backend=adam_backend)
+    eng = Trainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**train), tmp_path / "eng",
+                  offload_cfg=OffloadConfig(enabled=True, overlap=overlap, optimizer_device=optimizer_device,
+                                            resident_blocks=resident_blocks), adam_backend=adam_backend)
     return ref, eng
 
 
@@ -49,7 +47,7 @@ def _run_both(ref, eng, steps=STEPS):
 
 def _assert_weights(ref, eng, exact=True):
     mine = eng.engine.model_state_dict()
-    theirs = dict(ref.model.named_parameters())
+    theirs = dict(ref.engine.model.named_parameters())
     assert mine.keys() == theirs.keys()
     for name, p in theirs.items():
         if exact:
@@ -142,16 +140,15 @@ def test_ablation_modes_switch_on_one_host_state(tmp_path):
 
 
 def test_resume_continues_exactly(tmp_path):
-    straight = OffloadTrainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=4, grad_clip=CLIP),
-                              OffloadConfig(enabled=True), tmp_path / "a", adam_backend="torch")
+    straight = Trainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=4, grad_clip=CLIP), tmp_path / "a",
+                       offload_cfg=OffloadConfig(enabled=True), adam_backend="torch")
     straight.fit()
-    first = OffloadTrainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=2, grad_clip=CLIP),
-                           OffloadConfig(enabled=True), tmp_path / "b", adam_backend="torch")
+    first = Trainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=2, grad_clip=CLIP), tmp_path / "b",
+                    offload_cfg=OffloadConfig(enabled=True), adam_backend="torch")
     first.fit()                                                   # writes checkpoints/step_2/
     assert (tmp_path / "b" / "checkpoints" / "step_2" / "state.pt").is_file()
-    resumed = OffloadTrainer(_model_cfg(), tiny_data_cfg(),
-                             tiny_train_cfg(steps=4, grad_clip=CLIP, resume="auto"),
-                             OffloadConfig(enabled=True), tmp_path / "b", adam_backend="torch")
+    resumed = Trainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=4, grad_clip=CLIP, resume="auto"),
+                      tmp_path / "b", offload_cfg=OffloadConfig(enabled=True), adam_backend="torch")
     resumed.fit()
     assert resumed.step == 4
     a, b = straight.engine.model_state_dict(), resumed.engine.model_state_dict()
@@ -218,8 +215,8 @@ def test_optimizer_worker_errors_reach_the_training_thread(tmp_path):
 
 def test_ema_is_rejected_before_allocating(tmp_path):
     with pytest.raises(ValueError, match="ema_decay"):
-        OffloadTrainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(ema_decay=0.9), OffloadConfig(enabled=True),
-                       tmp_path)
+        Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(ema_decay=0.9), tmp_path,
+                offload_cfg=OffloadConfig(enabled=True))
 
 
 # ---- host state ------------------------------------------------------------------------------
@@ -317,7 +314,7 @@ def test_cuda_fp32_matches_resident_trainer(tmp_path, overlap, optimizer_device)
     for loss_ref, loss_eng, norm_ref, norm_eng in _run_both(ref, eng):
         assert abs(loss_ref - loss_eng) <= 1e-5 * loss_ref and abs(norm_ref - norm_eng) <= 1e-4 * norm_ref
     mine = eng.engine.model_state_dict()
-    for name, p in ref.model.named_parameters():
+    for name, p in ref.engine.model.named_parameters():
         torch.testing.assert_close(mine[name], p.detach().cpu(), rtol=1e-5, atol=1e-5, msg=name)
 
 

@@ -12,7 +12,7 @@ from megaslide.offload import planner
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.planner import Ceilings, check_fits, largest_depth, plan_offload
 from megaslide.offload import engine as engine_module
-from megaslide.offload.trainer import OffloadTrainer
+from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 GB = 1e9
@@ -93,7 +93,7 @@ def test_hbm_error_names_the_items():
 def test_trainer_refuses_a_model_this_machine_cannot_hold_before_allocating(tmp_path):
     start = time.perf_counter()
     with pytest.raises(ValueError, match="does not fit host RAM"):
-        OffloadTrainer(DIT_PRESETS["105B"], tiny_data_cfg(), tiny_train_cfg(), OffloadConfig(enabled=True), tmp_path)
+        Trainer(DIT_PRESETS["105B"], tiny_data_cfg(), tiny_train_cfg(), tmp_path, offload_cfg=OffloadConfig(enabled=True))
     assert time.perf_counter() - start < 10  # nothing of the 105B model was built
 
 

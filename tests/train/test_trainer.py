@@ -4,22 +4,18 @@ from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 
-def _params(trainer):
-    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
-
-
 def test_loss_drops_on_tiny_moving_shapes(tmp_path):
     trainer = Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=40, lr=2e-3, batch_size=4,
                                                                         caption_dropout=0.0), tmp_path)
     # Fixed evaluation batch: the same videos, timesteps and noise before and after training.
     from megaslide.train.batches import make_batch
-    probe = make_batch(trainer.dataset, trainer.model.tokenizer, tiny_train_cfg(batch_size=8, seed=123), 0)
+    probe = make_batch(trainer.dataset, trainer.engine.model.tokenizer, tiny_train_cfg(batch_size=8, seed=123), 0)
     with torch.no_grad():
-        before = trainer.loss_on(probe).item()
+        before = trainer.engine.loss(probe).item()
     while trainer.step < 40:
         trainer.train_step()
     with torch.no_grad():
-        after = trainer.loss_on(probe).item()
+        after = trainer.engine.loss(probe).item()
     assert after < 0.8 * before, (before, after)
 
 
@@ -34,9 +30,9 @@ def test_resume_is_bit_identical(tmp_path):
                       tmp_path / "b")
     resumed.fit()
     assert resumed.step == 4
-    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+    for (name, a), b in zip(straight.engine.model.state_dict().items(), resumed.engine.model.state_dict().values()):
         assert torch.equal(a, b), name
-    for a, b in zip(straight.ema.parameters(), resumed.ema.parameters()):
+    for a, b in zip(straight.engine.ema.parameters(), resumed.engine.ema.parameters()):
         assert torch.equal(a, b)
 
 
@@ -48,7 +44,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
     monkeypatch.setattr(torch, "save", boom)
-    trainer.step = 0                                      # same file name as before
+    trainer.engine.step = 0                               # same file name as before
     try:
         trainer.save()
     except RuntimeError:
@@ -70,7 +66,7 @@ def test_compiled_blocks_train_like_eager(tmp_path):
                 for c in (False, True)]
     losses = [[t.train_step()["loss"].item() for _ in range(3)] for t in trainers]
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
-    eager, compiled = (t.model.state_dict() for t in trainers)
+    eager, compiled = (t.engine.model.state_dict() for t in trainers)
     assert eager.keys() == compiled.keys()
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5, msg=name)

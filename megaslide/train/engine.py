@@ -1,0 +1,53 @@
+"""What `Trainer` asks of a step engine: the one interface of the resident and the offload engine.
+
+`Trainer` (trainer.py) writes the fit loop, warm-up, logging, checkpoint cadence, resume,
+sampling and the batches once; the engine owns the weights and the optimizer state and
+does one optimizer step at a time. `ResidentEngine` (resident.py) keeps everything on one
+device; `OffloadEngine` (megaslide/offload/engine.py) keeps the blocks' state in host RAM.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from megaslide.models.dit import VideoDiT
+from megaslide.train.batches import Batch
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """train.precision as a dtype: bf16 when asked for, or for "auto" on CUDA; else fp32.
+    The resident engine autocasts to it; the offload engine keeps its block weights in it."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+class StepEngine(Protocol):
+    model: VideoDiT              # the model it trains; its tokenizer makes the batches' caption ids
+    step: int                    # optimizer steps taken (restored by `load`)
+    sharded_checkpoints: bool    # checkpoint format: a step_N/ folder of shards, else one step_N.pt file
+
+    def train_step(self, batch: Batch, lr: float) -> dict:
+        """One optimizer step on `batch` (on the engine's device) at learning rate `lr`;
+        returns loss and grad_norm (device tensors, not waited for) and lr."""
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampling model, no grad: x (B, C, T, H, W), t (B,) in [0, 1000] -> velocity (B, C, T, H, W)."""
+
+    def timings(self, steps: range) -> dict[str, float]:
+        """Seconds per step averaged over `steps` (which have all started), at least
+        `step_time_s`; may synchronise."""
+
+    def save(self, path: Path, extra: dict) -> Path:
+        """Write a checkpoint at `path` (see checkpoint.checkpoint_path) holding `extra` too."""
+
+    def load(self, path: Path) -> None:
+        """Restore the state `save` wrote, step counter included."""
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights `velocity` uses, by parameter name, fp32 on the CPU."""
+
+    def close(self) -> None:
+        """Release threads and pinned memory."""

@@ -1,0 +1,111 @@
+"""The resident step engine: model, fp32 weights and AdamW state all on one device.
+
+bf16 autocast where train.precision asks for it, global gradient-norm clipping, an optional
+EMA copy (sampled from when kept) and optional torch.compile of the blocks. It is the
+reference the offload engine (megaslide/offload) is tested against.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+from megaslide.config import TrainConfig
+from megaslide.diffusion.flow import flow_matching_loss
+from megaslide.models.dit import VideoDiT
+from megaslide.train.batches import Batch
+from megaslide.train.checkpoint import load_checkpoint, save_checkpoint
+from megaslide.train.engine import compute_dtype
+
+
+def compile_blocks(model: VideoDiT) -> None:
+    """torch.compile every DiT block in place (state-dict names unchanged). The blocks share
+    their code, so one compiled graph per input shape and grad mode serves all of them."""
+    for block in model.blocks:
+        block.compile()
+
+
+class ResidentEngine:
+    """Trains `model` (already on `device`) with torch.optim.AdamW; see the module docstring."""
+
+    sharded_checkpoints = False
+
+    def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig):
+        self.model, self.device, self.cfg = model, device, train_cfg
+        self.autocast_dtype = torch.bfloat16 if compute_dtype(train_cfg.precision, device) == torch.bfloat16 else None
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
+                                           weight_decay=train_cfg.weight_decay)
+        self.ema = copy.deepcopy(model).requires_grad_(False) if train_cfg.ema_decay > 0 else None
+        if train_cfg.compile:
+            compile_blocks(model)
+        self.step = 0
+        self.phase = ""  # the part of the step running now (forward, backward, optimizer step), for OOM reports
+        self._marks: dict[int, float] = {}  # step -> perf_counter at its start
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        with self.autocast():
+            return flow_matching_loss(self.model, batch.x0, batch.ids, batch.t, batch.noise)
+
+    def train_step(self, batch: Batch, lr: float) -> dict:
+        self._marks[self.step] = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.phase = "forward"
+        loss = self.loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.phase = "backward"
+        loss.backward()
+        self.phase = "optimizer step"
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        if self.ema is not None:
+            with torch.no_grad():
+                for pe, p in zip(self.ema.parameters(), self.model.parameters()):
+                    pe.lerp_(p, 1 - self.cfg.ema_decay)
+        self.step += 1
+        return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
+
+    @torch.no_grad()
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The EMA model's velocity when an EMA is kept, else the trained model's, under autocast."""
+        with self.autocast():
+            return self._sampled_model()(x, t, context, context_mask)  # (B, C, T, H, W)
+
+    def _sampled_model(self) -> VideoDiT:
+        return self.ema if self.ema is not None else self.model
+
+    def timings(self, steps: range) -> dict[str, float]:
+        """Wall time per step from the start of step `steps.start` to now, after the device is idle."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - self._marks[steps.start]
+        self._marks = {k: v for k, v in self._marks.items() if k >= steps.stop}
+        return {"step_time_s": seconds / len(steps)}
+
+    # ---- checkpoints: one file, checkpoints/step_N.pt ------------------------------------------
+    def save(self, path: Path, extra: dict) -> Path:
+        return save_checkpoint(path, {"step": self.step, "model": self.model.state_dict(),
+                                      "optimizer": self.optimizer.state_dict(),
+                                      "ema": None if self.ema is None else self.ema.state_dict(), **extra})
+
+    def load(self, path: Path) -> None:
+        state = load_checkpoint(path, map_location=self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.step = state["step"]
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu().clone() for k, v in self._sampled_model().state_dict().items()}
+
+    def close(self) -> None:
+        """Nothing to release: the model and optimizer are ordinary tensors."""
