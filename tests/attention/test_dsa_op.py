@@ -234,10 +234,12 @@ def test_input_validation():
 def test_backend_choice_and_errors():
     shape, ks = (1, 3, 3, 3, 1, 4), (3, 3, 3)
     q, k, v, offsets = random_inputs(shape, ks)
-    assert select_backend("auto", q, offsets).name == "reference"  # CPU: never the interpreter
-    with pytest.raises(ValueError, match=r"backend='flash' is unknown.*'auto', 'triton', 'reference'"):
+    assert select_backend("auto", q, offsets).name == "gather"  # CPU: never the interpreter
+    assert select_backend("reference", q, offsets).name == "reference"
+    with pytest.raises(ValueError, match=r"backend='flash' is unknown.*'auto', 'triton', 'gather', 'reference'"):
         deformable_slide_attention(q, k, v, offsets, ks, backend="flash")
-    with pytest.raises(ValueError, match=r"triton: cannot run \(dtypes .*float64.*\); reference: can run"):
+    with pytest.raises(ValueError, match=r"triton: cannot run \(dtypes .*float64.*\); gather: can run .*; "
+                                         r"reference: can run"):
         deformable_slide_attention(q, k, v, offsets, ks, backend="triton")
     out = deformable_slide_attention(q, k, v, offsets, ks, backend="auto")
     torch.testing.assert_close(out, deformable_slide_attention(q, k, v, offsets, ks, backend="reference"))

@@ -1,4 +1,4 @@
-"""The public 3D-DSA op: input checks, backend choice and the autograd Function.
+"""The public 3D-DSA op: input checks, backend choice and the Triton autograd Function.
 
 Backends are `megaslide.backends.Backend` records with a `can_run(q, offsets, explicit)`
 check, walked in preference order for "auto"; an explicit request that cannot run raises a
@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from megaslide.attention.dsa.gather import deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.backends import Backend, triton_device_check, triton_interpreted
 from megaslide.backends import select_backend as choose_backend
@@ -92,6 +93,12 @@ def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) ->
     return True, "pure PyTorch, any device and dtype"
 
 
+def can_run_gather(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
+    """The gather backend runs on any device and floating dtype; "auto" takes it where the
+    fused kernels cannot run (CPU)."""
+    return True, "PyTorch gathers with a hand-written backward, any device and dtype"
+
+
 def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     """The fused kernels need triton, fp32/fp16/bf16, d <= 128 and a launch grid within
     CUDA's limits, on CUDA; on CPU only under the Triton interpreter (TRITON_INTERPRET=1)
@@ -111,6 +118,7 @@ def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tu
 
 BACKENDS: tuple[Backend, ...] = (
     Backend("triton", can_run_triton, _DSATritonFunction.apply),
+    Backend("gather", can_run_gather, deformable_slide_attention_gather),
     Backend("reference", can_run_reference, deformable_slide_attention_reference),
 )
 """In the order "auto" tries them."""
@@ -178,7 +186,9 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         offsets: (B, T, H, W, heads, K, 3), floating, last axis (dt, dy, dx).
         kernel_size: (kt, kh, kw) (or one int for all three), odd and <= (T, H, W).
         scale: softmax scale; d ** -0.5 when None.
-        backend: "auto" (triton on CUDA, else reference), "triton" or "reference".
+        backend: "auto" (triton on CUDA, else gather), "triton", "gather" (PyTorch
+            gathers with a hand-written backward, the CPU path) or "reference" (readable,
+            slow: the judge the others are tested against).
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
