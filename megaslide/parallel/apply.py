@@ -64,24 +64,27 @@ class SequenceParallelAttention(nn.Module):
         return self.project_out(o)                           # (B, n, D)
 
 
-def parallelize_dit(model: VideoDiT, group: dist.ProcessGroup | SPMesh | None, mode: str = "ulysses", *,
+def parallelize_dit(model: VideoDiT, mesh_or_group: SPMesh | dist.ProcessGroup | None, mode: str = "ulysses", *,
                     ulysses_degree: int | None = None, ring_degree: int | None = None,
                     placement: str = "ulysses_intra", transport: str = "p2p", chunks: int | None = None,
                     project_qkv: ProjectQKV | None = None) -> VideoDiT:
     """Swap every block's self-attention of `model` for its sequence-parallel form, in place; returns `model`.
 
-    group: the SP process group; None (no group) is this process alone, whose attention stays
-      local; an `SPMesh` from `build_mesh` fixes the group, ulysses_degree, ring_degree and placement.
+    mesh_or_group: the SP process group; None (no group) is this process alone, whose attention
+      stays local; an `SPMesh` from `build_mesh` fixes the group (the mesh's parent),
+      ulysses_degree, ring_degree and placement.
     mode, ulysses_degree, ring_degree, placement, transport, chunks: as `sequence_parallel_attention`
       takes them, checked here (ValueError before any collective).
     project_qkv(attn, h, rope) -> q, k, v: how each block projects its heads (None: its own way).
     Applied again, it replaces the SP form. Only dense attention has one: other variants attend
     locally by design (windows, deformable neighbourhoods) and raise ValueError."""
-    if isinstance(group, SPMesh):
-        if group.parent is None:
+    group = mesh_or_group
+    if isinstance(mesh_or_group, SPMesh):
+        mesh = mesh_or_group
+        if mesh.parent is None:
             raise ValueError("the mesh has no parent group: build it with megaslide.parallel.build_mesh")
-        ulysses_degree, ring_degree, placement = group.ulysses_degree, group.ring_degree, group.placement
-        group = group.parent
+        group, placement = mesh.parent, mesh.placement
+        ulysses_degree, ring_degree = mesh.ulysses_degree, mesh.ring_degree
     check_options(mode, placement, transport)
     if group_size(group) > 1:
         resolve_degrees(mode, group_size(group), model.cfg.num_heads, ulysses_degree, ring_degree)
