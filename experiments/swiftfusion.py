@@ -316,9 +316,8 @@ def print_tables(payload: dict) -> None:
         print(f"{r['variant']:>18} {r['seq_len']:>9} {r['status']:>11} {ms:>10} {pred:>10} {ratio:>9} {vs:>7}")
 
 
-def benchmark(cfg) -> None:
+def benchmark(cfg: SwiftFusionConfig, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     usp_u = cfg.usp_ulysses or default_usp_ulysses(world, cfg.heads)
     variants = select_variants(build_variants(world, cfg.heads, usp_u, cfg.chunks), cfg.variants)
@@ -415,7 +414,7 @@ def run_rank(rank: int, world: int, cfg: SwiftFusionConfig) -> None:
     the groups, drop the cached meshes) so no gloo thread outlives the interpreter. A failing
     rank raises, and its exit code is the run's."""
     ctx = init_distributed("auto", timeout_s=cfg.timeout_s)
-    benchmark(cfg)
+    benchmark(cfg, ctx.device)
     shutdown(ctx)
 
 
