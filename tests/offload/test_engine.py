@@ -13,6 +13,7 @@ import torch
 
 from megaslide.config import OffloadConfig
 from megaslide.models.dit import VideoDiT
+from megaslide.offload.engine import OffloadEngine
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
@@ -284,6 +285,37 @@ def test_bf16_mode_runs_and_stays_close_to_fp32(tmp_path):
     assert torch.equal(host.blocks[0].weights, host.blocks[0].master.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("attention", ["dense", "dsa"])
+def test_from_config_initialises_like_the_host_model(attention):
+    """With build_on_host: the host VideoDiT's weights exactly. Built on meta, one block on the host
+    at a time (another random stream): per parameter the same exact constants (adaLN-Zero gates,
+    final layer, biases, norms, DSA offsets) and the same init statistics."""
+    cfg = _model_cfg(attention)
+    kw = dict(device=torch.device("cpu"), train_cfg=tiny_train_cfg(), offload_cfg=OffloadConfig(enabled=True),
+              grid=cfg.token_grid(4, 16, 16))
+    torch.manual_seed(0)
+    host = {name: p.detach() for name, p in VideoDiT(cfg).named_parameters()}
+    weights = {}
+    for build_on_host in (True, False):
+        torch.manual_seed(0)
+        engine = OffloadEngine.from_config(cfg, build_on_host=build_on_host, **kw)
+        weights[build_on_host] = engine.model_state_dict()
+        engine.close()
+    exact, lean = weights[True], weights[False]
+    assert exact.keys() == lean.keys() == host.keys()
+    for name, ref in host.items():
+        assert torch.equal(exact[name], ref), name
+        if (ref == ref.flatten()[0]).all():
+            assert torch.equal(lean[name], ref), name
+        else:
+            n = ref.numel()
+            assert abs(lean[name].mean() - ref.mean()) <= 5 * ref.std() / n ** 0.5, name
+            assert abs(lean[name].std() / ref.std() - 1) <= 5 / n ** 0.5, name
+    zero = ["t_proj.1.weight", "final.linear.weight", *(f"blocks.{i}.modulation" for i in range(DEPTH))]
+    zero += [f"blocks.{i}.attn.offset_proj.weight" for i in range(DEPTH)] if attention == "dsa" else []
+    assert not any(lean[name].any() for name in zero)
+
+
 def test_unloaded_blocks_are_refused(tmp_path):
     cfg = tiny_model_cfg()
     with torch.device("meta"):
@@ -291,7 +323,6 @@ def test_unloaded_blocks_are_refused(tmp_path):
     for name, child in model.named_children():
         if name != "blocks":
             child.to_empty(device="cpu")
-    from megaslide.offload.engine import OffloadEngine
     from megaslide.train.batches import make_batch
     from megaslide.data.build import build_dataset
     engine = OffloadEngine(model, device=torch.device("cpu"), train_cfg=tiny_train_cfg(),

@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from megaslide.config import OffloadConfig
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
@@ -70,3 +72,29 @@ def test_compiled_blocks_train_like_eager(tmp_path):
     assert eager.keys() == compiled.keys()
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+class Recorder:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.rows.append((step, metrics))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fit_logs_and_checkpoints_with_either_engine(tmp_path, offload):
+    """One fit loop: every log_every steps the loss, lr and the engine's time breakdown; the
+    checkpoint in the engine's format (step_N.pt, or with offload a step_N/ folder)."""
+    logger = Recorder()
+    trainer = Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=3, log_every=2), tmp_path, logger,
+                      offload_cfg=OffloadConfig(enabled=offload))
+    last = trainer.fit()
+    assert [step for step, _ in logger.rows] == [2, 3] and logger.rows[-1][1] == last
+    breakdown = {"compute_s", "h2d_s", "d2h_s", "optimizer_s", "overlap_efficiency"} if offload else set()
+    for _, metrics in logger.rows:
+        assert metrics.keys() == {"loss", "grad_norm", "lr", "step_time_s"} | breakdown
+        assert metrics["step_time_s"] > 0 and metrics["loss"] == metrics["loss"]
+    written = tmp_path / "checkpoints" / ("step_3/state.pt" if offload else "step_3.pt")
+    assert written.is_file()
+    trainer.close()
