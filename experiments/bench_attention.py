@@ -149,6 +149,8 @@ def sweep(grids, variants, heads, d, dtype, device, window, kernel, repeats, den
                 row["status"] = f"skipped: N > {dense_limit} (quadratic time)"
             elif name == "dsa_reference" and n > ref_limit:
                 row["status"] = f"skipped: N > {ref_limit} (OOM at a smaller N)"
+            elif name.startswith("dsa") and any(k > s for k, s in zip(kernel, grid)):
+                row["status"] = f"skipped: kernel {kernel} larger than the grid"
             elif "fused" in name and device.type != "cuda":
                 row["status"] = "skipped: Triton kernels need CUDA"
             else:

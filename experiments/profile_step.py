@@ -4,7 +4,8 @@ For each variant: build the reference Trainer on MovingShapes, warm up, time `st
 (synchronised; median and spread), then run `torch.profiler` over two more and keep the
 operators with the most device time (CPU time on a CPU run). Batches are made inside the step,
 so the data cost is part of the step time. The DiT comes from the `model` group; each variant
-takes from the `attention` group the options it has (`attention.window` is Swin's window).
+takes from the `attention` group the options it has (with `attention=swin`, `attention.window`
+sets Swin's window), else its defaults.
 Configuration: experiments/conf/profile_step.yaml.
 
     python -m experiments.profile_step device=cpu model=tiny frames=4 size=16                # tiny
