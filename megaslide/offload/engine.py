@@ -137,11 +137,12 @@ class OffloadEngine:
 
         With `build_on_host` the model is `VideoDiT(model_cfg)` built on the host under the
         caller's seed: the resident engine's initial weights bit for bit, at the price of the
-        fp32 model in host RAM once. Without it nothing model-sized exists at any time: the model
-        is built on the meta device, its stem (and block 0) come from a one-block model built on
-        the host, and every further block is built on the host one at a time and initialised by
-        `DiTBlock.initialize_weights`. The model's own init rules, so the same statistics and
-        the same exact zeros (adaLN-Zero gates, final layer), though not its random stream."""
+        fp32 model in host RAM once. Without it no fp32 copy of the whole model is ever made: the
+        model is built on the meta device, its stem (and block 0) come from a one-block model built
+        on the host, and every further block is built on the host one at a time, initialised by
+        `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
+        so the same statistics and the same exact zeros (adaLN-Zero gates, final layer), though
+        not its random stream."""
         for cfg in (model_cfg, train_cfg, offload_cfg):
             cfg.validate()
         if train_cfg.ema_decay > 0:
@@ -159,7 +160,7 @@ class OffloadEngine:
             return cls(VideoDiT(model_cfg), **kw)
         with torch.device("meta"):
             model = VideoDiT(model_cfg)
-        first = VideoDiT(dataclasses.replace(model_cfg, depth=1))
+        first = VideoDiT(dataclasses.replace(model_cfg, depth=1))  # the stem and block 0, initialised by the model
         for name, child in first.named_children():
             if name != "blocks":
                 setattr(model, name, child)
