@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide.data.moving_shapes import DIRECTIONS, SHAPES, MovingShapes, render_video
+from megaslide.data.moving_shapes import DIRECTIONS, SHAPES, MovingShapes, caption_for, render_video
 from megaslide.data.video_io import to_uint8_frames
 from megaslide.metrics.motion import (
-    SHAPE_TEMPLATES,
+    FILL_RATIO,
+    SCORER_VERSION,
     classify_direction,
-    classify_shape,
+    classify_shapes,
     fit_motion,
+    grow_torus,
     measure_object,
     score_video,
     score_videos,
@@ -77,18 +79,45 @@ def test_measure_object_on_a_wrapped_shape():
     height, width, size = 24, 30, 9.0
     for center in ([0.4, 29.1], [12.3, 15.8], [23.6, 0.2]):
         video = render_video(height, width, torch.tensor([[center]]), [{"color": "white", "shape": "square"}], size)
-        mask = video[0, 0].numpy() > 127.5
-        area, centroid, kurtosis, offset = measure_object(mask)
+        coverage = video[0, 0].numpy().astype(np.float64) / 255.0
+        region = grow_torus(coverage > 0.5)
+        area, centroid = measure_object(region, coverage)
         extent = np.array([height, width])
         error = (centroid - np.array(center) + extent / 2) % extent - extent / 2
-        assert np.all(np.abs(error) < 0.5)
-        assert area == pytest.approx(size * size, rel=0.25)
-        assert kurtosis == pytest.approx(1.8, abs=0.1) and offset == pytest.approx(0.0, abs=0.06)
+        assert np.all(np.abs(error) < 0.05)
+        assert area == pytest.approx(size * size, rel=0.02)
+        assert classify_shapes(coverage[None], region[None], np.array([area]), centroid[None]) == ["square"]
 
 
-def test_classifiers_on_templates_and_unit_vectors():
-    for name, (kurtosis, offset) in SHAPE_TEMPLATES.items():
-        assert classify_shape(kurtosis, offset) == name
+def _torus_blur(image: np.ndarray, weights) -> np.ndarray:
+    """A separable blur of an image (H, W) that wraps at the borders; weights of the taps -r..r."""
+    radius = len(weights) // 2
+    for axis in (0, 1):
+        image = sum(w * np.roll(image, shift, axis=axis) for w, shift in zip(weights, range(-radius, radius + 1)))
+    return image
+
+
+@pytest.mark.parametrize("size", [6.0, 8.0, 11.0])
+def test_classify_shapes_names_rendered_shapes_sharp_and_blurred(size):
+    """Every shape at sub-pixel positions (some wrapping), sharp, box-blurred, Gaussian-blurred (sigma 1,
+    a 5-tap kernel the classifier does not hold) and quantised to uint8 as a video is."""
+    height, width, rng = 20, 24, np.random.default_rng(int(size * 10))
+    kernels = {"sharp": [1.0], "box": [1 / 3] * 3, "gauss": cv2.getGaussianKernel(5, 1.0).ravel()}
+    for shape in SHAPES:
+        centers = np.stack([rng.uniform(0, height, 6), rng.uniform(0, width, 6)], axis=1)  # (6, 2)
+        centers[0] = [0.3, width - 0.4]  # across both borders
+        video = render_video(height, width, torch.from_numpy(centers).float()[None], [{"color": "white", "shape": shape}],
+                             size)  # (3, 6, H, W) in [0, 255]
+        for name, weights in kernels.items():
+            coverage = np.stack([np.rint(_torus_blur(f, weights)) / 255.0 for f in video[0].numpy()])  # (6, H, W)
+            region = np.stack([grow_torus(c > 0.5) for c in coverage])
+            measured = [measure_object(r, c) for r, c in zip(region, coverage)]
+            area, centroid = np.array([m[0] for m in measured]), np.stack([m[1] for m in measured])
+            named = classify_shapes(coverage, region, area, centroid)
+            assert named.count(shape) >= 5, (shape, name, named)
+
+
+def test_direction_classifier_on_unit_vectors():
     for name, unit in DIRECTIONS.items():
         assert classify_direction(3.0 * np.array(unit)) == name
         assert classify_direction(3.0 * np.array(unit) + 0.3) == name
@@ -191,19 +220,127 @@ def test_frame_skipping_breaks_speed_only():
     assert skipped["text_alignment"] >= 0.9
 
 
-def test_blur_and_noise_break_shape_and_consistency():
+def test_heavy_blur_and_noise_lower_stability_not_caption_match():
+    """The shape fit models blur, so even strong blur (sigma up to 2 on 8-px shapes) keeps the caption
+    match; what it and heavy noise (std 100 of 255) lower is how steady size, shape and path look."""
     _, _, videos, labels = dataset_videos("slow")
     rng = np.random.default_rng(2)
     clean = score_videos(videos, labels)
     blurred = [np.stack([cv2.GaussianBlur(f, (0, 0), rng.uniform(0.5, 2.0)) for f in v]) for v in videos]
     blur = score_videos(blurred, labels)
-    assert blur["text_alignment"] <= clean["text_alignment"] - 0.3
-    assert blur["temporal_consistency"] <= clean["temporal_consistency"] - 0.08
+    assert blur["text_alignment"] >= 0.9
+    assert blur["shape_stability"] <= clean["shape_stability"] - 0.05
+    assert blur["temporal_consistency"] <= clean["temporal_consistency"] - 0.03
     noisy = [np.clip(v + rng.normal(0.0, 100.0, v.shape), 0, 255).astype(np.uint8) for v in videos]
     noise = score_videos(noisy, labels)
-    assert noise["text_alignment"] <= clean["text_alignment"] - 0.15  # moments average the noise out a little
-    assert noise["shape_stability"] <= clean["shape_stability"] - 0.1
-    assert noise["temporal_consistency"] <= clean["temporal_consistency"] - 0.08
+    assert noise["size_stability"] <= clean["size_stability"] - 0.05
+    assert noise["smoothness"] <= clean["smoothness"] - 0.05
+    assert noise["temporal_consistency"] <= clean["temporal_consistency"] - 0.05
+
+
+# The sizes the studies score: the GPU studies' 16x16 clips with 6-px shapes at 3 px/frame (16 and 64
+# frames), the CPU main job's (8 frames), and the 32x32 data configs (conf/data: 2 and 6 px/frame).
+STUDY_SIZES = {
+    "published_16f": dict(height=16, width=16, shape_size=6, speed=3.0, frames=16),
+    "cpu_main_job": dict(height=16, width=16, shape_size=6, speed=3.0, frames=8),
+    "published_64f": dict(height=16, width=16, shape_size=6, speed=3.0, frames=64),
+    "default_32": dict(height=32, width=32, shape_size=8, speed=2.0, frames=8),
+    "fast_32": dict(height=32, width=32, shape_size=8, speed=6.0, frames=8),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def study_videos(name, num_videos=32):
+    """Ground-truth clips of the held-out data seed the studies score (uint8), and their labels."""
+    ds = MovingShapes(num_videos, seed=10007, **STUDY_SIZES[name])
+    items = [ds[i] for i in range(num_videos)]
+    return [to_uint8_frames(it["video"]) for it in items], [it["labels"] for it in items]
+
+
+@pytest.mark.parametrize("name", list(STUDY_SIZES))
+def test_ground_truth_scores_at_every_study_size(name):
+    videos, labels = study_videos(name, num_videos=8 if name == "published_64f" else 32)
+    scores = score_videos(videos, labels)
+    assert scores["text_alignment"] >= 0.95 and scores["temporal_consistency"] >= 0.95
+
+
+def _box3(video):
+    return np.stack([cv2.blur(f, (3, 3)) for f in video])  # OpenCV's border (reflected, not wrapped)
+
+
+def _gauss3(video):
+    return np.stack([cv2.GaussianBlur(f, (3, 3), 0) for f in video])
+
+
+def _noise(video, std=15.0):
+    rng = np.random.default_rng(int(video.sum()) % 1000)
+    return np.clip(video + rng.normal(0.0, std, video.shape), 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("degrade", [_box3, _gauss3, _noise])
+def test_mildly_degraded_ground_truth_still_scores_high(degrade):
+    videos, labels = study_videos("published_16f")
+    scores = score_videos([degrade(v) for v in videos], labels)
+    assert scores["text_alignment"] >= 0.9 and scores["temporal_consistency"] >= 0.9
+
+
+def _teleport(video):
+    """From the middle frame on, the object jumps by a third of the frame and goes on from there."""
+    height, width = video.shape[1:3]
+    jumped = video.copy()
+    jumped[len(video) // 2:] = np.roll(video[len(video) // 2:], (height // 3, width // 3), axis=(1, 2))
+    return jumped
+
+
+@pytest.mark.parametrize("broken", ["frozen", "reversed", "teleport"])
+def test_frozen_reversed_and_teleporting_objects_are_not_consistent(broken):
+    videos, labels = study_videos("published_16f")
+    truth = score_videos(videos, labels)
+    make = {"frozen": lambda v: np.repeat(v[:1], len(v), axis=0), "reversed": lambda v: v[::-1], "teleport": _teleport}
+    scores = score_videos([make[broken](v) for v in videos], labels)
+    assert scores["temporal_consistency"] <= truth["temporal_consistency"] - 0.35
+    assert scores["identity"] == 1.0 and scores["color_ok"] == 1.0  # the object itself is there throughout
+    if broken != "teleport":
+        assert scores["text_alignment"] == 0.0 and scores["velocity_match"] == pytest.approx(0.0, abs=1e-9)
+        captions_only = score_videos([make[broken](v) for v in videos], [caption_for(lab) for lab in labels])
+        assert captions_only["temporal_consistency"] == pytest.approx(0.0, abs=1e-9)  # only the direction counts
+
+
+def _rotated(direction: str) -> str:
+    """The DIRECTIONS name a quarter turn from `direction`."""
+    dy, dx = DIRECTIONS[direction]
+    return next(n for n, u in DIRECTIONS.items() if np.allclose(u, (dx, -dy)))
+
+
+def test_wrong_captions_fail_the_part_they_change():
+    videos, labels = study_videos("published_16f")
+    truth = score_videos(videos, labels)
+
+    def relabel(**change):
+        return [[dict(lab, **{k: f(lab) for k, f in change.items()}) for lab in labs] for labs in labels]
+
+    colour = score_videos(videos, relabel(color=lambda lab: "green" if lab["color"] != "green" else "red"))
+    assert colour["text_alignment"] == 0.0 and colour["color_ok"] == 0.0 and colour["temporal_consistency"] == 0.0
+    shape = score_videos(videos, relabel(shape=lambda lab: SHAPES[(SHAPES.index(lab["shape"]) + 1) % len(SHAPES)]))
+    assert shape["text_alignment"] == 0.0 and shape["shape_ok"] == 0.0
+    assert shape["temporal_consistency"] == truth["temporal_consistency"]  # consistency does not read the shape name
+    turned = score_videos(videos, relabel(direction=lambda lab: _rotated(lab["direction"])))
+    assert turned["text_alignment"] == 0.0 and turned["direction_ok"] == 0.0
+    assert turned["motion_error"] == pytest.approx(math.sqrt(2.0), abs=0.01)  # |v - v_label| / |v_label|
+    assert turned["temporal_consistency"] <= truth["temporal_consistency"] - 0.35
+
+
+def test_motion_error_is_the_velocity_vector_error():
+    videos, labels = study_videos("published_16f")
+    assert score_videos(videos, labels)["motion_error"] <= 0.01
+    assert score_videos([v[::-1] for v in videos], labels)["motion_error"] == pytest.approx(2.0, abs=0.02)
+    halved = [[dict(lab, speed=lab["speed"] / 2) for lab in labs] for labs in labels]
+    assert score_videos(videos, halved)["motion_error"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_scores_name_their_scorer_version():
+    videos, labels = study_videos("cpu_main_job", num_videos=2)
+    assert score_videos(videos, labels)["scorer_version"] == SCORER_VERSION >= 2
 
 
 def test_an_empty_video_scores_zero():
@@ -223,7 +360,7 @@ def test_bad_inputs():
         score_videos([], [])
     with pytest.raises(ValueError, match="at least 2"):
         score_video(video[:1], "a red circle moving up")
-    assert set(SHAPE_TEMPLATES) == set(SHAPES)
+    assert set(FILL_RATIO) == set(SHAPES)
 
 
 def test_near_colour_pixels_with_zero_coverage_are_not_an_object():
@@ -234,5 +371,5 @@ def test_near_colour_pixels_with_zero_coverage_are_not_an_object():
     from megaslide.metrics.motion import measure_object
     mask = np.zeros((8, 8), bool)
     mask[2:4, 2:4] = True
-    area, centroid, kurtosis, _ = measure_object(mask, np.zeros((8, 8)))
-    assert area == 0.0 and np.isnan(centroid).all() and kurtosis == 0.0
+    area, centroid = measure_object(mask, np.zeros((8, 8)))
+    assert area == 0.0 and np.isnan(centroid).all()
