@@ -358,8 +358,10 @@ def score_videos(
     ``labels``: per video, its label list or caption. Returns the means of
     text_alignment, color_ok, shape_ok, direction_ok, temporal_consistency, identity,
     size_stability, shape_stability, smoothness, velocity_match and motion_error (NaN if
-    no label has a speed; averaged over videos that have one), plus num_videos and
-    scorer_version (SCORER_VERSION: scores of different versions are not comparable).
+    no label has a speed; averaged over videos that have one); for each, "<name>_se", the
+    standard error of that mean over the videos (sample std / sqrt(count); NaN below two),
+    the evaluation's sampling error; plus num_videos and scorer_version (SCORER_VERSION:
+    scores of different versions are not comparable).
     """
     if len(videos) != len(labels):
         raise ValueError(f"videos has {len(videos)} entries but labels has {len(labels)}; pass one label set per video")
@@ -370,6 +372,7 @@ def score_videos(
     for key in per_video[0]:
         values = [s[key] for s in per_video if not math.isnan(s[key])]
         means[key] = float(np.mean(values)) if values else math.nan
+        means[f"{key}_se"] = float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
     means["num_videos"] = float(len(per_video))
     means["scorer_version"] = float(SCORER_VERSION)
     return means

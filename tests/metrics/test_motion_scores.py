@@ -338,9 +338,15 @@ def test_motion_error_is_the_velocity_vector_error():
     assert score_videos(videos, halved)["motion_error"] == pytest.approx(1.0, abs=0.02)
 
 
-def test_scores_name_their_scorer_version():
-    videos, labels = study_videos("cpu_main_job", num_videos=2)
-    assert score_videos(videos, labels)["scorer_version"] == SCORER_VERSION >= 2
+def test_scores_name_their_scorer_version_and_sampling_error():
+    videos, labels = study_videos("cpu_main_job", num_videos=4)
+    frozen = [np.repeat(v[:1], len(v), axis=0) for v in videos[:2]]
+    scores = score_videos(videos[:2] + frozen, labels)                 # TA and TC: 1, 1, 0, 0
+    assert scores["scorer_version"] == SCORER_VERSION >= 2
+    assert scores["text_alignment"] == 0.5
+    assert scores["text_alignment_se"] == pytest.approx(np.std([1, 1, 0, 0], ddof=1) / 2)
+    assert scores["temporal_consistency_se"] == pytest.approx(0.29, abs=0.01)
+    assert math.isnan(score_videos(videos[:1], labels[:1])["text_alignment_se"])
 
 
 def test_an_empty_video_scores_zero():
