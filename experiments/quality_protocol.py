@@ -51,6 +51,8 @@ def score(videos: torch.Tensor, labels) -> dict:
     return {"text_alignment": motion["text_alignment"], "color_match": motion["color_ok"],
             "shape_match": motion["shape_ok"], "direction_match": motion["direction_ok"],
             "temporal_consistency": motion["temporal_consistency"], "motion_error": motion["motion_error"],
+            "text_alignment_se": motion["text_alignment_se"],
+            "temporal_consistency_se": motion["temporal_consistency_se"], "scorer_version": motion["scorer_version"],
             "flickering": float(np.mean([temporal_flickering(f) for f in frames])),
             "frame_consistency": float(np.mean([frame_consistency(f) for f in frames]))}
 
@@ -168,8 +170,9 @@ def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:
             "status": "ok"}
 
 
-def aggregate(rows: list[dict]) -> list[dict]:
-    """Mean and std over seeds per (variant, frames); a score that rows of older results lack is NaN."""
+def aggregate(rows: list[dict], ddof: int = 0) -> list[dict]:
+    """Mean and std (with `ddof`; NaN for too few values) over seeds per (variant, frames); a score that
+    rows of older results lack is NaN."""
     out = []
     for key in dict.fromkeys((r["variant"], r["frames"]) for r in rows):
         group = [r for r in rows if (r["variant"], r["frames"]) == key and r.get("status") == "ok"]
@@ -177,7 +180,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         for k in SCORE_KEYS:
             vals = [g[k] for g in group if not math.isnan(g.get(k, math.nan))]
             agg[f"{k}_mean"] = float(np.mean(vals)) if vals else math.nan
-            agg[f"{k}_std"] = float(np.std(vals)) if vals else math.nan
+            agg[f"{k}_std"] = float(np.std(vals, ddof=ddof)) if len(vals) > ddof else math.nan
         if not group:
             agg["status"] = next((r["status"] for r in rows if (r["variant"], r["frames"]) == key), "missing")
         out.append(agg)
