@@ -84,6 +84,7 @@ class DiTConfig:
     qk_norm: bool = True
     freq_dim: int = 256         # sinusoidal timestep features
     checkpoint_blocks: bool = False  # activation checkpointing per block
+    chunk_tokens: int = 0       # token-wise work of each block over slices of this many tokens (0: off)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self):
@@ -108,6 +109,9 @@ class DiTConfig:
             raise ValueError(f"model.patch_size={self.patch_size} must be positive")
         if self.text_layers < 0:
             raise ValueError(f"model.text_layers={self.text_layers} must be >= 0")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"model.chunk_tokens={self.chunk_tokens} must be >= 0: set 0 to run each block "
+                             f"unchunked, or n > 0 to run its token-wise work over slices of n tokens")
         self.attention.validate()
 
     def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:

@@ -4,7 +4,8 @@ Shared: the projections, QK-norm, RoPE and the output projection. A variant is o
 (registered in `megaslide.attention`) that owns:
 - `name`, its registry name, and `Options`, a frozen dataclass of its own options whose
   `__post_init__` checks their values;
-- `attend(q, k, v, x, grid)`, the token mixing itself;
+- `attend(q, k, v, x, grid)`, the token mixing itself, and `reads_input`, whether it reads
+  x, the attention input (DSA's offset net does; a chunked block keeps x whole only then);
 - `check_grid(options, grid)`, `keys_per_query(options, grid)`, `extra_params(...)` and
   `extra_macs_per_token(...)`: what config validation, FLOP and parameter accounting need
   to know without building the module.
@@ -49,14 +50,18 @@ def check_fits_grid(option: str, value: tuple[int, int, int], grid: Grid, fix: s
 class SelfAttention(nn.Module):
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
+    reads_input: ClassVar[bool] = False  # whether `attend` reads x (else a caller may pass None)
 
-    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = True, layer_idx: int = 0, **options):
-        """`options` are this variant's own (`Options` fields); `layer_idx` is the block's index."""
+    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = True, layer_idx: int = 0,
+                 chunk_tokens: int = 0, **options):
+        """`options` are this variant's own (`Options` fields); `layer_idx` is the block's index;
+        `chunk_tokens` (0: off) is the block's token chunk, over which a variant may run the
+        token-wise work inside `attend` (DSA: its offset net)."""
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide dim={dim}")
         self.options = self.parse_options(options)
-        self.layer_idx = layer_idx
+        self.layer_idx, self.chunk_tokens = layer_idx, chunk_tokens
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
@@ -109,7 +114,8 @@ class SelfAttention(nn.Module):
         return self.out(o.flatten(2))  # (B, N, h, d) -> (B, N, D)
 
     def attend(self, q, k, v, x, grid):
-        """q, k, v (B, N, h, d); x (B, N, D) the block input; grid (T, H, W) -> (B, N, h, d)."""
+        """q, k, v (B, N, h, d); x (B, N, D) the attention input (None unless `reads_input`);
+        grid (T, H, W) -> (B, N, h, d)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, rope, grid: Grid) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megaslide.attention import build_attention
+from megaslide.attention import SelfAttention, build_attention
 from megaslide.config import AttentionConfig, DiTConfig
 from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3D, TimestepEmbedder
 from megaslide.models.text import HashTokenizer, TextEncoder, text_encoder_params
@@ -40,12 +40,32 @@ def _xavier_linears(module: nn.Module) -> None:
 
 
 class DiTBlock(nn.Module):
+    """adaLN-Zero block: self-attention, cross-attention to the caption and an MLP, each gated by the timestep.
+
+    Token chunking (`cfg.chunk_tokens` = c > 0). Apart from self-attention, everything in a block
+    acts on each token alone: modulation, norms, the QKV and output projections, QK-norm + RoPE,
+    cross-attention to the caption and the MLP. The chunked forward runs that work over slices of
+    c tokens, each slice under its own non-reentrant checkpoint, so autograd keeps only a slice's
+    inputs (its run of x and of the attention output), never a whole-sequence intermediate such as
+    the MLP's ffn-wide hidden or the cross-attention's scores. Self-attention (dense, swin, dsa)
+    still sees the whole sequence, and the block keeps whole only what it needs: q, k, v, the
+    attention input if the variant reads it (`reads_input`: DSA's offset net, which itself runs
+    over runs of frames), the output and what the op saves (lse, DSA's offsets). A block's
+    activation memory in forward and backward is then O(c x (dim + ffn)) plus O(N x dim) for
+    self-attention, instead of O(N x ffn); the price is one more forward of each slice's token-wise
+    work in backward. Under `checkpoint_blocks` the recomputed forward is chunked the same way
+    (the checkpoints nest). Outputs and gradients equal the unchunked block's up to rounding.
+    The `attn=` override (KV-cached and sequence-parallel inference) and a self-attention that is
+    not a `SelfAttention` (the sequence-parallel form of `parallelize_dit`) run unchunked.
+    """
+
     def __init__(self, cfg: DiTConfig, layer_idx: int):
         super().__init__()
         a = cfg.attention
+        self.chunk_tokens = cfg.chunk_tokens
         self.norm1 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.attn = build_attention(a.name, cfg.dim, cfg.num_heads, qk_norm=cfg.qk_norm, layer_idx=layer_idx,
-                                    **dataclasses.asdict(a.options))
+                                    chunk_tokens=cfg.chunk_tokens, **dataclasses.asdict(a.options))
         self.norm2 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.cross = CrossAttention(cfg.dim, cfg.num_heads, cfg.dim, cfg.qk_norm)
         self.norm3 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
@@ -67,12 +87,42 @@ class DiTBlock(nn.Module):
         `attn(h, rope, grid) -> (B, N, D)` replaces the self-attention call (default
         `self.attn`); KV-cached and sequence-parallel inference pass their own, built from
         `self.attn.project_qkv` / `project_out`."""
+        if attn is None and self.chunk_tokens and isinstance(self.attn, SelfAttention):
+            return self._forward_chunked(x, t_mod, ctx, ctx_mask, rope, grid)
         attn = self.attn if attn is None else attn
         m = (self.modulation[None] + t_mod).unbind(1)                                  # 9 x (B, D)
         x = x + m[2][:, None] * attn(modulate(self.norm1(x), m[0], m[1]), rope, grid)  # (B, N, D)
+        return self._cross_and_mlp(x, m, ctx, ctx_mask)
+
+    def _cross_and_mlp(self, x, m, ctx, ctx_mask):
+        """x (B, n, D) after self-attention, m the 9 modulation rows (B, D) -> the block output (B, n, D)."""
         x = x + m[5][:, None] * self.cross(modulate(self.norm2(x), m[3], m[4]), ctx, ctx_mask)
-        x = x + m[8][:, None] * self.mlp(modulate(self.norm3(x), m[6], m[7]))
-        return x
+        return x + m[8][:, None] * self.mlp(modulate(self.norm3(x), m[6], m[7]))
+
+    def _forward_chunked(self, x, t_mod, ctx, ctx_mask, rope, grid):
+        """`forward` with the token-wise work over slices of `chunk_tokens` tokens (see the class docstring)."""
+        mod = self.modulation[None] + t_mod                                           # (B, 9, D)
+        cos, sin = rope                                                               # (N, d/2) each
+        spans = [slice(s, s + self.chunk_tokens) for s in range(0, x.shape[1], self.chunk_tokens)]
+        parts = [checkpoint(self._project_slice, x[:, s], mod, cos[s], sin[s], use_reentrant=False) for s in spans]
+        q, k, v, *h = (torch.cat(p, dim=1) for p in zip(*parts))                     # (B, N, h, d) x 3[, (B, N, D)]
+        o = self.attn.attend(q, k, v, h[0] if h else None, grid)                      # (B, N, h, d)
+        out = [checkpoint(self._finish_slice, x[:, s], o[:, s], mod, ctx, ctx_mask, use_reentrant=False)
+               for s in spans]
+        return torch.cat(out, dim=1)                                                  # (B, N, D)
+
+    def _project_slice(self, x, mod, cos, sin):
+        """A slice x (B, n, D) -> q, k, v (B, n, heads, d), and the attention input (B, n, D) if the variant reads it."""
+        m = mod.unbind(1)                                                             # 9 x (B, D)
+        h = modulate(self.norm1(x), m[0], m[1])                                       # (B, n, D)
+        q, k, v = self.attn.project_qkv(h, (cos, sin))                                # (B, n, h, d) each
+        return (q, k, v, h) if self.attn.reads_input else (q, k, v)
+
+    def _finish_slice(self, x, o, mod, ctx, ctx_mask):
+        """A slice x (B, n, D) and its attention output o (B, n, heads, d) -> the block output (B, n, D)."""
+        m = mod.unbind(1)                                                             # 9 x (B, D)
+        x = x + m[2][:, None] * self.attn.project_out(o)                              # (B, n, D)
+        return self._cross_and_mlp(x, m, ctx, ctx_mask)
 
 
 @dataclasses.dataclass

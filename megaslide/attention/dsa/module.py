@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import register_attention
 from megaslide.attention.base import Grid, SelfAttention, check_fits_grid, option_triple
@@ -41,6 +42,7 @@ class DSAAttention(SelfAttention):
     name = "dsa"
     Options = DSAOptions
     fixed_zero_offsets = False
+    reads_input = True  # the offset net reads the attention input
 
     def __init__(self, dim: int, num_heads: int, **kw):
         super().__init__(dim, num_heads, **kw)
@@ -70,14 +72,33 @@ class DSAAttention(SelfAttention):
         return 27 * dim + dim * num_heads * math.prod(options.kernel_size) * 3
 
     def offsets(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        """x (B, N, D) -> offsets (B, T, H, W, heads, K, 3) in token units, |.| < max_offset."""
+        """x (B, N, D) -> offsets (B, T, H, W, heads, K, 3) in token units, |.| < max_offset.
+
+        With `chunk_tokens` set, the net runs over runs of whole frames of about that many tokens
+        (at least one frame), each under its own checkpoint: backward keeps x and the offsets, no
+        grid-wide conv or GELU output."""
+        T, H, W = grid
+        if not self.chunk_tokens:
+            return self._frame_offsets(x, grid, 0, T)
+        step = max(1, self.chunk_tokens // (H * W))  # frames per run
+        runs = [checkpoint(self._frame_offsets, x, grid, t0, min(t0 + step, T), use_reentrant=False)
+                for t0 in range(0, T, step)]
+        return torch.cat(runs, dim=1)                # (B, T, H, W, heads, K, 3)
+
+    def _frame_offsets(self, x: torch.Tensor, grid: Grid, t0: int, t1: int) -> torch.Tensor:
+        """Offsets (B, t1 - t0, H, W, heads, K, 3) of frames [t0, t1) of x (B, N, D), read from frames
+        [t0 - 1, t1 + 1): the 3x3x3 conv's one-frame halo. The conv's zero padding along t is then
+        used only at the clip's ends, as over the whole grid."""
         B, N, D = x.shape
+        T, H, W = grid
+        a, b = max(t0 - 1, 0), min(t1 + 1, T)
         # contiguous NCDHW: the strided view is channels-last, where cuDNN's bf16 depthwise
         # Conv3d weight gradient runs 15-50x slower on an H200 (experiments/profile_step.py)
-        h = x.transpose(1, 2).reshape(B, D, *grid).contiguous()     # (B, D, T, H, W)
-        h = F.gelu(self.offset_conv(h)).permute(0, 2, 3, 4, 1)      # (B, T, H, W, D)
-        o = self.offset_proj(h)                                     # (B, T, H, W, heads*K*3)
-        o = o.view(B, *grid, self.num_heads, self.num_samples, 3)  # (B, T, H, W, heads, K, 3)
+        h = x[:, a * H * W:b * H * W].transpose(1, 2).reshape(B, D, b - a, H, W).contiguous()  # (B, D, b-a, H, W)
+        h = self.offset_conv(h)[:, :, t0 - a:t1 - a]                 # (B, D, t1-t0, H, W)
+        h = F.gelu(h).permute(0, 2, 3, 4, 1)                         # (B, t1-t0, H, W, D)
+        o = self.offset_proj(h)                                      # (B, t1-t0, H, W, heads*K*3)
+        o = o.view(B, t1 - t0, H, W, self.num_heads, self.num_samples, 3)  # (B, t1-t0, H, W, heads, K, 3)
         return self.options.max_offset * torch.tanh(o.float())
 
     def attend(self, q, k, v, x, grid):
@@ -95,3 +116,4 @@ class DSAAttention(SelfAttention):
 class DSAZeroAttention(DSAAttention):
     name = "dsa_zero"
     fixed_zero_offsets = True
+    reads_input = False

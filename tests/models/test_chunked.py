@@ -1,0 +1,174 @@
+"""Token-chunked blocks (`model.chunk_tokens`): the same outputs and gradients as unchunked ones,
+less saved for backward, and a clear error for a bad chunk size."""
+import dataclasses
+
+import pytest
+import torch
+
+from megaslide.attention import build_attention
+from megaslide.config import DiTConfig
+from megaslide.models.dit import DiTBlock, build_dit
+from megaslide.nn import RopeTable
+from megaslide.parallel.apply import parallelize_dit
+
+GRID = (3, 3, 4)   # N = 36 tokens
+CHUNKS = [1, 7, 12, 36, 50]  # one token, a chunk that does not divide N, a divisor, N, more than N
+OPTIONS = {"swin": {"window": (3, 3, 2)}}  # windows that divide GRID, shifted along w in odd blocks
+
+
+def _randomise(module: torch.nn.Module, seed: int = 0) -> None:
+    """Non-zero weights everywhere (the zero-init gates and DSA offsets would hide most of the block)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=0.1)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 sums over tokens in another order: agree to 1e-4 of the tensor's scale."""
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale + 1e-7)
+
+
+def _block_pair(attention: str, chunk: int) -> tuple[DiTBlock, DiTBlock, DiTConfig]:
+    cfg = DiTConfig(dim=32, num_heads=2, ffn_dim=64, attention={"name": attention, **OPTIONS.get(attention, {})})
+    plain = DiTBlock(cfg, layer_idx=1)  # an odd block: swin shifts its windows
+    _randomise(plain)
+    chunked = DiTBlock(dataclasses.replace(cfg, chunk_tokens=chunk), layer_idx=1)
+    chunked.load_state_dict(plain.state_dict())
+    return plain, chunked, cfg
+
+
+def _block_inputs(cfg: DiTConfig, grid=GRID, seed: int = 1):
+    torch.manual_seed(seed)
+    B, L, N = 2, 5, grid[0] * grid[1] * grid[2]
+    x = torch.randn(B, N, cfg.dim, requires_grad=True)
+    t_mod = torch.randn(B, 9, cfg.dim, requires_grad=True)
+    ctx = torch.randn(B, L, cfg.dim, requires_grad=True)
+    ctx_mask = torch.tensor([[True] * L, [True, True, True, False, False]])  # one padded caption
+    rope = RopeTable(cfg.head_dim, *grid).grid(grid)
+    return x, t_mod, ctx, ctx_mask, rope, grid
+
+
+def _run(block: DiTBlock, inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and the gradients of every input and parameter for a random-projection loss."""
+    x, t_mod, ctx = inputs[:3]
+    for t in (x, t_mod, ctx):
+        t.grad = None
+    block.zero_grad(set_to_none=True)
+    out = block(*inputs)
+    out.mul(torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), [x.grad, t_mod.grad, ctx.grad] + [p.grad for p in block.parameters()]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("attention", ["dense", "swin", "dsa", "dsa_zero"])
+def test_chunked_block_equals_unchunked(attention, chunk):
+    plain, chunked, cfg = _block_pair(attention, chunk)
+    inputs = _block_inputs(cfg)
+    want_out, want_grads = _run(plain, inputs)
+    got_out, got_grads = _run(chunked, inputs)
+    _assert_close(got_out, want_out)
+    names = ["x", "t_mod", "ctx"] + [n for n, _ in plain.named_parameters()]
+    for name, got, want in zip(names, got_grads, want_grads):
+        if want is None:                                  # dsa_zero: the inert offset net
+            assert got is None, name
+            continue
+        assert want.abs().max() > 0, name                 # every compared gradient is non-trivial
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 16, 17, 33, 200])  # 1, 1, 1, 2 frames, the whole clip
+def test_dsa_offset_net_over_frame_runs_equals_whole(chunk_tokens):
+    """The depthwise 3x3x3 conv over runs of frames with a one-frame halo = over the whole grid."""
+    grid = (5, 4, 4)
+    whole = build_attention("dsa", 32, 2)
+    _randomise(whole)
+    runs = build_attention("dsa", 32, 2, chunk_tokens=chunk_tokens)
+    runs.load_state_dict(whole.state_dict())
+    x = torch.randn(2, 80, 32, requires_grad=True)
+    want = whole.offsets(x, grid)
+    (gx_want,) = torch.autograd.grad(want.sin().sum(), x)
+    got = runs.offsets(x, grid)
+    (gx_got,) = torch.autograd.grad(got.sin().sum(), x)
+    _assert_close(got, want)
+    _assert_close(gx_got, gx_want)
+
+
+@pytest.mark.parametrize("attention", ["dense", "dsa"])
+@pytest.mark.parametrize("checkpoint_blocks", [False, True])
+def test_chunked_video_dit_forward_backward_equals_unchunked(attention, checkpoint_blocks):
+    plain = build_dit("tiny", attention=attention, checkpoint_blocks=checkpoint_blocks)
+    _randomise(plain)
+    chunked = build_dit("tiny", attention=attention, checkpoint_blocks=checkpoint_blocks, chunk_tokens=11)
+    chunked.load_state_dict(plain.state_dict())
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 4, 8, 6)                        # token grid (4, 4, 3): 48 tokens, 11 does not divide it
+    t, ids = torch.tensor([100.0, 700.0]), plain.tokenizer(["a red circle", "a blue square moving"])
+    results = []
+    for model in (plain, chunked):
+        xr = x.clone().requires_grad_()
+        out = model(xr, t, ids)
+        out.square().sum().backward()
+        results.append((out.detach(), [xr.grad] + [p.grad for p in model.parameters()]))
+    (want_out, want_grads), (got_out, got_grads) = results
+    _assert_close(got_out, want_out)
+    for got, want in zip(got_grads, want_grads):
+        _assert_close(got, want)
+
+
+def _saved_bytes(block: DiTBlock, inputs) -> int:
+    """Bytes of the distinct storages that autograd saves for backward of one block forward
+    (views count once, with their base; the block's parameters are not counted)."""
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(*inputs)
+    return sum(storages.values())
+
+
+def test_chunked_block_saves_only_what_attention_needs():
+    """Unchunked, backward keeps the MLP's ffn-wide hidden of all N tokens (> N * ffn elements);
+    chunked, it keeps x, q, k, v, the attention output and lse over N tokens (about 5 N D) and
+    only the chunk inputs of the token-wise work: below 8 N D + chunk * ffn elements."""
+    chunk = 32
+    cfg = DiTConfig(dim=32, num_heads=2, ffn_dim=1024)
+    plain, chunked = DiTBlock(cfg, 0), DiTBlock(dataclasses.replace(cfg, chunk_tokens=chunk), 0)
+    inputs = _block_inputs(cfg, grid=(4, 8, 8))
+    B, N, D = inputs[0].shape
+    elements = 4 * B                                      # fp32 bytes, per sample
+    assert _saved_bytes(plain, inputs) > N * cfg.ffn_dim * elements
+    assert _saved_bytes(chunked, inputs) < (8 * N * D + chunk * cfg.ffn_dim) * elements
+
+
+def test_attention_override_and_parallelized_model_run_unchunked():
+    """The `attn=` override path and the sequence-parallel form stay unchunked and still agree."""
+    plain = build_dit("tiny")
+    _randomise(plain)
+    chunked = build_dit("tiny", chunk_tokens=5)
+    chunked.load_state_dict(plain.state_dict())
+    torch.manual_seed(3)
+    x = torch.randn(1, 3, 2, 4, 4)
+    t, ids = torch.tensor([400.0]), plain.tokenizer(["a green triangle"])
+    with torch.no_grad():
+        want = plain(x, t, ids)
+        e = chunked.embed(x, t, ids)
+        block = chunked.blocks[0]
+        override = block(e.x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, attn=block.attn)
+        _assert_close(override, plain.blocks[0](e.x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid))
+        _assert_close(parallelize_dit(chunked, None)(x, t, ids), want)
+
+
+@pytest.mark.parametrize("chunk_tokens", [-1, -64])
+def test_negative_chunk_tokens_is_a_clear_error(chunk_tokens):
+    with pytest.raises(ValueError, match=r"model\.chunk_tokens=-\d+ must be >= 0.*set 0"):
+        DiTConfig(chunk_tokens=chunk_tokens).validate()
+    with pytest.raises(ValueError, match=r"model\.chunk_tokens"):
+        build_dit("tiny", chunk_tokens=chunk_tokens)
