@@ -1,13 +1,13 @@
 """Sequence parallelism applied to a built VideoDiT from outside, as torchtitan applies its parallelisms.
 
-`parallelize_dit(model, group, mode, ...)` swaps each block's self-attention for its
+`parallelize_dit(model, mesh_or_group, mode, ...)` swaps each block's self-attention for its
 sequence-parallel form, `SequenceParallelAttention`; nothing else in the model changes, and the
 model code stays single-device. Afterwards the model runs on token shards: rank r of the P ranks
-of `group` holds a contiguous run of the video's token rows (`megaslide.inference.sharded.TokenShard`),
+of the SP group holds a contiguous run of the video's token rows (`megaslide.inference.sharded.TokenShard`),
 embeds it with `VideoDiT.embed_shard`, runs the blocks, and maps its tokens back with
 `VideoDiT.head`. Self-attention is the one place tokens meet, and the SP form runs it over all N
-tokens with `sequence_parallel_attention` in the chosen mode. One rank (`group` None, or a group
-of one) keeps the attention local.
+tokens with `sequence_parallel_attention` in the chosen mode. One rank (no group, None, or a
+group of one) keeps the attention local.
 """
 from __future__ import annotations
 
