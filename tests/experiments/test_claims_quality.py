@@ -1,78 +1,217 @@
-"""claims.py's quality verdicts on synthetic result files: seed pooling and the decision rules."""
+"""claims.py's verdicts on synthetic result files: seed pooling, the one quality rule of C6-C8, SP and SwiftFusion rules."""
+import math
+
+import numpy as np
 import pytest
 
 import experiments.claims as claims
 from experiments.results_io import write_result
 
 H200 = {"cpu": "x", "gpus": ["NVIDIA H200"]}
+SE = 0.01   # recorded sampling error of every synthetic score
 
 
-def _rows(seed: int, scores: dict[str, tuple[float, float]], frames: int = 16) -> list[dict]:
+def _rows(seed: int, scores: dict[str, tuple[float, float]], frames: int = 16, version: int | None = 2,
+          truth: tuple[float, float] = (1.0, 1.0)) -> list[dict]:
     """Per-seed rows: variant -> (temporal consistency, text alignment), plus a ground truth."""
     rows = [{"variant": v, "frames": frames, "seed": seed, "status": "ok", "temporal_consistency": tc,
-             "text_alignment": ta, "motion_error": 0.5, "flickering": 0.9, "frame_consistency": 0.9}
+             "text_alignment": ta, "motion_error": 0.5, "flickering": 0.9, "frame_consistency": 0.9,
+             "temporal_consistency_se": SE, "text_alignment_se": SE}
             for v, (tc, ta) in scores.items()]
-    rows.append({"variant": "ground_truth", "frames": frames, "seed": 99, "status": "ok", "temporal_consistency": 1.0,
-                 "text_alignment": 1.0, "motion_error": 0.0, "flickering": 0.9, "frame_consistency": 1.0})
+    rows.append({"variant": "ground_truth", "frames": frames, "seed": 99, "status": "ok", "temporal_consistency": truth[0],
+                 "text_alignment": truth[1], "motion_error": 0.0, "flickering": 0.9, "frame_consistency": 1.0})
+    if version is not None:
+        for r in rows:
+            r["scorer_version"] = float(version)
     return rows
 
 
-def _write(tmp_path, name: str, steps: int, seeds: list[int], per_seed: list[dict]):
-    write_result("ablate_offsets", name, {"config": {"steps": steps, "seeds": seeds}, "rows": [],
-                                          "tables": {"per seed": per_seed}}, results_dir=tmp_path)
+def _write(tmp_path, name: str, steps: int, seeds: list[int], per_seed: list[dict], experiment="ablate_offsets",
+           **config):
+    write_result(experiment, name, {"config": {"steps": steps, "seeds": seeds, "n_eval": 32, **config}, "rows": [],
+                                    "tables": {"per seed": per_seed}}, results_dir=tmp_path)
+
+
+def _seeds(scores_per_seed: list[dict], frames: int = 16, **kw) -> list[dict]:
+    rows = [r for seed, scores in enumerate(scores_per_seed) for r in _rows(seed, scores, frames, **kw)]
+    return [r for r in rows if r["variant"] != "ground_truth"] + [r for r in rows if r["variant"] == "ground_truth"][:1]
 
 
 @pytest.fixture
 def results(tmp_path, monkeypatch):
     monkeypatch.setattr(claims, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(claims, "load", lambda e, n: None)
+    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
     return tmp_path
 
 
-def _c8():
-    return next(c for c in claims.CLAIMS["MegaSlide-DiT"] if c.id == "C8").ours()
+def _verdict(claim_id: str) -> str:
+    return next(c for claims_ in claims.CLAIMS.values() for c in claims_ if c.id == claim_id).ours()[1]
 
 
-def test_seeds_pool_across_files_of_one_config(results, monkeypatch):
-    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
+def test_seeds_pool_across_files_of_one_config(results):
     _write(results, "a", 1500, [0], _rows(0, {"dsa": (0.70, 0.8), "dsa_zero": (0.50, 0.2)}))
     _write(results, "b", 1500, [1, 2], _rows(1, {"dsa": (0.72, 0.8), "dsa_zero": (0.52, 0.2)})[:-1]
            + _rows(2, {"dsa": (0.71, 0.8), "dsa_zero": (0.51, 0.2)}))
     _write(results, "short", 100, [0], _rows(0, {"dsa": (0.1, 0.0), "dsa_zero": (0.9, 0.9)}))  # fewer runs
     pooled = claims.pooled("ablate_offsets")
     assert pooled.steps == 1500 and len(pooled.links) == 2
-    assert pooled.rows[("dsa", 16)]["seeds"] == 3
-    assert pooled.rows[("dsa", 16)]["temporal_consistency_mean"] == pytest.approx(0.71)
-    ours, verdict = _c8()
-    assert "1500 steps" in ours and verdict.startswith("supported") and "each of the 3 seeds" in verdict
-    assert "caveat" not in verdict                                    # TA 0.8 is well trained here
+    row = pooled.rows[("dsa", 16)]
+    assert row["seeds"] == 3 and row["temporal_consistency_mean"] == pytest.approx(0.71)
+    assert row["temporal_consistency_std"] == pytest.approx(np.std([0.70, 0.72, 0.71], ddof=1))   # sample std
+    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours()
+    assert "1500 steps" in ours and "scorer v2" in ours and verdict.startswith("supported")
 
 
-def test_a_gap_inside_the_seed_spread_is_not_support(results, monkeypatch):
-    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
-    _write(results, "a", 1500, [0, 1], _rows(0, {"dsa": (0.60, 0.8), "dsa_zero": (0.50, 0.8)})
-           + _rows(1, {"dsa": (0.40, 0.8), "dsa_zero": (0.49, 0.8)}))
-    assert _c8()[1] == "not supported by this run"                    # mean gap 0.005, spread 0.1
+def test_pool_key_holds_model_batch_n_eval_eval_seed_and_scorer(results):
+    base = _rows(0, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})
+    _write(results, "a", 1500, [0], base, model="quality_gpu", batch_size=8, eval_seed=7)
+    for name, change in {"model": dict(model="tiny"), "batch": dict(batch_size=4), "n_eval": dict(n_eval=16),
+                         "eval_seed": dict(eval_seed=8)}.items():
+        _write(results, name, 1500, [1], _rows(1, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})[:-1],
+               **{"model": "quality_gpu", "batch_size": 8, "eval_seed": 7, **change})
+    _write(results, "same", 1500, [1], _rows(1, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})[:-1],
+           model="quality_gpu", batch_size=8, eval_seed=7)
+    pooled = claims.pooled("ablate_offsets")
+    assert {link.split("/")[1].split(".")[0] for link in pooled.links} == {"a", "same"}
+    # runs scored by different scorers never pool; rows without a version are scorer v1 and pool with each other
+    _write(results, "old1", 1500, [2], _rows(2, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}, version=None),
+           model="quality_gpu", batch_size=8, eval_seed=7)
+    _write(results, "old2", 1500, [3], _rows(3, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}, version=None),
+           model="quality_gpu", batch_size=8, eval_seed=7)
+    pooled = claims.pooled("ablate_offsets")                          # the newest scorer wins over more runs
+    assert pooled.settings["scorer_version"] == 2 and pooled.rows[("dsa", 16)]["seeds"] == 2
+    old = claims.run_settings(claims.json.loads((results / "ablate_offsets" / "old1.json").read_text()))
+    assert old["scorer_version"] == 1 and claims.config_key({**old, "config": {}}) != claims.config_key(
+        claims.json.loads((results / "ablate_offsets" / "a.json").read_text()))
 
 
-def test_cpu_results_are_not_claims_and_weak_models_get_a_caveat(results, monkeypatch):
+def test_settings_missing_from_the_config_come_from_the_recorded_command():
+    result = {"config": {"steps": 1500, "seeds": [0]}, "tables": {"per seed": [{"variant": "dsa"}]},
+              "command": "python experiments/ablate_offsets.py model=quality_gpu n_eval=32 train.batch_size=8 "
+                         "'seeds=[0,1]' workers=2"}
+    assert claims.run_settings(result) == {"steps": 1500, "model": "quality_gpu", "batch": 8, "n_eval": 32,
+                                           "eval_seed": None, "scorer_version": 1}
+
+
+def _gap(diff, margin=0.1):
+    return claims.Gap("temporal_consistency", diff, margin)
+
+
+@pytest.mark.parametrize("gaps,claimed,weak,word", [
+    ([_gap(0.3), _gap(0.2)], 0.0, None, "supported"),
+    ([_gap(0.3), _gap(0.05)], 0.0, None, "inconclusive"),          # one gap inside its margin
+    ([_gap(0.3), _gap(-0.2)], 0.0, None, "contradicted"),           # one the other way beyond the margin
+    ([_gap(0.3)], 0.0, "under-trained: best TA 0.1 vs ground truth 1.0", "inconclusive"),
+    ([_gap(0.3, math.nan)], 0.0, None, "inconclusive"),             # one seed: no spread
+    ([_gap(-0.03, 0.01)], -0.05, None, "supported"),                # "not worse than": 0.03 lower is within 0.05
+    ([_gap(-0.2, 0.05)], -0.05, None, "contradicted"),
+])
+def test_decide_is_one_rule(gaps, claimed, weak, word):
+    assert claims.decide(gaps, claimed, weak)[0] == word
+
+
+def test_margin_counts_seed_spread_and_sampling_error(results):
+    rows = _seeds([{"dsa": (0.60, 0.5), "dsa_zero": (0.50, 0.5)}, {"dsa": (0.62, 0.5), "dsa_zero": (0.50, 0.5)}])
+    for r in rows:                                         # older rows: no recorded error, so sqrt(p(1-p)/n_eval)
+        r.pop("text_alignment_se", None)
+    _write(results, "a", 1500, [0, 1], rows)
+    p = claims.pooled("ablate_offsets")
+    ta = claims.gap(p, "dsa", "dsa_zero", 16, "text_alignment")
+    assert ta.diff == 0.0 and ta.margin == pytest.approx(2 * math.sqrt(2 * 0.25 / 32))   # TA std 0.00 hides nothing
+    tc = claims.gap(p, "dsa", "dsa_zero", 16, "temporal_consistency")
+    assert tc.margin == pytest.approx(2 * math.sqrt(np.std([0.60, 0.62], ddof=1) ** 2 + 2 * SE ** 2))
+
+
+def _quality(results, per_frames: dict[int, list[dict]]):
+    rows = [r for frames, seeds in per_frames.items() for r in _seeds(seeds, frames)]
+    _write(results, "q", 1500, [0, 1, 2], rows, experiment="quality", clip_frames=sorted(per_frames))
+
+
+def _four(dsa, dense, swin, zero):
+    return {"dsa": dsa, "dense": dense, "swin": swin, "dsa_zero": zero}
+
+
+def test_one_rule_for_c6_c7_c8_supported_inconclusive_contradicted(results):
+    strong = [_four((0.80, 0.80), (0.80, 0.81), (0.60, 0.70), (0.60, 0.50)),
+              _four((0.82, 0.82), (0.82, 0.83), (0.62, 0.72), (0.62, 0.52)),
+              _four((0.81, 0.81), (0.81, 0.82), (0.61, 0.71), (0.61, 0.51))]
+    _quality(results, {16: strong, 64: strong})
+    assert _verdict("C6").startswith("supported")                   # TA 0.01 below dense: within the tolerance
+    assert _verdict("C7").startswith("supported") and _verdict("C8").startswith("supported")
+    close = [_four((0.80, 0.8), (0.90, 0.8), (0.79, 0.8), (0.79, 0.8)) for _ in range(3)]
+    _quality(results, {16: strong, 64: close})                       # at 64 frames: dense well above, swin equal
+    assert _verdict("C6").startswith("contradicted") and "64 frames: contradicted" in _verdict("C6")
+    assert _verdict("C7").startswith("inconclusive") and "16 frames: supported" in _verdict("C7")
+    worse = [_four((0.60, 0.8), (0.6, 0.8), (0.8, 0.8), (0.8, 0.8)) for _ in range(3)]
+    _quality(results, {16: worse, 64: worse})
+    assert _verdict("C7").startswith("contradicted") and _verdict("C8").startswith("contradicted")
+
+
+def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(results):
+    good = [{"dsa": (0.80, 0.8), "dsa_zero": (0.60, 0.5)} for _ in range(3)]
+    _write(results, "abl", 1500, [0, 1, 2], _seeds(good))
+    reversed_ta = [_four((0.60, 0.1), (0.6, 0.1), (0.6, 0.1), (0.58, 0.2)) for _ in range(3)]
+    _quality(results, {16: [_four((0.8, 0.8), (0.8, 0.8), (0.8, 0.8), (0.6, 0.5))] * 3, 64: reversed_ta})
+    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours()
+    assert "ablate_offsets, 16 frames" in ours and "quality, 16 frames" in ours and "quality, 64 frames" in ours
+    assert verdict.startswith("inconclusive")                       # 64 frames: inside the margin
+    assert "ablate_offsets, 16 frames: supported" in verdict and "quality, 64 frames: inconclusive" in verdict
+    assert "TA -0.10" in verdict                                     # TA reverses at 64 frames and is reported
+
+
+def test_cpu_results_are_not_claims_and_weak_models_are_inconclusive_under_every_claim(results, monkeypatch):
     monkeypatch.setattr("experiments.results_io.hardware", lambda: {"cpu": "x", "gpus": []})
     _write(results, "cpu", 60, [0], _rows(0, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}))
-    assert claims.pooled("ablate_offsets") is None and _c8()[1] == "open"
+    assert claims.pooled("ablate_offsets") is None and _verdict("C8") == "open"
     monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
-    _write(results, "gpu", 1500, [0], _rows(0, {"dsa": (0.60, 0.2), "dsa_zero": (0.50, 0.0)}))
-    assert "caveat: every model is under-trained (best TA 0.20" in _c8()[1]
+    weak = [_four((0.90, 0.2), (0.5, 0.0), (0.5, 0.0), (0.5, 0.0)) for _ in range(3)]
+    _write(results, "gpu", 1500, [0, 1, 2], _seeds([{"dsa": (0.90, 0.2), "dsa_zero": (0.50, 0.0)}] * 3))
+    _quality(results, {16: weak})
+    for claim in ("C6", "C7", "C8"):
+        assert _verdict(claim).startswith("inconclusive") and "under-trained: best TA 0.20" in _verdict(claim)
 
 
-def test_pooled_table_shows_caption_parts_only_when_every_row_has_them(results, monkeypatch):
-    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
+def test_pooled_table_shows_caption_parts_only_when_every_row_has_them(results):
     rows = _rows(0, {"dsa": (0.6, 0.2), "dsa_zero": (0.5, 0.0)})
     _write(results, "old", 1500, [0], rows)
-    header = claims.pooled_table("ablate_offsets", claims.pooled("ablate_offsets"))[2]
-    assert "color match" not in header and "text alignment" in header
+    header = claims.pooled_table("ablate_offsets", claims.pooled("ablate_offsets"))
+    assert "n_eval 32, scorer v2" in header[0]
+    assert "color match" not in header[2] and "text alignment" in header[2]
     for r in rows:
         r.update(color_match=1.0, shape_match=0.5, direction_match=0.25)
     _write(results, "old", 1500, [0], rows)
     table = claims.pooled_table("ablate_offsets", claims.pooled("ablate_offsets"))
     assert "| color match | shape match | direction match |" in table[2]
-    assert "| dsa | 16 | 1 | 0.20 ± 0.00 | 1.00 ± 0.00 | 0.50 ± 0.00 | 0.25 ± 0.00 |" in table[4]
+    assert "| dsa | 16 | 1 | 0.20 | 1.00 | 0.50 | 0.25 |" in table[4]   # one seed: no spread to show
+
+
+def test_degenerate_modes_and_noise_band_from_world_size_and_degrees():
+    timing = [{"variant": v, "seq_len": 16384, "time_s": 1.0, "speedup_vs_usp": x}
+              for v, x in (("ulysses", 0.98), ("hybrid_ring_intra", 1.03), ("ring", 0.90), ("torus", 1.2))]
+    two = {"world_size": 2, "usp_degrees": [2, 1], "timings": timing}
+    assert claims.degenerate_modes(two) == {"usp": "ulysses", "hybrid_ring_intra": "ulysses", "swiftfusion": "torus"}
+    assert claims.noise_band(two) == (0.98, 1.03)                   # ring and torus are other computations
+    assert claims.degenerate_modes({"world_size": 8, "usp_degrees": [4, 2]}) == {}
+    assert claims.degenerate_modes({"world_size": 8, "usp_degrees": [1, 8]})["usp"] == "ring"
+    assert claims.against_band([1.0, 0.99], (0.975, 1.04)) == "inside the noise band"
+    assert claims.against_band([0.92, 1.0], (0.975, 1.04)) == "below or inside the noise band"
+
+
+def test_sp_ladder_names_the_rungs_that_got_slower():
+    result = {"ranks": 2, "rows": [{"variant": f"causal: {v}", "ranks": r, "total_s": t} for v, r, t in
+                                   (("none", 2, 2.6), ("+a", 2, 2.9), ("+b", 2, 2.4), ("+c", 1, 9.0))]}
+    assert claims._ladder(result) == [("none", 2.6), ("+a", 2.9), ("+b", 2.4)]
+    assert claims._slower_rungs(claims._ladder(result)) == ["+a (2.60 -> 2.90 s)"]
+
+
+def test_f1_is_undetermined_while_the_model_errs_more_than_its_predicted_gaps():
+    plan = {"total_s": 1.0}
+    sim = {"simulation": [{"seq_len": 1 << 18, "winner_placement": "ulysses_intra", "usp": plan,
+                           "ring_intra": {"total_s": 1.01}}]}
+    wide = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.2},
+                                                 {"variant": "sdpa_1gpu", "measured_over_predicted": 1.01}]})
+    assert claims.f1(sim, wide)[1].startswith("undetermined until the model is calibrated")
+    assert "measured/predicted 1.20-1.20" in claims.f1(sim, wide)[1]
+    calibrated = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.001}]})
+    assert claims.f1(sim, calibrated)[1].startswith("not supported by the model")

@@ -24,3 +24,9 @@ def test_claims_table_from_results(tmp_path):
     text = out.read_text()
     for claim in ["C1", "C4", "C8", "S3", "F4"]:
         assert f"| {claim} |" in text
+    verdicts = {line.split(" | ")[0][2:]: line.rsplit(" | ", 1)[1] for line in text.splitlines()
+                if line.startswith("| ") and line.count(" | ") >= 3}
+    for claim in ["C6", "C7", "C8"]:                                  # one rule, one vocabulary
+        assert verdicts[claim].split(":")[0] in ("supported", "inconclusive", "contradicted", "open")
+    assert "1.0 on ideal videos" not in text and "scorer v" in text
+    assert "dense flash" in verdicts["C3"] and "timed steps" in verdicts["C4"] + text
