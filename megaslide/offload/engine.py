@@ -3,7 +3,9 @@
 One training step (`OffloadEngine.train_step`):
 1. the resident stem (patch embed, timestep MLPs, text encoder, caption projection) runs
    on the device with autograd; its outputs t_mod, ctx, t_emb enter the rest as leaves;
-2. streamed forward (no grad) over the blocks, keeping each block's input;
+2. streamed forward (no grad) over the blocks, keeping each block's input (with
+   offload.activation_offload parked in pinned host RAM and brought back one block ahead of
+   the backward: HBM holds about two block inputs whatever the depth);
 3. unembed + loss with autograd: gradients of the last hidden state and of t_emb, and the
    final layer's parameter gradients;
 4. streamed backward: block l is recomputed from its input and backpropagated; its flat
@@ -52,7 +54,7 @@ from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload import planner
 from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
 from megaslide.offload.host_state import BlockLayout, HostState
-from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
+from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
 from megaslide.train.batches import Batch
 from megaslide.train.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
@@ -92,7 +94,9 @@ class OffloadEngine:
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
         planner.require_host_fit(planner.host_bytes(self.layout, depth, self.param_dtype, pin_state),
                                  host_available_bytes(), what=f"the host state of {depth} blocks")
-        self.host = HostState(self.layout, depth, self.param_dtype, pin=cuda, pin_optimizer_state=pin_state)
+        parked = parked_inputs(depth, offload_cfg.resident_blocks) if offload_cfg.activation_offload else 0
+        self.host = HostState(self.layout, depth, self.param_dtype, pin=cuda, pin_optimizer_state=pin_state,
+                              input_buffers=parked)
         for index, block in enumerate(model.blocks):
             if not any(p.is_meta for p in block.parameters()):
                 self.host.load_block_(index, self.layout.flatten(block))
@@ -114,7 +118,8 @@ class OffloadEngine:
         self.versions = [0] * depth
         self.streamer = BlockStreamer(model.blocks, self.host, self.lanes, device, self.compute_ctx,
                                       before_load=lambda i: self.updater.before_load(i),
-                                      version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks)
+                                      version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks,
+                                      offload_inputs=offload_cfg.activation_offload)
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
         self.hyper = AdamHyper(train_cfg.betas[0], train_cfg.betas[1], 1e-8, train_cfg.weight_decay)
@@ -213,7 +218,7 @@ class OffloadEngine:
             xt = interpolate(batch.x0, batch.noise, batch.t)                  # (B, C, T, H, W)
             e = self.model.embed(xt, batch.t * TIME_SCALE, batch.ids)
         inp = BlockInputs(_leaf(e.t_mod), _leaf(e.ctx), e.ctx_mask, e.rope, e.grid)
-        h, saved = self.streamer.forward(e.x.detach(), inp, keep_inputs=True)  # (B, N, D)
+        h, kept = self.streamer.forward(e.x.detach(), inp, keep_inputs=True)   # (B, N, D)
         h, t_emb = h.requires_grad_(), _leaf(e.t_emb)
         with compute.timed():
             with self.compute_ctx():
@@ -227,7 +232,7 @@ class OffloadEngine:
                 p.grad = g
         on_grads = functools.partial(self._on_block_grads, step=self.step + 1, lr=lr)
         grads_to_host = self.clip > 0 or self.offload_cfg.optimizer_device == "cpu"
-        bw = self.streamer.backward(grad_h, saved, inp, grads_to_host=grads_to_host, on_block_grads=on_grads)
+        bw = self.streamer.backward(grad_h, kept, inp, grads_to_host=grads_to_host, on_block_grads=on_grads)
         with compute.timed():
             torch.autograd.backward([e.x, e.t_mod, e.ctx, e.t_emb], [bw.grad_x, bw.grad_t_mod, bw.grad_ctx, grad_t_emb])
             grad_norm = self._global_norm(bw.norms)

@@ -17,6 +17,10 @@ caching host allocator (`pin_memory=True`) would round every request up to a pow
 unless `pin_optimizer_state` (the optimizer_device="gpu" ablation streams it), in which case
 it joins the pinned arena. On a machine without CUDA nothing is pinned.
 
+With activation offload (offload.activation_offload) the block inputs saved for the
+backward's recompute are parked in `InputBuffers`: one more arena, of one block input per
+parked block, pinned like the first and regrown only when the input grows.
+
 Non-block parameters (patch embed, timestep MLPs, text encoder, caption projection, final
 layer) are not here: they are small and the engine keeps them resident on the device.
 """
@@ -152,7 +156,7 @@ class HostArena:
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = self.offsets[self._next]
         self._next += 1
-        size = numel * (torch.finfo(dtype).bits // 8)
+        size = numel * dtype.itemsize
         return self.buffer[start:start + size].view(dtype)  # (numel,)
 
     def close(self) -> None:
@@ -177,6 +181,44 @@ def _unregister(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
+class InputBuffers:
+    """Host buffers for the block inputs that activation offload parks during a training step
+    (offload.activation_offload): `count` buffers of one block input each (batch x tokens x dim
+    x dtype), carved from one `HostArena`, page-locked with CUDA like the block state (never the
+    caching host allocator). Sized by `reserve` from the first step's input and reallocated
+    only when a larger input comes."""
+
+    def __init__(self, count: int, pin: bool):
+        self.count, self.pin = count, pin
+        self.capacity = 0                       # bytes per buffer
+        self.arena = HostArena([], pin)
+        self.buffers: list[torch.Tensor] = []   # (capacity,) uint8 each
+
+    def reserve(self, nbytes: int) -> None:
+        """Make each buffer hold `nbytes`. Growing replaces the arena (contents are lost; no
+        transfer may still use it); a size that fits keeps it."""
+        if nbytes <= self.capacity or self.count == 0:
+            return
+        self.arena.close()
+        self.arena = HostArena([nbytes] * self.count, self.pin)
+        self.buffers = [self.arena.take(nbytes, torch.uint8) for _ in range(self.count)]
+        self.capacity = nbytes
+
+    def view(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Buffer `index` as a tensor of `like`'s shape and dtype."""
+        if like.nbytes > self.capacity:
+            raise ValueError(f"a block input of {like.nbytes} bytes does not fit the {self.capacity}-byte host "
+                             f"buffers; reserve them for the largest input first")
+        return self.buffers[index][:like.nbytes].view(like.dtype).view(like.shape)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.arena.nbytes if self.arena.pinned else 0
+
+    def close(self) -> None:
+        self.arena.close()
+
+
 @dataclass
 class HostBlock:
     """The host buffers of one block, each (numel,)."""
@@ -192,7 +234,7 @@ class HostState:
     """Host buffers of all `depth` blocks; see the module docstring for the layout."""
 
     def __init__(self, layout: BlockLayout, depth: int, param_dtype: torch.dtype, *, pin: bool,
-                 pin_optimizer_state: bool = False):
+                 pin_optimizer_state: bool = False, input_buffers: int = 0):
         if param_dtype not in (torch.bfloat16, FP32):
             raise ValueError(f"param_dtype={param_dtype} is not supported; use torch.bfloat16 or torch.float32")
         self.layout, self.depth, self.param_dtype = layout, depth, param_dtype
@@ -212,6 +254,7 @@ class HostState:
                 block.master = state.take(n, FP32)
             block.exp_avg, block.exp_avg_sq = state.take(n, FP32), state.take(n, FP32)
         self.loaded = [False] * depth
+        self.inputs = InputBuffers(input_buffers, pin)
 
     @staticmethod
     def arena_sizes(layout: BlockLayout, depth: int, param_dtype: torch.dtype,
@@ -257,7 +300,8 @@ class HostState:
     # ---- accounting ----------------------------------------------------------------------------
     @property
     def pinned_bytes(self) -> int:
-        return self.pinned_arena.nbytes if self.pinned_arena.pinned else 0
+        """Page-locked bytes: the block state's pinned arena and the parked block inputs."""
+        return (self.pinned_arena.nbytes if self.pinned_arena.pinned else 0) + self.inputs.pinned_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -273,5 +317,6 @@ class HostState:
                 "pinned_bytes": self.pinned_bytes, "total_bytes": self.total_bytes}
 
     def close(self) -> None:
-        """Unpin the arena now (it is also unpinned when the state is garbage collected)."""
+        """Unpin the arenas now (they are also unpinned when the state is garbage collected)."""
         self.pinned_arena.close()
+        self.inputs.close()

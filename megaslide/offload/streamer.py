@@ -9,7 +9,9 @@ lanes are plain contexts and events are no-ops; CI tests the scheduling logic th
 Two shells (double buffering): block l always computes in shell l % 2, a flat device
 buffer whose views are block l's parameters (`BlockLayout.mount`). While block l computes,
 block l +- 1 is copied into the other shell.
-- forward (no grad): keeps only each block's input;
+- forward (no grad): keeps only each block's input (`SavedInputs`: on the device, or with
+  activation offload parked in pinned host memory and brought back one block ahead of the
+  backward, so HBM holds about two block inputs whatever the depth);
 - backward: re-streams blocks in reverse, recomputes block l from its saved input with
   grad enabled (not for a resident tail, below), and produces the gradients of its input,
   of the shared modulation t_mod and of the caption features ctx (summed over blocks in
@@ -33,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from megaslide.offload.host_state import BlockLayout, HostState
+from megaslide.offload.host_state import BlockLayout, HostState, InputBuffers
 
 
 class DoneEvent:
@@ -178,16 +180,110 @@ class BackwardResult:
     norms: list[dict[int, torch.Tensor]]     # per block: parameter slot -> () gradient norm (fp32)
 
 
+def parked_inputs(depth: int, resident_blocks: int) -> int:
+    """How many block inputs a training step with activation offload parks on the host, each
+    copied D2H in the forward and H2D in the backward: those of the streamed blocks but the
+    last two, whose inputs the backward starts with while they are still on the device (as
+    their weights are still in the shells)."""
+    return max(0, depth - resident_blocks - 2)
+
+
+class SavedInputs:
+    """The inputs of the streamed blocks that a training forward keeps for the backward's recompute.
+
+    Without `host` each stays on the device until its block's backward. With `host`
+    (offload.activation_offload) input l < host.count goes to host buffer l on the D2H lane
+    while block l computes, and comes back on the H2D lane one block ahead of the backward,
+    beside the weight prefetch. `live` holds the inputs on the device; with `host`, at most two:
+    - forward: before input l is saved, compute waits for the D2H of input l-2, which is then
+      dropped (its copy overlapped blocks l-2 and l-1);
+    - backward: input l-1 is allocated on the compute lane as block l's backward begins, filled
+      on the H2D lane while block l recomputes, and dropped after block l-1's backward.
+    The next forward rewrites host buffer l only after the H2D that read it."""
+
+    def __init__(self, lanes: Lanes, host: InputBuffers | None):
+        self.lanes, self.host = lanes, host
+        self.live: dict[int, torch.Tensor] = {}   # block -> its input on the device
+        self.peak = 0                              # most entries of `live` at once since `reset`
+        parked = host.count if host is not None else 0
+        self._parked: list[torch.Tensor | None] = [None] * parked  # block -> its input in its host buffer
+        self._stored: list = [None] * parked       # block -> event: its D2H is done
+        self._read: list = [None] * parked         # block -> event: its H2D is done (the buffer may be rewritten)
+
+    def parks(self, index: int) -> bool:
+        return 0 <= index < len(self._parked)
+
+    def reset(self, like: torch.Tensor) -> None:
+        """Before a training forward whose block inputs are like `like` (B, N, D)."""
+        for index in [i for i in self.live if self.parks(i)]:
+            self._drop(index)
+        self.live.clear()
+        if self.host is not None and like.nbytes > self.host.capacity:
+            self.lanes.synchronize()  # no transfer may still use the old buffers
+            self.host.reserve(like.nbytes)
+        self.peak = 0
+
+    def _add(self, index: int, x: torch.Tensor) -> None:
+        self.live[index] = x
+        self.peak = max(self.peak, len(self.live))
+
+    def _drop(self, index: int) -> None:
+        self.lanes.compute.wait(self._stored[index])  # the D2H has read it; its memory may be reused
+        del self.live[index]
+
+    def save(self, index: int, h: torch.Tensor) -> None:
+        """Keep block `index`'s input h (B, N, D), computed by the work issued so far."""
+        if self.parks(index - 2):
+            self._drop(index - 2)
+        self._add(index, h)
+        if not self.parks(index):
+            return
+        d2h = self.lanes.d2h
+        d2h.wait(self.lanes.compute.record())  # h is computed
+        d2h.wait(self._read[index])            # the last step's H2D out of the buffer is done
+        dst = self._parked[index] = self.host.view(index, h)
+        with d2h.timed(h.nbytes):
+            dst.copy_(h, non_blocking=True)
+        self._stored[index] = d2h.record()
+
+    def prefetch(self, index: int) -> None:
+        """Start bringing block `index`'s input back to the device, unless it is there."""
+        if index in self.live or not self.parks(index):
+            return
+        compute, h2d = self.lanes.compute, self.lanes.h2d
+        src = self._parked[index]
+        x = torch.empty_like(src, device=self.lanes.device)  # (B, N, D), allocated on the compute lane
+        h2d.wait(compute.record())       # the memory x reuses is free
+        h2d.wait(self._stored[index])
+        with h2d.timed(x.nbytes):
+            x.copy_(src, non_blocking=True)
+        self._read[index] = h2d.record()
+        self._add(index, x)
+
+    def take(self, index: int) -> torch.Tensor:
+        """Block `index`'s input (B, N, D) on the device; later compute waits for its H2D."""
+        self.prefetch(index)
+        if self.parks(index):
+            self.lanes.compute.wait(self._read[index])
+        return self.live[index]
+
+    def release(self, index: int) -> None:
+        """Block `index`'s backward has been issued: its input is no longer needed."""
+        del self.live[index]
+
+
 class BlockStreamer:
     """Runs `blocks` (modules whose parameters get mounted here) from host weights.
 
     `before_load(l)` is called before block l's weights are copied in: the optimizer makes
     the copy wait for block l's pending update there. `version(l)` counts the updates
-    submitted for block l, so a shell still holding the current weights is not reloaded."""
+    submitted for block l, so a shell still holding the current weights is not reloaded.
+    With `offload_inputs` the saved block inputs are parked in `host.inputs` (`SavedInputs`)."""
 
     def __init__(self, blocks: nn.ModuleList, host: HostState, lanes: Lanes, device: torch.device,
                  compute_ctx: Callable[[], contextlib.AbstractContextManager],
-                 before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0):
+                 before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0,
+                 offload_inputs: bool = False):
         if not 0 <= resident <= len(blocks):
             raise ValueError(f"offload.resident_blocks={resident} must be in [0, {len(blocks)}] (the model's depth)")
         self.blocks, self.host, self.lanes = blocks, host, lanes
@@ -197,6 +293,7 @@ class BlockStreamer:
         self.shells = [BlockShell(layout, device, host.param_dtype) for _ in range(2 + resident)]
         for index, block in enumerate(blocks):
             layout.mount(block, self.shell(index).params)
+        self.inputs = SavedInputs(lanes, host.inputs if offload_inputs else None)
 
     def shell(self, index: int) -> BlockShell:
         if index >= self.first_resident:
@@ -224,33 +321,37 @@ class BlockStreamer:
 
     @torch.no_grad()
     def forward(self, h: torch.Tensor, inp: BlockInputs, keep_inputs: bool) -> tuple[torch.Tensor, list]:
-        """h (B, N, D) through all blocks -> (output (B, N, D), per block what its backward needs
-        if `keep_inputs`: its input, or for the resident tail (input leaf, output with graph))."""
-        compute, saved = self.lanes.compute, []
+        """h (B, N, D) through all blocks -> (output (B, N, D), for the resident tail if
+        `keep_inputs`: per block (input leaf, output with graph)). With `keep_inputs` the streamed
+        blocks' inputs go to `self.inputs` for the backward."""
+        compute, kept = self.lanes.compute, []
+        if keep_inputs:
+            self.inputs.reset(h)
         self.load(0)
         for index, block in enumerate(self.blocks):
             shell = self.shell(index)
             compute.wait(shell.ready)
+            tail = keep_inputs and index >= self.first_resident
+            if keep_inputs and not tail:
+                self.inputs.save(index, h)
             with compute.timed(), self.compute_ctx():
-                if keep_inputs and index >= self.first_resident:
+                if tail:
                     x = h.detach().requires_grad_()
                     with torch.enable_grad():
                         out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
-                    saved.append((x, out))
+                    kept.append((x, out))
                     h = out.detach()
                 else:
-                    if keep_inputs:
-                        saved.append(h)
                     h = block(h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
             shell.free = compute.record()
             if index + 1 < len(self.blocks):
                 self.load(index + 1)
-        return h, saved
+        return h, kept
 
-    def backward(self, grad_h: torch.Tensor, saved: list, inp: BlockInputs, *, grads_to_host: bool,
+    def backward(self, grad_h: torch.Tensor, kept: list, inp: BlockInputs, *, grads_to_host: bool,
                  on_block_grads: Callable[[int, BlockShell, object, list[bool]], None]) -> BackwardResult:
-        """Gradients of a forward run with `keep_inputs`; `grad_h` (B, N, D) is the gradient
-        of the last block's output. `inp.t_mod` and `inp.ctx` must be leaves that require grad.
+        """Gradients of a forward run with `keep_inputs`, which returned `kept`; `grad_h` (B, N, D)
+        is the gradient of the last block's output. `inp.t_mod` and `inp.ctx` must be leaves that require grad.
 
         For each block, after its flat gradient is in `shell.grads`, and (if `grads_to_host`)
         once its D2H into the host staging buffer is issued: `on_block_grads(l, shell, landed,
@@ -265,11 +366,14 @@ class BlockStreamer:
             shell, block = self.shell(index), self.blocks[index]
             compute.wait(shell.ready)
             compute.wait(shell.grads_free)
+            streamed = index < self.first_resident
+            if streamed:
+                x = self.inputs.take(index).requires_grad_()                               # (B, N, D)
+            else:
+                x, out = kept[index - self.first_resident]                                 # kept graph
+            self.inputs.prefetch(index - 1)
             with compute.timed():
-                if index >= self.first_resident:
-                    x, out = saved[index]                                                  # kept graph
-                else:
-                    x = saved[index].requires_grad_()                                      # (B, N, D)
+                if streamed:
                     with torch.enable_grad(), self.compute_ctx():
                         out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
                 grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
@@ -287,7 +391,8 @@ class BlockStreamer:
                 for slot, g in enumerate(param_grads):
                     if g is None:
                         views[slot].zero_()
-            saved[index] = None
+            if streamed:
+                self.inputs.release(index)
             shell.free = grads_ready = compute.record()
             landed = None
             if grads_to_host:
