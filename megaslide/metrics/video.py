@@ -5,6 +5,10 @@
   gets the features from DINO (subject) or CLIP (background); ``frame_consistency`` plugs
   in a weight-free stand-in encoder instead (``color_histogram_features`` by default, or
   ``pixel_features``), so its numbers are comparable across our runs, not to VBench's.
+  Like VBench's, it measures that appearance persists, not how things move: with the
+  histogram encoder a frozen clip scores 1 and an object that teleports scores as high as
+  one moving steadily. The motion-aware consistency that claim verdicts use is
+  ``megaslide.metrics.motion``'s ``temporal_consistency``.
 - ``dynamic_degree``: VBench's decision rule on optical flow, with OpenCV's Farneback or
   DIS flow standing in for RAFT (see the function for the exact formula).
 
@@ -76,7 +80,8 @@ def color_histogram_features(frames: torch.Tensor | np.ndarray, bins: int = 8) -
 
     ``frames``: uint8 (T, H, W, 3). Returns float64 (T, bins**3); each row is the square
     root of the frame's normalised histogram, so the cosine of two rows is their
-    Bhattacharyya coefficient. Invariant to where things are, sensitive to their colours.
+    Bhattacharyya coefficient. Invariant to where things are (so blind to motion, coherent
+    or not), sensitive to their colours.
     """
     frames = _as_uint8_frames(frames, min_frames=1)
     if bins < 1 or bins > 256 or 256 % bins != 0:
@@ -104,7 +109,11 @@ def pixel_features(frames: torch.Tensor | np.ndarray, size: int = 16) -> np.ndar
 
 
 def frame_consistency(frames: torch.Tensor | np.ndarray, encoder: FrameEncoder = color_histogram_features) -> float:
-    """``consistency`` of ``encoder(frames)``; ``frames`` uint8 (T, H, W, 3), T >= 2."""
+    """``consistency`` of ``encoder(frames)``; ``frames`` uint8 (T, H, W, 3), T >= 2.
+
+    An appearance score (see the module docstring): it does not punish a frozen or teleporting
+    object; ``megaslide.metrics.motion.score_videos``' temporal_consistency does.
+    """
     frames = _as_uint8_frames(frames)
     return consistency(encoder(frames))
 

@@ -123,6 +123,19 @@ def test_frame_consistency_separates_steady_from_changing_subjects():
         assert frame_consistency(steady, encoder=pixel_features) < frame_consistency(static, encoder=pixel_features)
 
 
+def test_frame_consistency_is_blind_to_motion_as_documented():
+    """The histogram encoder ignores position: frozen and teleporting clips score like the true one
+    (the documented limit; the motion-aware score is metrics.motion's temporal_consistency)."""
+    ds = MovingShapes(4, frames=16, height=16, width=16, speed=3.0, shape_size=6, seed=10007)
+    for index in range(len(ds)):
+        steady = to_uint8_frames(ds[index]["video"])
+        frozen = np.repeat(steady[:1], len(steady), axis=0)
+        teleport = steady.copy()
+        teleport[8:] = np.roll(steady[8:], (5, 5), axis=(1, 2))
+        assert frame_consistency(frozen) == pytest.approx(1.0)
+        assert frame_consistency(teleport) == pytest.approx(frame_consistency(steady), abs=0.01)
+
+
 @pytest.mark.parametrize("size,fraction", [((7, 9), 0.05), ((4, 4), 0.05), ((32, 33), 0.2), ((3, 5), 1.0)])
 def test_top_flow_magnitude_matches_sorting(size, fraction):
     flow = np.random.default_rng(size[0]).normal(size=(*size, 2)).astype(np.float32)
