@@ -330,10 +330,10 @@ class BlockStreamer:
         self.load(0)
         for index, block in enumerate(self.blocks):
             shell = self.shell(index)
-            compute.wait(shell.ready)
             tail = keep_inputs and index >= self.first_resident
             if keep_inputs and not tail:
-                self.inputs.save(index, h)
+                self.inputs.save(index, h)   # before the wait for the weights: its D2H needs only h
+            compute.wait(shell.ready)
             with compute.timed(), self.compute_ctx():
                 if tail:
                     x = h.detach().requires_grad_()
@@ -364,6 +364,7 @@ class BlockStreamer:
         self.load(depth - 1)
         for index in reversed(range(depth)):
             shell, block = self.shell(index), self.blocks[index]
+            self.inputs.prefetch(index - 1)  # first: its H2D waits only for the compute issued so far
             compute.wait(shell.ready)
             compute.wait(shell.grads_free)
             streamed = index < self.first_resident
@@ -371,7 +372,6 @@ class BlockStreamer:
                 x = self.inputs.take(index).requires_grad_()                               # (B, N, D)
             else:
                 x, out = kept[index - self.first_resident]                                 # kept graph
-            self.inputs.prefetch(index - 1)
             with compute.timed():
                 if streamed:
                     with torch.enable_grad(), self.compute_ctx():

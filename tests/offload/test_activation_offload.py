@@ -20,9 +20,11 @@ STEPS = 3
 CLIP = 0.05  # below the tiny model's gradient norm: clipping triggers on every step
 
 
-def _trainer(tmp_path, name, depth, *, activation_offload, resident_blocks=0, **train):
+def _trainer(tmp_path, name, depth, *, activation_offload, resident_blocks=0, overlap=True, optimizer_device="cpu",
+             **train):
     model_cfg = dataclasses.replace(tiny_model_cfg(), depth=depth)
-    offload = OffloadConfig(enabled=True, resident_blocks=resident_blocks, activation_offload=activation_offload)
+    offload = OffloadConfig(enabled=True, resident_blocks=resident_blocks, activation_offload=activation_offload,
+                            overlap=overlap, optimizer_device=optimizer_device)
     return Trainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**{"steps": STEPS, "weight_decay": 0.01, **train}),
                    tmp_path / name, offload_cfg=offload, adam_backend="torch")
 
@@ -34,14 +36,16 @@ def _input_bytes(trainer) -> int:
     return trainer.cfg.batch_size * tokens[0] * tokens[1] * tokens[2] * trainer.model_cfg.dim * 4
 
 
-@pytest.mark.parametrize("depth,resident_blocks,grad_clip", [
-    (1, 0, CLIP), (3, 0, CLIP), (3, 0, 0.0), (5, 0, CLIP), (5, 0, 0.0), (5, 1, CLIP), (6, 2, 0.0)])
-def test_bit_identical_to_the_engine_without_it(tmp_path, depth, resident_blocks, grad_clip):
-    """fp32 on CPU: losses, gradient norms and every weight equal after several steps."""
+@pytest.mark.parametrize("depth,resident_blocks,grad_clip,modes", [
+    (1, 0, CLIP, {}), (3, 0, CLIP, {}), (3, 0, 0.0, {}), (5, 0, CLIP, {}), (5, 0, 0.0, {}), (5, 1, CLIP, {}),
+    (6, 2, 0.0, {}), (5, 0, CLIP, {"overlap": False, "optimizer_device": "gpu"})])
+def test_bit_identical_to_the_engine_without_it(tmp_path, depth, resident_blocks, grad_clip, modes):
+    """fp32 on CPU: losses, gradient norms and every weight equal after several steps (also in
+    the serial and GPU-optimizer ablations, whose updates share the H2D and D2H lanes)."""
     plain = _trainer(tmp_path, "plain", depth, activation_offload=False, resident_blocks=resident_blocks,
-                     grad_clip=grad_clip)
+                     grad_clip=grad_clip, **modes)
     parked = _trainer(tmp_path, "parked", depth, activation_offload=True, resident_blocks=resident_blocks,
-                      grad_clip=grad_clip)
+                      grad_clip=grad_clip, **modes)
     assert parked.engine.host.inputs.count == parked_inputs(depth, resident_blocks) == max(0, depth - resident_blocks - 2)
     for _ in range(STEPS):
         a, b = plain.train_step(), parked.train_step()
