@@ -55,6 +55,9 @@ class DiTBlock(nn.Module):
     self-attention, instead of O(N x ffn); the price is one more forward of each slice's token-wise
     work in backward. Under `checkpoint_blocks` the recomputed forward is chunked the same way
     (the checkpoints nest). Outputs and gradients equal the unchunked block's up to rounding.
+    Every slice launches the block's small kernels again, and a DSA frame run also convolves its
+    two halo frames, so slices should be large: several frames, enough tokens that their matmuls
+    keep the device busy.
     The `attn=` override (KV-cached and sequence-parallel inference) and a self-attention that is
     not a `SelfAttention` (the sequence-parallel form of `parallelize_dit`) run unchunked.
     """
