@@ -136,9 +136,10 @@ def torus_components(mask: np.ndarray) -> tuple[np.ndarray, int]:
     return merged[labels], int(merged.max())
 
 
-def _circular_mean(coords: np.ndarray, period: int) -> float:
-    angles = coords * (2.0 * math.pi / period)
-    mean_angle = math.atan2(np.sin(angles).mean(), np.cos(angles).mean())
+def _circular_mean(mass: np.ndarray, period: int) -> float:
+    """Circular mean position of a 1-D mass (period,) on a ring of `period` positions."""
+    angles = np.arange(period) * (2.0 * math.pi / period)
+    mean_angle = math.atan2(float(mass @ np.sin(angles)), float(mass @ np.cos(angles)))
     return (mean_angle * period / (2.0 * math.pi)) % period
 
 
@@ -157,17 +158,19 @@ def measure_object(region: np.ndarray, coverage: np.ndarray | None = None) -> tu
     ``region``: bool (H, W), the pixels that may belong to the object; ``coverage``: float
     (H, W) in [0, 1], how much of each pixel the object covers (None: the region itself).
     Area = sum of coverage over the region; the centroid is its coverage-weighted mean,
-    computed with the region rolled so that its circular mean sits at the frame centre,
-    then rolled back. Area 0 (and a NaN centroid) if the coverage is 0 over the region.
+    computed with the covered mass rolled so that its circular mean sits at the frame
+    centre (a region grown past the frame size wraps onto itself), then rolled back.
+    Area 0 (and a NaN centroid) if the coverage is 0 over the region.
     """
     height, width = region.shape
-    ys, xs = np.nonzero(region)
-    shift = (height // 2 - int(round(_circular_mean(ys, height))), width // 2 - int(round(_circular_mean(xs, width))))
     coverage = region.astype(np.float64) if coverage is None else coverage  # (H, W)
-    weight = np.roll(region * coverage, shift, axis=(0, 1))  # (H, W)
+    weight = region * coverage  # (H, W)
     area = float(weight.sum())
     if area <= 0:  # colour-near pixels that the colour does not cover at all: no object
         return 0.0, np.full(2, np.nan)
+    shift = (height // 2 - int(round(_circular_mean(weight.sum(axis=1), height))),
+             width // 2 - int(round(_circular_mean(weight.sum(axis=0), width))))
+    weight = np.roll(weight, shift, axis=(0, 1))  # (H, W): the object's mass centred
     center_y = float(weight.sum(axis=1) @ np.arange(height)) / area
     center_x = float(weight.sum(axis=0) @ np.arange(width)) / area
     return area, np.array([(center_y - shift[0]) % height, (center_x - shift[1]) % width])

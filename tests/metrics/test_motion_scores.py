@@ -246,6 +246,7 @@ STUDY_SIZES = {
     "published_64f": dict(height=16, width=16, shape_size=6, speed=3.0, frames=64),
     "default_32": dict(height=32, width=32, shape_size=8, speed=2.0, frames=8),
     "fast_32": dict(height=32, width=32, shape_size=8, speed=6.0, frames=8),
+    "smoke_8": dict(height=8, width=8, shape_size=4, speed=2.0, frames=4),  # the script smoke tests' clips
 }
 
 
