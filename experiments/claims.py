@@ -20,7 +20,7 @@ from typing import Callable
 import yaml
 
 from experiments.quality_protocol import aggregate
-from experiments.results_io import RESULTS_DIR, is_partial
+from experiments.results_io import RESULTS_DIR, dirty_note, is_partial
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import DIT_PRESETS, count_params
 
@@ -36,7 +36,8 @@ def load(experiment: str, name: str) -> dict | None:
 
 
 def link(experiment: str, name: str) -> str:
-    return f"[{experiment}/{name}.json]({experiment}/{name}.json)"
+    """A result file's link, marked when the result ran on a dirty tree."""
+    return f"[{experiment}/{name}.json]({experiment}/{name}.json){dirty_note(load(experiment, name) or {})}"
 
 
 @dataclass

@@ -5,7 +5,9 @@
 
 Every list of flat dicts in a result JSON (at the top level or one level down, e.g. `rows`
 or `tables/<name>`) becomes a markdown table under a heading naming the file, followed by
-the provenance (command, commit, hardware, date) of that file. Nothing here is typed by hand.
+the provenance (command, commit, tree state, hardware, date) of that file; a result from a tree
+that differed from its commit is marked "(dirty tree)" beside its file name. Nothing here is typed
+by hand.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from experiments.results_io import RESULTS_DIR, is_partial
+from experiments.results_io import RESULTS_DIR, dirty_note, is_dirty, is_partial
 
 
 def _fmt(v) -> str:
@@ -62,6 +64,18 @@ def _hardware(h: dict) -> str:
     return f"{h.get('cpu', '?')} ({h.get('cpu_cores', '?')} cores), {gpus}, torch {h.get('torch', '?')}"
 
 
+def _code(data: dict) -> str:
+    """The commit line: the commit, the tree state when recorded, and where that came from."""
+    line = f"`{data.get('commit', '?')}`"
+    if is_dirty(data):
+        line += ", dirty tree" + (f" (diff sha256 `{data['diff_sha256']}`)" if data.get("diff_sha256") else "")
+    elif data.get("dirty") is False:
+        line += ", clean tree"
+    else:
+        line += ", tree state not recorded"
+    return line + (f", from {data['provenance_source']}" if data.get("provenance_source") else "")
+
+
 def render(experiment: str, results_dir: Path = RESULTS_DIR) -> Path | None:
     files = sorted((results_dir / experiment).glob("*.json"))
     if not files:
@@ -70,7 +84,7 @@ def render(experiment: str, results_dir: Path = RESULTS_DIR) -> Path | None:
            f"results/{experiment}/*.json. Do not edit by hand.", ""]
     for f in files:
         data = json.loads(f.read_text())
-        out += [f"## {f.stem}", ""]
+        out += [f"## {f.stem}{dirty_note(data)}", ""]
         if data.get("note"):
             out += [str(data["note"]), ""]
         if is_partial(data):
@@ -81,8 +95,11 @@ def render(experiment: str, results_dir: Path = RESULTS_DIR) -> Path | None:
             if name:
                 out += [f"### {name}", ""]
             out += [markdown_table(rows), ""]
-        out += [f"- command: `{data.get('command', '?')}`", f"- commit: `{data.get('commit', '?')}`",
-                f"- hardware: {_hardware(data.get('hardware', {}))}", f"- date: {data.get('date', '?')}", ""]
+        out += [f"- command: `{data.get('command', '?')}`", f"- commit: {_code(data)}",
+                f"- hardware: {_hardware(data.get('hardware', {}))}", f"- date: {data.get('date', '?')}"]
+        if data.get("provenance_note"):
+            out += [f"- provenance note: {data['provenance_note']}"]
+        out += [""]
         for png in sorted((results_dir / experiment).glob(f"{f.stem}*.png")):
             if owner(png.stem, [g.stem for g in files]) == f.stem:
                 out += [f"![{png.stem}]({experiment}/{png.name})", ""]

@@ -30,3 +30,15 @@ def test_partial_results_are_marked(tmp_path):
     md = render("demo", tmp_path).read_text()
     cut, whole = md.split("## whole")
     assert "2 of 6 planned runs" in cut and "Partial" not in whole
+
+
+def test_results_from_a_dirty_tree_are_marked(tmp_path):
+    write_result("demo", "dirty", {"rows": [{"x": 1}], "commit": "a" * 40, "dirty": True, "diff_sha256": "d" * 64,
+                                   "provenance_source": "stamp"}, results_dir=tmp_path)
+    write_result("demo", "old", {"rows": [{"x": 1}], "commit": "abc1234+dirty"}, results_dir=tmp_path)
+    write_result("demo", "clean", {"rows": [{"x": 1}], "commit": "c" * 40, "dirty": False,
+                                   "provenance_note": "relabelled by hand"}, results_dir=tmp_path)
+    md = render("demo", tmp_path).read_text()
+    assert "## clean\n" in md and "## dirty (dirty tree)\n" in md and "## old (dirty tree)\n" in md
+    assert f"- commit: `{'a' * 40}`, dirty tree (diff sha256 `{'d' * 64}`), from stamp" in md
+    assert f"- commit: `{'c' * 40}`, clean tree" in md and "- provenance note: relabelled by hand" in md
