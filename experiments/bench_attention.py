@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import hydra
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
 from experiments.harness import ExperimentRun, copy_gbps, matmul_tflops, timed
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
@@ -174,9 +173,10 @@ def loglog_slope(rows, variant) -> float | None:
     return float(np.polyfit(x, y, 1)[0])
 
 
-def summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, device) -> dict:
+def summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, hbm_gb: float | None = None) -> dict:
     """The headline numbers: the fused kernel at the target grid against the others and its
-    roofline, speed-ups at the largest common N, and each variant's log-log slope of time vs N."""
+    roofline, speed-ups at the largest common N, and each variant's log-log slope of time vs N.
+    `hbm_gb` (the device's memory) bounds the reference's peak where it ran out of memory."""
     by = {r["variant"]: r for r in target if r.get("status") == "ok"}
     n_t = math.prod(target_grid)
     roof = dsa_roofline(n_t, heads, d, math.prod(kernel), torch.finfo(dtype).bits // 8, ceil)
@@ -191,10 +191,9 @@ def summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, device) 
         if "roofline_ms" in roof:
             summary["fused_fraction_of_roofline"] = roof["roofline_ms"] / fused["ms"]
         ref_t = next((r for r in target if r["variant"] == "dsa_reference"), {})
-        if ref_t.get("status") == "OOM" and "peak_gb" in fused:
-            hbm = torch.cuda.get_device_properties(device).total_memory / 1e9
-            summary["reference_oom_at_target_hbm_gb"] = hbm
-            summary["fused_memory_fraction_of_reference_upper_bound"] = fused["peak_gb"] / hbm
+        if ref_t.get("status") == "OOM" and "peak_gb" in fused and hbm_gb:
+            summary["reference_oom_at_target_hbm_gb"] = hbm_gb
+            summary["fused_memory_fraction_of_reference_upper_bound"] = fused["peak_gb"] / hbm_gb
     common = [(r["tokens"], r["ms"]) for r in rows if r["variant"] == "dsa_reference" and r.get("status") == "ok"]
     fused_by_n = {r["tokens"]: r["ms"] for r in rows if r["variant"] == "dsa_fused" and r.get("status") == "ok"}
     common = [(n, ms) for n, ms in common if n in fused_by_n]
@@ -228,7 +227,7 @@ def plot(rows, path_prefix) -> str:
     return f"{path_prefix}.png"
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="bench_attention")
+@script_main("bench_attention")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(BenchAttentionConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
@@ -261,7 +260,8 @@ def main(hydra_cfg: DictConfig) -> None:
     print("sweep", flush=True)
     rows = sweep(sweep_grids, variants, heads, d, dtype, device, window, kernel, repeats,
                  dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
-    summary = summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, device)
+    hbm_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
+    summary = summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, hbm_gb)
 
     payload = {"config": config, "ceilings": ceil, "summary": summary,
                "tables": {"target": target, "sweep": rows}}

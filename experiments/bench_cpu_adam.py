@@ -30,12 +30,11 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, copy_gbps, timed
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from megaslide.offload import cpu_adam
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -240,11 +239,10 @@ def print_table(payload: dict) -> None:
               f"{r['GBps']:>7.1f} {r['frac_of_bandwidth']:>6.0%} {ratio:>9}")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="bench_cpu_adam")
+@script_main("bench_cpu_adam")
 def main(hydra_cfg: DictConfig) -> None:
     threads = hydra_cfg.threads or torch.get_num_threads()
     cfg = script_config(BenchCpuAdamConfig, hydra_cfg, {"threads": threads, **(TINY if hydra_cfg.tiny else {})})
-    cfg.validate()
     name = cfg.name or ("tiny" if cfg.tiny else "n" + "-".join(str(n) for n in cfg.params) + f"_t{cfg.threads}")
     run = ExperimentRun("cpu_adam", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
     payload = bench(cfg.params, cfg.threads, cfg.warmup, cfg.iters, cfg.bw_bytes)

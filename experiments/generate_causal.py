@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.generate_full import build_inputs, sampler_config
+from experiments.hydra_config import script_main
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.launch import init_distributed, shutdown
 from megaslide.inference.outputs import save_latents
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="generate_causal")
+@script_main("generate_causal")
 def main(cfg: DictConfig) -> None:
     c = OmegaConf.to_container(cfg, resolve=True)
     ctx = init_distributed(c["device"])

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.hydra_config import model_config
+from experiments.hydra_config import model_config, script_main
 from megaslide.config import from_dict
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import init_distributed, shutdown
@@ -37,7 +36,7 @@ def sampler_config(cls, c: dict):
     return from_dict(cls, {f.name: c[f.name] for f in dataclasses.fields(cls) if f.name in c})
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="generate_full")
+@script_main("generate_full")
 def main(cfg: DictConfig) -> None:
     c = OmegaConf.to_container(cfg, resolve=True)
     ctx = init_distributed(c["device"])

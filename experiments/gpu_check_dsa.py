@@ -23,12 +23,11 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
 from experiments.harness import TOLERANCE_RULE, ExperimentRun, copy_gbps, rounding_floor, timed, within_tolerance
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention
 from megaslide.attention.dsa.op import select_backend
 
@@ -201,7 +200,7 @@ def check(cfg: GpuCheckConfig) -> int:
     return 0 if passed else 1
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="gpu_check_dsa")
+@script_main("gpu_check_dsa")
 def main(cfg: DictConfig) -> None:
     """Exit status 0: every check passed; 1: a comparison failed; 2: no GPU (and not smoke)."""
     sys.exit(check(script_config(GpuCheckConfig, cfg)))

@@ -1,18 +1,47 @@
-"""Hydra/OmegaConf -> MegaSlide's typed configs. Nothing below experiments/ sees OmegaConf."""
+"""Hydra/OmegaConf -> MegaSlide's typed configs, and `script_main`, the Hydra entry point of every
+script. Nothing below experiments/ sees OmegaConf."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import sys
 
+import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from megaslide.config import AttentionConfig, DataConfig, DiTConfig, OffloadConfig, TrainConfig, from_dict
+from megaslide.config import (AttentionConfig, DataConfig, DiTConfig, OffloadConfig, TrainConfig, from_dict,
+                              validate_training)
+from megaslide.device import resolve_device
 from megaslide.models.dit import DIT_PRESETS
 
 
+def script_main(config_name: str):
+    """`hydra.main` for a script of experiments/ with its config experiments/conf/<config_name>.yaml.
+
+    The project's ValueError (a bad config value, named with its key and fix) reaches the user as
+    the message alone on stderr with exit status 2, not inside a Hydra traceback; set
+    HYDRA_FULL_ERROR=1 for the traceback. The script's config keeps Hydra from writing anything
+    (`hydra.run.dir: .`, `hydra.output_subdir: null`, job logging disabled), so a refused config
+    leaves no folder behind."""
+    def decorate(task):
+        @functools.wraps(task)
+        def run(cfg: DictConfig):
+            try:
+                return task(cfg)
+            except ValueError as err:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(f"error: {err}", file=sys.stderr)
+                sys.exit(2)
+        return hydra.main(version_base="1.3", config_path="conf", config_name=config_name)(run)
+    return decorate
+
+
 def model_config(model: dict, attention: dict) -> DiTConfig:
-    """A preset (`model.preset`) with any other `model.*` keys and the attention group applied.
-    A key set to null keeps the preset's value (a script's YAML declares `model.depth: null` so
-    that `model.depth=22` needs no `+`)."""
+    """A preset (`model.preset`) with any other `model.*` keys and the attention group applied, validated.
+    A key set to null keeps the preset's value (every model group file lists each DiTConfig field as
+    null, conf/model/fields.yaml, so that `model.depth=22` needs no `+`)."""
     model = {k: v for k, v in model.items() if v is not None}
     preset = model.pop("preset", "tiny")
     if preset not in DIT_PRESETS:
@@ -20,14 +49,17 @@ def model_config(model: dict, attention: dict) -> DiTConfig:
     base = dataclasses.asdict(DIT_PRESETS[preset])
     base.pop("attention")
     merged = {**base, **model, "attention": from_dict(AttentionConfig, attention)}
-    return from_dict(DiTConfig, merged)
+    config = from_dict(DiTConfig, merged, key="model")
+    config.validate()
+    return config
 
 
 def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
     """A table script's typed config `cls` from its Hydra config, `overrides` (a smoke preset) merged
     over it: a `wandb` group, where the script logs a run, becomes `wandb_dir` and `wandb_project`;
     a `model` group, where the script builds a model, becomes a DiTConfig in `model` (with
-    `attention`, dense when absent) and its preset name in `model_preset`."""
+    `attention`, dense when absent) and its preset name in `model_preset`. Field types are checked
+    (from_dict), and the config's own `validate()`, where it has one, runs before the script does anything."""
     c = OmegaConf.to_container(OmegaConf.merge(cfg, overrides or {}), resolve=True)
     fields = dict(c)
     if "wandb" in c:
@@ -36,10 +68,19 @@ def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
     if "model" in c:
         model, attention = fields.pop("model"), fields.pop("attention", {})
         fields.update(model=model_config(model, attention), model_preset=model.get("preset", "tiny"))
-    return from_dict(cls, fields)
+    config = from_dict(cls, fields)
+    if hasattr(config, "validate"):
+        config.validate()
+    return config
 
 
 def typed_configs(cfg: DictConfig) -> tuple[DiTConfig, DataConfig, TrainConfig, OffloadConfig]:
+    """The training configs of a script's Hydra config, completely validated (validate_training and
+    train.device on this machine): a training script calls it before it writes anything."""
     c = OmegaConf.to_container(cfg, resolve=True)
-    return (model_config(c["model"], c["attention"]), from_dict(DataConfig, c["data"]),
-            from_dict(TrainConfig, c["train"]), from_dict(OffloadConfig, c.get("offload", {})))
+    model = model_config(c["model"], c["attention"])
+    data, train, offload = (from_dict(cls, c.get(key, {}), key=key) for cls, key in
+                            ((DataConfig, "data"), (TrainConfig, "train"), (OffloadConfig, "offload")))
+    validate_training(model, data, train, offload)
+    resolve_device(train.device, key="train.device")
+    return model, data, train, offload

@@ -32,12 +32,11 @@ import sys
 import tempfile
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
-from experiments.hydra_config import model_config
+from experiments.hydra_config import model_config, script_main
 from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.metrics.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, mfu
 from megaslide.metrics.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
@@ -188,7 +187,7 @@ def print_table(p: dict) -> None:
         print(f"overlap speedup vs serial: {p['overlap_speedup_vs_serial']:.2f}x (target {TARGETS['overlap_speedup_vs_serial']}x)")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="mfu_overlap")
+@script_main("mfu_overlap")
 def main(cfg: DictConfig) -> None:
     c = OmegaConf.to_container(cfg, resolve=True)
     bench = OmegaConf.create({**c["bench"], **(TINY if cfg.tiny else {})})

@@ -14,11 +14,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from megaslide.config import DiTConfig
 from megaslide.offload.planner import Ceilings, OffloadPlan, plan_offload, require_fit
 
@@ -68,7 +67,7 @@ def report(cfg: PlanConfig) -> int:
     return 0
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="plan")
+@script_main("plan")
 def main(cfg: DictConfig) -> None:
     sys.exit(report(script_config(PlanConfig, cfg)))
 

@@ -17,12 +17,11 @@ import dataclasses
 import tempfile
 from dataclasses import dataclass
 
-import hydra
 from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity, profile
 
 from experiments.harness import ExperimentRun, sync, timed
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from experiments.report import markdown_table
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.train.trainer import Trainer
@@ -72,7 +71,7 @@ def profile_variant(name: str, cfg: ProfileStepConfig) -> dict:
             "profiled_ms_per_step": total / 2e3, "top": top}
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="profile_step")
+@script_main("profile_step")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(ProfileStepConfig, hydra_cfg)
     run = ExperimentRun("profile_step", cfg.name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import hydra
 from omegaconf import DictConfig
 
-from experiments.hydra_config import typed_configs
+from experiments.hydra_config import script_main, typed_configs
 from experiments.quality_protocol import ground_truth_row, make_job, run_study
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="quality")
+@script_main("quality")
 def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
     swin = {"window": tuple(cfg.swin_window)}

@@ -1,40 +1,73 @@
 """Generate a video for a caption from a checkpoint written by experiments/train.py.
 
     python experiments/sample.py checkpoint=runs/train/checkpoints/step_200.pt caption="a blue square moving up"
+
+Either checkpoint format: a step_N.pt file (EMA weights when the run kept them) or a sharded
+step_N/ folder of the offload engine. The video has the training clip's size; the model must be
+a pixel-space (RGB) one, as every model experiments/train.py trains is.
 """
 from __future__ import annotations
 
-import hydra
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 from omegaconf import DictConfig
 
+from experiments.hydra_config import script_config, script_main
 from megaslide.config import DataConfig, DiTConfig, from_dict
 from megaslide.data.video_io import write_mp4
 from megaslide.device import resolve_device
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.dit import VideoDiT
-from megaslide.train.checkpoint import load_checkpoint
+from megaslide.train.checkpoint import sampling_weights
 
 
-def generate(checkpoint: str, caption: str, steps: int, cfg_scale: float, seed: int, device: str) -> torch.Tensor:
+@dataclass
+class SampleConfig:
+    """The keys of experiments/conf/sample.yaml."""
+
+    checkpoint: str
+    caption: str
+    steps: int
+    cfg_scale: float
+    seed: int
+    device: str
+    out: str
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1 (Euler steps of the sampler)")
+        if self.cfg_scale < 0:
+            raise ValueError(f"cfg_scale={self.cfg_scale} must be >= 0 (1: no guidance)")
+        if Path(self.out).suffix.lower() != ".mp4":
+            raise ValueError(f"out={self.out!r}: sample.py writes mp4 video only; give a name ending in .mp4")
+        resolve_device(self.device, key="device")
+        if not Path(self.checkpoint).exists():
+            raise ValueError(f"checkpoint={self.checkpoint!r} does not exist; pass a checkpoint of "
+                             f"experiments/train.py (checkpoints/step_N.pt or checkpoints/step_N/)")
+
+
+def generate(cfg: SampleConfig) -> torch.Tensor:
     """One video (C, T, H, W) in [-1, 1] at the training clip size."""
-    state = load_checkpoint(checkpoint)
+    dev = resolve_device(cfg.device, key="device")
+    weights, state = sampling_weights(cfg.checkpoint)
     model_cfg, data_cfg = from_dict(DiTConfig, state["model_cfg"]), from_dict(DataConfig, state["data_cfg"])
-    dev = resolve_device(device)
+    data_cfg.check_channels(model_cfg.in_channels)
     model = VideoDiT(model_cfg)
-    model.load_state_dict(state["ema"] or state["model"])
+    model.load_state_dict(weights)
     model.to(dev).eval()
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(cfg.seed)
     noise = torch.randn(1, model_cfg.in_channels, data_cfg.frames, data_cfg.height, data_cfg.width, generator=g)
-    ids, null = model.tokenizer([caption]).to(dev), model.tokenizer([""]).to(dev)
-    x = euler_sample(model, noise.to(dev), ids, null, steps=steps, cfg_scale=cfg_scale)
+    ids, null = model.tokenizer([cfg.caption]).to(dev), model.tokenizer([""]).to(dev)
+    x = euler_sample(model, noise.to(dev), ids, null, steps=cfg.steps, cfg_scale=cfg.cfg_scale)
     return x[0].float().clamp(-1, 1).cpu()
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="sample")
-def main(cfg: DictConfig) -> None:
-    video = generate(cfg.checkpoint, cfg.caption, cfg.steps, cfg.cfg_scale, cfg.seed, cfg.device)
-    print(f"wrote {write_mp4(cfg.out, video)}")
+@script_main("sample")
+def main(hydra_cfg: DictConfig) -> None:
+    cfg = script_config(SampleConfig, hydra_cfg)
+    print(f"wrote {write_mp4(cfg.out, generate(cfg))}")
 
 
 if __name__ == "__main__":

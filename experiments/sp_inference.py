@@ -41,13 +41,12 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, Timing, matmul_tflops, sync, within_tolerance
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from megaslide.config import DiTConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
@@ -279,7 +278,7 @@ class Bench:
         release(self.ctx.device)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="sp_inference")
+@script_main("sp_inference")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(SPInferenceConfig, hydra_cfg, TINY if hydra_cfg.tiny else None)  # tiny: TINY's sizes
     ctx = init_distributed("cpu" if cfg.tiny else "auto", timeout_s=300)

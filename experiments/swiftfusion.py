@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import (ExperimentRun, free_port, rounding_floor, spawn, timed,
                                  within_tolerance)
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps
 from megaslide.config import DiTConfig
 from megaslide.inference.launch import init_distributed, shutdown
@@ -418,7 +417,7 @@ def run_rank(rank: int, world: int, cfg: SwiftFusionConfig) -> None:
     shutdown(ctx)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="swiftfusion")
+@script_main("swiftfusion")
 def main(cfg: DictConfig) -> None:
     config = script_config(SwiftFusionConfig, cfg, SMOKE if cfg.smoke else None)  # smoke: SMOKE's sizes
     if "RANK" in os.environ:  # torchrun

@@ -2,31 +2,43 @@
 
     python experiments/train.py                                   # tiny, dense attention
     python experiments/train.py attention=swin data=moving_shapes_fast train.steps=500
-    python experiments/train.py model=1B offload=engine train.device=cuda   # MegaSlide-DiT engine
+    python experiments/train.py model=1B model.in_channels=3 offload=engine train.device=cuda \
+        data=video_folder data.root=/data/clips                   # MegaSlide-DiT engine on RGB clips
 
 Writes <out_dir>/checkpoints/ (step_N.pt; the offload engine writes step_N/ folders),
 <out_dir>/samples/*.mp4, <out_dir>/metrics.jsonl and
-an offline W&B run under <out_dir>/wandb (upload with `wandb sync`).
+an offline W&B run under <out_dir>/wandb (upload with `wandb sync`). The whole config is checked
+first (typed_configs, then the Trainer: resume checkpoint, data folder, planner): a refused
+config leaves no folder and no W&B run behind.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.hydra_config import typed_configs
+from experiments.hydra_config import script_main, typed_configs
+from megaslide.config import from_dict
 from megaslide.data.video_io import write_mp4
 from megaslide.train.logger import RunLogger
 from megaslide.train.trainer import Trainer
 
 
-def build_trainer(cfg: DictConfig, logger: RunLogger | None):
-    model_cfg, data_cfg, train_cfg, offload_cfg = typed_configs(cfg)
-    return Trainer(model_cfg, data_cfg, train_cfg, cfg.out_dir, logger=logger, offload_cfg=offload_cfg)
+@dataclass
+class RunConfig:
+    """train.yaml's own keys (beside the model, attention, data, train and offload groups)."""
+
+    name: str
+    out_dir: str
+    wandb_project: str
+    sample_captions: list[str]   # sampled into <out_dir>/samples after training; [] samples nothing
 
 
 def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger) -> list[Path]:
+    if not captions:
+        return []
     videos = trainer.sample(captions)  # (B, C, T, H, W) in [-1, 1]
     paths = []
     for i, (video, caption) in enumerate(zip(videos, captions)):
@@ -35,21 +47,27 @@ def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger)
     return paths
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@script_main("train")
 def main(cfg: DictConfig) -> None:
-    out_dir = Path(cfg.out_dir)
-    typed_configs(cfg)  # validate the whole config before any allocation or logging
-    logger = RunLogger(out_dir, project=cfg.wandb_project, name=cfg.name,
-                       config=OmegaConf.to_container(cfg, resolve=True))
-    trainer = build_trainer(cfg, logger)
+    model_cfg, data_cfg, train_cfg, offload_cfg = typed_configs(cfg)
+    groups = ("model", "attention", "data", "train", "offload")
+    run = from_dict(RunConfig, {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in groups})
+    trainer = Trainer(model_cfg, data_cfg, train_cfg, run.out_dir, offload_cfg=offload_cfg)
+    out_dir = Path(run.out_dir)                  # the first write: every check above has passed
+    config = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
+              "train": dataclasses.asdict(train_cfg), "offload": dataclasses.asdict(offload_cfg),
+              **dataclasses.asdict(run)}
+    trainer.logger = RunLogger(out_dir, project=run.wandb_project, name=run.name, config=config,
+                               resume_step=trainer.resume_from[1] if trainer.resume_from else None)
     last = trainer.fit()
-    samples = save_samples(trainer, list(cfg.sample_captions), out_dir, logger)
+    samples = save_samples(trainer, run.sample_captions, out_dir, trainer.logger)
     print(f"trained {trainer.step} steps, final loss {last.get('loss', float('nan')):.4f}")
     print(f"checkpoints: {out_dir / 'checkpoints'}")
-    print(f"samples:    {', '.join(str(p) for p in samples)}")
-    if logger.wandb_dir:
-        print(f"W&B run:    {logger.wandb_dir}  (upload: wandb sync {logger.wandb_dir})")
-    logger.finish()
+    print(f"samples:    {', '.join(str(p) for p in samples) or 'none (sample_captions=[])'}")
+    if trainer.logger.wandb_dir:
+        print(f"W&B run:    {trainer.logger.wandb_dir}  (upload: wandb sync {trainer.logger.wandb_dir})")
+    trainer.logger.finish()
+    trainer.close()
 
 
 if __name__ == "__main__":

@@ -67,6 +67,16 @@ class AttentionConfig:
             self.variant.check_grid(self.options, grid)
 
 
+_EXECUTION_FIELDS = ("checkpoint_blocks", "chunk_tokens", "backend")  # how a model runs, not what it is
+
+
+def architecture_changes(saved: DiTConfig, current: DiTConfig) -> list[str]:
+    """`key: saved vs current` for every architecture field (DiTConfig.architecture) that differs."""
+    old, new = saved.architecture(), current.architecture()
+    return [f"{k}: {old.get(k)!r} in the checkpoint vs {new.get(k)!r} now" for k in dict.fromkeys([*old, *new])
+            if old.get(k) != new.get(k)]
+
+
 @dataclass
 class DiTConfig:
     """Shape of a video DiT. Input latents are (B, in_channels, T, H, W)."""
@@ -97,9 +107,8 @@ class DiTConfig:
         return self.dim // self.num_heads
 
     def validate(self) -> None:
-        for name in ("dim", "depth", "num_heads", "ffn_dim", "in_channels", "text_dim", "text_len", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        _require_at_least(self, "model", 1, "dim", "depth", "num_heads", "ffn_dim", "in_channels", "text_dim",
+                          "text_len", "vocab_size")
         if self.dim % self.num_heads:
             raise ValueError(f"model.num_heads={self.num_heads} does not divide model.dim={self.dim}; "
                              f"choose heads so that dim % heads == 0")
@@ -113,6 +122,18 @@ class DiTConfig:
             raise ValueError(f"model.chunk_tokens={self.chunk_tokens} must be >= 0: set 0 to run each block "
                              f"unchunked, or n > 0 to run its token-wise work over slices of n tokens")
         self.attention.validate()
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that decide the weights' names and shapes and what they compute, flat by their
+        config key (`model.dim`, `model.attention.name`, ...): everything but how the blocks run
+        (checkpoint_blocks, chunk_tokens, the attention backend). Checkpoints are resumed only
+        into the same architecture."""
+        flat = {f"model.{k}": v for k, v in dataclasses.asdict(self).items() if k not in _EXECUTION_FIELDS}
+        del flat["model.attention"]
+        flat["model.attention.name"] = self.attention.name
+        flat.update({f"model.attention.{k}": v for k, v in dataclasses.asdict(self.attention.options).items()
+                     if k not in _EXECUTION_FIELDS})
+        return flat
 
     def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
         """Token grid (T', H', W') of a latent clip; raises if the clip does not patchify."""
@@ -136,16 +157,28 @@ class DataConfig:
     root: str = ""                # video_folder: folder of mp4 files + captions.jsonl
     seed: int = 0
 
+    channels = 3                  # both datasets are RGB video in [-1, 1], trained on in pixel space
+
     def validate(self) -> None:
         if self.name not in ("moving_shapes", "video_folder"):
             raise ValueError(f"data.name={self.name!r}: choose moving_shapes or video_folder")
-        for name in ("frames", "height", "width", "num_videos"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name}={getattr(self, name)} must be >= 1")
+        _require_at_least(self, "data", 1, "frames", "height", "width", "num_videos", "num_shapes", "shape_size")
+        _require_at_least(self, "data", 0, "speed")
         if self.name == "video_folder":
             if not self.root or not os.path.isdir(self.root):
                 raise ValueError(f"data.root={self.root!r} is not a folder; point it at a folder of mp4 files "
                                  f"with a captions.jsonl")
+            if not os.path.isfile(os.path.join(self.root, "captions.jsonl")):
+                raise ValueError(f"data.root={self.root!r} has no captions.jsonl; write one JSON line per clip "
+                                 f'in it, e.g. {{"file": "a.mp4", "caption": "a red circle moving left"}}')
+
+    def check_channels(self, in_channels: int) -> None:
+        """The model must take the data's channels: MegaSlide has no VAE, so a latent-space preset
+        (16 channels) trains on RGB clips only as a pixel-space model."""
+        if in_channels != self.channels:
+            raise ValueError(f"model.in_channels={in_channels}, but data={self.name} is RGB video "
+                             f"({self.channels} channels, pixel space: MegaSlide has no VAE); add "
+                             f"model.in_channels={self.channels} to train this model on pixels")
 
 
 @dataclass
@@ -175,10 +208,17 @@ class TrainConfig:
         self.betas = tuple(float(b) for b in self.betas)
 
     def validate(self) -> None:
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError(f"train.steps={self.steps} and train.batch_size={self.batch_size} must be >= 1")
+        _require_at_least(self, "train", 1, "steps", "batch_size", "log_every", "ckpt_every", "sample_steps")
+        _require_at_least(self, "train", 0, "warmup_steps", "weight_decay", "cfg_scale")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip={self.grad_clip} must be >= 0: the global-norm bound, or 0 to "
+                             f"turn clipping off")
         if self.lr <= 0:
             raise ValueError(f"train.lr={self.lr} must be > 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas={list(self.betas)} must each be in [0, 1)")
+        if self.logit_normal_std <= 0:
+            raise ValueError(f"train.logit_normal_std={self.logit_normal_std} must be > 0")
         if not 0 <= self.caption_dropout < 1:
             raise ValueError(f"train.caption_dropout={self.caption_dropout} must be in [0, 1)")
         if not 0 <= self.ema_decay < 1:
@@ -213,23 +253,68 @@ class OffloadConfig:
                              "set offload.enabled=true, or offload.activation_offload=false")
 
 
-def _coerce(tp, value):
-    """Turn YAML values (lists, dicts) into the dataclass field type."""
-    origin = typing.get_origin(tp)
+def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, offload: OffloadConfig) -> None:
+    """Every check of a training run that needs nothing but its configs: each config's own, the
+    clip's token grid against the patch size and the attention's window or kernel, and the model's
+    input channels against the data's. Scripts call it before they create a folder or a W&B run."""
+    for cfg in (model, data, train, offload):
+        cfg.validate()
+    model.attention.validate(model.token_grid(data.frames, data.height, data.width))
+    data.check_channels(model.in_channels)
+
+
+def _require_at_least(cfg, key: str, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value < minimum:
+            raise ValueError(f"{key}.{name}={value} must be >= {minimum}")
+
+
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _scalar(tp: type, value, key: str):
+    """`value` as the scalar type `tp`: an int field takes an integer (or a whole float: 2.0), a float
+    field any number; bool is not a number here. Anything else is a ValueError naming `key`."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int and number and float(value).is_integer():
+        return int(value)
+    if tp is float and number:
+        return float(value)
+    if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{key}={value!r} must be {_SCALARS[tp]}")
+
+
+def _coerce(tp, value, key: str):
+    """A YAML value as the dataclass field type `tp` (dataclasses from dicts, tuples from lists, scalars
+    checked); a value of the wrong type is a ValueError naming the config key `key`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-        return from_dict(tp, value)
-    if origin is tuple and isinstance(value, (list, tuple)):
-        return tuple(value)
+        return from_dict(tp, value, key=key)
     if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            if arg is not type(None):
-                return _coerce(arg, value)
+        if value is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, key)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}={value!r} must be a list, e.g. {key}=[1,2]")
+        if origin is list or args[-1:] == (Ellipsis,):
+            item_types = [args[0] if args else Any] * len(value)
+        elif len(args) != len(value):
+            raise ValueError(f"{key}={list(value)} must have {len(args)} entries")
+        else:
+            item_types = args
+        return origin(_coerce(t, v, f"{key}[{i}]") for i, (t, v) in enumerate(zip(item_types, value)))
+    if tp in _SCALARS:
+        return _scalar(tp, value, key)
     return value
 
 
-def from_dict(cls, data: dict[str, Any] | None):
-    """Build dataclass `cls` from a plain dict; unknown keys are an error that lists the known ones.
-    A config with a dict form of its own (AttentionConfig) reads it with its `parse`."""
+def from_dict(cls, data: dict[str, Any] | None, *, key: str = ""):
+    """Build dataclass `cls` from a plain dict. Unknown keys are an error that lists the known ones; a
+    value of the wrong type (2.5 or "abc" for an int) is an error naming it as `key`.<field>. A config
+    with a dict form of its own (AttentionConfig) reads it with its `parse`."""
     data = dict(data or {})
     if hasattr(cls, "parse"):
         return cls.parse(data)
@@ -237,5 +322,6 @@ def from_dict(cls, data: dict[str, Any] | None):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(names)}")
-    return cls(**{k: _coerce(hints[k], v) for k, v in data.items()})
+        where = f" under {key}" if key else ""
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}{where}; known fields: {sorted(names)}")
+    return cls(**{k: _coerce(hints[k], v, f"{key}.{k}" if key else k) for k, v in data.items()})

@@ -1,25 +1,36 @@
 """Atomic checkpoints, in two formats under <out_dir>/checkpoints/:
-- one file `step_N.pt` (the resident engine; also what experiments/sample.py reads);
-- a sharded folder `step_N/` of one file per shard plus `state.pt` (the offload engine).
+- one file `step_N.pt` (the resident engine);
+- a sharded folder `step_N/` of one file per block (`block_0000.pt`: fp32 master weights and AdamW
+  moments, flat in the offload engine's BlockLayout) plus `state.pt` (the offload engine).
 
 A file is written to a temporary name in the same folder, fsynced, then renamed; a folder is
 written as `.step_N.tmp/` with `state.pt` last and then renamed, so a reader sees a complete
-checkpoint or none.
+checkpoint or none. Readers accept either format wherever a checkpoint path is taken (resume,
+experiments/sample.py) and name a damaged file as such.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from megaslide.config import DiTConfig, architecture_changes, from_dict
+
 SHARDED_STATE = "state.pt"  # written last into a sharded folder: its presence marks a complete checkpoint
+_STEP_NAME = re.compile(r"step_(\d+)(\.pt)?")
 
 
 def checkpoint_path(folder: str | Path, step: int, *, sharded: bool) -> Path:
     return Path(folder) / (f"step_{step}" if sharded else f"step_{step}.pt")
+
+
+def block_shard(folder: str | Path, index: int) -> Path:
+    """The file of block `index` in a sharded checkpoint folder."""
+    return Path(folder) / f"block_{index:04d}.pt"
 
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:
@@ -47,17 +58,98 @@ def save_sharded_checkpoint(folder: str | Path, shards: Iterable[tuple[str, dict
     return folder
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+def load_checkpoint(path: str | Path, map_location="cpu", *, mmap: bool = False) -> dict:
+    """One checkpoint file. A missing file, a folder, or a file torch cannot read (empty, truncated,
+    not a checkpoint) is a ValueError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} is a folder; pass a checkpoint file, or a sharded "
+                         f"checkpoint folder (step_N/ with {SHARDED_STATE}) where a checkpoint is expected")
     if not path.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist; pass the path of a .pt file written by training")
-    return torch.load(path, map_location=map_location, weights_only=False)
+        raise ValueError(f"checkpoint {str(path)!r} does not exist; pass the path of a checkpoint written by "
+                         f"training (checkpoints/step_N.pt or checkpoints/step_N/)")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # torch.load fails in many ways on bad bytes (EOF, zip, pickle, decode errors)
+        raise ValueError(f"checkpoint file {str(path)!r} is damaged ({path.stat().st_size} bytes; "
+                         f"{type(err).__name__}: {err}); it is empty, truncated or not a torch checkpoint. "
+                         f"Use another checkpoint (delete this one, and resume=auto takes the newest "
+                         f"remaining)") from err
+
+
+def read_state(path: str | Path) -> dict:
+    """A checkpoint's run state without reading the block shards: `step` and the configs (`model_cfg`,
+    `data_cfg`, `train_cfg` as dicts), for a step_N.pt file or a sharded step_N/ folder (its
+    state.pt); a file is memory-mapped, not read whole."""
+    path = Path(path)
+    file = path / SHARDED_STATE if path.is_dir() else path
+    if path.is_dir() and not file.is_file():
+        raise ValueError(f"checkpoint folder {str(path)!r} has no {SHARDED_STATE}: it is not a complete sharded "
+                         f"checkpoint (an interrupted write?); use another checkpoint")
+    state = load_checkpoint(file, mmap=True)
+    missing = [k for k in ("step", "model_cfg", "data_cfg") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"checkpoint file {str(file)!r} lacks {missing}: it is not a checkpoint written by "
+                         f"MegaSlide training (or it is damaged)")
+    return state
+
+
+def sampling_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, run state) of a checkpoint of either format: the state dict to sample with (the EMA
+    when the run kept one, else the trained weights; fp32 masters of a sharded checkpoint) and
+    the checkpoint's `read_state`."""
+    from megaslide.models.dit import DiTBlock                # lazy: the model layer is heavy to import
+    from megaslide.offload.host_state import BlockLayout
+
+    path, state = Path(path), read_state(path)
+    if not path.is_dir():
+        return state.get("ema") or state["model"], state
+    cfg = from_dict(DiTConfig, state["model_cfg"])
+    with torch.device("meta"):
+        layout = BlockLayout.from_module(DiTBlock(cfg, 0))
+    weights = dict(state["params"])
+    for index in range(cfg.depth):
+        master = load_checkpoint(block_shard(path, index))["master"]
+        weights.update({f"blocks.{index}.{slot.name}": master[slot.offset:slot.end].view(slot.shape)
+                        for slot in layout.slots})
+    return weights, state
 
 
 def latest_checkpoint(folder: str | Path, *, sharded: bool = False) -> Path | None:
-    """The newest `step_N.pt` in `folder`, or with `sharded` the newest complete `step_N/`; None if none."""
-    if sharded:
-        found = [p for p in Path(folder).glob("step_*") if (p / SHARDED_STATE).is_file()]
+    """The newest `step_N.pt` in `folder`, or with `sharded` the newest complete `step_N/`; None if none.
+    Other names (step_best.pt, notes) are not training checkpoints and are skipped."""
+    found = {}
+    for p in Path(folder).glob("step_*"):
+        match = _STEP_NAME.fullmatch(p.name)
+        complete = (p / SHARDED_STATE).is_file() if sharded else p.is_file()
+        if match and complete and bool(match.group(2)) != sharded:
+            found[int(match.group(1))] = p
+    return found[max(found)] if found else None
+
+
+def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, sharded: bool) -> tuple[Path, int] | None:
+    """Where train.resume says to continue: (checkpoint, step), or None to start fresh.
+
+    `resume` is a checkpoint path, "auto" (the newest checkpoint in `folder`, if any) or "".
+    `sharded` is the format the training engine reads. Refused with a ValueError before anything
+    is built: a checkpoint of the other format, a damaged one, and one of another architecture
+    (the error lists each differing field, saved vs now)."""
+    if resume == "auto":  # the newest of the engine's format; one of the other format is refused below
+        path = latest_checkpoint(folder, sharded=sharded) or latest_checkpoint(folder, sharded=not sharded)
     else:
-        found = [p for p in Path(folder).glob("step_*.pt") if p.is_file()]
-    return max(found, key=lambda p: int(p.name.removesuffix(".pt").split("_")[1]), default=None)
+        path = Path(resume) if resume else None
+    if path is None:
+        return None
+    if path.is_dir() != sharded and path.exists():
+        have, need = ("a sharded step_N/ folder of the offload engine", "offload=engine") if path.is_dir() else \
+            ("a step_N.pt file of the resident engine", "offload=none")
+        raise ValueError(f"train.resume={str(path)!r} is {have}; resume it with {need} (the engine that wrote it)")
+    state = read_state(path)
+    changes = architecture_changes(from_dict(DiTConfig, state["model_cfg"]), model_cfg)
+    if changes:
+        raise ValueError(f"train.resume={str(path)!r} holds another model than this run's: " + "; ".join(changes)
+                         + ". Resume with the checkpoint's model settings, or start fresh (train.resume='' "
+                         "and another out_dir)")
+    return path, int(state["step"])

@@ -2,7 +2,8 @@
 
 Training logs scalars per step (`log`) and sample videos; a benchmark or table script logs its
 result tables (`log_table`), its headline numbers (`summary`) and its plots (`log_image`).
-Only rank 0 logs. The W&B mode comes from `WANDB_MODE` when set, else `offline`, so runs
+Only rank 0 logs. metrics.jsonl holds one run: a fresh run empties it, a resumed run keeps the
+rows up to the step it resumed from (those after it are logged again). The W&B mode comes from `WANDB_MODE` when set, else `offline`, so runs
 never need a network; upload them later with `wandb sync <run folder>/wandb/offline-run-*`.
 """
 from __future__ import annotations
@@ -14,14 +15,14 @@ from pathlib import Path
 
 class RunLogger:
     def __init__(self, out_dir: str | Path, project: str = "megaslide", name: str | None = None,
-                 config: dict | None = None, rank: int = 0, mode: str | None = None):
+                 config: dict | None = None, rank: int = 0, mode: str | None = None, resume_step: int | None = None):
         self.out_dir = Path(out_dir)
         self.active = rank == 0
         self.run = None
         if not self.active:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        self.metrics_file = _open_metrics(self.out_dir / "metrics.jsonl", resume_step)
         mode = mode or os.environ.get("WANDB_MODE", "offline")
         if mode != "disabled":
             import wandb  # lazy: a heavy import, and optional for library users
@@ -75,6 +76,22 @@ class RunLogger:
         self.metrics_file.close()
         if self.run is not None:
             self.run.finish()
+
+
+def _open_metrics(path: Path, resume_step: int | None):
+    """`path` opened for writing, holding the rows of steps <= resume_step (none for a fresh run); a
+    line cut off by a crash is dropped."""
+    kept = []
+    if resume_step is not None and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= resume_step:
+                    kept.append(line + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
 
 
 def _cell(value):

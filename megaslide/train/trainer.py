@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
+from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig, validate_training
 from megaslide.data.build import build_dataset
 from megaslide.device import resolve_device
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.dit import VideoDiT
 from megaslide.offload.engine import OffloadEngine
 from megaslide.train.batches import make_batch
-from megaslide.train.checkpoint import checkpoint_path, latest_checkpoint, save_checkpoint
+from megaslide.train.checkpoint import checkpoint_path, resume_point, save_checkpoint
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine
@@ -49,15 +49,16 @@ class Trainer:
                  logger: RunLogger | None = None, *, offload_cfg: OffloadConfig | None = None,
                  adam_backend: str = "fused"):
         offload_cfg = offload_cfg or OffloadConfig()
-        for cfg in (model_cfg, data_cfg, train_cfg, offload_cfg):
-            cfg.validate()
-        grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
-        model_cfg.attention.validate(grid)
+        validate_training(model_cfg, data_cfg, train_cfg, offload_cfg)
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
         self.out_dir = Path(out_dir)
         self.device = resolve_device(train_cfg.device, key="train.device")
+        # (checkpoint, step) to continue from, checked (format, damage, architecture) before anything is built
+        sharded = (OffloadEngine if offload_cfg.enabled else ResidentEngine).sharded_checkpoints
+        self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)
         torch.manual_seed(train_cfg.seed)
         # the engine before the dataset: the offload planner refuses a model too big before anything is built
+        grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
         self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
                                    adam_backend=adam_backend)
         self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
@@ -88,14 +89,11 @@ class Trainer:
         self.engine.load(Path(path))
 
     def maybe_resume(self) -> None:
-        """Load the checkpoint train.resume names: a path, "auto" (the newest in the output
-        folder, if any) or "" (start fresh)."""
-        path = self.cfg.resume
-        if path == "auto":
-            found = latest_checkpoint(self.checkpoints, sharded=self.engine.sharded_checkpoints)
-            path = str(found) if found else ""
-        if path:
-            self.load(path)
+        """Load the checkpoint train.resume named (`resume_from`: a path, or with "auto" the newest in
+        the output folder) unless training is past it already, and say which; nothing for a fresh run."""
+        if self.resume_from is not None and self.step < self.resume_from[1]:
+            self.load(self.resume_from[0])
+            print(f"resumed from {self.resume_from[0]} at step {self.step}")
 
     def export_model(self, path: str | Path) -> Path:
         """The sampling weights in the single-file format (fp32 `model` state dict, no optimizer
