@@ -1,6 +1,9 @@
 """Smoke run of experiments/mfu_overlap.py at its tiny size (CPU)."""
-from tests.experiments.runner import load_result, run_script
+import pytest
 
+from megaslide.config import DiTConfig, from_dict
+from megaslide.metrics.flops import dit_flops
+from tests.experiments.runner import load_result, run_script
 
 
 def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
@@ -13,14 +16,27 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
     assert record["complete"] and not any("error" in r for r in record["variants"])
     rows = {r["variant"]: r for r in record["variants"]}
     assert rows.keys() == {"overlap", "overlap_noclip", "serial", "gpu_optimizer"}
+    flops, ceil = record["model_flops_per_step"], record["ceilings"]
+    cfg = from_dict(DiTConfig, record["model_cfg"])
+    b = record["bench"]
+    assert flops == dit_flops(cfg, b["batch"], cfg.token_grid(b["frames"], b["height"], b["width"])).train
     for r in rows.values():
-        assert r["step_s"] > 0 and r["compute_s"] > 0 and r["mfu_vs_measured_peak"] > 0
-        assert 0 < r["overlap_efficiency"]
+        parts = [r["compute_s"], r["h2d_s"], r["d2h_s"], r["optimizer_s"]]
+        assert r["step_s"] > 0 and r["compute_s"] > 0 and min(parts) >= 0
+        # MFU and throughput recomputed from the JSON's own fields
+        assert r["mfu_vs_measured_peak"] == pytest.approx(flops / r["step_s"] / (ceil["matmul_TFLOPs"] * 1e12))
+        assert r["mfu_vs_datasheet"] == pytest.approx(flops / r["step_s"] / (ceil["datasheet_TFLOPs"] * 1e12))
+        assert r["achieved_TFLOPs"] == pytest.approx(flops / r["step_s"] / 1e12)
+        # no part of the step is busier than the step; overlap efficiency = busiest part / step
+        assert r["overlap_efficiency"] == pytest.approx(max(parts) / r["step_s"]) and r["overlap_efficiency"] <= 1
+        assert r["h2d_GBps"] == pytest.approx(r["h2d_bytes"] / r["h2d_s"] / 1e9)
         # the engine moves exactly the bytes the planner predicts, in every mode
         assert r["h2d_bytes"] == r["predicted"]["h2d_bytes"] and r["d2h_bytes"] == r["predicted"]["d2h_bytes"]
         assert all(l == l for l in r["losses"])  # finite (no NaN)
     assert rows["gpu_optimizer"]["h2d_bytes"] > rows["overlap"]["h2d_bytes"]
     assert record["memory_wall"] == {"skipped": "no CUDA device"}
-    assert record["overlap_speedup_vs_serial"] > 0
+    serial = rows["serial"]  # nothing overlaps: the step takes at least the sum of its parts
+    assert serial["compute_s"] + serial["h2d_s"] + serial["d2h_s"] + serial["optimizer_s"] <= serial["step_s"]
+    assert record["overlap_speedup_vs_serial"] == pytest.approx(serial["step_s"] / rows["overlap"]["step_s"])
     assert record["ceilings"]["matmul_TFLOPs"] > 0 and record["wandb_dir"] is None  # WANDB_MODE=disabled
     assert "variant" in stdout.splitlines()[-6]  # the table is printed last
