@@ -6,9 +6,7 @@ from megaslide.config import DataConfig
 
 def build_dataset(cfg: DataConfig, in_channels: int = 3):
     cfg.validate()
-    if in_channels != 3:
-        raise ValueError(f"model.in_channels={in_channels}, but the data is RGB video in pixel space "
-                         f"(identity VAE); use in_channels=3 for training on {cfg.name}")
+    cfg.check_channels(in_channels)
     if cfg.name == "moving_shapes":
         from megaslide.data.moving_shapes import MovingShapes
         return MovingShapes(num_videos=cfg.num_videos, frames=cfg.frames, height=cfg.height, width=cfg.width,

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import VideoDiT, build_dit
-from megaslide.train.checkpoint import load_checkpoint
+from megaslide.train.checkpoint import sampling_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,13 +45,13 @@ def load_model(config: DiTConfig, *, checkpoint: str = "", seed: int = 0, device
                dtype: torch.dtype) -> VideoDiT:
     """An eval-mode VideoDiT on `device` in `dtype`, the same on every rank.
 
-    With `checkpoint` (a file of experiments/train.py) the model takes the checkpoint's own config
-    and its EMA weights (its raw weights if it kept no EMA), and `config` is not used; without it,
-    `config` gets seeded random weights (`random_weights_`)."""
+    With `checkpoint` (of experiments/train.py: a step_N.pt file or a sharded step_N/ folder) the
+    model takes the checkpoint's own config and its EMA weights (its raw weights if it kept no EMA),
+    and `config` is not used; without it, `config` gets seeded random weights (`random_weights_`)."""
     if checkpoint:
-        state = load_checkpoint(checkpoint)
+        weights, state = sampling_weights(checkpoint)
         model = VideoDiT(from_dict(DiTConfig, state["model_cfg"]))
-        model.load_state_dict(state["ema"] or state["model"])
+        model.load_state_dict(weights)
         model.to(device)
     else:
         with torch.device(device):

@@ -1,4 +1,5 @@
 """RunLogger: what reaches W&B (a stand-in module records it) and what is written with W&B disabled."""
+import json
 import sys
 import types
 
@@ -48,3 +49,26 @@ def test_disabled_writes_nothing_for_wandb(tmp_path):
     logger.finish()
     assert logger.wandb_dir is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def _steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_metrics_hold_one_run_fresh_or_resumed(tmp_path):
+    """A fresh run empties metrics.jsonl; a resumed run keeps the rows up to its resume step, so the
+    steps it trains again are not listed twice (a line cut off by a crash goes too)."""
+    first = RunLogger(tmp_path, mode="disabled")
+    for step in (1, 2, 3, 4):
+        first.log({"loss": 1.0}, step)
+    first.finish()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    resumed = RunLogger(tmp_path, mode="disabled", resume_step=2)
+    resumed.log({"loss": 0.5}, 3)
+    resumed.finish()
+    assert _steps(tmp_path / "metrics.jsonl") == [1, 2, 3]
+    fresh = RunLogger(tmp_path, mode="disabled")
+    fresh.log({"loss": 0.1}, 1)
+    fresh.finish()
+    assert _steps(tmp_path / "metrics.jsonl") == [1]

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -98,3 +100,29 @@ def test_fit_logs_and_checkpoints_with_either_engine(tmp_path, offload):
     written = tmp_path / "checkpoints" / ("step_3/state.pt" if offload else "step_3.pt")
     assert written.is_file()
     trainer.close()
+
+
+def test_step_time_is_divided_by_the_steps_since_the_last_log(tmp_path, monkeypatch):
+    """steps=3, log_every=2: the last row covers one step, not log_every. A clock that advances 1 s
+    per reading makes every step take exactly 1 s (one reading at each step's start, one per log)."""
+    ticks = iter(range(100))
+    monkeypatch.setattr("megaslide.train.resident.time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    logger = Recorder()
+    Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=3, log_every=2), tmp_path, logger).fit()
+    assert [(step, m["step_time_s"]) for step, m in logger.rows] == [(2, 1.0), (3, 1.0)]
+
+
+def test_resume_says_what_it_resumed_from(tmp_path, capsys):
+    Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=2), tmp_path).fit()
+    capsys.readouterr()
+    resumed = Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=3, resume="auto"), tmp_path)
+    assert resumed.resume_from == (tmp_path / "checkpoints" / "step_2.pt", 2)
+    resumed.fit()
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_2.pt'} at step 2" in capsys.readouterr().out
+
+
+def test_resume_into_another_attention_is_refused_before_building(tmp_path, monkeypatch):
+    Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=1), tmp_path).fit()
+    monkeypatch.setattr("megaslide.train.trainer.build_engine", lambda *a, **k: pytest.fail("built an engine"))
+    with pytest.raises(ValueError, match="model.attention.name: 'dense' in the checkpoint vs 'dsa' now"):
+        Trainer(tiny_model_cfg("dsa"), tiny_data_cfg(), tiny_train_cfg(steps=2, resume="auto"), tmp_path)
