@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.harness import (MIN_REPEATS, ExperimentRun, Timing, matmul_tflops, rounding_floor, spawn, timed,
-                                 within_tolerance)
+from experiments import harness
+from experiments.harness import (MIN_REPEATS, ExperimentRun, Timing, copy_gbps, matmul_tflops, rounding_floor, spawn,
+                                 timed, within_tolerance)
 
 
 def test_timed_counts_warmup_and_repeats():
@@ -42,8 +43,37 @@ def test_rounding_floor():
     assert rounding_floor(torch.float32, torch.tensor([0.1]), ulps=1) == torch.finfo(torch.float32).eps
 
 
-def test_matmul_ceiling_on_cpu():
-    assert matmul_tflops("cpu", n=64, dtype=torch.float32, repeats=MIN_REPEATS) > 0
+class FakeClock:
+    """Stands in for the `time` module in experiments.harness: `perf_counter` reads `now`, then
+    moves it on by `tick` (so each timed call of a no-op lasts one tick)."""
+
+    def __init__(self, tick: float = 0.0):
+        self.now, self.tick = 100.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now - self.tick
+
+
+def test_timed_statistics_on_a_fake_clock(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(harness, "time", clock)
+    durations = iter([7.0, 9.0, 0.3, 0.1, 0.2, 0.5, 0.4])  # two warm-up calls, then five timed
+
+    def work():
+        clock.now += next(durations)
+
+    t = timed(work, "cpu", repeats=5, warmup=2)
+    assert t.times == pytest.approx((0.3, 0.1, 0.2, 0.5, 0.4))
+    assert (t.median, t.min, t.max) == pytest.approx((0.3, 0.1, 0.5))
+
+
+def test_ceilings_count_their_work_on_a_fake_clock(monkeypatch):
+    monkeypatch.setattr(harness, "time", FakeClock(tick=2e-3))  # every timed repeat lasts 2 ms
+    # 10 back-to-back 64^3 matmuls per repeat, 2 n^3 FLOPs each
+    assert matmul_tflops("cpu", n=64, dtype=torch.float32, calls=10) == pytest.approx(10 * 2 * 64 ** 3 / 2e-3 / 1e12)
+    # a copy reads and writes nbytes
+    assert copy_gbps("cpu", nbytes=4096) == pytest.approx(2 * 4096 / 2e-3 / 1e9)
 
 
 def _sum_ranks(rank, world, path):
