@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -14,6 +15,8 @@ from megaslide.config import (AttentionConfig, DataConfig, DiTConfig, OffloadCon
                               validate_training)
 from megaslide.device import resolve_device
 from megaslide.models.dit import DIT_PRESETS
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # every script's Hydra config (absolute: also when imported)
 
 
 def script_main(config_name: str):
@@ -34,7 +37,7 @@ def script_main(config_name: str):
                     raise
                 print(f"error: {err}", file=sys.stderr)
                 sys.exit(2)
-        return hydra.main(version_base="1.3", config_path="conf", config_name=config_name)(run)
+        return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run)
     return decorate
 
 

@@ -1,7 +1,12 @@
 """train.py -> sample.py end to end at the smallest size, and claims.py on the committed results."""
+import json
+import os
+import subprocess
+import sys
+
 import imageio.v2 as imageio
 
-from tests.experiments.runner import run_script
+from tests.experiments.runner import REPO_ROOT, run_script
 
 TINY = ["train.steps=2", "train.batch_size=2", "train.sample_steps=1", "data.frames=4", "data.height=8",
         "data.width=8", "data.shape_size=4", "data.num_videos=4", "sample_captions=[a red circle moving left]"]
@@ -12,10 +17,24 @@ def test_train_then_sample(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step_2.pt"
     assert ckpt.is_file() and (tmp_path / "metrics.jsonl").is_file()
     assert len(imageio.mimread(tmp_path / "samples" / "step2_0.mp4")) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl", "samples"]  # no *.log
+    out = run_script(["experiments/train.py", f"out_dir={tmp_path}", *TINY, "train.steps=3", "train.resume=auto"])
+    assert f"resumed from {ckpt} at step 2" in out
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 3]
     out = tmp_path / "up.mp4"
     run_script(["experiments/sample.py", f"checkpoint={ckpt}", "caption=a blue square moving up", "steps=1", f"out={out}"])
     frames = imageio.mimread(out)
     assert len(frames) == 4 and frames[0].shape == (8, 8, 3)
+
+
+def test_a_refused_config_leaves_nothing_behind(tmp_path):
+    """The README's promise: a bad value fails with its message alone (no traceback), before any folder,
+    log file or W&B run (offline here) exists."""
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "train.py"), "out_dir=run",
+                           "train.log_every=0"], cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline"},
+                          capture_output=True, text=True, timeout=600)
+    assert (done.returncode, done.stderr) == (2, "error: train.log_every=0 must be >= 1\n"), done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_claims_table_from_results(tmp_path):

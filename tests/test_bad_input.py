@@ -1,0 +1,158 @@
+"""Bad input to the scripts: each kind is refused before any work with a ValueError that names the key
+and the fix, shown as the message alone (exit status 2), and leaves no folder, log or W&B run behind.
+
+The scripts' Hydra mains run in this process (experiments/hydra_config.script_main), from an empty
+working directory, so that anything they would write shows up there."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import experiments.sample
+import experiments.train
+from experiments.hydra_config import CONF_DIR, typed_configs
+from megaslide.config import DiTConfig, TrainConfig, from_dict
+from megaslide.train.checkpoint import save_checkpoint
+from megaslide.train.trainer import Trainer
+from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny dense run's step_1.pt (the train.py defaults' model)."""
+    out = tmp_path_factory.mktemp("run")
+    Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=1), out).fit()
+    return out / "checkpoints" / "step_1.pt"
+
+
+def run_main(script, args: list[str], cwd: Path, monkeypatch, capsys) -> str:
+    """Run `script`'s main with command-line `args` in `cwd`; it must refuse them: returns stderr."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [script.__file__, *args])
+    monkeypatch.setenv("WANDB_MODE", "offline")          # a W&B run, if one started, would leave a folder
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        script.main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+# kind -> (overrides, what the message must say); {tmp}: an empty folder, {ckpt}: a tiny dense run's
+# checkpoint, {damaged}: that checkpoint cut short, {clips}: a folder without captions.jsonl
+BAD_TRAIN = {
+    "fractional steps": (["train.steps=2.5"], "train.steps=2.5 must be an integer"),
+    "non-numeric batch": (["train.batch_size=abc"], "train.batch_size='abc' must be an integer"),
+    "zero log interval": (["train.log_every=0"], "train.log_every=0 must be >= 1"),
+    "zero checkpoint interval": (["train.ckpt_every=0"], "train.ckpt_every=0 must be >= 1"),
+    "zero sampling steps": (["train.sample_steps=0"], "train.sample_steps=0 must be >= 1"),
+    "negative sampling steps": (["train.sample_steps=-4"], "train.sample_steps=-4 must be >= 1"),
+    "negative clip norm": (["train.grad_clip=-1"], "train.grad_clip=-1.0 must be >= 0: the global-norm bound, "
+                                                   "or 0 to turn clipping off"),
+    "boolean as number": (["train.lr=true"], "train.lr=True must be a number"),
+    "unknown key": (["+train.epochs=3"], "unknown TrainConfig field(s) ['epochs'] under train"),
+    "heads": (["model.num_heads=5"], "model.num_heads=5 does not divide model.dim=64"),
+    "patch": (["data.height=7"], "data.height=7 is not divisible by the patch size 2"),
+    "kernel": (["attention=dsa", "attention.kernel_size=[9,3,3]"], "attention.kernel_size=(9, 3, 3) is larger"),
+    "latent preset on RGB": (["model=1B"], "model.in_channels=16, but data=moving_shapes is RGB video (3 channels, "
+                                           "pixel space: MegaSlide has no VAE); add model.in_channels=3"),
+    "missing data folder": (["data=video_folder", "data.root={tmp}/nope"], "is not a folder"),
+    "no captions": (["data=video_folder", "data.root={clips}"], "has no captions.jsonl"),
+    "missing checkpoint": (["train.resume={tmp}/step_9.pt"], "does not exist"),
+    "damaged checkpoint": (["train.resume={damaged}"], "checkpoint file '{damaged}' is damaged"),
+    "other architecture": (["train.resume={ckpt}", "attention=dsa_zero", "model.dim=128"],
+                           "model.dim: 64 in the checkpoint vs 128 now; model.attention.name: 'dense' in the "
+                           "checkpoint vs 'dsa_zero' now"),
+    "EMA with offload": (["offload=engine", "train.ema_decay=0.9"], "train.ema_decay=0.9: the offload engine keeps "
+                                                                    "no EMA"),
+    "captions not a list": (["sample_captions=hello"], "sample_captions='hello' must be a list"),
+    "no GPU": (["train.device=cuda"], "train.device=cuda but no CUDA device is visible"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_TRAIN)
+def test_train_refuses_before_writing_anything(kind, tmp_path, checkpoint, monkeypatch, capsys):
+    if kind == "no GPU" and CUDA:
+        pytest.skip("a GPU is visible")
+    damaged, clips, cwd = tmp_path / "damaged.pt", tmp_path / "clips", tmp_path / "cwd"
+    damaged.write_bytes(checkpoint.read_bytes()[:100])
+    clips.mkdir()
+    cwd.mkdir()
+    paths = dict(tmp=tmp_path, ckpt=checkpoint, damaged=damaged, clips=clips)
+    args, message = ([a.format(**paths) for a in BAD_TRAIN[kind][0]], BAD_TRAIN[kind][1].format(**paths))
+    err = run_main(experiments.train, ["out_dir=runs/x", *args], cwd, monkeypatch, capsys)
+    assert message in err
+    assert list(cwd.iterdir()) == []                     # no run folder, .hydra, *.log or wandb/
+
+
+def test_full_error_keeps_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", "train.steps=0"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ValueError, match="train.steps=0 must be >= 1"):
+        experiments.train.main()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["steps=0"], "steps=0 must be >= 1"),
+    (["steps=-2"], "steps=-2 must be >= 1"),
+    (["steps=1.5"], "steps=1.5 must be an integer"),
+    (["cfg_scale=abc"], "cfg_scale='abc' must be a number"),
+    (["out=x.gif"], "out='x.gif': sample.py writes mp4 video only; give a name ending in .mp4"),
+    (["checkpoint=missing.pt"], "checkpoint='missing.pt' does not exist"),
+    *([] if CUDA else [(["device=cuda"], "device=cuda but no CUDA device is visible; use device=cpu")]),
+])
+def test_sample_refuses_before_loading(args, message, tmp_path, checkpoint, monkeypatch, capsys):
+    err = run_main(experiments.sample, [f"checkpoint={checkpoint}", *args], tmp_path, monkeypatch, capsys)
+    assert message in err and "train.device" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sample_names_a_damaged_checkpoint(tmp_path, checkpoint, monkeypatch, capsys):
+    damaged = save_checkpoint(tmp_path / "ckpt" / "step_1.pt", {})
+    damaged.write_bytes(b"")
+    err = run_main(experiments.sample, [f"checkpoint={damaged}", f"out={tmp_path / 'o.mp4'}"], tmp_path, monkeypatch,
+                   capsys)
+    assert f"checkpoint file '{damaged}' is damaged" in err and not (tmp_path / "o.mp4").exists()
+
+
+def test_typed_configs_check_types_once_for_every_field():
+    """from_dict checks each field against its annotation: ints, floats, bools, strings, tuples, lists."""
+    assert from_dict(TrainConfig, {"steps": 3.0, "lr": 1, "betas": [0.9, 0.95]}).steps == 3
+    for data, message in [({"steps": "3"}, "train.steps='3' must be an integer"),
+                          ({"compile": "yes"}, "train.compile='yes' must be true or false"),
+                          ({"resume": 5}, "train.resume=5 must be a string"),
+                          ({"betas": 0.9}, "train.betas=0.9 must be a list"),
+                          ({"betas": [0.9, "x"]}, r"train.betas\[1\]='x' must be a number")]:
+        with pytest.raises(ValueError, match=message):
+            from_dict(TrainConfig, data, key="train")
+    with pytest.raises(ValueError, match=r"model.patch_size=\[1, 2\] must have 3 entries"):
+        from_dict(DiTConfig, {"patch_size": [1, 2]}, key="model")
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return typed_configs(compose("train", overrides=[*overrides, "train.device=cpu"]))
+
+
+def test_every_model_field_is_overridable_without_plus():
+    fields = [f.name for f in dataclasses.fields(DiTConfig) if f.name != "attention"]
+    listed = (CONF_DIR / "model" / "_fields.yaml").read_text()
+    assert [f for f in fields if f"\n{f}: null" not in listed] == []
+    model = _compose(["model.num_heads=8", "model.patch_size=[1,4,4]", "model.qk_norm=false", "model.depth=3"])[0]
+    assert (model.num_heads, model.patch_size, model.qk_norm, model.depth) == (8, (1, 4, 4), False, 3)
+    assert _compose(["model=quality_gpu"])[0].dim == 256               # a preset file's own values still apply
+
+
+def test_a_pixel_space_preset_trains_on_rgb_clips():
+    model, data, _, _ = _compose(["model=1B", "model.in_channels=3", "data.height=16", "data.width=16",
+                                  "data.frames=2"])
+    assert model.in_channels == data.channels == 3 and model.dim == 2048
