@@ -4,7 +4,9 @@ Train one DiT variant on MovingShapes, sample videos for held-out captions, and 
 them with weight-free MovingShapes scores (text alignment, temporal consistency, motion
 error) and the VBench formulas (temporal flickering, frame consistency with a colour-
 histogram encoder standing in for DINO). The ground-truth clips of the same captions are
-scored too, as the ceiling each score can reach.
+scored too, as the ceiling each score can reach, and shown in the first row of the sample
+grid. Frames in the grid and the mp4s are upscaled (nearest) to at least MIN_FRAME_PX, so
+that the 16-pixel shapes of the CPU size can be seen.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from experiments.report import markdown_table
+from experiments.report import render
 from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
@@ -34,6 +36,11 @@ from megaslide.train.trainer import Trainer
 # text_alignment needs every part of the caption; color/shape/direction_match say which part fails
 SCORE_KEYS = ("text_alignment", "color_match", "shape_match", "direction_match", "temporal_consistency",
               "motion_error", "flickering", "frame_consistency")
+# the printed summary (the JSON and the markdown hold every score with its spread): (header, key)
+SUMMARY = (("colour", "color_match"), ("shape", "shape_match"), ("direction", "direction_match"),
+           ("caption", "text_alignment"), ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
+MIN_FRAME_PX = 96
+MEDIA_KEYS = ("samples", "captions", "mp4")  # kept in the rows for the grid and the printout, not in the JSON
 
 
 def eval_set(data: DataConfig, n: int, seed: int) -> tuple[list[str], list, torch.Tensor]:
@@ -55,6 +62,14 @@ def score(videos: torch.Tensor, labels) -> dict:
             "temporal_consistency_se": motion["temporal_consistency_se"], "scorer_version": motion["scorer_version"],
             "flickering": float(np.mean([temporal_flickering(f) for f in frames])),
             "frame_consistency": float(np.mean([frame_consistency(f) for f in frames]))}
+
+
+def upscaled(video: torch.Tensor) -> np.ndarray:
+    """uint8 frames (T, f*H, f*W, 3) of a video (3, T, H, W), each pixel repeated f times per axis
+    (nearest), with f the smallest integer that makes both sides at least MIN_FRAME_PX."""
+    frames = to_uint8_frames(video)  # (T, H, W, 3)
+    f = max(1, math.ceil(MIN_FRAME_PX / min(frames.shape[1:3])))
+    return frames.repeat(f, axis=1).repeat(f, axis=2)  # (T, f*H, f*W, 3)
 
 
 def sample_in_batches(trainer: Trainer, captions: list[str], batch: int, seed: int) -> torch.Tensor:
@@ -88,8 +103,9 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     row.update(score(videos, labels), status="ok")
     logger.log({f"eval/{k}": row[k] for k in SCORE_KEYS}, trainer.step)
     if save_mp4:
-        mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", videos[0])
+        mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", upscaled(videos[0]))
         logger.log_video("eval/sample", mp4, captions[0], trainer.step)
+        row["mp4"] = str(mp4)
     logger.finish()
     row["samples"] = videos[:4]
     row["captions"] = captions[:4]
@@ -129,20 +145,24 @@ def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None
 
 
 def publish(experiment: str, name: str, results_dir, config: dict, rows: list[dict], truth: list[dict],
-            jobs_total: int, grids: dict[str, int | None]) -> Path:
-    """Write the result JSON (summary over seeds + per-seed table) and the sample grids.
+            jobs_total: int, grids: dict[str, int | None]) -> tuple[Path, list[Path]]:
+    """Write the result JSON (summary over seeds + per-seed table) and the sample grids; returns
+    their paths.
 
     `rows` may be a prefix of the jobs (`jobs_done` < `jobs_total` marks a partial result);
-    `grids` maps a PNG suffix to the clip length it shows (None: every row)."""
+    `grids` maps a PNG suffix to the clip length it shows (None: every row); the ground truth
+    of that clip length heads each grid."""
     everything = rows + truth
     path = write_result(experiment, name, {"config": config, "jobs_done": len(rows), "jobs_total": jobs_total,
                                            "rows": aggregate(everything),
                                            "tables": {"per seed": strip_samples(everything)}},
                         results_dir=results_dir)
+    pngs = []
     for suffix, frames in grids.items():
-        save_grid(path.with_name(f"{name}{suffix}_samples.png"),
-                  [r for r in rows if frames is None or r["frames"] == frames])
-    return path
+        png = path.with_name(f"{name}{suffix}_samples.png")
+        if save_grid(png, [r for r in truth + rows if frames is None or r["frames"] == frames]):
+            pngs.append(png)
+    return path, pngs
 
 
 def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, tag: str) -> dict:
@@ -154,20 +174,37 @@ def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: Tra
 
 def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config: dict,
               grids: dict[str, int | None]) -> None:
-    """Run the jobs (cfg.workers at once), publishing the result after each, and print the summary."""
-    def save(rows: list[dict]) -> Path:
+    """Run the jobs (cfg.workers at once), publishing the result after each; print the summary
+    and where the result, its markdown tables, the sample grids and the sample videos are."""
+    def save(rows: list[dict]) -> tuple[Path, list[Path]]:
         return publish(experiment, cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs), grids)
 
-    path = save([])                      # the ground truth and the plan, before the first run finishes
-    rows = run_jobs(jobs, cfg.workers, on_row=save)
-    print(markdown_table(aggregate(rows + truth)))
-    print(f"wrote {path}")
+    published = [save([])]               # the ground truth and the plan, before the first run finishes
+    rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(save(done)))
+    path, pngs = published[-1]
+    print(summary_table(aggregate(truth + rows)))
+    print(f"\nscores (JSON): {path}\ntables (markdown): {render(experiment, Path(cfg.results_dir))}")
+    for png in pngs:
+        print(f"sample grid, ground truth on top: {png}")
+    for r in rows:
+        if "mp4" in r:
+            print(f"sample video, {r['variant']} seed {r['seed']}, {r['frames']} frames: {r['mp4']}")
+
+
+def summary_table(rows: list[dict]) -> str:
+    """The SUMMARY scores of aggregated rows (means over seeds), a plain table under 100 columns."""
+    header = ["variant", "frames", "seeds", *(h for h, _ in SUMMARY)]
+    lines = [[r["variant"], str(r["frames"]), str(r["seeds"]), *(f"{r[f'{k}_mean']:.2f}" for _, k in SUMMARY)]
+             for r in rows]
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                               enumerate(zip(line, widths))) for line in [header, *lines])
 
 
 def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:
-    _, labels, videos = eval_set(data, n_eval, eval_seed)
+    captions, labels, videos = eval_set(data, n_eval, eval_seed)
     return {"variant": "ground_truth", "frames": data.frames, "seed": eval_seed, **score(videos, labels),
-            "status": "ok"}
+            "status": "ok", "samples": videos[:4], "captions": captions[:4]}
 
 
 def aggregate(rows: list[dict], ddof: int = 0) -> list[dict]:
@@ -187,16 +224,17 @@ def aggregate(rows: list[dict], ddof: int = 0) -> list[dict]:
     return out
 
 
-def save_grid(path: Path, rows: list[dict]) -> None:
-    """A PNG of sample frames: one row per (variant, first sample)."""
+def save_grid(path: Path, rows: list[dict]) -> bool:
+    """A PNG of upscaled sample frames, one row per (variant, first sample); False if no row has samples."""
     videos, labels = [], []
     for r in rows:
         if r.get("status") == "ok" and "samples" in r:
-            videos.append(r["samples"][0])
+            videos.append(upscaled(r["samples"][0]))
             labels.append(f"{r['variant']} s{r['seed']}: {r['captions'][0]}")
     if videos:
         frame_grid_png(path, videos, labels)
+    return bool(videos)
 
 
 def strip_samples(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("samples", "captions")} for r in rows]
+    return [{k: v for k, v in r.items() if k not in MEDIA_KEYS} for r in rows]

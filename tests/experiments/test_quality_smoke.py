@@ -1,6 +1,12 @@
 """ablate_offsets.py and quality.py end to end at the smallest size: train, sample, score, JSON."""
 import json
+from pathlib import Path
 
+import imageio.v2 as imageio
+import torch
+
+from experiments.quality_protocol import MIN_FRAME_PX, SCORE_KEYS, summary_table, upscaled
+from megaslide.data.video_io import to_uint8_frames
 from tests.experiments.runner import run_script
 
 TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "seeds=[0]", "data.height=8", "data.width=8",
@@ -8,12 +14,13 @@ TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "seeds=[0]", "data.
 
 
 def _run(script, tmp_path, *extra):
-    run_script([f"experiments/{script}", f"out_dir={tmp_path}", *TINY, *extra])
-    return json.loads(next((tmp_path / "results").rglob("cpu_tiny.json")).read_text())
+    """The result JSON and the printout of one script run."""
+    out = run_script([f"experiments/{script}", f"out_dir={tmp_path}", *TINY, *extra])
+    return json.loads(next((tmp_path / "results").rglob("cpu_tiny.json")).read_text()), out
 
 
 def test_ablate_offsets_smoke(tmp_path):
-    data = _run("ablate_offsets.py", tmp_path)
+    data, out = _run("ablate_offsets.py", tmp_path)
     variants = {r["variant"] for r in data["rows"]}
     assert variants == {"dsa", "dsa_zero", "ground_truth"}
     per_seed = data["tables"]["per seed"]
@@ -25,18 +32,45 @@ def test_ablate_offsets_smoke(tmp_path):
         assert r["text_alignment"] <= min(r["color_match"], r["shape_match"], r["direction_match"])
     assert data["jobs_done"] == data["jobs_total"] == 2                 # complete, not a partial result
 
+    table = out[out.index("variant"):].split("\n\n")[0].splitlines()  # the printout: a narrow summary,
+    assert max(map(len, table)) <= 100, out                             # then where everything is
+    assert [line.split()[0] for line in table[1:]] == ["ground_truth", "dsa", "dsa_zero"]
+    paths = {line.split(": ")[0]: Path(line.split(": ")[-1]) for line in out.splitlines() if ": " in line}
+    png = paths["sample grid, ground truth on top"]
+    mp4s = [p for label, p in paths.items() if label.startswith("sample video")]
+    assert png.is_file() and len(mp4s) == 2 and all(p.is_file() for p in mp4s)
+    with imageio.get_reader(mp4s[0]) as reader:
+        assert min(reader.get_meta_data()["size"]) >= MIN_FRAME_PX     # 8 px frames upscaled to 96
+
 
 def test_quality_smoke(tmp_path):
-    data = _run("quality.py", tmp_path, "clip_frames=[4]")
+    data, _ = _run("quality.py", tmp_path, "clip_frames=[4]")
     assert {r["variant"] for r in data["rows"]} == {"dense", "swin", "dsa", "dsa_zero", "ground_truth"}
     assert all(r["seeds"] == 1 for r in data["rows"] if r["variant"] != "ground_truth")
 
 
 def test_parallel_workers_give_the_same_rows(tmp_path):
     """workers=2 (spawned processes) trains and scores the same runs as workers=1."""
-    serial = _run("ablate_offsets.py", tmp_path / "serial")["tables"]["per seed"]
-    parallel = _run("ablate_offsets.py", tmp_path / "parallel", "workers=2")["tables"]["per seed"]
+    serial = _run("ablate_offsets.py", tmp_path / "serial")[0]["tables"]["per seed"]
+    parallel = _run("ablate_offsets.py", tmp_path / "parallel", "workers=2")[0]["tables"]["per seed"]
     assert [r["variant"] for r in parallel] == [r["variant"] for r in serial]
     for a, b in zip(serial, parallel):
         if a["variant"] != "ground_truth":
             assert abs(a["final_loss"] - b["final_loss"]) <= 1e-4 * abs(a["final_loss"])
+
+
+def test_upscaled_repeats_pixels_to_the_minimum_size():
+    video = torch.rand(3, 2, 16, 20) * 2 - 1                            # (3, T, H, W)
+    frames = upscaled(video)
+    assert frames.shape == (2, 96, 120, 3)                               # 16 px -> x6
+    torch.testing.assert_close(torch.from_numpy(frames[:, ::6, ::6]), torch.from_numpy(to_uint8_frames(video)))
+    assert (frames[:, :6, :6] == frames[:, :1, :1]).all()
+
+
+def test_summary_table_fits_100_columns():
+    row = {"variant": "ground_truth", "frames": 64, "seeds": 3,
+           **{f"{k}_mean": 0.123456 for k in SCORE_KEYS}}
+    lines = summary_table([row, {**row, "variant": "dsa_zero"}]).splitlines()
+    assert len(lines) == 3 and max(map(len, lines)) <= 100
+    assert lines[0].split() == ["variant", "frames", "seeds", "colour", "shape", "direction", "caption",
+                                "consistency", "motion", "err"]
