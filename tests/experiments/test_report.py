@@ -42,3 +42,16 @@ def test_results_from_a_dirty_tree_are_marked(tmp_path):
     assert "## clean\n" in md and "## dirty (dirty tree)\n" in md and "## old (dirty tree)\n" in md
     assert f"- commit: `{'a' * 40}`, dirty tree (diff sha256 `{'d' * 64}`), from stamp" in md
     assert f"- commit: `{'c' * 40}`, clean tree" in md and "- provenance note: relabelled by hand" in md
+
+
+def test_a_users_results_folder_and_the_source_of_each_table(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from experiments.report import main
+    write_result("demo", "mine", {"rows": [{"x": 1}]}, results_dir=tmp_path)
+    monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path)])
+    main()
+    assert capsys.readouterr().out == f"demo: {tmp_path / 'demo.md'}\n  from {tmp_path / 'demo' / 'mine.json'}\n"
+    md = (tmp_path / "demo.md").read_text()
+    assert f"report.py --results {tmp_path} demo` from {tmp_path.name}/demo/*.json" in md
+    assert "\n\nSource: [demo/mine.json](demo/mine.json)\n" in md.split("## mine")[1]  # (a dirty tree marks the title)
