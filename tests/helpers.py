@@ -2,9 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
+
+import pytest
 
 from megaslide.config import AttentionConfig, DataConfig, TrainConfig
 from megaslide.models.dit import DIT_PRESETS
+
+# torch.compile's default backend on CPU generates C++ and builds it with g++ (torch._inductor.config.cpp.cxx)
+needs_inductor = pytest.mark.skipif(shutil.which("g++") is None,
+                                    reason="Inductor's CPU backend needs a C++ compiler (g++), none is installed")
 
 
 def tiny_model_cfg(attention: str = "dense", **kw):

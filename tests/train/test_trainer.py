@@ -5,7 +5,7 @@ import torch
 
 from megaslide.config import OffloadConfig
 from megaslide.train.trainer import Trainer
-from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
+from tests.helpers import needs_inductor, tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 
 def test_loss_drops_on_tiny_moving_shapes(tmp_path):
@@ -64,10 +64,14 @@ def test_sample_shapes_and_range(tmp_path):
     assert video.min() >= -1 and video.max() <= 1
 
 
-def test_compiled_blocks_train_like_eager(tmp_path):
-    """train.compile: the same losses and weights as eager (CPU inductor), state-dict names unchanged."""
-    trainers = [Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=3, compile=c), tmp_path / str(c))
-                for c in (False, True)]
+@pytest.mark.slow
+@needs_inductor
+@pytest.mark.parametrize("attention", ["dense", "dsa"])
+def test_compiled_blocks_train_like_eager(tmp_path, attention):
+    """train.compile: the same losses and weights as eager, state-dict names unchanged. The
+    blocks go through Inductor (torch.compile's default backend), which generates C++ on CPU."""
+    trainers = [Trainer(tiny_model_cfg(attention), tiny_data_cfg(), tiny_train_cfg(steps=3, compile=c),
+                        tmp_path / str(c)) for c in (False, True)]
     losses = [[t.train_step()["loss"].item() for _ in range(3)] for t in trainers]
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
     eager, compiled = (t.engine.model.state_dict() for t in trainers)
