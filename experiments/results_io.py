@@ -28,8 +28,8 @@ The code that ran is recorded as
   3. `environment`: no .git and no stamp: `MEGASLIDE_GIT_COMMIT`, `MEGASLIDE_GIT_DIRTY`
      (1/0) and `MEGASLIDE_GIT_DIFF_HASH` from the launch command, unverified.
   4. `unknown`.
-The code state is taken once per process, when a result is first written or provenance is
-first asked for, so a commit made while a long run goes on does not relabel it.
+The code state is taken once per process, when this module is imported (every script imports
+it at start), so a commit or an edit made while a long run goes on does not relabel it.
 
     python -m experiments.results_io stamp     # before sending the tree to a GPU machine
     python -m experiments.results_io audit     # which results record a commit that is not the code that ran
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime as _dt
-import functools
 import hashlib
 import json
 import os
@@ -140,9 +139,7 @@ def code_state(root: Path = REPO_ROOT) -> dict:
     return {"commit": "unknown", "dirty": None, "provenance_source": "unknown"}
 
 
-@functools.cache
-def _code_at_start() -> dict:
-    return code_state(REPO_ROOT)
+_CODE_AT_START = code_state(REPO_ROOT)
 
 
 def is_dirty(result: dict) -> bool:
@@ -184,7 +181,7 @@ def _now() -> str:
 
 def provenance() -> dict:
     return {"command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
-            **_code_at_start(), "hardware": hardware(), "date": _now()}
+            **_CODE_AT_START, "hardware": hardware(), "date": _now()}
 
 
 def result_path(experiment: str, name: str, results_dir: Path | str | None = None) -> Path:
