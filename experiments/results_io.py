@@ -98,7 +98,8 @@ def git_state(root: Path = REPO_ROOT) -> dict:
 
 def stamp(root: Path = REPO_ROOT) -> Path:
     """Write `root/.provenance.json`: `git_state` plus the sha256 of every file of the tree."""
-    if subprocess.run(["git", "ls-files", "--error-unmatch", STAMP_FILE], cwd=root, capture_output=True).returncode == 0:
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", STAMP_FILE], cwd=root, capture_output=True)
+    if tracked.returncode == 0:
         raise RuntimeError(f"{STAMP_FILE} is tracked; it must never be committed: git rm --cached {STAMP_FILE}")
     record = {**git_state(root), "stamped": _now(), "files": {n: _sha256(root / n) for n in tree_files(root)}}
     path = root / STAMP_FILE
