@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megaslide.attention.base import Grid, SelfAttention, check_fits_grid, option_triple
+from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
 
 
 def _partition(x: torch.Tensor, grid, window) -> torch.Tensor:
@@ -72,6 +72,16 @@ class SwinAttention(SelfAttention):
     @classmethod
     def keys_per_query(cls, options: SwinOptions, grid: Grid) -> int:
         return math.prod(options.window)
+
+    @classmethod
+    def attend_memory(cls, options: SwinOptions, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
+        # SDPA on 5-D windows runs PyTorch's math path (the fused kernels take 4-D inputs): it keeps the
+        # scaled q, the transposed k, v and each window's softmax (heads x window per token), and the
+        # block keeps the output put back in token order; forward, at the softmax: q and k in window
+        # order and the scores; backward, at its peak: the softmax's gradient, the output gradient in
+        # window order and the windows' dv
+        scores = num_heads * math.prod(options.window) * act
+        return AttendMemory("none", 4 * act * dim + scores, 2 * act * dim + scores, 2 * act * dim + scores)
 
     def attend(self, q, k, v, x, grid):
         self.check_grid(self.options, grid)

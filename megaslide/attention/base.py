@@ -6,9 +6,9 @@ Shared: the projections, QK-norm, RoPE and the output projection. A variant is o
   `__post_init__` checks their values;
 - `attend(q, k, v, x, grid)`, the token mixing itself, and `reads_input`, whether it reads
   x, the attention input (DSA's offset net does; a chunked block keeps x whole only then);
-- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `extra_params(...)` and
-  `extra_macs_per_token(...)`: what config validation, FLOP and parameter accounting need
-  to know without building the module.
+- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `extra_params(...)`,
+  `extra_macs_per_token(...)` and `attend_memory(...)`: what config validation, FLOP,
+  parameter and activation-memory accounting need to know without building the module.
 Callers that need the projected heads (the KV-cached causal generator, sequence
 parallelism) use `project_qkv` and `project_out` around their own attention.
 """
@@ -23,6 +23,23 @@ import torch.nn as nn
 from megaslide.nn import RMSNorm, apply_rope
 
 Grid = tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttendMemory:
+    """What `attend` holds on the device in training, in bytes per video token (the offload planner's
+    activation model, megaslide/metrics/activation_memory.py, adds the block around it).
+
+    keeps: how attend keeps q, k, v for its backward: "as_passed" (views included), "contiguous"
+    (a strided one is copied first) or "none" (it keeps copies of its own, counted in `saved`);
+    saved: everything else it keeps from forward to backward (output, lse, offsets, copies);
+    forward, backward: what its forward (beyond `saved`) and its backward allocate at their peaks
+    (intermediates, input gradients, accumulators)."""
+
+    keeps: str
+    saved: int
+    forward: int
+    backward: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +118,12 @@ class SelfAttention(nn.Module):
     def extra_macs_per_token(cls, options, dim: int, num_heads: int) -> int:
         """Multiply-adds per video token of the weights beyond the shared projections."""
         return 0
+
+    @classmethod
+    def attend_memory(cls, options, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
+        """`attend`'s activation memory (see `AttendMemory`) when q, k, v hold `act` bytes per
+        element (2 under bf16 autocast, 4 in fp32), in a block run whole or token-chunked."""
+        raise NotImplementedError(f"attention {cls.name!r} does not describe its activation memory (attend_memory)")
 
     def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x (B, N, D) -> q, k, v (B, N, heads, d), RoPE applied to q and k."""

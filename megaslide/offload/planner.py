@@ -1,22 +1,33 @@
-"""Will an offloaded run fit, and how fast can it go? Predicted before anything is allocated.
+"""Will a training run fit, and how fast can it go? Predicted before anything is allocated.
 
 Its command line is experiments/plan.py (`python -m experiments.plan model=7B check=true`).
 
-Host RAM: the exact bytes of the engine's two arenas (`HostState.arena_sizes`: per block
-parameter 16 B, see host_state.py), plus the fp32 model when it is first built on the host
-(`build_on_host`, what `Trainer` asks of `OffloadEngine.from_config` for an initialisation
-identical to the resident engine's), plus a reserve for the process (torch, CUDA runtime, data).
-HBM: two block shells, their flat gradients and autograd's per-parameter gradients of one
-block, the resident stem (fp32 weights, gradients, AdamW moments), every block's saved input,
-the activations of one block under recomputation (bytes saved per token for backward,
-measured on CPU with saved_tensors_hooks: about 65 D + 4 F in bf16 autocast, 104 D + 8 F in
-fp32; x1.5 for activation gradients, an estimate), the update slots of the GPU optimizer
-ablation, and a reserve for the CUDA context and workspaces. With `resident_blocks=k` the
-last k blocks add a shell, a flat gradient and their saved activations each, and skip their
-recompute and backward re-stream. Dense attention is assumed to be
-flash (O(N) memory); the samples DSA materialises are not modelled.
+Host RAM (offload engine): the exact bytes of the engine's arenas (`HostState.arena_sizes`: per
+block parameter 16 B, see host_state.py), the block inputs that activation offload parks
+there (`parked_inputs`), the fp32 model when it is first built on the host (`build_on_host`,
+what `Trainer` asks of `OffloadEngine.from_config`), and a reserve for the process.
+
+HBM: the peak of `torch.cuda.max_memory_allocated`, phase by phase (forward, loss, backward,
+optimizer), from the shapes. One block's activations come from
+megaslide/metrics/activation_memory.py (what each op saves, the variant's share from its
+`attend_memory`, token chunking); around them the engine holds, at the peak of its backward
+(the second block it recomputes: the first one's parameter gradients are still referenced):
+- the block shells (weights and flat gradients), the stem (fp32 weights and AdamW moments;
+  its gradients exist only after the blocks' backward), the clip tensors and RoPE tables;
+- the saved block inputs still on the device (all the streamed ones; with activation offload
+  two, plus the stem's output, which the stem's backward keeps), the last block's output,
+  the engine's dL/d(output) and the current one, and a resident tail's inputs and outputs;
+- the previous block's parameter gradients and the current block's so far.
+Checked against H200 peaks of the offload engine at the 7B width (dim 4096, ffn 16384, 32
+heads), bf16, batch 1: DSA 3x3x3, 4 blocks, 65,536 tokens: 34.2 GB predicted, 34.9 measured;
+131,072 tokens: 62.6 GB vs 63.4; dense, 20 blocks, 32,768 tokens: 22.6 GB vs 23.2. The fit
+check keeps `HBM_MARGIN` of the free memory for the caching allocator's fragmentation.
+The resident trainer (`plan_resident`: fp32 weights, gradients and AdamW moments on the device,
+bf16 autocast, per-block checkpointing) is planned with the same block model.
+
 Step-time floor: max(compute, H2D, D2H, CPU AdamW) from executed FLOPs (model FLOPs plus the
-recomputed forward), bytes moved and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s
+recomputed forward, and with chunking the slices' token-wise forward once more), bytes moved
+(weights, gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s
 effective, 50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic).
 """
 from __future__ import annotations
@@ -27,16 +38,16 @@ from dataclasses import dataclass
 import torch
 
 from megaslide.config import DiTConfig
+from megaslide.metrics.activation_memory import ActivationDtypes, BlockMemory, block_memory
 from megaslide.metrics.flops import DiTFlops, dit_flops
 from megaslide.metrics.memory import hbm_available_bytes, host_available_bytes
 from megaslide.models.dit import DiTBlock, count_params
 from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
+from megaslide.offload.streamer import parked_inputs
 
 GB = 1e9
 HOST_RESERVE_BYTES = 4 * 2 ** 30   # torch + CUDA runtime + data + Python beside the host state
-HBM_RESERVE_BYTES = 2 * 2 ** 30    # CUDA context, cuBLAS/cuDNN workspaces, fragmentation
-ACT_BYTES_PER_TOKEN = {torch.bfloat16: (65, 4), torch.float32: (104, 8)}  # (x D, x F), one block
-BACKWARD_TRANSIENT = 1.5
+HBM_MARGIN = 0.05                  # share of the free HBM left to the caching allocator's fragmentation
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,30 @@ def require_host_fit(arenas: dict, available: int, what: str) -> None:
                          f"blocks: python -m experiments.plan check=true names the largest depth) or more RAM")
 
 
+def phase_over(phases: dict[str, int], budget: int) -> str | None:
+    """The first phase, in the order of a step, whose HBM exceeds `budget` bytes (None: all fit)."""
+    return next((name for name, need in phases.items() if need > budget), None)
+
+
+def _clip_and_rope(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], act: int) -> int:
+    """Bytes of a step's clip tensors (x0, noise, x_t in fp32, the patch embedding's input in the
+    compute dtype) and RoPE tables (cos, sin: fp32, head_dim / 2 per token each)."""
+    tokens = math.prod(grid)
+    patch_values = cfg.in_channels * math.prod(cfg.patch_size)
+    return batch * tokens * patch_values * (3 * 4 + act) + tokens * cfg.head_dim * 4
+
+
+def _final_layer(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes) -> int:
+    """The final layer at the peak of its backward (the modulation's): LayerNorm's fp32 input copy (of
+    a bf16 input) and output, and the fp32 gradients of the modulation's output and input."""
+    per_token = (4 if dtypes.autocast and dtypes.residual < 4 else 0) + 4 + 8
+    return tokens * cfg.dim * per_token
+
+
+def _block_items(memory: BlockMemory, which: str) -> dict[str, int]:
+    return {f"block ({memory.moment}): {k}": v for k, v in getattr(memory, which).items()}
+
+
 @dataclass
 class OffloadPlan:
     cfg: DiTConfig
@@ -82,12 +117,14 @@ class OffloadPlan:
     block_params: int           # all blocks, padding excluded
     host: dict[str, int]        # bytes by item
     pinned_bytes: int
-    hbm: dict[str, int]         # bytes by item
+    hbm: dict[str, int]         # bytes by item, at the peak phase
+    hbm_phases: dict[str, int]  # peak bytes of each phase of a step, in its order
     flops: DiTFlops
     seconds: dict[str, float]   # per step: compute, h2d, d2h, optimizer
     h2d_bytes: int
     d2h_bytes: int
     resident_blocks: int        # last blocks kept on the device through backward (no recompute, no re-stream)
+    activation_offload: bool    # saved block inputs parked in pinned host RAM
     executed_flops: float       # model FLOPs plus the recomputed forward of the other blocks
 
     @property
@@ -100,7 +137,11 @@ class OffloadPlan:
 
     @property
     def hbm_total(self) -> int:
-        return sum(self.hbm.values())
+        return max(self.hbm_phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.hbm_phases, key=self.hbm_phases.get)
 
     @property
     def floor_s(self) -> float:
@@ -117,9 +158,11 @@ class OffloadPlan:
     def as_dict(self) -> dict:
         return {"params": self.params, "block_params": self.block_params, "tokens": self.tokens,
                 "param_dtype": str(self.param_dtype), "optimizer_device": self.optimizer_device,
+                "activation_offload": self.activation_offload, "chunk_tokens": self.cfg.chunk_tokens,
                 "host_bytes": self.host, "host_total_bytes": self.host_total, "pinned_bytes": self.pinned_bytes,
                 "host_bytes_per_block_param": host_bytes_per_param(self.param_dtype),
-                "hbm_bytes": self.hbm, "hbm_total_bytes": self.hbm_total,
+                "hbm_bytes": self.hbm, "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
+                "hbm_peak_phase": self.peak_phase,
                 "model_flops_per_step": self.flops.train, "executed_flops_per_step": self.executed_flops,
                 "resident_blocks": self.resident_blocks,
                 "seconds": self.seconds, "floor_s": self.floor_s, "serial_s": self.serial_s, "bound": self.bound,
@@ -130,21 +173,74 @@ class OffloadPlan:
         lines = [f"model: dim {c.dim}, depth {c.depth}, heads {c.num_heads}, ffn {c.ffn_dim}, attention "
                  f"{c.attention.name}; {self.params / 1e9:.3f} B params ({self.block_params / 1e9:.3f} B in blocks)",
                  f"step: batch {self.batch} x grid {self.grid} = {self.tokens} tokens; {self.param_dtype}; "
-                 f"optimizer on {self.optimizer_device}; clipping {'on' if self.grad_clip else 'off'}",
+                 f"optimizer on {self.optimizer_device}; clipping {'on' if self.grad_clip else 'off'}; chunk "
+                 f"{c.chunk_tokens or 'off'}; activation offload {'on' if self.activation_offload else 'off'}",
                  "host RAM:"]
-        lines += [f"  {k:<44} {v / GB:9.2f} GB" for k, v in self.host.items()]
-        lines += [f"  {'total':<44} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)", "HBM:"]
-        lines += [f"  {k:<44} {v / GB:9.2f} GB" for k, v in self.hbm.items()]
-        lines += [f"  {'total':<44} {self.hbm_total / GB:9.2f} GB", "step time (s):"]
-        lines += [f"  {k:<44} {v:9.3f}" for k, v in self.seconds.items()]
-        lines += [f"  {'floor = max (' + self.bound + ')':<44} {self.floor_s:9.3f}",
-                  f"  {'serial = sum':<44} {self.serial_s:9.3f}"]
+        lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
+        lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
+                  "HBM: by phase " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in self.hbm_phases.items()),
+                  f"  at the peak ({self.peak_phase}):"]
+        lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.hbm.items()]
+        lines += [f"  {'total (peak of max_memory_allocated)':<72} {self.hbm_total / GB:9.2f} GB", "step time (s):"]
+        lines += [f"  {k:<72} {v:9.3f}" for k, v in self.seconds.items()]
+        lines += [f"  {'floor = max (' + self.bound + ')':<72} {self.floor_s:9.3f}",
+                  f"  {'serial = sum':<72} {self.serial_s:9.3f}"]
         return "\n".join(lines)
+
+
+def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes: ActivationDtypes, n: int,
+                 resident: int, k: int, activation_offload: bool, optimizer_device: str) -> dict[str, dict[str, int]]:
+    """Device bytes by item for each phase of an offloaded step (see the module docstring)."""
+    tokens = batch * math.prod(grid)
+    w, D, depth = dtypes.residual, cfg.dim, cfg.depth
+    x = tokens * D * w                                        # one (B, N, D) block input / output / gradient
+    memory = block_memory(cfg, tokens, dtypes)
+    streamed = depth - k
+    fixed = {f"block shells ({2 + k}): weights and flat gradients": 2 * (2 + k) * n * w,
+             "resident stem: fp32 weights, AdamW moments": 12 * resident,
+             "clip tensors, RoPE tables": _clip_and_rope(cfg, batch, grid, dtypes.act)}
+    if optimizer_device == "gpu":
+        # two slots of master, moments, gradient and weights; the update's fp32 gradient, sqrt and quotient
+        # (without clipping an update runs during the backward)
+        fixed["GPU optimizer slots (2) + AdamW temporaries"] = 2 * n * (12 + 2 * w) + (12 if w < 4 else 8) * n
+    parks = activation_offload and parked_inputs(depth, k) > 0
+    # inputs on the device after the forward: with activation offload the last two streamed ones and the
+    # stem's output (the stem's backward keeps it); else every streamed one (the first is the stem's output)
+    kept_inputs = 3 if parks else streamed
+    tail = {"resident tail: kept graphs, input": k * memory.kept_total + x} if k else {}
+    previous = k > 0 or streamed >= 2                        # the peak block has a block before it in backward
+    own = cfg.ffn_dim * D * w if memory.moment == "MLP backward" else n * w if memory.moment != "forward end" else 0
+    # without activation offload and a tail, the peak block (the second in backward) has one input fewer
+    streamed_inputs = kept_inputs if (parks or k or not previous) else streamed - 1
+    outputs = f"resident tail: input and outputs ({k + 1})" if k else "last block output"
+    backward = {**fixed,
+                f"saved block inputs on the device ({streamed_inputs})": streamed_inputs * x,
+                outputs: (k + 1) * x,
+                "dL/d(last output), this block's output gradient": (2 if previous else 1) * x,
+                "previous block's parameter gradients": n * w if previous else 0,
+                "this block's parameter gradients so far": own,
+                **_block_items(memory, "peak")}
+    # forward: a streamed block's forward, or the end of the tail's (its graphs all kept)
+    forward = tail if sum(tail.values()) > memory.forward_total else _block_items(memory, "forward")
+    phases = {"forward": {**fixed, f"saved block inputs on the device ({kept_inputs})": kept_inputs * x, **forward},
+              "loss": {**fixed, f"saved block inputs on the device ({kept_inputs})": kept_inputs * x, **tail,
+                       "dL/d(last output)" if k else "last block output and its gradient": (1 if k else 2) * x,
+                       "final layer and its backward": _final_layer(cfg, tokens, dtypes)},
+              "backward": backward}
+    if k:
+        phases["backward, resident tail"] = {
+            **fixed, f"saved block inputs on the device ({kept_inputs})": kept_inputs * x,
+            "resident tail: the other kept graphs, input": (k - 1) * memory.kept_total + x,
+            "dL/d(last output)": x, "this block's parameter gradients so far": cfg.ffn_dim * D * w,
+            **_block_items(memory, "peak")}
+    phases["optimizer"] = {**fixed, "stem gradients and AdamW temporaries": 8 * resident,
+                           "stem output, last block output and their gradients": 4 * x}
+    return {name: {k: v for k, v in items.items() if v} for name, items in phases.items()}
 
 
 def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], param_dtype: torch.dtype,
                  optimizer_device: str = "cpu", grad_clip: bool = True, pin_optimizer_state: bool | None = None,
-                 build_on_host: bool = False, resident_blocks: int = 0,
+                 build_on_host: bool = False, resident_blocks: int = 0, activation_offload: bool = False,
                  ceilings: Ceilings = Ceilings()) -> OffloadPlan:
     """Host RAM, HBM and step-time floor of one offloaded training step (allocates nothing)."""
     cfg.validate()
@@ -158,45 +254,105 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
     params = count_params(cfg)
     block_params = depth * layout.param_count
     resident = params - block_params
+    tokens = batch * math.prod(grid)
+    k = resident_blocks
+    parked = parked_inputs(depth, k) if activation_offload else 0
+    input_bytes = tokens * cfg.dim * w
     arenas = host_bytes(layout, depth, param_dtype, pin_state)
     host = {"block state, pinned arena": arenas["pinned"], "block state, pageable arena": arenas["pageable"]}
+    if parked:
+        host[f"parked block inputs, pinned ({parked} x {input_bytes / GB:.2f} GB)"] = parked * input_bytes
     if build_on_host:
         host["fp32 model built on the host (transient)"] = params * 4
     host["process reserve"] = HOST_RESERVE_BYTES
 
-    tokens = batch * math.prod(grid)
-    per_d, per_f = ACT_BYTES_PER_TOKEN[param_dtype]
-    k = resident_blocks
-    block_acts = tokens * (per_d * cfg.dim + per_f * cfg.ffn_dim)  # one block's saved activations
-    hbm = {f"block shells ({2 + k} x weights)": (2 + k) * n * w,
-           f"block gradients ({2 + k} flat + 1 autograd)": (3 + k) * n * w,
-           "resident stem (weights, grads, AdamW)": resident * 16,
-           "saved block inputs": (depth - k + 1) * tokens * cfg.dim * w,
-           "one block's activations (backward)": int(BACKWARD_TRANSIENT * block_acts)}
-    if k:
-        hbm[f"kept activations of the last {k} blocks"] = k * block_acts
-    if optimizer_device == "gpu":
-        hbm["GPU optimizer slots (2) + AdamW temporaries"] = 2 * n * (12 + 2 * w) + 8 * n
-    hbm["CUDA context and workspaces"] = HBM_RESERVE_BYTES
+    dtypes = ActivationDtypes(act=w, residual=w)   # bf16 shells run under bf16 autocast; fp32 ones without
+    phases = _offload_hbm(cfg, batch, grid, dtypes, n, resident, k, activation_offload, optimizer_device)
+    hbm_phases = {name: sum(items.values()) for name, items in phases.items()}
 
     flops = dit_flops(cfg, batch, grid)
     weights_bytes = n * w
     grads_to_host = grad_clip or optimizer_device == "cpu"
     # forward + backward; the backward re-streams neither the kept blocks nor the two last streamed ones
-    h2d = weights_bytes * (depth + max(0, depth - k - 2))
-    d2h = weights_bytes * depth if grads_to_host else 0
+    h2d = weights_bytes * (depth + max(0, depth - k - 2)) + parked * input_bytes
+    d2h = (weights_bytes * depth if grads_to_host else 0) + parked * input_bytes
     if optimizer_device == "gpu":
         h2d += depth * n * 12 + (depth * weights_bytes if grad_clip else 0)
         d2h += depth * n * (12 + (w if param_dtype != torch.float32 else 0))
         optimizer_s = depth * n * 28 / (ceilings.hbm_TBps * 1e12)
     else:
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
-    executed = flops.train + flops.forward * (depth - k) / depth  # blocks dominate the forward; stem ignored
+    # blocks dominate the forward (stem ignored); chunking runs every block's token-wise forward once more
+    executed = flops.train + flops.forward * (depth - k) / depth + (flops.weights if cfg.chunk_tokens else 0)
     seconds = {"compute": executed / (ceilings.tflops * 1e12), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
-    pinned = arenas["pinned"]
+    pinned = arenas["pinned"] + parked * input_bytes
+    peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), param_dtype, optimizer_device, grad_clip, params, block_params,
-                       host, pinned, hbm, flops, seconds, h2d, d2h, k, executed)
+                       host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
+                       executed)
+
+
+@dataclass
+class ResidentPlan:
+    """HBM of the resident trainer's step (megaslide/train/resident.py) with per-block checkpointing."""
+
+    cfg: DiTConfig
+    batch: int
+    grid: tuple[int, int, int]
+    params: int
+    hbm: dict[str, int]         # bytes by item, at the peak phase
+    hbm_phases: dict[str, int]  # peak bytes of each phase of a step (from the second on), in its order
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * math.prod(self.grid)
+
+    @property
+    def hbm_total(self) -> int:
+        return max(self.hbm_phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.hbm_phases, key=self.hbm_phases.get)
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "tokens": self.tokens, "hbm_bytes": self.hbm,
+                "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
+                "hbm_peak_phase": self.peak_phase}
+
+
+def plan_resident(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], autocast: bool = True) -> ResidentPlan:
+    """HBM of a steady-state step of the resident trainer on `cfg` with checkpoint_blocks (allocates nothing).
+
+    fp32 weights, gradients and AdamW moments of every parameter stay on the device. Under bf16
+    autocast the forward caches a bf16 copy of every weight until it ends (the recompute casts one
+    block's again), the fp32 gates make the residual stream fp32, and the previous step's
+    gradients live until `zero_grad`, which comes after the forward. The optimizer step adds
+    foreach AdamW's temporary (sqrt of the second moment) for every parameter."""
+    cfg.validate()
+    params = count_params(cfg)
+    block = block_layout(cfg).param_count
+    tokens = batch * math.prod(grid)
+    dtypes = ActivationDtypes(act=2 if autocast else 4, residual=4)
+    memory = block_memory(cfg, tokens, dtypes)
+    x = tokens * cfg.dim * 4
+    cast = 2 if autocast else 0
+    state = {"fp32 weights and AdamW moments": 12 * params,
+             "clip tensors, RoPE tables": _clip_and_rope(cfg, batch, grid, dtypes.act)}
+    inputs = f"checkpointed block inputs ({cfg.depth})"
+    last_block = {**state, inputs: cfg.depth * x, "dL/d(output)": x, "recomputed block's bf16 weights": cast * block,
+                  **_block_items(memory, "peak")}
+    first_block = {**state, "gradients of the later blocks": 4 * (cfg.depth - 1) * block,
+                   "block input, dL/d(output), dL/d(input)": 3 * x, "recomputed block's bf16 weights": cast * block,
+                   **_block_items(memory, "peak")}
+    phases = {"forward": {**state, "previous step's gradients": 4 * params, "bf16 weight cache (autocast)":
+                          cast * params, inputs: cfg.depth * x, **_block_items(memory, "forward")},
+              "backward": max(last_block, first_block, key=lambda items: sum(items.values())),
+              "optimizer": {**state, "gradients": 4 * params, "AdamW temporaries (foreach)": 4 * params}}
+    phases = {name: {k: v for k, v in items.items() if v} for name, items in phases.items()}
+    totals = {name: sum(items.values()) for name, items in phases.items()}
+    return ResidentPlan(cfg, batch, tuple(grid), params, phases[max(totals, key=totals.get)], totals)
 
 
 def largest_depth(cfg: DiTConfig, *, host_budget: int, param_dtype: torch.dtype, pin_optimizer_state: bool) -> int:
@@ -205,6 +361,11 @@ def largest_depth(cfg: DiTConfig, *, host_budget: int, param_dtype: torch.dtype,
     per_block = host_bytes(layout, 1, param_dtype, pin_optimizer_state)
     per_block_bytes = per_block["pinned"] + per_block["pageable"]
     return max(0, int((host_budget - HOST_RESERVE_BYTES) // per_block_bytes))
+
+
+def usable_hbm(available: int) -> int:
+    """Free HBM less the `HBM_MARGIN` kept for the caching allocator's fragmentation."""
+    return int(available * (1 - HBM_MARGIN))
 
 
 def check_fits(plan: OffloadPlan, *, host_available: int, hbm_available: int | None) -> None:
@@ -216,14 +377,17 @@ def check_fits(plan: OffloadPlan, *, host_available: int, hbm_available: int | N
         depth = largest_depth(plan.cfg, host_budget=host_available - others, param_dtype=plan.param_dtype,
                               pin_optimizer_state=False)
         raise ValueError(f"the model does not fit host RAM: it needs {plan.host_total / GB:.1f} GB ({items}; "
-                         f"{plan.params / 1e9:.2f} B params) but {host_available / GB:.1f} GB is available "
-                         f"(MemAvailable). Use at most model.depth={depth} at this width, a smaller preset, or a "
-                         f"machine with more RAM")
-    if hbm_available is not None and plan.hbm_total > hbm_available:
+                         f"{plan.params / 1e9:.2f} B params, {plan.tokens} tokens per step) but "
+                         f"{host_available / GB:.1f} GB is available (MemAvailable). Use at most model.depth={depth} "
+                         f"at this width, a smaller preset, a shorter clip (parked block inputs grow with it), or "
+                         f"a machine with more RAM")
+    if hbm_available is not None and plan.hbm_total > usable_hbm(hbm_available):
         items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.hbm.items())
-        raise ValueError(f"the step does not fit device memory: it needs {plan.hbm_total / GB:.1f} GB of HBM "
-                         f"({items}) but {hbm_available / GB:.1f} GB is available. Use fewer tokens per step "
-                         f"(batch, frames, resolution), or raise offload.gpu_memory_fraction")
+        raise ValueError(f"the step does not fit device memory: its {plan.peak_phase} needs "
+                         f"{plan.hbm_total / GB:.1f} GB of HBM ({items}) but {hbm_available / GB:.1f} GB is free, "
+                         f"{usable_hbm(hbm_available) / GB:.1f} GB usable ({HBM_MARGIN:.0%} kept for the allocator). "
+                         f"Use fewer tokens per step (batch, frames, resolution), model.chunk_tokens, "
+                         f"offload.activation_offload, or raise offload.gpu_memory_fraction")
 
 
 def require_fit(plan: OffloadPlan, device: torch.device, gpu_memory_fraction: float = 0.0) -> None:

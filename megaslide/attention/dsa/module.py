@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import register_attention
-from megaslide.attention.base import Grid, SelfAttention, check_fits_grid, option_triple
+from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
 from megaslide.attention.dsa.op import BACKENDS, deformable_slide_attention
 
 
@@ -70,6 +70,22 @@ class DSAAttention(SelfAttention):
     @classmethod
     def extra_macs_per_token(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
         return 27 * dim + dim * num_heads * math.prod(options.kernel_size) * 3
+
+    @classmethod
+    def attend_memory(cls, options: DSAOptions, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
+        # the fused kernels (the CUDA path) keep contiguous q, k, v, offsets (fp32), the output and
+        # lse; the offset net, unless zero or chunked (then recomputed from the kept input), keeps
+        # its conv, GELU and Linear inputs and tanh's fp32 output. Forward: the net's fp32 input made
+        # contiguous and its Linear output before and after the cast to fp32 (chunked: the offsets of
+        # the runs before their concatenation). Backward: dq, fp32 dk and dv (atomics) and, in low
+        # precision, their casts; fp32 d(offsets)
+        offsets = 4 * num_heads * math.prod(options.kernel_size) * 3
+        saved, forward = act * dim + 4 * num_heads + offsets, 0
+        if not cls.fixed_zero_offsets:
+            forward = offsets if chunked else 4 * dim + offsets * (act + 4) // 4
+        if not (cls.fixed_zero_offsets or chunked):
+            saved += 3 * act * dim + offsets
+        return AttendMemory("contiguous", saved, forward, 3 * act * dim + (8 * dim if act < 4 else 0) + offsets)
 
     def offsets(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         """x (B, N, D) -> offsets (B, T, H, W, heads, K, 3) in token units, |.| < max_offset.

@@ -1,0 +1,88 @@
+"""The block activation model: figures derived by hand from the shapes, and fp32 blocks measured on CPU."""
+import dataclasses
+
+import pytest
+import torch
+
+from megaslide.config import AttentionConfig, DiTConfig
+from megaslide.metrics.activation_memory import ActivationDtypes, block_memory
+from megaslide.metrics.live_bytes import LiveTensorBytes
+from megaslide.models.dit import DIT_PRESETS, DiTBlock
+from megaslide.nn import RopeTable
+
+BF16_SHELLS = ActivationDtypes(act=2, residual=2)   # the offload engine: bf16 weights, bf16 autocast
+D, F, H = 4096, 16384, 32                           # the 7B width
+K3 = 27 * 3                                          # DSA 3x3x3: samples x (dt, dy, dx)
+
+
+def _seven_b(attention: str, **kw) -> DiTConfig:
+    return dataclasses.replace(DIT_PRESETS["7B"], attention=AttentionConfig(attention), **kw)
+
+
+def test_unchunked_bf16_block_by_hand():
+    """Bytes per token kept by an unchunked block of the 7B width under bf16 autocast (dense):
+    norms 4D+4D+8 (bf16 input copied to fp32, output) and 2 x (8D+8), qkv/cross-q/fc1 inputs 3 x 2D,
+    qkv output 6D, rotated q and k 4D, QK-norm statistics 8 + 4, flash output 2D + lse 4h, cross q
+    before/after norm 4D, its output 2D + lse 4h, three gated outputs 6D, MLP hidden 4F, output 2D."""
+    tokens = 65536
+    dense = block_memory(_seven_b("dense"), tokens, BF16_SHELLS)
+    per_token = 56 * D + 4 * F + (8 + 16) + 12 + 8 * H
+    assert dense.kept_total == tokens * per_token
+    assert dense.moment == "MLP backward"
+    assert dense.peak_total == tokens * (per_token + 2 * F)          # + dL/d(GELU output) in bf16
+    # DSA adds its contiguous v (2D), the offset net's conv/GELU/Linear inputs (3 x 2D) and, in fp32,
+    # tanh's output and the offsets (2 x 4 h K3)
+    dsa = block_memory(_seven_b("dsa"), tokens, BF16_SHELLS)
+    assert dsa.kept_total - dense.kept_total == tokens * (8 * D + 2 * 4 * H * K3)
+    # Swin keeps none of q, k, v (4 x 2D of its own, and a window's softmax per token) but the qkv output
+    swin = block_memory(_seven_b("swin"), tokens, BF16_SHELLS)
+    window = 2 * 4 * 4
+    assert swin.kept_total - dense.kept_total == tokens * (4 * 2 * D + H * window * 2 - 4 * D - 2 * D - 4 * H)
+
+
+def test_chunked_bf16_block_by_hand():
+    """Chunked, the whole sequence keeps q, k, v (6D), flash's output and lse (2D + 4h), the output (2D);
+    the peak is the attention backward: + dq, dk, dv (6D), flash's fp32 dq accumulator (4D) and row sums
+    (4h), dL/d(attention output) and the accumulated dL/d(block input) (2 x 2D)."""
+    tokens, chunk = 522240, 16320
+    dense = block_memory(_seven_b("dense", chunk_tokens=chunk), tokens, BF16_SHELLS)
+    assert dense.kept_total == tokens * (10 * D + 4 * H)
+    assert dense.moment == "attention backward"
+    assert dense.peak_total == tokens * (24 * D + 8 * H)
+    # DSA also keeps its fp32 input (the offset net's runs are checkpointed on it) and the offsets;
+    # its backward makes dq (2D), fp32 dk and dv (8D), their bf16 casts (4D) and fp32 d(offsets)
+    dsa = block_memory(_seven_b("dsa", chunk_tokens=chunk), tokens, BF16_SHELLS)
+    assert dsa.kept_total == tokens * (10 * D + 4 * H + 4 * D + 4 * H * K3)
+    assert dsa.peak_total == tokens * (10 * D + 4 * H + 4 * D + 4 * H * K3 + 14 * D + 4 * H * K3 + 4 * D)
+    unchunked = block_memory(_seven_b("dsa"), tokens, BF16_SHELLS)
+    assert dsa.peak_total < unchunked.peak_total / 2.5
+
+
+def _measured(cfg: DiTConfig, grid) -> tuple[int, int]:
+    """(bytes kept after the forward, peak over forward and backward) of one fp32 block on CPU,
+    beside its input, the incoming gradient and its parameters."""
+    torch.manual_seed(0)
+    block = DiTBlock(cfg, 0)
+    tokens = grid[0] * grid[1] * grid[2]
+    x = torch.randn(1, tokens, cfg.dim, requires_grad=True)
+    t_mod, ctx = torch.randn(1, 9, cfg.dim, requires_grad=True), torch.randn(1, 8, cfg.dim, requires_grad=True)
+    rope, grad = RopeTable(cfg.head_dim, *grid).grid(grid), torch.randn(1, tokens, cfg.dim)
+    with LiveTensorBytes() as live:
+        out = block(x, t_mod, ctx, torch.ones(1, 8, dtype=torch.bool), rope, grid)
+        kept = live.current
+        torch.autograd.grad(out, [x, t_mod, ctx, *block.parameters()], grad, allow_unused=True)
+    return kept, live.peak
+
+
+@pytest.mark.parametrize("attention,options", [("dense", {}), ("swin", {"window": (2, 4, 4)})])
+@pytest.mark.parametrize("chunk", [0, 512])
+def test_fp32_block_matches_a_block_measured_on_cpu(attention, options, chunk):
+    """fp32 runs the same ops on CPU as on CUDA but for the kernels (QK-norm is unfused on CPU, so
+    it is off here); parameters are small beside 2048 tokens, so their gradients hardly count."""
+    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=256, qk_norm=False, chunk_tokens=chunk,
+                    attention=AttentionConfig(attention, options))
+    grid = (8, 16, 16)
+    kept, peak = _measured(cfg, grid)
+    model = block_memory(cfg, 2048, ActivationDtypes(act=4, residual=4))
+    assert model.kept_total == pytest.approx(kept, rel=0.01)
+    assert model.peak_total == pytest.approx(peak, rel=0.06)
