@@ -275,12 +275,13 @@ _SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "a
 
 def _scalar(tp: type, value, key: str):
     """`value` as the scalar type `tp`: an int field takes an integer (or a whole float: 2.0), a float
-    field any number; bool is not a number here. Anything else is a ValueError naming `key`."""
+    field any number, a string field also a number (Hydra reads `name=2024` as one); bool is neither
+    a number nor a string here. Anything else is a ValueError naming `key`."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int and number and float(value).is_integer():
         return int(value)
-    if tp is float and number:
-        return float(value)
+    if tp in (float, str) and number:
+        return tp(value)
     if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):
         return value
     raise ValueError(f"{key}={value!r} must be {_SCALARS[tp]}")

@@ -126,10 +126,11 @@ def test_sample_names_a_damaged_checkpoint(tmp_path, checkpoint, monkeypatch, ca
 
 def test_typed_configs_check_types_once_for_every_field():
     """from_dict checks each field against its annotation: ints, floats, bools, strings, tuples, lists."""
-    assert from_dict(TrainConfig, {"steps": 3.0, "lr": 1, "betas": [0.9, 0.95]}).steps == 3
+    typed = from_dict(TrainConfig, {"steps": 3.0, "lr": 1, "betas": [0.9, 0.95], "resume": 7})
+    assert (typed.steps, typed.lr, typed.betas, typed.resume) == (3, 1.0, (0.9, 0.95), "7")
     for data, message in [({"steps": "3"}, "train.steps='3' must be an integer"),
                           ({"compile": "yes"}, "train.compile='yes' must be true or false"),
-                          ({"resume": 5}, "train.resume=5 must be a string"),
+                          ({"device": True}, "train.device=True must be a string"),
                           ({"betas": 0.9}, "train.betas=0.9 must be a list"),
                           ({"betas": [0.9, "x"]}, r"train.betas\[1\]='x' must be a number")]:
         with pytest.raises(ValueError, match=message):
