@@ -7,6 +7,7 @@ does not fit, before anything is allocated. Configuration: experiments/conf/plan
 
     python -m experiments.plan model=7B                      # predicted host RAM, HBM and step-time floor
     python -m experiments.plan model=7B resident_blocks=4    # keep the last 4 blocks on the GPU
+    python -m experiments.plan model=7B frames=64 model.chunk_tokens=8192 activation_offload=true
     python -m experiments.plan model=105B check=true         # fails with what does not fit
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class PlanConfig:
     optimizer_device: str
     grad_clip: bool
     resident_blocks: int
+    activation_offload: bool
     check: bool
     ceilings: dict[str, float | None]
     model: DiTConfig
@@ -48,7 +50,8 @@ def make_plan(cfg: PlanConfig) -> OffloadPlan:
     ceilings = Ceilings(**{k: v for k, v in cfg.ceilings.items() if v is not None})
     return plan_offload(cfg.model, batch=cfg.batch, grid=cfg.model.token_grid(cfg.frames, cfg.height, cfg.width),
                         param_dtype=PRECISIONS[cfg.precision], optimizer_device=cfg.optimizer_device,
-                        grad_clip=cfg.grad_clip, resident_blocks=cfg.resident_blocks, ceilings=ceilings)
+                        grad_clip=cfg.grad_clip, resident_blocks=cfg.resident_blocks,
+                        activation_offload=cfg.activation_offload, ceilings=ceilings)
 
 
 def report(cfg: PlanConfig) -> int:

@@ -43,3 +43,11 @@ def test_bad_arguments_are_named():
         plan_config("resolution=64x128")
     with pytest.raises(ValueError, match="precision"):
         make_plan(plan_config("precision=fp16"))
+
+
+def test_chunking_and_activation_offload_reach_the_plan():
+    cfg = plan_config("model=7B", "model.depth=6", "model.chunk_tokens=4096", "activation_offload=true")
+    plan = make_plan(cfg)
+    assert plan.cfg.chunk_tokens == 4096 and plan.activation_offload
+    assert any(k.startswith("parked block inputs") for k in plan.host)
+    assert make_plan(plan_config("model=7B", "model.depth=6")).hbm_total > plan.hbm_total
