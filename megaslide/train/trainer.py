@@ -5,7 +5,9 @@ The offload config chooses the engine: `ResidentEngine` (resident.py: model, fp3
 AdamW on one device) or, with offload.enabled, `OffloadEngine` (megaslide/offload/engine.py:
 block state in host RAM, streamed through the device). Both build the model with the same
 seed and initialisation and see the same batches (batches.py), so they agree step by step.
-Checkpoints are atomic (checkpoint.py) and resume bit-identically.
+Checkpoints are atomic (checkpoint.py) and resume bit-identically. A Trainer refuses bad input
+before it builds anything or writes a file: the configs (config.validate_training), the device,
+and the checkpoint train.resume names (its format, damage, and architecture against this run's).
 """
 from __future__ import annotations
 
