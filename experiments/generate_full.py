@@ -19,13 +19,14 @@ from megaslide.config import from_dict
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import init_distributed, shutdown
 from megaslide.inference.outputs import save_latents
-from megaslide.inference.weights import load_model, resolve_dtype
+from megaslide.device import precision_dtype
+from megaslide.inference.weights import load_model
 
 
 def build_inputs(c: dict, device: torch.device):
     """(model, noise (1, C, T, H, W), caption ids (1, L)), the same on every rank, from a generate_* config."""
     model = load_model(model_config(c["model"], c["attention"]), checkpoint=c["checkpoint"], seed=c["seed"],
-                       device=device, dtype=resolve_dtype(c["dtype"], device))
+                       device=device, dtype=precision_dtype(c["dtype"], device, key="dtype"))
     gen = torch.Generator().manual_seed(c["seed"])
     noise = torch.randn(1, model.cfg.in_channels, c["frames"], c["height"], c["width"], generator=gen)
     return model, noise, model.tokenizer([c["caption"]]).to(device)

@@ -45,7 +45,7 @@ from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.models.text import HashTokenizer
 from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine
-from megaslide.train.batches import Batch
+from megaslide.diffusion.batches import Batch
 from megaslide.train.resident import ResidentEngine
 from megaslide.train.trainer import Trainer
 

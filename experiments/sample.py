@@ -20,7 +20,7 @@ from megaslide.data.video_io import write_mp4
 from megaslide.device import resolve_device
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.dit import VideoDiT
-from megaslide.train.checkpoint import sampling_weights
+from megaslide.inference.weights import sampling_weights
 
 
 @dataclass

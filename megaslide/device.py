@@ -1,4 +1,4 @@
-"""Device choice, written once for training, sampling and distributed inference."""
+"""Device and precision choice, written once for training, sampling and distributed inference."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +23,17 @@ def resolve_device(name: str, *, key: str = "device", local_rank: int = 0) -> to
         raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
                          f"start at most that many processes per node")
     return torch.device("cuda", local_rank)
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def precision_dtype(precision: str, device: torch.device, *, key: str = "train.precision") -> torch.dtype:
+    """A precision setting as a dtype: "auto" is bf16 on CUDA and fp32 elsewhere. Training: the
+    resident engine autocasts to it, the offload engine keeps its block weights in it; inference
+    runs the model in it. `key` names the caller's setting in the error."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if precision not in PRECISIONS:
+        raise ValueError(f"{key}={precision!r}: choose auto, {', '.join(PRECISIONS)}")
+    return PRECISIONS[precision]

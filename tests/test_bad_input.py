@@ -17,7 +17,7 @@ import experiments.sample
 import experiments.train
 from experiments.hydra_config import CONF_DIR, typed_configs
 from megaslide.config import DiTConfig, TrainConfig, from_dict
-from megaslide.train.checkpoint import save_checkpoint
+from megaslide.checkpoint import save_checkpoint
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 

@@ -1,14 +1,15 @@
 """Models for inference: weights from a training checkpoint, or seeded random weights for speed runs."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
+from megaslide.checkpoint import block_shard, load_checkpoint, read_state
 from megaslide.config import DiTConfig, from_dict
-from megaslide.models.dit import VideoDiT, build_dit
-from megaslide.train.checkpoint import sampling_weights
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from megaslide.models.dit import DiTBlock, VideoDiT, build_dit
+from megaslide.offload.host_state import BlockLayout
 
 
 @torch.no_grad()
@@ -32,13 +33,22 @@ def random_weights_(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" -> bf16 on CUDA, fp32 elsewhere; "fp32" / "bf16" as named."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype={name!r}: choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+def sampling_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, run state) of a checkpoint of either format: the state dict to sample with (the EMA
+    when the run kept one, else the trained weights; fp32 masters of a sharded checkpoint) and
+    the checkpoint's `read_state`."""
+    path, state = Path(path), read_state(path)
+    if not path.is_dir():
+        return state.get("ema") or state["model"], state
+    cfg = from_dict(DiTConfig, state["model_cfg"])
+    with torch.device("meta"):
+        layout = BlockLayout.from_module(DiTBlock(cfg, 0))
+    weights = dict(state["params"])
+    for index in range(cfg.depth):
+        master = load_checkpoint(block_shard(path, index))["master"]
+        weights.update({f"blocks.{index}.{slot.name}": master[slot.offset:slot.end].view(slot.shape)
+                        for slot in layout.slots})
+    return weights, state
 
 
 def load_model(config: DiTConfig, *, checkpoint: str = "", seed: int = 0, device: torch.device,

@@ -56,9 +56,9 @@ from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
-from megaslide.train.batches import Batch
-from megaslide.train.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
-from megaslide.train.engine import compute_dtype
+from megaslide.diffusion.batches import Batch
+from megaslide.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
+from megaslide.device import precision_dtype
 
 ADAM_BACKENDS = ("fused", "torch")  # cpu_adam.adamw_step_ (C++ SIMD) | cpu_adam.adamw_step_torch_ (torch ops)
 
@@ -82,7 +82,7 @@ class OffloadEngine:
         if adam_backend not in ADAM_BACKENDS:
             raise ValueError(f"adam_backend={adam_backend!r}: choose one of {ADAM_BACKENDS}")
         self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
-        self.param_dtype = compute_dtype(train_cfg.precision, device)
+        self.param_dtype = precision_dtype(train_cfg.precision, device)
         cuda = device.type == "cuda"
         if cuda and offload_cfg.gpu_memory_fraction > 0:
             torch.cuda.set_per_process_memory_fraction(offload_cfg.gpu_memory_fraction, torch.cuda.current_device())
@@ -154,7 +154,7 @@ class OffloadEngine:
             raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
         plan = planner.plan_offload(model_cfg, batch=train_cfg.batch_size, grid=grid,
-                                    param_dtype=compute_dtype(train_cfg.precision, device),
+                                    param_dtype=precision_dtype(train_cfg.precision, device),
                                     optimizer_device=offload_cfg.optimizer_device, grad_clip=train_cfg.grad_clip > 0,
                                     pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
                                     resident_blocks=offload_cfg.resident_blocks)

@@ -13,14 +13,7 @@ from typing import Protocol
 import torch
 
 from megaslide.models.dit import VideoDiT
-from megaslide.train.batches import Batch
-
-
-def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """train.precision as a dtype: bf16 when asked for, or for "auto" on CUDA; else fp32.
-    The resident engine autocasts to it; the offload engine keeps its block weights in it."""
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    return torch.bfloat16 if bf16 else torch.float32
+from megaslide.diffusion.batches import Batch
 
 
 class StepEngine(Protocol):

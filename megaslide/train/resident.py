@@ -16,9 +16,9 @@ import torch
 from megaslide.config import TrainConfig
 from megaslide.diffusion.flow import flow_matching_loss
 from megaslide.models.dit import VideoDiT
-from megaslide.train.batches import Batch
-from megaslide.train.checkpoint import load_checkpoint, save_checkpoint
-from megaslide.train.engine import compute_dtype
+from megaslide.diffusion.batches import Batch
+from megaslide.checkpoint import load_checkpoint, save_checkpoint
+from megaslide.device import precision_dtype
 
 
 def compile_blocks(model: VideoDiT) -> None:
@@ -35,7 +35,7 @@ class ResidentEngine:
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig):
         self.model, self.device, self.cfg = model, device, train_cfg
-        self.autocast_dtype = torch.bfloat16 if compute_dtype(train_cfg.precision, device) == torch.bfloat16 else None
+        self.autocast_dtype = torch.bfloat16 if precision_dtype(train_cfg.precision, device) == torch.bfloat16 else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
         self.ema = copy.deepcopy(model).requires_grad_(False) if train_cfg.ema_decay > 0 else None

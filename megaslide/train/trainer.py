@@ -4,8 +4,8 @@ batches, written once over a pluggable step engine (engine.py).
 The offload config chooses the engine: `ResidentEngine` (resident.py: model, fp32 weights and
 AdamW on one device) or, with offload.enabled, `OffloadEngine` (megaslide/offload/engine.py:
 block state in host RAM, streamed through the device). Both build the model with the same
-seed and initialisation and see the same batches (batches.py), so they agree step by step.
-Checkpoints are atomic (checkpoint.py) and resume bit-identically. A Trainer refuses bad input
+seed and initialisation and see the same batches (megaslide/diffusion/batches.py), so they agree step by step.
+Checkpoints are atomic (megaslide/checkpoint.py) and resume bit-identically. A Trainer refuses bad input
 before it builds anything or writes a file: the configs (config.validate_training), the device,
 and the checkpoint train.resume names (its format, damage, and architecture against this run's).
 """
@@ -23,8 +23,8 @@ from megaslide.device import resolve_device
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.dit import VideoDiT
 from megaslide.offload.engine import OffloadEngine
-from megaslide.train.batches import make_batch
-from megaslide.train.checkpoint import checkpoint_path, resume_point, save_checkpoint
+from megaslide.diffusion.batches import make_batch
+from megaslide.checkpoint import checkpoint_path, resume_point, save_checkpoint
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine

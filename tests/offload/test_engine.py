@@ -163,7 +163,7 @@ def test_exported_weights_load_into_the_resident_model(tmp_path):
     _, eng = _pair(tmp_path)
     eng.train_step()
     path = eng.export_model(tmp_path / "model.pt")
-    from megaslide.train.checkpoint import load_checkpoint
+    from megaslide.checkpoint import load_checkpoint
     state = load_checkpoint(path)
     assert state["model_cfg"]["depth"] == DEPTH and state["step"] == 1
     model = VideoDiT(_model_cfg())
@@ -323,7 +323,7 @@ def test_unloaded_blocks_are_refused(tmp_path):
     for name, child in model.named_children():
         if name != "blocks":
             child.to_empty(device="cpu")
-    from megaslide.train.batches import make_batch
+    from megaslide.diffusion.batches import make_batch
     from megaslide.data.build import build_dataset
     engine = OffloadEngine(model, device=torch.device("cpu"), train_cfg=tiny_train_cfg(),
                            offload_cfg=OffloadConfig(enabled=True))

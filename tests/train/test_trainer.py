@@ -12,7 +12,7 @@ def test_loss_drops_on_tiny_moving_shapes(tmp_path):
     trainer = Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=40, lr=2e-3, batch_size=4,
                                                                         caption_dropout=0.0), tmp_path)
     # Fixed evaluation batch: the same videos, timesteps and noise before and after training.
-    from megaslide.train.batches import make_batch
+    from megaslide.diffusion.batches import make_batch
     probe = make_batch(trainer.dataset, trainer.engine.model.tokenizer, tiny_train_cfg(batch_size=8, seed=123), 0)
     with torch.no_grad():
         before = trainer.engine.loss(probe).item()

@@ -96,27 +96,6 @@ def read_state(path: str | Path) -> dict:
     return state
 
 
-def sampling_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(weights, run state) of a checkpoint of either format: the state dict to sample with (the EMA
-    when the run kept one, else the trained weights; fp32 masters of a sharded checkpoint) and
-    the checkpoint's `read_state`."""
-    from megaslide.models.dit import DiTBlock                # lazy: the model layer is heavy to import
-    from megaslide.offload.host_state import BlockLayout
-
-    path, state = Path(path), read_state(path)
-    if not path.is_dir():
-        return state.get("ema") or state["model"], state
-    cfg = from_dict(DiTConfig, state["model_cfg"])
-    with torch.device("meta"):
-        layout = BlockLayout.from_module(DiTBlock(cfg, 0))
-    weights = dict(state["params"])
-    for index in range(cfg.depth):
-        master = load_checkpoint(block_shard(path, index))["master"]
-        weights.update({f"blocks.{index}.{slot.name}": master[slot.offset:slot.end].view(slot.shape)
-                        for slot in layout.slots})
-    return weights, state
-
-
 def latest_checkpoint(folder: str | Path, *, sharded: bool = False) -> Path | None:
     """The newest `step_N.pt` in `folder`, or with `sharded` the newest complete `step_N/`; None if none.
     Other names (step_best.pt, notes) are not training checkpoints and are skipped."""

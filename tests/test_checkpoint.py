@@ -4,8 +4,9 @@ import re
 import pytest
 import torch
 
-from megaslide.train.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_state,
-                                        resume_point, sampling_weights, save_checkpoint, save_sharded_checkpoint)
+from megaslide.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_state, resume_point,
+                                  save_checkpoint, save_sharded_checkpoint)
+from megaslide.inference.weights import sampling_weights
 
 
 def test_latest_checkpoint_is_the_newest_complete_one_of_its_format(tmp_path):
