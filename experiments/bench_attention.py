@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import hydra
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
 from experiments.harness import ExperimentRun, copy_gbps, matmul_tflops, timed
-from experiments.hydra_config import script_config
+from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
@@ -228,7 +227,7 @@ def plot(rows, path_prefix) -> str:
     return f"{path_prefix}.png"
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="bench_attention")
+@script_main("bench_attention")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(BenchAttentionConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
