@@ -1,0 +1,45 @@
+"""Smoke run of experiments/oom_thresholds.py at its tiny size (CPU, stated HBM budget) and its cell isolation."""
+import time
+
+from experiments.oom_thresholds import run_isolated
+from megaslide.offload.planner import usable_hbm
+from tests.experiments.runner import load_result, run_script
+
+
+def test_oom_thresholds_smoke_reaches_fitting_and_oom_cells(tmp_path):
+    run_script(["-m", "experiments.oom_thresholds", "smoke=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    data = load_result(tmp_path, "oom_thresholds", "smoke")
+    cells, summary = data["tables"]["cells"], data["tables"]["summary"]
+    rows = {(c["attention"], c["mode"]) for c in cells}
+    assert rows == {(a, m) for a in ("dense", "swin", "dsa") for m in ("resident", "offload", "chunked_offload")}
+    budget = usable_hbm(int(0.009e9)) / 1e9
+    fits = [c for c in cells if c["status"] == "fits"]
+    ooms = [c for c in cells if c["status"] == "OOM"]
+    assert fits and ooms
+    for c in ooms:                      # on CPU the planner decides, against the stated budget, before allocating
+        assert c["phase"].startswith("plan: ") and c["predicted_peak_GB"] > budget and c["measured_peak_GB"] is None
+    for c in fits:
+        assert c["predicted_peak_GB"] <= budget and c["measured_peak_GB"] > 0
+        assert c["timed_steps"] == 2 and 0 < c["step_s_min"] <= c["step_s"] <= c["step_s_max"]
+        if c["attention"] != "dsa":     # CPU runs DSA's gather backend; the planner models the fused kernels
+            assert 0.85 < c["predicted_over_measured"] < 1.1
+    for (attention, mode) in rows:      # a row stops at its first OOM
+        statuses = [c["status"] for c in cells if (c["attention"], c["mode"]) == (attention, mode)]
+        assert "fits" not in statuses[statuses.index("OOM"):] if "OOM" in statuses else True
+    best = {(s["attention"], s["mode"]): s["max_frames"] for s in summary}
+    assert best[("dense", "resident")] == 4 and best[("dense", "chunked_offload")] == 8
+    assert data["ceilings"]["matmul_TFLOPs"] > 0 and data["wandb_dir"] is None
+    assert (tmp_path / "oom_thresholds.md").read_text().count("| tiny |") == len(cells) + len(summary)
+    assert (tmp_path / "oom_thresholds" / "smoke.png").stat().st_size > 0
+
+
+def sleep_then_answer(seconds: float, queue) -> None:
+    time.sleep(seconds)
+    queue.put({"status": "fits"})
+
+
+def test_a_cell_over_its_time_limit_is_stopped_and_reported():
+    start = time.perf_counter()
+    assert run_isolated(sleep_then_answer, (30.0,), time_limit_s=1.0)["status"] == "time limit"
+    assert time.perf_counter() - start < 20
+    assert run_isolated(sleep_then_answer, (0.0,), time_limit_s=20.0) == {"status": "fits"}
