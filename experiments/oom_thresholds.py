@@ -50,13 +50,13 @@ from experiments.hydra_config import script_config, script_main
 from experiments.mfu_overlap import synthetic_batch
 from experiments.report import render
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
+from megaslide.device import precision_dtype
 from megaslide.metrics.flops import dit_flops
 from megaslide.metrics.live_bytes import LiveTensorBytes
 from megaslide.metrics.memory import hbm_available_bytes, host_available_bytes
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine
-from megaslide.device import precision_dtype
 from megaslide.train.resident import ResidentEngine
 
 GB = 1e9

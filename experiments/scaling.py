@@ -1,0 +1,222 @@
+"""Scaling (paper claim C9: on an H100 NVL, models up to 33.3B train; asynchronous streaming makes
+the forward 2.11x faster at 28.4B).
+
+For each preset of `presets`, smallest first: does an offloaded training step fit the full HBM
+and a `cap_GB` cap (an H100 NVL's 94 GB, emulated with the per-process memory fraction,
+offload.gpu_memory_fraction), and how much faster is the streamed forward (no grad) with
+overlapped H2D than serially (the same work, synchronised after every piece). The planner's
+predictions stand beside each: host RAM, peak HBM, and the forward's overlapped and serial floors
+(max and sum of its compute and weight H2D at the planner's ceilings). A preset that host RAM
+cannot hold is not run: its row holds the planner's figures only, marked `predicted`. Each run
+is a fresh process with a time limit (experiments/oom_thresholds.run_isolated); on CPU, which
+has no HBM to run out of, the fits decisions are the planner's against the stated
+`hbm_budget_GB` and `cap_GB`.
+Writes results/scaling/<name>.json (tables: presets) and the W&B run (harness.ExperimentRun).
+
+    python -m experiments.scaling                      # GPU: presets up to what host RAM holds
+    python -m experiments.scaling smoke=true           # tiny on CPU, plus the planner's 105B row
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress, sync, timed
+from experiments.hydra_config import script_config, script_main
+from experiments.mfu_overlap import synthetic_batch
+from experiments.oom_thresholds import _offload_phase, run_isolated
+from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
+from megaslide.device import precision_dtype
+from megaslide.metrics.flops import dit_flops
+from megaslide.metrics.memory import hbm_available_bytes, host_available_bytes
+from megaslide.models.dit import DIT_PRESETS, count_params
+from megaslide.offload import planner
+from megaslide.offload.engine import OffloadEngine
+
+GB = 1e9
+SMOKE = {"presets": ["tiny", "105B"], "frames": 4, "height": 16, "width": 16, "hbm_budget_GB": 1.0,
+         "cap_GB": 0.005, "forward_repeats": 5, "matmul_n": 128, "pcie_probe_MiB": 4}
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """The keys of experiments/conf/scaling.yaml (their meaning is documented there)."""
+
+    name: str
+    smoke: bool
+    presets: list[str]
+    attention: str
+    frames: int
+    height: int
+    width: int
+    batch: int
+    precision: str
+    cap_GB: float
+    warmup_steps: int
+    forward_repeats: int
+    cell_time_limit_s: float
+    hbm_budget_GB: float
+    host_budget_GB: float
+    matmul_n: int
+    pcie_probe_MiB: int
+    wandb_dir: str
+    wandb_project: str
+
+    def validate(self) -> None:
+        unknown = [p for p in self.presets if p not in DIT_PRESETS]
+        if unknown:
+            raise ValueError(f"presets has unknown {unknown}; known: {sorted(DIT_PRESETS)}")
+        if self.cap_GB <= 0:
+            raise ValueError(f"cap_GB={self.cap_GB} must be > 0 (94 for an H100 NVL)")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of one preset: the training step under the full HBM (and the forward's timing), or under the cap."""
+
+    cfg: DiTConfig
+    frames: int
+    height: int
+    width: int
+    batch: int
+    precision: str
+    cap_GB: float | None      # None: the full HBM
+    warmup_steps: int
+    forward_repeats: int
+    hbm_budget: int           # bytes (CPU: the stated full HBM)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.cfg.token_grid(self.frames, self.height, self.width)
+
+
+def forward_floors(plan: planner.OffloadPlan, ceilings: planner.Ceilings = planner.Ceilings()) -> dict:
+    """The streamed forward's predicted floors: overlapped = max(compute, weight H2D), serial = their sum."""
+    compute = plan.flops.forward / (ceilings.tflops * 1e12)
+    weights = plan.cfg.depth * planner.block_layout(plan.cfg).numel * plan.param_dtype.itemsize
+    h2d = weights / (ceilings.h2d_GBps * 1e9)
+    return {"predicted_forward_overlap_s": max(compute, h2d), "predicted_forward_serial_s": compute + h2d,
+            "predicted_forward_speedup": (compute + h2d) / max(compute, h2d)}
+
+
+def hbm_budget(device: torch.device, job: Job) -> int:
+    """HBM a run may use: free memory (under the cap's fraction) on CUDA, the stated budgets on CPU."""
+    if device.type == "cpu":
+        return int(job.cap_GB * GB) if job.cap_GB else job.hbm_budget
+    return hbm_available_bytes(device, fraction(device, job))
+
+
+def fraction(device: torch.device, job: Job) -> float:
+    if job.cap_GB is None or device.type != "cuda":
+        return 0.0
+    return min(1.0, job.cap_GB * GB / torch.cuda.get_device_properties(device).total_memory)
+
+
+def run_job(job: Job, queue) -> None:
+    """In a fresh process: plan; unless the planner refuses, build the engine, time the forward (full
+    HBM only) and run warm-up steps plus one: fits or OOM (phase) and the measured peak."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = precision_dtype(job.precision, device)
+    plan = planner.plan_offload(job.cfg, batch=job.batch, grid=job.grid, param_dtype=dtype)
+    budget = hbm_budget(device, job)
+    row = {"predicted_peak_GB": plan.hbm_total / GB, "budget_GB": budget / GB,
+           "predicted_fits": plan.hbm_total <= planner.usable_hbm(budget)}
+    if not row["predicted_fits"] and device.type == "cpu":
+        queue.put({**row, "status": "OOM", "phase": "plan"})
+        return
+    train = TrainConfig(lr=1e-5, grad_clip=1.0, batch_size=job.batch, device=device.type, precision=job.precision)
+    offload = OffloadConfig(enabled=True, gpu_memory_fraction=fraction(device, job))
+    engine = None
+    try:
+        engine = OffloadEngine.from_config(job.cfg, device=device, train_cfg=train, offload_cfg=offload, grid=job.grid)
+        batch = synthetic_batch(job.cfg, job, device, engine.model.tokenizer)
+        if job.cap_GB is None:
+            for overlap in (True, False):
+                engine.set_mode(overlap=overlap, optimizer_device="cpu")
+                t = timed(lambda: engine.velocity(batch.x0, batch.t * 1000, batch.ids), device, job.forward_repeats)
+                row.update({f"forward_{'overlap' if overlap else 'serial'}_s": t.median,
+                            f"forward_{'overlap' if overlap else 'serial'}_s_spread": t.max - t.min})
+            row["forward_speedup"] = row["forward_serial_s"] / row["forward_overlap_s"]
+            engine.set_mode(overlap=True, optimizer_device="cpu")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(job.warmup_steps + 1):
+            engine.train_step(batch, 1e-5)
+        sync(device)
+        row.update(status="fits", phase="")
+    except torch.OutOfMemoryError as err:
+        row.update(status="OOM", phase=_offload_phase(err), error=str(err).splitlines()[0][:200])
+    except ValueError as err:
+        row.update(status="OOM", phase="plan: engine check", error=str(err)[:300])
+    finally:
+        if engine is not None:
+            engine.close()
+        engine = None
+        gc.collect()
+    if device.type == "cuda":
+        row["measured_peak_GB"] = torch.cuda.max_memory_allocated(device) / GB
+    queue.put(row)
+
+
+def _ceilings(matmul_n: int, probe_MiB: int, queue) -> None:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    queue.put({"matmul_TFLOPs": matmul_tflops(device, n=matmul_n, dtype=torch.bfloat16 if cuda else torch.float32),
+               "pcie": pcie_gbps(device, probe_MiB * 2 ** 20) if cuda else None,
+               "hbm_total_GB": torch.cuda.get_device_properties(device).total_memory / GB if cuda else None})
+
+
+def preset_row(cfg: ScalingConfig, preset: str) -> tuple[dict, DiTConfig, planner.OffloadPlan]:
+    """The preset's config, the planner's plan in bf16 (the GPU run's dtype) and its prediction row."""
+    dit = dataclasses.replace(DIT_PRESETS[preset], attention=AttentionConfig(cfg.attention))
+    grid = dit.token_grid(cfg.frames, cfg.height, cfg.width)
+    plan = planner.plan_offload(dit, batch=cfg.batch, grid=grid, param_dtype=torch.bfloat16)
+    host = int(cfg.host_budget_GB * GB) or host_available_bytes()
+    row = {"preset": preset, "params_B": count_params(dit) / 1e9, "depth": dit.depth,
+           "tokens": cfg.batch * math.prod(grid), "predicted_host_GB": plan.host_total / GB,
+           "host_holds_it": plan.host_total <= host, "predicted_peak_GB": plan.hbm_total / GB,
+           "predicted_model_tflop_per_step": dit_flops(dit, cfg.batch, grid).train / 1e12, **forward_floors(plan)}
+    return row, dit, plan
+
+
+@script_main("scaling")
+def main(hydra_cfg: DictConfig) -> None:
+    cfg = script_config(ScalingConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
+    name = cfg.name or ("smoke" if cfg.smoke else "table")
+    run = ExperimentRun("scaling", name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    ceilings = run_isolated(_ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB), 300)
+    progress(f"ceilings {ceilings}")
+    rows: list[dict] = []
+    payload = {"config": dataclasses.asdict(cfg), "ceilings": ceilings, "tables": {"presets": rows}}
+    for preset in sorted(cfg.presets, key=lambda p: count_params(DIT_PRESETS[p])):
+        row, dit, plan = preset_row(cfg, preset)
+        full_hbm = (ceilings.get("hbm_total_GB") or cfg.hbm_budget_GB) * GB
+        row.update(predicted_fits_full=plan.hbm_total <= planner.usable_hbm(int(full_hbm)),
+                   predicted_fits_cap=plan.hbm_total <= planner.usable_hbm(int(cfg.cap_GB * GB)))
+        if not row["host_holds_it"]:
+            row["measured"] = "predicted"     # beyond host RAM: the planner's figures only
+        else:
+            row["measured"] = "run"
+            for cap in (None, cfg.cap_GB):
+                job = Job(dit, cfg.frames, cfg.height, cfg.width, cfg.batch, cfg.precision, cap, cfg.warmup_steps,
+                          cfg.forward_repeats, int(cfg.hbm_budget_GB * GB))
+                result = run_isolated(run_job, (job,), cfg.cell_time_limit_s)
+                where = "full" if cap is None else "cap"
+                row.update({f"{where}_{k}": v for k, v in result.items() if k not in ("predicted_peak_GB",)})
+        rows.append(row)
+        run.save(payload)
+        progress(f"{preset}: {row}")
+    runs = [r for r in rows if r.get("full_forward_speedup")]
+    headline = {f"forward_speedup/{r['preset']}": r["full_forward_speedup"] for r in runs}
+    headline.update({f"fits_cap/{r['preset']}": r.get("cap_status", "predicted " + str(r["predicted_fits_cap"]))
+                     for r in rows})
+    progress(f"wrote {run.finish(payload, headline)}")
+
+
+if __name__ == "__main__":
+    main()
