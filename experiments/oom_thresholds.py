@@ -15,7 +15,9 @@ host RAM holds, by the planner).
 Each cell runs in a fresh process (forked from a server with torch loaded), so a CUDA OOM or a hang
 cannot poison the next cell and the allocator's peak is the cell's own; a cell over
 `cell_time_limit_s` is stopped and reported as such. A row (model, attention, mode) stops at its
-first OOM, refusal or time limit. Per cell: fits or OOM and in which phase (plan = refused before
+first OOM, refusal or time limit; a cell whose steps the planner's floor already puts over the
+limit is reported over it without running; with `time_budget_s` the whole table stops starting
+cells when that much time has passed (each cell's limit shrinks to what is left). Per cell: fits or OOM and in which phase (plan = refused before
 allocating, build, forward, loss, backward, optimizer), the measured peak (CUDA:
 torch.cuda.max_memory_allocated; CPU: the live-tensor peak of the timed steps,
 megaslide/metrics/live_bytes.py) beside the planner's, and one warm step timed `timed_steps`
@@ -61,6 +63,7 @@ from megaslide.train.resident import ResidentEngine
 
 GB = 1e9
 MODES = ("resident", "offload", "chunked_offload")
+MIN_CELL_S = 10.0   # with less of the time budget left, a cell is not started
 SMOKE = {"models": ["tiny"], "host_depth": [], "frames": [4, 8], "height": 16, "width": 16, "chunk_tokens": 128,
          "hbm_budget_GB": 0.009, "warmup_steps": 1, "timed_steps": 2, "cell_time_limit_s": 60.0,
          "matmul_n": 128, "pcie_probe_MiB": 4}
@@ -86,6 +89,7 @@ class OOMConfig:
     warmup_steps: int
     timed_steps: int
     cell_time_limit_s: float
+    time_budget_s: float
     refuse_over: float
     hbm_budget_GB: float
     host_budget_GB: float
@@ -137,6 +141,14 @@ def plan_cell(cell: Cell, device: torch.device):
         return planner.plan_resident(cell.cfg, batch=cell.batch, grid=cell.grid, autocast=dtype == torch.bfloat16)
     return planner.plan_offload(cell.cfg, batch=cell.batch, grid=cell.grid, param_dtype=dtype,
                                 activation_offload=cell.mode == "chunked_offload")
+
+
+def floor_s(cell: Cell, plan) -> float:
+    """The planner's lower bound on a step's time: the offload plan's floor, or the resident
+    step's executed FLOPs (forward, backward, checkpoint recompute) at the default ceiling."""
+    if hasattr(plan, "floor_s"):
+        return plan.floor_s
+    return dit_flops(cell.cfg, cell.batch, cell.grid).executed / (planner.Ceilings().tflops * 1e12)
 
 
 def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict:
@@ -350,18 +362,28 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def plan_only(cell: Cell) -> dict:
-    """The planner's verdict against the stated budgets (as on CPU), with its step-time floor."""
-    plan = plan_cell(cell, torch.device("cpu"))
+    """The planner's verdict for a GPU run (precision auto: bf16) against the stated budgets, with its
+    step-time floor."""
+    plan = plan_cell(cell, torch.device("cuda"))
     row = planner_verdict(cell, plan, torch.device("cpu"), cell.hbm_budget)
-    flops = dit_flops(cell.cfg, cell.batch, cell.grid)
-    floor = getattr(plan, "floor_s", flops.executed / (planner.Ceilings().tflops * 1e12))
-    return {"status": "fits (predicted)", "phase": "", **row, "predicted_floor_s": floor}
+    return {"status": "fits (predicted)", "phase": "", **row, "predicted_floor_s": floor_s(cell, plan)}
+
+
+def over_time(cell: Cell, limit_s: float) -> dict | None:
+    """A cell whose steps cannot finish within the limit even at the planner's floor is not run."""
+    plan = plan_cell(cell, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    floor = floor_s(cell, plan)
+    if floor * (cell.warmup_steps + cell.timed_steps) <= limit_s:
+        return None
+    return {"status": "time limit", "phase": f"planner floor {floor:.0f} s/step", "predicted_peak_GB":
+            plan.hbm_total / GB, "predicted_phase": plan.peak_phase, "measured_peak_GB": None}
 
 
 @script_main("oom_thresholds")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(OOMConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
     name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
+    deadline = time.monotonic() + (cfg.time_budget_s if cfg.time_budget_s > 0 else math.inf)
     run = ExperimentRun("oom_thresholds", name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
     models = model_configs(cfg)
     ceilings = None if cfg.plan_only else run_isolated(_ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB), 300)
@@ -373,15 +395,18 @@ def main(hydra_cfg: DictConfig) -> None:
         for attention in cfg.attentions:
             for mode in cfg.modes:
                 for cell in cells_of_row(cfg, label, model, attention, mode):
+                    limit = min(cfg.cell_time_limit_s, deadline - time.monotonic())
                     if cfg.plan_only:
                         result = plan_only(cell)
+                    elif limit < MIN_CELL_S:
+                        result = {"status": "not run", "phase": "time budget spent", "measured_peak_GB": None}
                     else:
-                        result = run_isolated(_cell_process, (cell,), cfg.cell_time_limit_s)
+                        result = over_time(cell, limit) or run_isolated(_cell_process, (cell,), limit)
                     row = {**cell_row(cell), **result}
                     rows.append(row)
                     run.save(payload)
                     progress(f"{label} {attention} {mode} {cell.frames} frames: {row['status']} {row.get('phase', '')} "
-                             f"measured {row.get('measured_peak_GB')} GB, planner {row['predicted_peak_GB']:.4g} GB")
+                             f"measured {row.get('measured_peak_GB')} GB, planner {row.get('predicted_peak_GB')} GB")
                     if not row["status"].startswith("fits"):
                         break
     payload["tables"]["summary"] = summary(rows)
