@@ -103,7 +103,8 @@ def test_hbm_error_names_the_items():
 def test_trainer_refuses_a_model_this_machine_cannot_hold_before_allocating(tmp_path):
     start = time.perf_counter()
     with pytest.raises(ValueError, match="does not fit host RAM"):
-        Trainer(DIT_PRESETS["105B"], tiny_data_cfg(), tiny_train_cfg(), tmp_path, offload_cfg=OffloadConfig(enabled=True))
+        Trainer(dataclasses.replace(DIT_PRESETS["105B"], in_channels=3), tiny_data_cfg(), tiny_train_cfg(), tmp_path,
+                offload_cfg=OffloadConfig(enabled=True))   # in_channels: the tiny data are RGB pixels
     assert time.perf_counter() - start < 10  # nothing of the 105B model was built
 
 
