@@ -9,26 +9,27 @@ swin, dsa, with their group defaults). Modes:
 - offload: the MegaSlide offload engine;
 - chunked_offload: the offload engine with token-chunked blocks (`chunk_tokens`) and activation
   offload (saved block inputs parked in pinned host RAM).
-Models: `models` (preset -> depth: null = the preset's, 0 = the most blocks of its width that
-host RAM holds, by the planner).
+Models: the presets in `models`; those also in `host_depth` at the most blocks of their width that
+host RAM holds (the planner, `host_ram_fraction` of it for the block state).
 
 Each cell runs in a fresh process (forked from a server with torch loaded), so a CUDA OOM or a hang
 cannot poison the next cell and the allocator's peak is the cell's own; a cell over
 `cell_time_limit_s` is stopped and reported as such. A row (model, attention, mode) stops at its
 first OOM, refusal or time limit; a cell whose steps the planner's floor already puts over the
 limit is reported over it without running; with `time_budget_s` the whole table stops starting
-cells when that much time has passed (each cell's limit shrinks to what is left). Per cell: fits or OOM and in which phase (plan = refused before
-allocating, build, forward, loss, backward, optimizer), the measured peak (CUDA:
-torch.cuda.max_memory_allocated; CPU: the live-tensor peak of the timed steps,
-megaslide/metrics/live_bytes.py) beside the planner's, and one warm step timed `timed_steps`
-times after `warmup_steps` (n, median, spread). The fit decision: on CUDA the run itself (the
+cells when that much time has passed (each cell's limit shrinks to what is left). Per cell: fits
+or OOM and in which phase (plan = refused before allocating, build, forward, loss, backward,
+optimizer), the measured peak (CUDA: torch.cuda.max_memory_allocated; CPU: the live-tensor peak
+of the timed steps, megaslide/metrics/live_bytes.py) beside the planner's, and one warm step
+timed `timed_steps` times after `warmup_steps` (n, median, spread). The fit decision: on CUDA the run itself (the
 planner refuses only cells it puts beyond `refuse_over` x the free HBM, and any that host RAM
 cannot hold); on CPU, which has no allocator to run out of, the planner against the stated
 `hbm_budget_GB`. The same run re-measures the matmul and PCIe ceilings (experiments/harness.py).
 Writes results/oom_thresholds/<name>.json (tables: cells, summary), <name>.png (frames vs peak
 HBM and step time) and the generated results/oom_thresholds.md; W&B through harness.ExperimentRun.
 
-    python -m experiments.oom_thresholds                     # GPU (see the sizing in the config)
+    python -m experiments.oom_thresholds                     # GPU: the whole table (hours on an H200)
+    python -m experiments.oom_thresholds time_budget_s=450   # GPU: what fits in 7.5 minutes
     python -m experiments.oom_thresholds plan_only=true      # the planner's table, nothing run
     python -m experiments.oom_thresholds smoke=true          # tiny, CPU, stated HBM budget (CI)
 """

@@ -207,35 +207,32 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
     # inputs on the device after the forward: with activation offload the last two streamed ones and the
     # stem's output (the stem's backward keeps it); else every streamed one (the first is the stem's output)
     kept_inputs = 3 if parks else streamed
+    saved = {f"saved block inputs on the device ({kept_inputs})": kept_inputs * x}
     tail = {"resident tail: kept graphs, input": k * memory.kept_total + x} if k else {}
+    # the peak block's own parameter gradients so far: fc2's in an unchunked MLP backward, none in a
+    # recomputed forward, (about) all of them in a chunked block's backward
+    own = {"MLP backward": cfg.ffn_dim * D * w, "forward end": 0, "attention forward": 0}.get(memory.moment, n * w)
+    block = {"this block's parameter gradients so far": own, **_block_items(memory, "peak")}
     previous = k > 0 or streamed >= 2                        # the peak block has a block before it in backward
-    own = cfg.ffn_dim * D * w if memory.moment == "MLP backward" else n * w if memory.moment != "forward end" else 0
     # without activation offload and a tail, the peak block (the second in backward) has one input fewer
-    streamed_inputs = kept_inputs if (parks or k or not previous) else streamed - 1
-    outputs = f"resident tail: input and outputs ({k + 1})" if k else "last block output"
-    backward = {**fixed,
-                f"saved block inputs on the device ({streamed_inputs})": streamed_inputs * x,
-                outputs: (k + 1) * x,
-                "dL/d(last output), this block's output gradient": (2 if previous else 1) * x,
-                "previous block's parameter gradients": n * w if previous else 0,
-                "this block's parameter gradients so far": own,
-                **_block_items(memory, "peak")}
-    # forward: a streamed block's forward, or the end of the tail's (its graphs all kept)
+    peak_inputs = kept_inputs if (parks or k or not previous) else streamed - 1
+    outputs = {f"resident tail: input and outputs ({k + 1})": (k + 1) * x} if k else {"last block output": x}
+    # the forward's peak: a streamed block's forward, or the end of the tail's (its graphs all kept)
     forward = tail if sum(tail.values()) > memory.forward_total else _block_items(memory, "forward")
-    phases = {"forward": {**fixed, f"saved block inputs on the device ({kept_inputs})": kept_inputs * x, **forward},
-              "loss": {**fixed, f"saved block inputs on the device ({kept_inputs})": kept_inputs * x, **tail,
-                       "dL/d(last output)" if k else "last block output and its gradient": (1 if k else 2) * x,
+    last = {"dL/d(last output)": x} if k else {"last block output and its gradient": 2 * x}
+    phases = {"forward": {**fixed, **saved, **forward},
+              "loss": {**fixed, **saved, **tail, **last,
                        "final layer and its backward": _final_layer(cfg, tokens, dtypes)},
-              "backward": backward}
+              "backward": {**fixed, f"saved block inputs on the device ({peak_inputs})": peak_inputs * x, **outputs,
+                           "dL/d(last output), this block's output gradient": (2 if previous else 1) * x,
+                           "previous block's parameter gradients": n * w if previous else 0, **block}}
     if k:
-        phases["backward, resident tail"] = {
-            **fixed, f"saved block inputs on the device ({kept_inputs})": kept_inputs * x,
-            "resident tail: the other kept graphs, input": (k - 1) * memory.kept_total + x,
-            "dL/d(last output)": x, "this block's parameter gradients so far": cfg.ffn_dim * D * w,
-            **_block_items(memory, "peak")}
+        phases["backward, resident tail"] = {**fixed, **saved, "dL/d(last output)": x,
+                                             "resident tail: the other kept graphs, input":
+                                                 (k - 1) * memory.kept_total + x, **block}
     phases["optimizer"] = {**fixed, "stem gradients and AdamW temporaries": 8 * resident,
                            "stem output, last block output and their gradients": 4 * x}
-    return {name: {k: v for k, v in items.items() if v} for name, items in phases.items()}
+    return {name: {item: v for item, v in items.items() if v} for name, items in phases.items()}
 
 
 def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], param_dtype: torch.dtype,
