@@ -112,26 +112,33 @@ class OOMConfig:
 
 
 @dataclass(frozen=True)
-class Cell:
-    """One (model, attention, mode, frames) run: everything the child process needs."""
+class Step:
+    """A training step's model, clip (batch x frames x height x width latents: what
+    mfu_overlap.synthetic_batch reads) and precision."""
 
-    model: str
     cfg: DiTConfig
-    mode: str
     frames: int
     height: int
     width: int
     batch: int
     precision: str
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.cfg.token_grid(self.frames, self.height, self.width)
+
+
+@dataclass(frozen=True)
+class Cell(Step):
+    """One (model, attention, mode, frames) run: everything the child process needs."""
+
+    model: str
+    mode: str
     warmup_steps: int
     timed_steps: int
     refuse_over: float
     hbm_budget: int           # bytes; used on CPU (and in plan_only) only
     host_budget: int          # bytes
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.cfg.token_grid(self.frames, self.height, self.width)
 
 
 # ---- the planner's view -----------------------------------------------------------------------------
@@ -174,7 +181,7 @@ def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict
 
 
 # ---- one cell, in its own process ---------------------------------------------------------------------
-def _offload_phase(err: BaseException) -> str:
+def offload_phase(err: BaseException) -> str:
     """Where in an offloaded step an exception was raised, from its traceback."""
     names = [(Path(f.filename).name, f.name) for f in traceback.extract_tb(err.__traceback__)]
     for where, phase in ((("streamer.py", "backward"), "backward"), (("streamer.py", "forward"), "forward"),
@@ -234,7 +241,7 @@ def run_cell(cell: Cell) -> dict:
                    step_s_std=timing.std, timed_steps=len(times))
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else live.peak
     except torch.OutOfMemoryError as err:
-        phase = getattr(engine, "phase", "") or _offload_phase(err)
+        phase = getattr(engine, "phase", "") or offload_phase(err)
         row.update(status="OOM", phase=phase.replace(" step", ""), error=str(err).splitlines()[0][:200])
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     except ValueError as err:            # the engine's own planner check refused it
@@ -314,7 +321,7 @@ def model_configs(cfg: OOMConfig) -> dict[str, DiTConfig]:
 def cells_of_row(cfg: OOMConfig, label: str, model: DiTConfig, attention: str, mode: str) -> list[Cell]:
     dit = dataclasses.replace(model, attention=AttentionConfig(attention),
                               chunk_tokens=cfg.chunk_tokens if mode == "chunked_offload" else 0)
-    return [Cell(label, dit, mode, f, cfg.height, cfg.width, cfg.batch, cfg.precision, cfg.warmup_steps,
+    return [Cell(dit, f, cfg.height, cfg.width, cfg.batch, cfg.precision, label, mode, cfg.warmup_steps,
                  cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB), host_budget(cfg))
             for f in sorted(cfg.frames)]
 

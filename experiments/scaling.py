@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress, sync, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.mfu_overlap import synthetic_batch
-from experiments.oom_thresholds import _offload_phase, run_isolated
+from experiments.oom_thresholds import Step, offload_phase, run_isolated
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.metrics.flops import dit_flops
@@ -76,23 +76,13 @@ class ScalingConfig:
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(Step):
     """One run of one preset: the training step under the full HBM (and the forward's timing), or under the cap."""
 
-    cfg: DiTConfig
-    frames: int
-    height: int
-    width: int
-    batch: int
-    precision: str
     cap_GB: float | None      # None: the full HBM
     warmup_steps: int
     forward_repeats: int
     hbm_budget: int           # bytes (CPU: the stated full HBM)
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.cfg.token_grid(self.frames, self.height, self.width)
 
 
 def forward_floors(plan: planner.OffloadPlan, ceilings: planner.Ceilings = planner.Ceilings()) -> dict:
@@ -150,7 +140,7 @@ def run_job(job: Job, queue) -> None:
         sync(device)
         row.update(status="fits", phase="")
     except torch.OutOfMemoryError as err:
-        row.update(status="OOM", phase=_offload_phase(err), error=str(err).splitlines()[0][:200])
+        row.update(status="OOM", phase=offload_phase(err), error=str(err).splitlines()[0][:200])
     except ValueError as err:
         row.update(status="OOM", phase="plan: engine check", error=str(err)[:300])
     finally:

@@ -105,8 +105,25 @@ def _block_items(memory: BlockMemory, which: str) -> dict[str, int]:
     return {f"block ({memory.moment}): {k}": v for k, v in getattr(memory, which).items()}
 
 
+class PhasedHBM:
+    """What both plans say of a step's HBM: `hbm_phases` (peak bytes of each phase, in the order
+    of a step) and `hbm` (bytes by item at the peak), for `batch` clips of token grid `grid`."""
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * math.prod(self.grid)
+
+    @property
+    def hbm_total(self) -> int:
+        return max(self.hbm_phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.hbm_phases, key=self.hbm_phases.get)
+
+
 @dataclass
-class OffloadPlan:
+class OffloadPlan(PhasedHBM):
     cfg: DiTConfig
     batch: int
     grid: tuple[int, int, int]
@@ -128,20 +145,8 @@ class OffloadPlan:
     executed_flops: float       # model FLOPs plus the recomputed forward of the other blocks
 
     @property
-    def tokens(self) -> int:
-        return self.batch * math.prod(self.grid)
-
-    @property
     def host_total(self) -> int:
         return sum(self.host.values())
-
-    @property
-    def hbm_total(self) -> int:
-        return max(self.hbm_phases.values())
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.hbm_phases, key=self.hbm_phases.get)
 
     @property
     def floor_s(self) -> float:
@@ -291,7 +296,7 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
 
 
 @dataclass
-class ResidentPlan:
+class ResidentPlan(PhasedHBM):
     """HBM of the resident trainer's step (megaslide/train/resident.py) with per-block checkpointing."""
 
     cfg: DiTConfig
@@ -300,18 +305,6 @@ class ResidentPlan:
     params: int
     hbm: dict[str, int]         # bytes by item, at the peak phase
     hbm_phases: dict[str, int]  # peak bytes of each phase of a step (from the second on), in its order
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * math.prod(self.grid)
-
-    @property
-    def hbm_total(self) -> int:
-        return max(self.hbm_phases.values())
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.hbm_phases, key=self.hbm_phases.get)
 
     def as_dict(self) -> dict:
         return {"params": self.params, "tokens": self.tokens, "hbm_bytes": self.hbm,
