@@ -19,8 +19,9 @@ class DenseAttention(SelfAttention):
 
     @classmethod
     def attend_memory(cls, options, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
-        # flash keeps q, k, v as passed, its output and lse (fp32 per head); its backward makes
-        # dq, dk, dv, an fp32 dq accumulator in low precision and the fp32 row sums of dO * O
+        # SDPA's fused kernels (flash, cuDNN) keep q, k, v as passed, the output and lse (fp32 per
+        # head); the backward makes dq, dk, dv, an fp32 dq accumulator in low precision and the
+        # fp32 row sums of dO * O
         accumulator = 4 * dim if act < 4 else 0
         return AttendMemory("as_passed", act * dim + 4 * num_heads, 0, 3 * act * dim + accumulator + 4 * num_heads)
 
