@@ -109,6 +109,7 @@ class DiTBlock(nn.Module):
         spans = [slice(s, s + self.chunk_tokens) for s in range(0, x.shape[1], self.chunk_tokens)]
         parts = [checkpoint(self._project_slice, x[:, s], mod, cos[s], sin[s], use_reentrant=False) for s in spans]
         q, k, v, *h = (torch.cat(p, dim=1) for p in zip(*parts))                     # (B, N, h, d) x 3[, (B, N, D)]
+        del parts  # the slices: only their concatenations stay alive through attention
         o = self.attn.attend(q, k, v, h[0] if h else None, grid)                      # (B, N, h, d)
         out = [checkpoint(self._finish_slice, x[:, s], o[:, s], mod, ctx, ctx_mask, use_reentrant=False)
                for s in spans]

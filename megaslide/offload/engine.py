@@ -157,7 +157,8 @@ class OffloadEngine:
                                     param_dtype=precision_dtype(train_cfg.precision, device),
                                     optimizer_device=offload_cfg.optimizer_device, grad_clip=train_cfg.grad_clip > 0,
                                     pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
-                                    resident_blocks=offload_cfg.resident_blocks)
+                                    resident_blocks=offload_cfg.resident_blocks,
+                                    activation_offload=offload_cfg.activation_offload)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
         kw = dict(device=device, train_cfg=train_cfg, offload_cfg=offload_cfg, adam_backend=adam_backend,
                   pin_optimizer_state=pin_optimizer_state)

@@ -372,6 +372,7 @@ class BlockStreamer:
                 x = self.inputs.take(index).requires_grad_()                               # (B, N, D)
             else:
                 x, out = kept[index - self.first_resident]                                 # kept graph
+                kept[index - self.first_resident] = None  # its graph is freed once this backward returns
             with compute.timed():
                 if streamed:
                     with torch.enable_grad(), self.compute_ctx():
