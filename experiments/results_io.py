@@ -21,7 +21,10 @@ The code that ran is recorded as
      `dirty: true`, no diff hash and `stamp_mismatch` naming the files.
      The stamp must travel with the copy, which holds tracked and untracked-not-ignored
      files, so it is NOT git-ignored; and it must never be committed, or it would describe
-     an old tree to every clone. Hence: it is read only where there is no .git (where git
+     an old tree to every clone. A copy that carries a .git of an older commit (the device
+     machines here do) records that commit plus a diff unless it runs with
+     `MEGASLIDE_PROVENANCE=stamp`, which makes the stamp the only source.
+     Otherwise it is read only where there is no .git (where git
      can answer it is ignored, so one left behind is harmless), `stamp` refuses to write
      it while it is tracked, tests/experiments/test_results_io.py fails if it is tracked,
      and a stamp that does not match the files it lists is never trusted.
@@ -127,7 +130,13 @@ def _from_environment() -> dict:
 
 
 def code_state(root: Path = REPO_ROOT) -> dict:
-    """The code in the tree at `root`: git, else a verified stamp, else the environment (module docstring)."""
+    """The code in the tree at `root`: git, else a verified stamp, else the environment (module docstring).
+    `MEGASLIDE_PROVENANCE=stamp` trusts only the stamp: for a copy that carries a stale .git."""
+    if os.environ.get("MEGASLIDE_PROVENANCE") == "stamp":
+        if not (root / STAMP_FILE).is_file():
+            raise RuntimeError(f"MEGASLIDE_PROVENANCE=stamp but there is no {STAMP_FILE}: run "
+                               f"`python -m experiments.results_io stamp` before sending the tree")
+        return _from_stamp(root)
     if (root / ".git").exists():
         try:
             return {**git_state(root), "provenance_source": "git"}

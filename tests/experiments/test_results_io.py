@@ -82,6 +82,21 @@ def test_stamp_is_verified_on_a_copy_without_git(repo, tmp_path):
                                 "provenance_source": "stamp"}
 
 
+def test_stamp_only_overrides_a_stale_git_copy(repo, tmp_path, monkeypatch):
+    old = git(repo, "rev-parse", "HEAD")
+    new = commit(repo, {"code.py": "x = 2\n"}, "09:30")
+    stamp(repo)
+    copy = tmp_path / "sent"  # the device's copy: today's files beside a .git still at the old commit
+    shutil.copytree(repo, copy)
+    git(copy, "reset", "-q", old)
+    assert code_state(copy)["commit"] == old and code_state(copy)["dirty"] is True
+    monkeypatch.setenv("MEGASLIDE_PROVENANCE", "stamp")
+    assert code_state(copy) == {"commit": new, "dirty": False, "provenance_source": "stamp"}
+    (copy / STAMP_FILE).unlink()
+    with pytest.raises(RuntimeError, match="no .provenance.json"):
+        code_state(copy)
+
+
 def test_stamp_refuses_a_tracked_stamp_file(repo):
     commit(repo, {STAMP_FILE: "{}"}, "09:30")
     with pytest.raises(RuntimeError, match="never be committed"):
