@@ -38,8 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config, script_main
 from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
-from megaslide.metrics.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, mfu
-from megaslide.metrics.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
+from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, mfu
+from megaslide.perf.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
                                       reset_peak_hbm)
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.models.text import HashTokenizer

@@ -20,7 +20,7 @@ limit is reported over it without running; with `time_budget_s` the whole table 
 cells when that much time has passed (each cell's limit shrinks to what is left). Per cell: fits
 or OOM and in which phase (plan = refused before allocating, build, forward, loss, backward,
 optimizer), the measured peak (CUDA: torch.cuda.max_memory_allocated; CPU: the live-tensor peak
-of the timed steps, megaslide/metrics/live_bytes.py) beside the planner's, and one warm step
+of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and one warm step
 timed `timed_steps` times after `warmup_steps` (n, median, spread). The fit decision: on CUDA the run itself (the
 planner refuses only cells it puts beyond `refuse_over` x the free HBM, and any that host RAM
 cannot hold); on CPU, which has no allocator to run out of, the planner against the stated
@@ -55,9 +55,9 @@ from experiments.mfu_overlap import synthetic_batch
 from experiments.report import render
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
-from megaslide.metrics.flops import dit_flops
-from megaslide.metrics.live_bytes import LiveTensorBytes
-from megaslide.metrics.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.flops import dit_flops
+from megaslide.perf.live_bytes import LiveTensorBytes
+from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine

@@ -27,8 +27,8 @@ from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
 from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
-from megaslide.metrics.motion import score_videos
-from megaslide.metrics.video import frame_consistency, temporal_flickering
+from megaslide.eval.motion import score_videos
+from megaslide.eval.video import frame_consistency, temporal_flickering
 from megaslide.models.dit import count_params
 from megaslide.train.logger import RunLogger
 from megaslide.train.trainer import Trainer

@@ -32,8 +32,8 @@ from experiments.mfu_overlap import synthetic_batch
 from experiments.oom_thresholds import Step, offload_phase, run_isolated
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
-from megaslide.metrics.flops import dit_flops
-from megaslide.metrics.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.flops import dit_flops
+from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.models.dit import DIT_PRESETS, count_params
 from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine

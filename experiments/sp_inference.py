@@ -52,7 +52,7 @@ from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
 from megaslide.inference.weights import random_weights_
-from megaslide.metrics.flops import token_path_flops
+from megaslide.perf.flops import token_path_flops
 from megaslide.models.dit import build_dit
 
 TARGETS = {"ttff_1gpu_s": 1.0, "speedup_2gpu_vs_1gpu": 1.8, "speedup_vs_full_sequence": 1.58}

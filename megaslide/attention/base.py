@@ -28,7 +28,7 @@ Grid = tuple[int, int, int]
 @dataclasses.dataclass(frozen=True)
 class AttendMemory:
     """What `attend` holds on the device in training, in bytes per video token (the offload planner's
-    activation model, megaslide/metrics/activation_memory.py, adds the block around it).
+    activation model, megaslide/perf/activation_memory.py, adds the block around it).
 
     keeps: how attend keeps q, k, v for its backward: "as_passed" (views included), "contiguous"
     (a strided one is copied first) or "none" (it keeps copies of its own, counted in `saved`);

@@ -4,7 +4,7 @@ Each video shows ``num_shapes`` coloured shapes on a plain background, each movi
 straight line at constant speed. Nothing is read from disk: a video is a pure function of
 ``(seed, index)``. The caption names colour, shape and direction ("a red circle moving
 left"), and every item carries the exact centroid trajectory, so the scores of
-``megaslide.metrics.motion`` can check generated videos without pretrained weights.
+``megaslide.eval.motion`` can check generated videos without pretrained weights.
 
 Geometry (pixel units, pixel (i, j) has its centre at y = i, x = j):
 - ``shape_size`` s is the side of the shape's bounding box: circle of diameter s, square

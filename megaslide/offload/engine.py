@@ -48,8 +48,8 @@ import torch.nn.functional as F
 
 from megaslide.config import DiTConfig, OffloadConfig, TrainConfig
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
-from megaslide.metrics.flops import StepBreakdown
-from megaslide.metrics.memory import host_available_bytes
+from megaslide.perf.flops import StepBreakdown
+from megaslide.perf.memory import host_available_bytes
 from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload import planner
 from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_

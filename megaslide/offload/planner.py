@@ -9,7 +9,7 @@ what `Trainer` asks of `OffloadEngine.from_config`), and a reserve for the proce
 
 HBM: the peak of `torch.cuda.max_memory_allocated`, phase by phase (forward, loss, backward,
 optimizer), from the shapes. One block's activations come from
-megaslide/metrics/activation_memory.py (what each op saves, the variant's share from its
+megaslide/perf/activation_memory.py (what each op saves, the variant's share from its
 `attend_memory`, token chunking); around them the engine holds, at the peak of its backward
 (the second block it recomputes: the first one's parameter gradients are still referenced):
 - the block shells (weights and flat gradients), the stem (fp32 weights and AdamW moments;
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from megaslide.config import DiTConfig
-from megaslide.metrics.activation_memory import ActivationDtypes, BlockMemory, block_memory
-from megaslide.metrics.flops import DiTFlops, dit_flops
-from megaslide.metrics.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
+from megaslide.perf.flops import DiTFlops, dit_flops
+from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.models.dit import DiTBlock, count_params
 from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
 from megaslide.offload.streamer import parked_inputs

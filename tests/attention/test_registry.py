@@ -16,7 +16,7 @@ def test_unknown_name_lists_every_variant_including_the_entry_point():
 
 def test_swin_loads_through_its_entry_point_and_the_core_never_imports_baselines():
     code = ("import sys\n"
-            "import megaslide.config, megaslide.models.dit, megaslide.metrics.flops\n"
+            "import megaslide.config, megaslide.models.dit, megaslide.perf.flops\n"
             "from megaslide.attention import build_attention\n"
             "assert 'baselines' not in sys.modules, 'the core imported baselines'\n"
             "attn = build_attention('swin', 64, 4, window=(1, 2, 2))\n"

@@ -2,7 +2,7 @@
 import pytest
 
 from megaslide.config import DiTConfig, from_dict
-from megaslide.metrics.flops import dit_flops
+from megaslide.perf.flops import dit_flops
 from tests.experiments.runner import load_result, run_script
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megaslide.config import AttentionConfig, OffloadConfig
-from megaslide.metrics.activation_memory import ActivationDtypes, block_memory
-from megaslide.metrics.flops import dit_flops
+from megaslide.perf.activation_memory import ActivationDtypes, block_memory
+from megaslide.perf.flops import dit_flops
 from megaslide.models.dit import DIT_PRESETS, VideoDiT, count_params
 from megaslide.offload import planner
 from megaslide.offload.host_state import BlockLayout, HostState

@@ -7,7 +7,7 @@ import torch
 
 from megaslide.data.moving_shapes import MovingShapes, render_video
 from megaslide.data.video_io import to_uint8_frames
-from megaslide.metrics.video import (
+from megaslide.eval.video import (
     FLOW_METHODS,
     color_histogram_features,
     consistency,

@@ -1,6 +1,6 @@
 """Optional path through the real VBench package (``pip install vbench``).
 
-Our weight-free formulas in ``megaslide.metrics.video`` stand in for VBench during
+Our weight-free formulas in ``megaslide.eval.video`` stand in for VBench during
 development; for numbers comparable with published ones, run VBench itself on mp4 files
 written with ``megaslide.data.video_io.write_mp4``. VBench reads its checkpoints from
 ``$VBENCH_CACHE_DIR`` (default ``~/.cache/vbench``); this machine cannot download them,

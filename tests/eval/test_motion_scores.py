@@ -10,7 +10,7 @@ import torch
 
 from megaslide.data.moving_shapes import DIRECTIONS, SHAPES, MovingShapes, caption_for, render_video
 from megaslide.data.video_io import to_uint8_frames
-from megaslide.metrics.motion import (
+from megaslide.eval.motion import (
     FILL_RATIO,
     SCORER_VERSION,
     classify_direction,
@@ -375,7 +375,7 @@ def test_near_colour_pixels_with_zero_coverage_are_not_an_object():
     coverage; such a component must count as absent, not crash the tracker."""
     import numpy as np
 
-    from megaslide.metrics.motion import measure_object
+    from megaslide.eval.motion import measure_object
     mask = np.zeros((8, 8), bool)
     mask[2:4, 2:4] = True
     area, centroid = measure_object(mask, np.zeros((8, 8)))

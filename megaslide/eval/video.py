@@ -8,7 +8,7 @@
   Like VBench's, it measures that appearance persists, not how things move: with the
   histogram encoder a frozen clip scores 1 and an object that teleports scores as high as
   one moving steadily. The motion-aware consistency that claim verdicts use is
-  ``megaslide.metrics.motion``'s ``temporal_consistency``.
+  ``megaslide.eval.motion``'s ``temporal_consistency``.
 - ``dynamic_degree``: VBench's decision rule on optical flow, with OpenCV's Farneback or
   DIS flow standing in for RAFT (see the function for the exact formula).
 
@@ -112,7 +112,7 @@ def frame_consistency(frames: torch.Tensor | np.ndarray, encoder: FrameEncoder =
     """``consistency`` of ``encoder(frames)``; ``frames`` uint8 (T, H, W, 3), T >= 2.
 
     An appearance score (see the module docstring): it does not punish a frozen or teleporting
-    object; ``megaslide.metrics.motion.score_videos``' temporal_consistency does.
+    object; ``megaslide.eval.motion.score_videos``' temporal_consistency does.
     """
     frames = _as_uint8_frames(frames)
     return consistency(encoder(frames))

@@ -7,8 +7,8 @@ import pytest
 
 from megaslide.data.moving_shapes import MovingShapes
 from megaslide.data.video_io import write_mp4
-from megaslide.metrics import vbench_adapter
-from megaslide.metrics.video import temporal_flickering
+from megaslide.eval import vbench_adapter
+from megaslide.eval.video import temporal_flickering
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 

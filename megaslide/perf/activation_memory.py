@@ -31,10 +31,9 @@ Token-chunked blocks (`chunk_tokens` = c): the token-wise work runs over slices 
 checkpoints, so the whole sequence keeps only q, k, v (cat of the slices), the attention
 input where the variant reads it (fp32), the variant's `saved` and the block output; a slice
 of c tokens holds the token-wise activations above. These moments compete:
-- the attention's forward and the end of the block's forward, where the slices' outputs are
-  still referenced by the list they were gathered in: each slice's qkv output (v is a view of
-  it), rotated q, k and attention input, beside their concatenations, and the block output
-  with its slices;
+- the concatenation of the slices: each slice's qkv output (v is a view of it), rotated q, k
+  and attention input, beside their concatenations (the block drops the slices right after);
+- the attention's forward, and the end of the block's forward: the block output with its slices;
 - the attention backward: the kept tensors, dL/d(attention output), dL/d(block input)
   (accumulated over the slices) and the variant's `backward`;
 - a slice's backward: the kept tensors, both accumulated gradients (a slice's gradient
@@ -144,13 +143,16 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes) -> Block
     slice_tokens = min(chunk, tokens)
     slice_part = _scaled({**post, **mlp_grad, "slice output": r * D}, slice_tokens)
     slices = {"slice outputs: qkv, rotated q and k, attention input": 5 * a * D + reads}
-    attention_forward = _scaled({**slices, "concatenated q, k, v, attention input": 3 * a * D + reads,
-                                 f"{name} attention (kept)": attend.saved,
+    concatenated = {"concatenated q, k, v, attention input": 3 * a * D + reads}
+    concatenation = _scaled({**slices, **concatenated}, tokens)
+    attention_forward = _scaled({**concatenated, f"{name} attention (kept)": attend.saved,
                                  f"{name} attention forward": attend.forward}, tokens)
-    forward_end = _scaled({**whole, **slices, "concatenated q, k, v": 0 if keeps_qk else 3 * a * D,
+    forward_end = _scaled({**whole, "concatenated q, k, v": 0 if keeps_qk else 3 * a * D,
                            "block output slices": r * D}, tokens)
-    _, forward = _largest({"attention forward": attention_forward, "forward end": forward_end})
+    _, forward = _largest({"concatenation": concatenation, "attention forward": attention_forward,
+                           "forward end": forward_end})
     moments = {
+        "concatenation": concatenation,
         "attention forward": attention_forward,
         "forward end": forward_end,
         "attention backward": _scaled({**whole, f"{name} attention backward": attend.backward,

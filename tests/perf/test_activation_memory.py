@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megaslide.config import AttentionConfig, DiTConfig
-from megaslide.metrics.activation_memory import ActivationDtypes, block_memory
-from megaslide.metrics.live_bytes import LiveTensorBytes
+from megaslide.perf.activation_memory import ActivationDtypes, block_memory
+from megaslide.perf.live_bytes import LiveTensorBytes
 from megaslide.models.dit import DIT_PRESETS, DiTBlock
 from megaslide.nn import RopeTable
 

@@ -1,0 +1,2 @@
+"""Quality evaluation of generated videos: MovingShapes scores (motion.py), VBench's formulas
+(video.py) and the real-VBench adapter. Performance accounting lives in megaslide.perf."""
