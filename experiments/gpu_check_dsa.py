@@ -2,7 +2,7 @@
 
 For each case and dtype (fp32, bf16) it draws inputs in float64, rounds them to the dtype
 and compares the Triton output and the gradients of q, k, v and offsets with the float64
-PyTorch reference run on the same rounded inputs. The rule (DESIGN.md, harness.within_tolerance):
+PyTorch reference run on the same rounded inputs. The rule (harness.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without

@@ -1,4 +1,4 @@
-"""The contract paths of DESIGN.md stay importable after the evaluation modules moved to megaslide.eval."""
+"""The contract paths of docs/ARCHITECTURE.md stay importable after the evaluation modules moved to megaslide.eval."""
 import importlib
 
 import megaslide.eval.motion
