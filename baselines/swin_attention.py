@@ -75,13 +75,27 @@ class SwinAttention(SelfAttention):
 
     @classmethod
     def attend_memory(cls, options: SwinOptions, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
-        # SDPA on 5-D windows runs PyTorch's math path (the fused kernels take 4-D inputs): it keeps the
-        # scaled q, the transposed k, v and each window's softmax (heads x window per token), and the
-        # block keeps the output put back in token order; forward, at the softmax: q and k in window
-        # order and the scores; backward, at its peak: the softmax's gradient, the output gradient in
-        # window order and the windows' dv
-        scores = num_heads * math.prod(options.window) * act
-        return AttendMemory("none", 4 * act * dim + scores, 2 * act * dim + scores, 2 * act * dim + scores)
+        """SDPA on 5-D windows runs PyTorch's math path (the fused kernels take 4-D inputs), which computes
+        in fp32: it upcasts bf16 q, k, v (`allow_fp16_bf16_reduction_math_sdp` is off by default) and keeps
+        the scaled q and k, v and each window's softmax in fp32; the block keeps the output put back in token
+        order. The planner once counted these in the activation dtype and left out the copies the windows
+        cost (the rolled and partitioned q, k, v, the fp32 upcasts, `_safe_softmax`'s extra scores); under
+        bf16 it under-predicted Swin blocks by 7% (offload) to 32% (chunked, where attention sets the peak).
+
+        forward, as the fp32 output is cast back (on a shifted layer): the rolled q, k, v, the partitioned q
+        and k, the fp32 output, the boolean window mask and its additive copy; in bf16 also the partitioned v
+        (in fp32 it is the v kept), the upcast q and k, the output's cast and the cast of the attention weights
+        SDPA also returns (the token-order output, counted in saved, is not made yet); backward: two score
+        gradients (the softmax's backward) or one and fp32 dq and dk (the scores' matmul backward), whichever
+        is larger. Measured on CPU with `LiveTensorBytes`
+        (the math path is the same composite on CUDA)."""
+        fp32, wlen = 4, math.prod(options.window)
+        scores = num_heads * wlen  # elements per token
+        casts = (act * dim + 2 * fp32 * dim + act * dim + act * scores) if act < fp32 else 0
+        saved = 3 * fp32 * dim + fp32 * scores + act * dim
+        forward = 3 * act * dim + 2 * act * dim + fp32 * dim + (1 + act) * wlen + casts - act * dim
+        backward = fp32 * scores + max(fp32 * scores, 2 * fp32 * dim)
+        return AttendMemory("none", saved, forward, backward)
 
     def attend(self, q, k, v, x, grid):
         self.check_grid(self.options, grid)

@@ -34,10 +34,11 @@ def test_unchunked_bf16_block_by_hand():
     # tanh's output and the offsets (2 x 4 h K3)
     dsa = block_memory(_seven_b("dsa"), tokens, BF16_SHELLS)
     assert dsa.kept_total - dense.kept_total == tokens * (8 * D + 2 * 4 * H * K3)
-    # Swin keeps none of q, k, v (4 x 2D of its own, and a window's softmax per token) but the qkv output
+    # Swin keeps none of q, k, v but the qkv output; its math-path SDPA keeps fp32 scaled q, k, v (3 x 4D),
+    # each window's fp32 softmax (4 h window) and the output in token order (2D)
     swin = block_memory(_seven_b("swin"), tokens, BF16_SHELLS)
     window = 2 * 4 * 4
-    assert swin.kept_total - dense.kept_total == tokens * (4 * 2 * D + H * window * 2 - 4 * D - 2 * D - 4 * H)
+    assert swin.kept_total - dense.kept_total == tokens * (12 * D + 4 * H * window + 2 * D - 4 * D - 2 * D - 4 * H)
 
 
 def test_chunked_bf16_block_by_hand():
@@ -58,16 +59,17 @@ def test_chunked_bf16_block_by_hand():
     assert dsa.peak_total < unchunked.peak_total / 2.5
 
 
-def _measured(cfg: DiTConfig, grid) -> tuple[int, int]:
-    """(bytes kept after the forward, peak over forward and backward) of one fp32 block on CPU,
-    beside its input, the incoming gradient and its parameters."""
+def _measured(cfg: DiTConfig, grid, dtype=torch.float32, layer_idx=0) -> tuple[int, int]:
+    """(bytes kept after the forward, peak over forward and backward) of one block on CPU (bf16: bf16
+    weights under CPU autocast), beside its input, the incoming gradient and its parameters."""
     torch.manual_seed(0)
-    block = DiTBlock(cfg, 0)
+    block = DiTBlock(cfg, layer_idx).to(dtype)
     tokens = grid[0] * grid[1] * grid[2]
-    x = torch.randn(1, tokens, cfg.dim, requires_grad=True)
-    t_mod, ctx = torch.randn(1, 9, cfg.dim, requires_grad=True), torch.randn(1, 8, cfg.dim, requires_grad=True)
-    rope, grad = RopeTable(cfg.head_dim, *grid).grid(grid), torch.randn(1, tokens, cfg.dim)
-    with LiveTensorBytes() as live:
+    x = torch.randn(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
+    t_mod = torch.randn(1, 9, cfg.dim, dtype=dtype, requires_grad=True)
+    ctx = torch.randn(1, 8, cfg.dim, dtype=dtype, requires_grad=True)
+    rope, grad = RopeTable(cfg.head_dim, *grid).grid(grid), torch.randn(1, tokens, cfg.dim, dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), LiveTensorBytes() as live:
         out = block(x, t_mod, ctx, torch.ones(1, 8, dtype=torch.bool), rope, grid)
         kept = live.current
         torch.autograd.grad(out, [x, t_mod, ctx, *block.parameters()], grad, allow_unused=True)
@@ -86,3 +88,47 @@ def test_fp32_block_matches_a_block_measured_on_cpu(attention, options, chunk):
     model = block_memory(cfg, 2048, ActivationDtypes(act=4, residual=4))
     assert model.kept_total == pytest.approx(kept, rel=0.01)
     assert model.peak_total == pytest.approx(peak, rel=0.06)
+
+
+def _swin_attend_measured(dim, heads, grid, layer_idx):
+    """(bytes kept after the forward, forward peak, backward peak beyond the kept bytes and the output
+    gradient) of Swin's `attend` on bf16 q, k, v on CPU."""
+    from baselines.swin_attention import SwinAttention
+    torch.manual_seed(0)
+    attn = SwinAttention(dim, heads, layer_idx=layer_idx)
+    tokens = grid[0] * grid[1] * grid[2]
+    q, k, v = (torch.randn(1, tokens, heads, dim // heads, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with LiveTensorBytes() as live:
+        o = attn.attend(q, k, v, None, grid)
+        kept, forward = live.current, live.peak
+        live.reset_peak()
+        grad = torch.randn_like(o)
+        torch.autograd.grad(o, [q, k, v], grad)
+    return kept, forward, live.peak - kept - grad.nbytes
+
+
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_swin_bf16_attend_matches_cpu_measurement(heads):
+    """SDPA's math path computes bf16 windows in fp32 (the terms the planner used to miss, see
+    SwinAttention.attend_memory); a shifted layer's forward also holds the rolled copies and masks."""
+    from baselines.swin_attention import SwinAttention, SwinOptions
+    dim, grid = 512, (8, 16, 16)
+    tokens = 2048
+    kept, forward, backward = _swin_attend_measured(dim, heads, grid, layer_idx=1)
+    model = SwinAttention.attend_memory(SwinOptions(), dim, heads, act=2, chunked=True)
+    assert kept == tokens * model.saved
+    assert forward == pytest.approx(tokens * (model.saved + model.forward), abs=512)
+    assert backward == pytest.approx(tokens * model.backward, abs=512)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1])
+def test_chunked_bf16_swin_block_matches_cpu_measurement(layer_idx):
+    """A token-chunked Swin block in bf16 (bf16 weights, CPU autocast) measured with LiveTensorBytes: the
+    whole-sequence attention sets its peak; the unshifted layer peaks lower (no rolled copies or masks)."""
+    cfg = DiTConfig(dim=512, num_heads=4, ffn_dim=2048, qk_norm=False, chunk_tokens=512,
+                    attention=AttentionConfig("swin", {"window": (2, 4, 4)}))
+    kept, peak = _measured(cfg, (8, 16, 16), dtype=torch.bfloat16, layer_idx=layer_idx)
+    model = block_memory(cfg, 2048, BF16_SHELLS)
+    assert model.kept_total == pytest.approx(kept, rel=0.01)
+    assert model.peak_total == pytest.approx(peak, rel=0.02 if layer_idx else 0.12)
+    assert model.peak_total >= peak * 0.99
