@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -38,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config, script_main
 from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
-from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, mfu
+from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, StepBreakdown, dit_flops, mfu
 from megaslide.perf.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
                                       reset_peak_hbm)
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
@@ -55,7 +56,7 @@ GB = 1e9
 VARIANTS = {"overlap": (True, "cpu", None), "overlap_noclip": (True, "cpu", 0.0), "serial": (False, "cpu", None),
             "gpu_optimizer": (True, "gpu", None)}
 TARGETS = {"mfu": 0.61, "overlap_speedup_vs_serial": 2.0, "overlap_efficiency": 0.9, "h2d_frac_of_pinned": 0.9}
-TINY = {"batch": 1, "frames": 4, "height": 16, "width": 16, "depth": 3, "warmup_steps": 1, "timed_steps": 1,
+TINY = {"batch": 1, "frames": 4, "height": 16, "width": 16, "depth": 3, "warmup_steps": 1, "timed_steps": 2,
         "correctness_steps": 2, "matmul_n": 128, "pcie_probe_MiB": 4}
 CORRECTNESS_RTOL = 1e-4
 
@@ -137,10 +138,15 @@ def run_variant(engine: OffloadEngine, name: str, batch: Batch, bench, flops_tra
         engine.train_step(batch, bench.lr)
     start = engine.step
     outs = [engine.train_step(batch, bench.lr) for _ in range(bench.timed_steps + 1)]
-    parts = engine.breakdown(range(start, start + bench.timed_steps))
+    # one breakdown per timed step (each ends where the next one starts), so the step time has a spread
+    per_step = [engine.breakdown(range(s, s + 1)) for s in range(start, start + bench.timed_steps)]
+    parts = StepBreakdown(*(statistics.fmean(getattr(p, f.name) for p in per_step)
+                            for f in dataclasses.fields(StepBreakdown)))
+    steps_s = [p.step_s for p in per_step]
     row = {"variant": name, "overlap": overlap, "optimizer_device": optimizer_device, "grad_clip": clip,
            "losses": [o["loss"].item() for o in outs], "grad_norms": [o["grad_norm"].item() for o in outs],
-           **parts.as_dict(),
+           **parts.as_dict(), "timed_steps": len(steps_s), "step_s_min": min(steps_s), "step_s_max": max(steps_s),
+           "step_s_std": statistics.pstdev(steps_s),
            "mfu_vs_measured_peak": mfu(flops_train, parts.step_s, peak_tflops),
            "mfu_vs_datasheet": mfu(flops_train, parts.step_s, H200_DATASHEET_BF16_TFLOPS),
            "achieved_TFLOPs": flops_train / parts.step_s / 1e12,

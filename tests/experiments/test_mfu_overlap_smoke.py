@@ -33,6 +33,10 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
         # the engine moves exactly the bytes the planner predicts, in every mode
         assert r["h2d_bytes"] == r["predicted"]["h2d_bytes"] and r["d2h_bytes"] == r["predicted"]["d2h_bytes"]
         assert all(l == l for l in r["losses"])  # finite (no NaN)
+        # every timed step is timed on its own: the mean lies within their spread
+        assert r["timed_steps"] == b["timed_steps"] == 2
+        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert r["step_s_std"] <= (r["step_s_max"] - r["step_s_min"]) / 2 + 1e-12
     assert rows["gpu_optimizer"]["h2d_bytes"] > rows["overlap"]["h2d_bytes"]
     assert record["memory_wall"] == {"skipped": "no CUDA device"}
     serial = rows["serial"]  # nothing overlaps: the step takes at least the sum of its parts
