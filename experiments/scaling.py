@@ -10,11 +10,13 @@ predictions stand beside each: host RAM, peak HBM, and the forward's overlapped 
 cannot hold is not run: its row holds the planner's figures only, marked `predicted`. Each run
 is a fresh process with a time limit (experiments/oom_thresholds.run_isolated); on CPU, which
 has no HBM to run out of, the fits decisions are the planner's against the stated
-`hbm_budget_GB` and `cap_GB`.
+`hbm_budget_GB` and `cap_GB`. With `plan_only` nothing is run or measured: every row holds the
+planner's figures only, against the stated `hbm_budget_GB`, `host_budget_GB` and `cap_GB`.
 Writes results/scaling/<name>.json (tables: presets) and the W&B run (harness.ExperimentRun).
 
     python -m experiments.scaling                      # GPU: presets up to what host RAM holds
     python -m experiments.scaling smoke=true           # tiny on CPU, plus the planner's 105B row
+    python -m experiments.scaling plan_only=true hbm_budget_GB=146.8 host_budget_GB=125   # planner only
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class ScalingConfig:
 
     name: str
     smoke: bool
+    plan_only: bool
     presets: list[str]
     attention: str
     frames: int
@@ -73,6 +76,9 @@ class ScalingConfig:
             raise ValueError(f"presets has unknown {unknown}; known: {sorted(DIT_PRESETS)}")
         if self.cap_GB <= 0:
             raise ValueError(f"cap_GB={self.cap_GB} must be > 0 (94 for an H100 NVL)")
+        if self.plan_only and (self.hbm_budget_GB <= 0 or self.host_budget_GB <= 0):
+            raise ValueError(f"plan_only=true needs the stated budgets: hbm_budget_GB={self.hbm_budget_GB} and "
+                             f"host_budget_GB={self.host_budget_GB} must be > 0 (an H200: 146.8 and 125)")
 
 
 @dataclass(frozen=True)
@@ -177,19 +183,20 @@ def preset_row(cfg: ScalingConfig, preset: str) -> tuple[dict, DiTConfig, planne
 @script_main("scaling")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(ScalingConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
-    name = cfg.name or ("smoke" if cfg.smoke else "table")
+    name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
     run = ExperimentRun("scaling", name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
-    ceilings = run_isolated(_ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB), 300)
+    ceilings = None if cfg.plan_only else run_isolated(_ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB), 300)
     progress(f"ceilings {ceilings}")
     rows: list[dict] = []
-    payload = {"config": dataclasses.asdict(cfg), "ceilings": ceilings, "tables": {"presets": rows}}
+    payload = {"config": dataclasses.asdict(cfg), "ceilings": ceilings, "plan_only": cfg.plan_only,
+               "tables": {"presets": rows}}
     for preset in sorted(cfg.presets, key=lambda p: count_params(DIT_PRESETS[p])):
         row, dit, plan = preset_row(cfg, preset)
-        full_hbm = (ceilings.get("hbm_total_GB") or cfg.hbm_budget_GB) * GB
+        full_hbm = ((ceilings or {}).get("hbm_total_GB") or cfg.hbm_budget_GB) * GB
         row.update(predicted_fits_full=plan.hbm_total <= planner.usable_hbm(int(full_hbm)),
                    predicted_fits_cap=plan.hbm_total <= planner.usable_hbm(int(cfg.cap_GB * GB)))
-        if not row["host_holds_it"]:
-            row["measured"] = "predicted"     # beyond host RAM: the planner's figures only
+        if cfg.plan_only or not row["host_holds_it"]:
+            row["measured"] = "predicted"     # planner only, or beyond host RAM: the planner's figures only
         else:
             row["measured"] = "run"
             for cap in (None, cfg.cap_GB):
