@@ -82,20 +82,128 @@ def c2():
             f"N^{slope:.2f} over {dense[0][0] / 1e3:.0f}K-{n / 1e3:.0f}K tokens ({len(dense)} sizes)")
 
 
+PLANNER_TARGET = 0.10   # C3: the planner's peak-HBM prediction counts as accurate within 10% of the measured peak
+TARGET_FRAMES = 256     # C3: the paper's clip length
+VAE_TEMPORAL = 4        # a video VAE's temporal compression (e.g. Wan's): 4 video frames per latent frame
+
+
+def clip_tokens(frames: int, config: dict, model: str) -> str:
+    """Both token counts of a `frames`-frame clip on a result's latent grid (`config` height, width):
+    frames taken as latent frames, and through a VAE_TEMPORAL x temporal VAE."""
+    dit = DIT_PRESETS[model]
+    full, compressed = (dit.token_grid(f, config["height"], config["width"]) for f in (frames, frames // VAE_TEMPORAL))
+    return (f"{frames} frames x {full[1]} x {full[2]} = {math.prod(full):,} tokens without temporal compression, "
+            f"{compressed[0]} latent frames = {math.prod(compressed):,} with a {VAE_TEMPORAL}x temporal VAE")
+
+
+def oom_results() -> list[tuple[str, dict]]:
+    """The oom_thresholds results under results/, as (name, data): measured GPU runs and planner-only tables."""
+    return [(f.stem, json.loads(f.read_text())) for f in sorted((RESULTS_DIR / "oom_thresholds").glob("*.json"))]
+
+
+def measured_cells(results: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """(file, cell) of every cell measured on a GPU (planner-only tables excluded)."""
+    return [(name, c) for name, r in results if not r.get("plan_only") and r.get("hardware", {}).get("gpus")
+            for c in r["tables"]["cells"]]
+
+
+def most_frames_fitting(cells: list[tuple[str, dict]]) -> dict[tuple[str, str, str], int]:
+    """(model, attention, mode) -> the most frames of a cell that measured "fits"."""
+    most: dict[tuple[str, str, str], int] = {}
+    for _, c in cells:
+        if c["status"] == "fits":
+            key = (c["model"], c["attention"], c["mode"])
+            most[key] = max(most.get(key, 0), c["frames"])
+    return most
+
+
+def planner_error(cells: list[tuple[str, dict]], predicted: Callable[[dict], float | None]) -> tuple[float, dict] | None:
+    """The worst |predicted / measured - 1| of peak HBM over cells that fit, with its cell; None if none.
+    `predicted(cell)` gives the prediction in GB (None: no prediction for that cell)."""
+    errors = [(abs(p / c["measured_peak_GB"] - 1), c) for _, c in cells
+              if c["status"] == "fits" and c.get("measured_peak_GB") and (p := predicted(c)) is not None]
+    return max(errors, key=lambda ec: ec[0], default=None)
+
+
+def accuracy_word(error: float) -> str:
+    """C3's planner rule: "met" if every measured cell that fits is within PLANNER_TARGET, else "not met"."""
+    return "met" if error <= PLANNER_TARGET else "not met"
+
+
+def plan_row(plan: dict, model: str, attention: str, mode: str, frames: int) -> dict | None:
+    return next((c for c in plan["tables"]["cells"] if (c["model"], c["attention"], c["mode"], c["frames"])
+                 == (model, attention, mode, frames)), None)
+
+
+def _cell_name(c: dict) -> str:
+    return f"{c['model']} {c['attention']} {c['mode']} {c['frames']} frames"
+
+
+def _error_text(found: tuple[float, dict] | None, whose: str, predicted: Callable[[dict], float]) -> str:
+    if found is None:
+        return f"{whose}: no measured cell to check"
+    err, c = found
+    return (f"{whose}: {accuracy_word(err)} (worst |predicted/measured - 1| = {100 * err:.0f}% at {_cell_name(c)}: "
+            f"{predicted(c):.1f} vs {c['measured_peak_GB']:.1f} GB; target {100 * PLANNER_TARGET:.0f}%)")
+
+
 def c3():
+    results = oom_results()
+    cells = measured_cells(results)
+    plans = [(n, r) for n, r in results if r.get("plan_only")]
+    if not cells:
+        return "not measured", "-"
+    files = {n for n, _ in cells}
+    src = ", ".join(link("oom_thresholds", n) for n in sorted(files))
+    most = most_frames_fitting(cells)
+    fitting = "; ".join(f"{m} {a} {mode}: {f}" for (m, a, mode), f in sorted(most.items()))
+    model, attention, mode = "1B", "dsa", "chunked_offload"
+    top = max((c for _, c in cells if (c["model"], c["attention"], c["mode"], c["status"]) ==
+               (model, attention, mode, "fits")), key=lambda c: c["frames"], default=None)
+    config = next(r["config"] for n, r in results if n in files)
+    ours = [f"measured on one H200, most frames per (model, attention, mode) that fit: {fitting} ({src})"]
+    if top:
+        ours.append(f"headline: {model} {attention}, chunked blocks + activation offload, {top['frames']} latent frames "
+                    f"of {config['height']}x{config['width']} ({top['tokens']:,} tokens): {top['step_s']:.1f} s/step "
+                    f"(n={top['timed_steps']} timed step{'s' if top['timed_steps'] != 1 else ''}), peak "
+                    f"{top['measured_peak_GB']:.1f} GB measured vs {top['predicted_peak_GB']:.1f} GB predicted")
+    verdict = [f"{TARGET_FRAMES}-frame target ({model} at {TARGET_FRAMES} frames) not met: no measured cell of "
+               f"{TARGET_FRAMES} frames fits; the most for {model} is "
+               f"{max((f for (m, _, _), f in most.items() if m == model), default=0)} frames",
+               _error_text(planner_error(cells, lambda c: c.get("predicted_peak_GB")), "planner accuracy as recorded "
+                           "by the runs", lambda c: c["predicted_peak_GB"])]
+    if plans:
+        name, plan = plans[-1]
+        row = plan_row(plan, model, attention, mode, TARGET_FRAMES)
+        if row:
+            ours.append(f"{TARGET_FRAMES} frames ({clip_tokens(TARGET_FRAMES, plan['config'], model)}): the planner "
+                        f"predicts {row['predicted_peak_GB']:.0f} GB peak HBM in the {row['predicted_phase']} for "
+                        f"{model} {attention} {mode}, over the {row['budget_GB']:.1f} GB budget it assumed "
+                        f"(predicted, not run; {link('oom_thresholds', name)})")
+
+        def replanned(c):
+            r = plan_row(plan, c["model"], c["attention"], c["mode"], c["frames"])
+            return r and r["predicted_peak_GB"]
+        verdict.append(_error_text(planner_error(cells, replanned), f"today's planner ({name}.json) on the same cells",
+                                   replanned))
+    not_run = sorted({f"{c['attention']} {c['mode']}" for _, c in cells if c["status"] == "not run"})
+    if not_run:
+        ours.append(f"not run (time budget): {', '.join(not_run)}")
+    return "; ".join(ours + [layer_peaks()]), "; ".join(verdict)
+
+
+def layer_peaks() -> str:
+    """The attention layer alone at the sweep's largest clip: fwd+bwd peak HBM of fused DSA and Swin."""
     s = load("attention", "h200_sweep")
     if not s:
-        return "not measured", "-"
+        return "attention layer alone not measured"
     sweep = s["tables"]["sweep"]
     big = {r["variant"]: r for r in sweep if r["tokens"] == max(x["tokens"] for x in sweep)}
-    at = {r["variant"]: r for r in s["tables"]["target"]}
-    f, w, fd, d = big["dsa_fused"], big["swin2x4x4"], at["dsa_fused"], at["dense"]
-    return (f"attention layer only, 128 latent frames of 1080p ({f['tokens'] / 1e6:.2f} M tokens), fwd+bwd peak: "
-            f"DSA fused {f['peak_gb']:.1f} GB, Swin {w['peak_gb']:.1f} GB; dense flash was not run past "
-            f"{d['tokens'] / 1e3:.0f}K (time, not memory, is its wall) ({link('attention', 'h200_sweep')})",
-            f"whole-model 256-frame training not run; at {d['tokens'] / 1e3:.0f}K tokens fused DSA's layer peaks "
-            f"{'above' if fd['peak_gb'] > d['peak_gb'] else 'below'} dense flash's ({fd['peak_gb']:.1f} vs "
-            f"{d['peak_gb']:.1f} GB)")
+    d = {r["variant"]: r for r in s["tables"]["target"]}["dense"]
+    f, w = big["dsa_fused"], big["swin2x4x4"]
+    return (f"attention layer alone at {f['tokens'] / 1e6:.2f} M tokens, fwd+bwd peak: DSA fused {f['peak_gb']:.1f} GB, "
+            f"Swin {w['peak_gb']:.1f} GB; dense flash not run past {d['tokens'] / 1e3:.0f}K tokens (time, not memory, "
+            f"is its wall) ({link('attention', 'h200_sweep')})")
 
 
 def c4():
