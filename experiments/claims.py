@@ -72,9 +72,10 @@ def c2():
     dense = sorted({(r["tokens"], r["ms"]) for r in s["tables"]["sweep"] + s["tables"]["target"]
                     if r["variant"] == "dense" and r["status"] == "ok"})
     n, ms = dense[-1]
-    n2m = 256 * 68 * 120
     slope = _loglog_slope(dense)
-    return (f"256 frames of 1080p latents (8x VAE, patch 2, no temporal compression) = {n2m / 1e6:.2f} M tokens. "
+    grid = next((r["config"] for _, r in oom_results()), {"height": 136, "width": 240})
+    n2m = math.prod(DIT_PRESETS["1B"].token_grid(TARGET_FRAMES, grid["height"], grid["width"]))
+    return (f"256 frames of 1080p latents (8x spatial VAE, patch 2): {clip_tokens(TARGET_FRAMES, grid, '1B')}. "
             f"Dense flash fwd+bwd of one 16x64-head layer: {ms:.0f} ms at {n / 1e3:.0f}K tokens "
             f"({link('attention', 'h200_sweep')}); x(N ratio)^2 extrapolates to {ms * (n2m / n) ** 2 / 1e3:.0f} s "
             f"at {n2m / 1e6:.2f} M (extrapolated, not run)",
@@ -206,7 +207,70 @@ def layer_peaks() -> str:
             f"is its wall) ({link('attention', 'h200_sweep')})")
 
 
+PAPER_STEP_S, PAPER_PARAMS = 3.1, 105e9   # C4 as the paper states it: 3.1 s per step of its 105B model
+HOST_CORES = 16                             # the CPU the CPU AdamW floor is scaled to
+
+
+def pcie_rates() -> list[tuple[str, float, float]]:
+    """(file, H2D GB/s, D2H GB/s) of every GPU result that measured PCIe (`ceilings.pcie`)."""
+    found = []
+    for f in sorted(RESULTS_DIR.glob("*/*.json")):
+        pcie = (json.loads(f.read_text()).get("ceilings") or {}).get("pcie")
+        if pcie:
+            found.append((f"{f.parent.name}/{f.stem}", pcie["h2d_GBps"], pcie["d2h_GBps"]))
+    return found
+
+
+def adam_rate(result: dict, workload: str = "bf16 grad + bf16 out") -> tuple[float, int, int]:
+    """Our CPU AdamW's rate (params/s) on `workload` (the engine's pass: bf16 grads in, bf16 weights out)
+    at the largest size measured: (rate, params it was measured at, threads)."""
+    rows = [r for r in result["results"] if r["variant"] == "megaslide" and r["workload"] == workload]
+    top = max(rows, key=lambda r: r["params"])
+    return top["gparams_per_s"] * 1e9, top["params"], result["threads"]
+
+
+def step_floors(params: float, rates: list[tuple[str, float, float]], adam: tuple[float, int, int]) -> dict:
+    """Lower bounds on one offloaded training step of `params` parameters: bf16 weights H2D twice (forward and
+    the backward's re-stream) and bf16 gradients D2H once. Both directions overlap, so PCIe needs
+    max(H2D, D2H) bytes / rate (serially their sum); CPU AdamW needs params / rate, scaled to HOST_CORES."""
+    h2d, d2h = 2 * 2 * params, 2 * params
+    overlapped = [max(h2d / (up * 1e9), d2h / (down * 1e9)) for _, up, down in rates]
+    serial = [h2d / (up * 1e9) + d2h / (down * 1e9) for _, up, down in rates]
+    rate, _, threads = adam
+    return {"h2d_GB": h2d / 1e9, "d2h_GB": d2h / 1e9, "pcie_s": (min(overlapped), max(overlapped)),
+            "pcie_serial_s": (min(serial), max(serial)), "adam_s": params / (rate * HOST_CORES / threads)}
+
+
+def physics_105b() -> tuple[str, str] | None:
+    """C1/C4: the paper's 105B step time against the floors at our measured PCIe and CPU AdamW rates."""
+    rates, adam = pcie_rates(), load("cpu_adam", "h200")
+    if not rates or not adam:
+        return None
+    rate, size, threads = adam_rate(adam)
+    f = step_floors(PAPER_PARAMS, rates, (rate, size, threads))
+    lo, hi = f["pcie_s"]
+    ups, downs = [u for _, u, _ in rates], [d for _, _, d in rates]
+    scaled = "" if threads == HOST_CORES else f", scaled from {threads} threads to {HOST_CORES} cores"
+    floor = max(lo, f["adam_s"])
+    text = (f"floor of one step of the paper's {PAPER_PARAMS / 1e9:.0f}B model (computed, not run): bf16 weights H2D "
+            f"twice ({f['h2d_GB']:.0f} GB) and bf16 grads D2H once ({f['d2h_GB']:.0f} GB) at the measured PCIe "
+            f"{min(ups):.1f}-{max(ups):.1f} GB/s H2D, {min(downs):.1f}-{max(downs):.1f} GB/s D2H ({len(rates)} H200 "
+            f"results' `ceilings.pcie`) need >= {lo:.1f}-{hi:.1f} s with both directions overlapped "
+            f"({f['pcie_serial_s'][0]:.1f}-{f['pcie_serial_s'][1]:.1f} s serially); CPU AdamW at the measured "
+            f"{rate / 1e9:.2f} G params/s (bf16 grad + bf16 out, {size / 1e6:.0f}M params, {threads} threads"
+            f"{scaled}; {link('cpu_adam', 'h200')}) needs >= {f['adam_s']:.1f} s")
+    word = "below our floor" if PAPER_STEP_S < floor else "above our floor"
+    return text, (f"the paper's {PAPER_STEP_S} s/step at {PAPER_PARAMS / 1e9:.0f}B is {word} of {floor:.1f} s "
+                  f"(rule: compared with max(PCIe floor, CPU AdamW floor))")
+
+
 def c4():
+    ours, verdict = mfu_c4()
+    physics = physics_105b()
+    return (ours, verdict) if physics is None else (f"{ours}; {physics[0]}", f"{verdict}; {physics[1]}")
+
+
+def mfu_c4():
     m = load("mfu_overlap", "h200_7Bwidth_d20")
     if not m:
         return "not measured", "-"
@@ -231,6 +295,38 @@ def c4():
             f"{word}: MFU {100 * peak:.1f}% (measured peak) / {100 * sheet:.1f}% (datasheet) vs "
             f"{100 * PAPER_MFU:.0f}%; overlap gain {gain:.2f}x vs {PAPER_MFU / PAPER_MFU_SERIAL:.2f}x"
             + ("" if spread else f" (from {timed} timed steps, no spread)"))
+
+
+SCALING_COMMAND = "python -m experiments.scaling"
+
+
+def c9():
+    """C9 from the planner-only scaling result (plan_only): predicted, never measured."""
+    found = [(f.stem, json.loads(f.read_text())) for f in sorted((RESULTS_DIR / "scaling").glob("*.json"))]
+    plans = [(n, r) for n, r in found if r.get("plan_only")]
+    if not plans:
+        return f"not measured: no scaling result; run `{SCALING_COMMAND}` on a GPU", "not measured"
+    name, plan = plans[-1]
+    return predicted_scaling(name, plan)
+
+
+def predicted_scaling(name: str, plan: dict) -> tuple[str, str]:
+    """C9's cell from a plan_only scaling result: per preset the planner's peak HBM against the full HBM and the
+    cap, whether host RAM holds it, and the streamed forward's predicted overlap-vs-serial speedup."""
+    c, rows = plan["config"], plan["tables"]["presets"]
+    per = "; ".join(f"{r['preset']} ({r['params_B']:.1f} B): {r['predicted_peak_GB']:.0f} GB HBM, fits "
+                    f"{c['cap_GB']:.0f} GB {'yes' if r['predicted_fits_cap'] else 'no'}, host "
+                    f"{r['predicted_host_GB']:.0f} GB ({'held' if r['host_holds_it'] else 'not held'}), forward "
+                    f"{r['predicted_forward_speedup']:.2f}x" for r in rows)
+    both = [r for r in rows if r["predicted_fits_cap"] and r["host_holds_it"]]
+    largest = max(both, key=lambda r: r["params_B"], default=None)
+    return (f"planner only, nothing run ({link('scaling', name)}; {c['frames']}x{c['height']}x{c['width']} latents, "
+            f"{c['attention']}; budgets {c['hbm_budget_GB']} GB HBM, {c['host_budget_GB']:.0f} GB host, "
+            f"{c['cap_GB']:.0f} GB cap; forward speedup at the planner's default ceilings): {per}",
+            f"predicted, not measured: the largest preset that fits the {c['cap_GB']:.0f} GB cap and "
+            f"{c['host_budget_GB']:.0f} GB host RAM is "
+            + (f"{largest['preset']} ({largest['params_B']:.1f} B)" if largest else "none")
+            + f"; GPU run: `{SCALING_COMMAND}`")
 
 
 def c5():
@@ -611,8 +707,7 @@ CLAIMS = {
         Claim("C6", "64 frames: alignment 0.81 vs dense 0.82; consistency 0.85 vs 0.87", QUALITY_CLAIMS["C6"].judge),
         Claim("C7", "256 frames: consistency 0.83 vs Swin 0.65", QUALITY_CLAIMS["C7"].judge),
         Claim("C8", "zero offsets: consistency 0.83 -> 0.67", QUALITY_CLAIMS["C8"].judge),
-        Claim("C9", "H100 NVL, up to 33.3B: async streaming 2.11x forward at 28.4B",
-              lambda: ("not measured: no H100 NVL; our overlap-vs-serial step ratio is in C4", "not measured")),
+        Claim("C9", "H100 NVL, up to 33.3B: async streaming 2.11x forward at 28.4B", c9),
     ],
     "Causal-RoPE SP": [
         Claim("S1", "SP over 8 GPUs with RoPE positions computed locally", lambda: (
