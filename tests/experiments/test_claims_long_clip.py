@@ -1,0 +1,90 @@
+"""claims.py's long-clip and scaling claims (C3, C4's 105B floor, C9) on synthetic result files."""
+import pytest
+
+import experiments.claims as claims
+from experiments.results_io import write_result
+
+H200 = {"cpu": "x", "gpus": ["NVIDIA H200"]}
+GRID = {"height": 136, "width": 240}
+
+
+def _cell(attention, mode, frames, status="fits", measured=None, predicted=None, **kw):
+    return {"model": "1B", "attention": attention, "mode": mode, "frames": frames, "tokens": frames * 68 * 120,
+            "status": status, "measured_peak_GB": measured, "predicted_peak_GB": predicted, "step_s": 10.0,
+            "timed_steps": 1, **kw}
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(claims, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(claims, "load", lambda e, n: None)
+    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
+    return tmp_path
+
+
+def test_clip_tokens_states_both_counts_from_the_grid():
+    text = claims.clip_tokens(256, GRID, "1B")
+    assert "256 frames x 68 x 120 = 2,088,960 tokens" in text and "64 latent frames = 522,240" in text
+
+
+def test_most_frames_fitting_ignores_ooms_and_other_modes():
+    cells = [("a", _cell("dsa", "offload", 32)), ("a", _cell("dsa", "offload", 128, status="OOM")),
+             ("b", _cell("dsa", "offload", 8)), ("b", _cell("swin", "offload", 16))]
+    assert claims.most_frames_fitting(cells) == {("1B", "dsa", "offload"): 32, ("1B", "swin", "offload"): 16}
+
+
+def test_planner_error_takes_the_worst_fitting_cell_and_the_rule_is_ten_percent():
+    cells = [("a", _cell("dsa", "offload", 8, measured=10.0, predicted=10.5)),
+             ("a", _cell("swin", "offload", 8, measured=10.0, predicted=8.8)),
+             ("a", _cell("swin", "offload", 64, status="OOM", measured=None, predicted=300.0))]
+    err, cell = claims.planner_error(cells, lambda c: c["predicted_peak_GB"])
+    assert err == pytest.approx(0.12) and cell["attention"] == "swin"
+    assert claims.accuracy_word(err) == "not met" and claims.accuracy_word(0.10) == "met"
+    assert claims.planner_error(cells, lambda c: None) is None
+
+
+def test_c3_reads_measured_cells_and_says_256_frames_not_met(results):
+    write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
+        _cell("dsa", "chunked_offload", 128, measured=100.0, predicted=98.0),
+        _cell("dsa", "offload", 128, status="OOM", phase="plan: backward")]}}, results_dir=results)
+    write_result("oom_thresholds", "plan", {"config": GRID, "plan_only": True, "tables": {"cells": [
+        _cell("dsa", "chunked_offload", 128, status="fits (predicted)", predicted=99.0, budget_GB=146.8),
+        _cell("dsa", "chunked_offload", 256, status="OOM", predicted=215.0, predicted_phase="backward",
+              budget_GB=146.8)]}}, results_dir=results)
+    ours, verdict = claims.c3()
+    assert "1B dsa chunked_offload: 128" in ours and "1,044,480 tokens" in ours and "100.0 GB measured" in ours
+    assert "215 GB peak HBM in the backward" in ours and "146.8 GB budget" in ours and "522,240" in ours
+    assert "256-frame target (1B at 256 frames) not met" in verdict and "most for 1B is 128" in verdict
+    assert "recorded by the runs: met (worst |predicted/measured - 1| = 2%" in verdict
+    assert "today's planner (plan.json) on the same cells: met (worst |predicted/measured - 1| = 1%" in verdict
+    assert "supported" not in verdict
+
+
+def test_step_floor_overlaps_directions_and_scales_adam_to_the_host_cores():
+    f = claims.step_floors(1e9, [("x", 50.0, 25.0)], (1e9, 1, 8))
+    assert f["h2d_GB"] == 4 and f["d2h_GB"] == 2
+    assert f["pcie_s"] == (pytest.approx(0.08), pytest.approx(0.08))       # max(4 GB / 50, 2 GB / 25)
+    assert f["pcie_serial_s"][0] == pytest.approx(0.16)
+    assert f["adam_s"] == pytest.approx(1e9 / (1e9 * claims.HOST_CORES / 8))
+
+
+def test_adam_rate_takes_the_engine_workload_at_the_largest_size():
+    result = {"threads": 16, "results": [
+        {"variant": "megaslide", "workload": "bf16 grad + bf16 out", "params": 10, "gparams_per_s": 5.0},
+        {"variant": "megaslide", "workload": "bf16 grad + bf16 out", "params": 20, "gparams_per_s": 4.0},
+        {"variant": "torch-fused", "workload": "bf16 grad + bf16 out", "params": 40, "gparams_per_s": 9.0},
+        {"variant": "megaslide", "workload": "fp32 grad", "params": 40, "gparams_per_s": 9.0}]}
+    assert claims.adam_rate(result) == (4e9, 20, 16)
+
+
+def test_c9_is_predicted_from_a_plan_only_result_and_not_measured_without_one(results):
+    assert claims.c9()[1] == "not measured" and "python -m experiments.scaling" in claims.c9()[0]
+    rows = [{"preset": p, "params_B": b, "predicted_peak_GB": hbm, "predicted_fits_cap": hbm < 94,
+             "predicted_host_GB": host, "host_holds_it": host < 125, "predicted_forward_speedup": 1.8}
+            for p, b, hbm, host in (("1B", 1.0, 6, 19), ("7B", 7.2, 16, 116), ("33B", 34.5, 43, 538))]
+    write_result("scaling", "h200_predicted", {"plan_only": True, "config": {
+        "frames": 8, "height": 64, "width": 128, "attention": "dsa", "hbm_budget_GB": 146.8, "host_budget_GB": 125.0,
+        "cap_GB": 94.0}, "tables": {"presets": rows}}, results_dir=results)
+    ours, verdict = claims.c9()
+    assert verdict.startswith("predicted, not measured") and "is 7B (7.2 B)" in verdict
+    assert "33B (34.5 B): 43 GB HBM, fits 94 GB yes, host 538 GB (not held)" in ours
