@@ -87,8 +87,9 @@ def corner_weights(factors: torch.Tensor, bits=BITS, skip: int | None = None) ->
     """(len(bits), M): per corner the product over the axes (but `skip`) of its factor, from the
     per-axis factors (3, 2, M). All axes: the trilinear weights; all but one, on that axis'
     lower face: the derivative of the trilinear weights along it (up to sign)."""
-    return torch.stack([math.prod(factors[axis, bit] for axis, bit in enumerate(corner) if axis != skip)
-                        for corner in bits])  # (n, M)
+    t, y, x = (torch.ones_like(f) if axis == skip else f for axis, f in enumerate(factors))  # (2, M) each
+    every = (t[:, None, None] * y[None, :, None] * x[None, None, :]).reshape(8, -1)  # (8, M), BITS order
+    return every if bits == BITS else every[[BITS.index(corner) for corner in bits]]
 
 
 def pad_replicate(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from megaslide.attention.dsa.gather import deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
+from megaslide.attention.dsa.scores import MAX_SCORES, deformable_slide_attention_scores, score_elements
 from megaslide.backends import Backend, triton_device_check, triton_interpreted
 from megaslide.backends import select_backend as choose_backend
 
@@ -93,6 +94,19 @@ def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) ->
     return True, "pure PyTorch, any device and dtype"
 
 
+def can_run_scores(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
+    """The score-matrix backend runs on any device and floating dtype while its O(B * heads * N^2)
+    matrices stay small; "auto" takes it only where it beats the gathers: while a query's row
+    of N' padded scores is at most twice its 8 K corner reads."""
+    B, T, H, W, heads, _ = q.shape
+    size, padded, reads = score_elements(q), (T + 1) * (H + 1) * (W + 1), 8 * offsets.shape[-2]
+    if size > MAX_SCORES:
+        return False, f"score matrices of B * heads * N * N' = {size} elements exceed {MAX_SCORES}"
+    if not explicit and padded > 2 * reads:
+        return False, f"N' = {padded} padded tokens per row > 2 x {reads} corner reads: the gathers are faster"
+    return True, f"score matrices of {size} elements"
+
+
 def can_run_gather(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     """The gather backend runs on any device and floating dtype; "auto" takes it where the
     fused kernels cannot run (CPU)."""
@@ -118,6 +132,7 @@ def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tu
 
 BACKENDS: tuple[Backend, ...] = (
     Backend("triton", can_run_triton, _DSATritonFunction.apply),
+    Backend("scores", can_run_scores, deformable_slide_attention_scores),
     Backend("gather", can_run_gather, deformable_slide_attention_gather),
     Backend("reference", can_run_reference, deformable_slide_attention_reference),
 )

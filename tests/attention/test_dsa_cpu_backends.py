@@ -1,6 +1,7 @@
-"""The gather backend of 3D-DSA against the float64 reference: output and the gradients of
+"""The PyTorch backends of 3D-DSA beside the reference (gather: weighted row gathers; scores:
+score matrices, for small grids) against the float64 reference: output and the gradients of
 q, k, v and offsets, odd grids, far (clamped), integer and zero offsets, several kernel
-sizes, float64 gradcheck, and the half-precision error rule of test_dsa_triton.py."""
+sizes, float64 gradcheck, and the low-precision error rule of test_dsa_triton.py."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,11 @@ from tests.attention.test_dsa_op import random_inputs, smooth_offsets
 F64 = torch.float64
 
 
+@pytest.fixture(params=["gather", "scores"])
+def backend(request):
+    return request.param
+
+
 def output_and_grads(backend, q, k, v, offsets, kernel_size, grad_out, offsets_grad=True):
     """[out, dq, dk, dv(, doffsets)] of one backend on fresh leaves."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -21,10 +27,10 @@ def output_and_grads(backend, q, k, v, offsets, kernel_size, grad_out, offsets_g
     return [out.detach(), *grads]
 
 
-def assert_gather_equals_reference(q, k, v, offsets, kernel_size, offsets_grad=True):
+def assert_equals_reference(backend, q, k, v, offsets, kernel_size, offsets_grad=True):
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=q.dtype)
     want = output_and_grads("reference", q, k, v, offsets, kernel_size, grad_out, offsets_grad)
-    got = output_and_grads("gather", q, k, v, offsets, kernel_size, grad_out, offsets_grad)
+    got = output_and_grads(backend, q, k, v, offsets, kernel_size, grad_out, offsets_grad)
     for name, g, w in zip(["out", "dq", "dk", "dv", "doffsets"], got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
@@ -37,25 +43,25 @@ def assert_gather_equals_reference(q, k, v, offsets, kernel_size, offsets_grad=T
     ((2, 5, 5, 5, 1, 3), (5, 5, 5)),   # the window covers the whole grid
     ((1, 3, 4, 5, 1, 5), (1, 1, 1)),
 ])
-def test_matches_reference_float64(shape, kernel_size):
+def test_matches_reference_float64(backend, shape, kernel_size):
     q, k, v, offsets = random_inputs(shape, kernel_size, offset_std=2.0, seed=11)
-    assert_gather_equals_reference(q, k, v, offsets, kernel_size)
+    assert_equals_reference(backend, q, k, v, offsets, kernel_size)
 
 
-def test_far_offsets_are_clamped():
+def test_far_offsets_are_clamped(backend):
     shape, kernel_size = (2, 3, 4, 5, 2, 4), (3, 3, 3)
     q, k, v, offsets = random_inputs(shape, kernel_size, offset_std=2.0, seed=12)
     far = torch.rand(offsets.shape, generator=torch.Generator().manual_seed(13), dtype=F64) < 0.3
     offsets = torch.where(far, offsets.sign() * (10 + 5 * offsets.abs()), offsets)
-    assert_gather_equals_reference(q, k, v, offsets, kernel_size)
+    assert_equals_reference(backend, q, k, v, offsets, kernel_size)
 
 
 @pytest.mark.parametrize("integer", ["zero", "all axes", "t only"])
-def test_integer_positions_and_grid_borders(integer):
+def test_integer_positions_and_grid_borders(backend, integer):
     """Zero or integer offsets put samples exactly on tokens and on the last index of an axis,
     where the trilinear weights have a kink: the gradient must follow the reference's
     convention there (the upper neighbour, clamped to the last index, is the lower one). Along
-    an axis of integer positions only, the gather backend skips the upper corners."""
+    an axis of integer positions only, the backends skip the upper corners."""
     shape, kernel_size = (2, 3, 4, 5, 2, 4), (3, 3, 3)
     q, k, v, offsets = random_inputs(shape, kernel_size, seed=14)
     if integer == "zero":
@@ -64,26 +70,26 @@ def test_integer_positions_and_grid_borders(integer):
         offsets = torch.round(offsets * 2)
     else:
         offsets[..., 0] = torch.round(offsets[..., 0] * 2)
-    assert_gather_equals_reference(q, k, v, offsets, kernel_size)
+    assert_equals_reference(backend, q, k, v, offsets, kernel_size)
 
 
-def test_without_offset_gradient():
+def test_without_offset_gradient(backend):
     shape, kernel_size = (1, 3, 5, 4, 2, 4), (3, 3, 3)
     q, k, v, offsets = random_inputs(shape, kernel_size, seed=15)
-    assert_gather_equals_reference(q, k, v, offsets, kernel_size, offsets_grad=False)
+    assert_equals_reference(backend, q, k, v, offsets, kernel_size, offsets_grad=False)
 
 
 @pytest.mark.parametrize("shape,kernel_size,fast", [
     ((1, 1, 3, 3, 1, 2), (1, 3, 3), False),  # full Jacobians
     ((2, 3, 3, 4, 2, 2), (3, 3, 3), True),   # random projections of the Jacobians
 ])
-def test_gradcheck(shape, kernel_size, fast):
+def test_gradcheck(backend, shape, kernel_size, fast):
     q, k, v, _ = random_inputs(shape, kernel_size, seed=16)
     offsets = smooth_offsets(shape, kernel_size, seed=17)
     inputs = [x.requires_grad_() for x in (q, k, v, offsets)]
 
     def fn(q, k, v, offsets):
-        return deformable_slide_attention(q, k, v, offsets, kernel_size, backend="gather")
+        return deformable_slide_attention(q, k, v, offsets, kernel_size, backend=backend)
 
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, fast_mode=fast)
 
@@ -93,9 +99,9 @@ def test_gradcheck(shape, kernel_size, fast):
     (torch.bfloat16, torch.float32),  # as the DSA module calls it: bf16 activations, fp32 offsets
     (torch.float16, torch.float16),
 ])
-def test_low_precision_error_within_twice_the_reference(dtype, offsets_dtype):
-    """With the inputs rounded to dtype and the float64 reference as truth, the gather
-    backend's error is at most 2x the same-dtype reference's, plus 2 eps of the value."""
+def test_low_precision_error_within_twice_the_reference(backend, dtype, offsets_dtype):
+    """With the inputs rounded to dtype and the float64 reference as truth, the backend's
+    error is at most 2x the same-dtype reference's, plus 2 eps of the value."""
     shape, kernel_size = (2, 3, 5, 6, 2, 16), (3, 3, 3)
     q, k, v, offsets = random_inputs(shape, kernel_size, offset_std=2.0, seed=18)
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -103,11 +109,11 @@ def test_low_precision_error_within_twice_the_reference(dtype, offsets_dtype):
     grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(19), dtype=F64).to(dtype)
     truth = output_and_grads("reference", *(x.to(F64) for x in (q, k, v, offsets)), kernel_size, grad_out.to(F64))
     same_dtype = output_and_grads("reference", q, k, v, offsets, kernel_size, grad_out)
-    gather = output_and_grads("gather", q, k, v, offsets, kernel_size, grad_out)
-    for name, want, ref, got in zip(["out", "dq", "dk", "dv", "doffsets"], truth, same_dtype, gather):
+    tested = output_and_grads(backend, q, k, v, offsets, kernel_size, grad_out)
+    for name, want, ref, got in zip(["out", "dq", "dk", "dv", "doffsets"], truth, same_dtype, tested):
         assert got.dtype == ref.dtype and got.shape == ref.shape, name
-        err_gather = (got.to(F64) - want).abs().max().item()
+        err = (got.to(F64) - want).abs().max().item()
         err_ref = (ref.to(F64) - want).abs().max().item()
         floor = 2 * torch.finfo(got.dtype).eps * max(1.0, want.abs().max().item())
-        assert err_gather <= 2 * err_ref + floor, f"{name}: gather {err_gather:.3e} vs reference {err_ref:.3e}"
+        assert err <= 2 * err_ref + floor, f"{name}: {backend} {err:.3e} vs reference {err_ref:.3e}"
 
