@@ -49,4 +49,4 @@ def test_claims_table_from_results(tmp_path):
         assert verdicts[claim].split(":")[0] in ("supported", "inconclusive", "contradicted", "open")
     assert "1.0 on ideal videos" not in text and "scorer v" in text
     rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
-    assert "dense flash" in rows["C3"] and "timed steps" in verdicts["C4"] + text  # C3 states the layer peaks
+    assert "fused DSA peaks above dense flash" in rows["C3"] and "timed steps" in verdicts["C4"] + text  # C3 states the layer peaks
