@@ -201,9 +201,10 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         offsets: (B, T, H, W, heads, K, 3), floating, last axis (dt, dy, dx).
         kernel_size: (kt, kh, kw) (or one int for all three), odd and <= (T, H, W).
         scale: softmax scale; d ** -0.5 when None.
-        backend: "auto" (triton on CUDA, else gather), "triton", "gather" (PyTorch
-            gathers with a hand-written backward, the CPU path) or "reference" (readable,
-            slow: the judge the others are tested against).
+        backend: "auto" (triton on CUDA; else scores on small grids, gather beyond),
+            "triton", "scores" (per-(batch, head) score matrices), "gather" (weighted row
+            gathers; both with a hand-written backward) or "reference" (readable, slow: the
+            judge the others are tested against).
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
