@@ -104,7 +104,7 @@ class DSAScoresFunction(torch.autograd.Function):
             # position moves weight from the lower to the upper corner, in proportion to the other
             # axes' weights: d pos = sum over the lower face of (upper - lower) x those weights
             d_weight = d_scores[..., None] * s_at.view(-1, K, n) + attn[..., None] * dp_at
-            d_weight = d_weight.to(factors.dtype).reshape(-1, 8).t().reshape(2, 2, 2, -1)  # (2, 2, 2, M) (t, y, x)
+            d_weight = d_weight.to(factors.dtype).reshape(-1, 8).t().contiguous().view(2, 2, 2, -1)  # (2, 2, 2, M)
             t, y, x = factors  # (2, M) each
             d_pos = torch.stack([((d_weight[1] - d_weight[0]) * (y[:, None] * x[None])).sum((0, 1)),
                                  ((d_weight[:, 1] - d_weight[:, 0]) * (t[:, None] * x[None])).sum((0, 1)),
