@@ -4,7 +4,6 @@ import pytest
 import experiments.claims as claims
 from experiments.results_io import write_result
 
-H200 = {"cpu": "x", "gpus": ["NVIDIA H200"]}
 GRID = {"height": 136, "width": 240}
 
 
@@ -12,14 +11,6 @@ def _cell(attention, mode, frames, status="fits", measured=None, predicted=None,
     return {"model": "1B", "attention": attention, "mode": mode, "frames": frames, "tokens": frames * 68 * 120,
             "status": status, "measured_peak_GB": measured, "predicted_peak_GB": predicted, "step_s": 10.0,
             "timed_steps": 1, **kw}
-
-
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    monkeypatch.setattr(claims, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(claims, "load", lambda e, n: None)
-    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
-    return tmp_path
 
 
 def test_clip_tokens_states_both_counts_from_the_grid():

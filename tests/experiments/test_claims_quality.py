@@ -7,7 +7,6 @@ import pytest
 import experiments.claims as claims
 from experiments.results_io import write_result
 
-H200 = {"cpu": "x", "gpus": ["NVIDIA H200"]}
 SE = 0.01   # recorded sampling error of every synthetic score
 
 
@@ -35,14 +34,6 @@ def _write(tmp_path, name: str, steps: int, seeds: list[int], per_seed: list[dic
 def _seeds(scores_per_seed: list[dict], frames: int = 16, **kw) -> list[dict]:
     rows = [r for seed, scores in enumerate(scores_per_seed) for r in _rows(seed, scores, frames, **kw)]
     return [r for r in rows if r["variant"] != "ground_truth"] + [r for r in rows if r["variant"] == "ground_truth"][:1]
-
-
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    monkeypatch.setattr(claims, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(claims, "load", lambda e, n: None)
-    monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
-    return tmp_path
 
 
 def _verdict(claim_id: str) -> str:
