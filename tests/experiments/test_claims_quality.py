@@ -7,6 +7,8 @@ import pytest
 import experiments.claims as claims
 from experiments.results_io import write_result
 
+H200 = {"cpu": "x", "gpus": ["NVIDIA H200"]}
+
 SE = 0.01   # recorded sampling error of every synthetic score
 
 
