@@ -366,11 +366,13 @@ def check_fits(plan: OffloadPlan, *, host_available: int, hbm_available: int | N
         others = plan.host_total - arenas - HOST_RESERVE_BYTES   # what the host holds besides arenas and reserve
         depth = largest_depth(plan.cfg, host_budget=host_available - others, param_dtype=plan.param_dtype,
                               pin_optimizer_state=False)
+        fix = (f"Use at most model.depth={depth} at this width, a smaller preset, a shorter clip (parked block "
+               f"inputs grow with it), or a machine with more RAM" if depth > 0 else
+               f"Not even one block of this width (model.dim={plan.cfg.dim}) fits: use a smaller preset or "
+               f"model.dim, a shorter clip (parked block inputs grow with it), or a machine with more RAM")
         raise ValueError(f"the model does not fit host RAM: it needs {plan.host_total / GB:.1f} GB ({items}; "
                          f"{plan.params / 1e9:.2f} B params, {plan.tokens} tokens per step) but "
-                         f"{host_available / GB:.1f} GB is available (MemAvailable). Use at most model.depth={depth} "
-                         f"at this width, a smaller preset, a shorter clip (parked block inputs grow with it), or "
-                         f"a machine with more RAM")
+                         f"{host_available / GB:.1f} GB is available (MemAvailable). {fix}")
     if hbm_available is not None and plan.hbm_total > usable_hbm(hbm_available):
         items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.hbm.items())
         raise ValueError(f"the step does not fit device memory: its {plan.peak_phase} needs "

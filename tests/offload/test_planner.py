@@ -93,6 +93,17 @@ def test_host_ram_error_gives_the_numbers_and_a_depth_that_fits():
         check_fits(bigger, host_available=available, hbm_available=None)   # and it is the largest
 
 
+def test_host_ram_error_when_not_one_block_fits_names_a_smaller_width_not_depth_0():
+    cfg = DIT_PRESETS["105B"]
+    plan = plan_offload(cfg, batch=1, grid=(4, 8, 8), param_dtype=torch.bfloat16)
+    available = int(5 * GB)                # less than one block's host state at dim 12288
+    assert largest_depth(cfg, host_budget=available, param_dtype=torch.bfloat16, pin_optimizer_state=False) == 0
+    with pytest.raises(ValueError, match=r"Not even one block of this width \(model.dim=12288\) fits: use a "
+                                         r"smaller preset or model.dim.*more RAM") as err:
+        check_fits(plan, host_available=available, hbm_available=None)
+    assert "model.depth=" not in str(err.value)
+
+
 def test_hbm_error_names_the_items():
     plan = plan_offload(DIT_PRESETS["7B"], batch=4, grid=(16, 64, 64), param_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"does not fit device memory.*saved block inputs.*fewer tokens"):
