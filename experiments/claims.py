@@ -1,9 +1,10 @@
 """Generate results/README.md: every claim of the three papers beside our own figure.
 
-    python experiments/claims.py
+    python experiments/claims.py                                    # the repository's results/
+    python experiments/claims.py --results runs/ablate_offsets/results   # your own runs' results folder
 
 The paper's figures are quoted as the papers state them (shared PAPERS.md); every figure
-of ours is read from a result JSON under results/ (its file is linked) or computed here
+of ours is read from a result JSON under the results folder (its file is linked) or computed here
 analytically and said to be so. Every verdict is computed from the data by a rule stated
 here, or the cell states a fact without a verdict word; a claim we could not measure says why.
 """
@@ -20,6 +21,7 @@ from typing import Callable
 import yaml
 
 from experiments.quality_protocol import aggregate
+from experiments.report import result_files
 from experiments.results_io import RESULTS_DIR, dirty_note, is_partial
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import DIT_PRESETS, count_params
@@ -30,28 +32,29 @@ QUADRATIC_SLOPE = 1.8   # C2: a log-log slope of dense time over tokens at least
 MIN_TIMED_STEPS = 5     # fewer timed steps give no median and spread (experiments/harness.py)
 
 
-def load(experiment: str, name: str) -> dict | None:
-    path = RESULTS_DIR / experiment / f"{name}.json"
+def load(results_dir: Path, experiment: str, name: str) -> dict | None:
+    """`<results_dir>/<experiment>/<name>.json` read, or None if it does not exist."""
+    path = results_dir / experiment / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def link(experiment: str, name: str) -> str:
+def link(results_dir: Path, experiment: str, name: str) -> str:
     """A result file's link, marked when the result ran on a dirty tree."""
-    return f"[{experiment}/{name}.json]({experiment}/{name}.json){dirty_note(load(experiment, name) or {})}"
+    return f"[{experiment}/{name}.json]({experiment}/{name}.json){dirty_note(load(results_dir, experiment, name) or {})}"
 
 
 @dataclass
 class Claim:
     id: str
     paper: str
-    ours: Callable[[], tuple[str, str]]   # -> (our figure with its source, verdict)
+    ours: Callable[[Path], tuple[str, str]]   # results folder -> (our figure with its source, verdict)
 
 
 def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,} tokens"
 
 
-def c1():
+def c1(results_dir: Path):
     n = count_params(DIT_PRESETS["105B"])
     total, moments = 14 * n, 8 * n
     return (f"analytic: our `105B` preset has {n / 1e9:.1f} B params; 14 B/param = {total / TB:.2f} TB, "
@@ -65,20 +68,20 @@ def _loglog_slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def c2():
-    s = load("attention", "h200_sweep")
+def c2(results_dir: Path):
+    s = load(results_dir, "attention", "h200_sweep")
     if not s:
         return "not measured", "-"
     dense = sorted({(r["tokens"], r["ms"]) for r in s["tables"]["sweep"] + s["tables"]["target"]
                     if r["variant"] == "dense" and r["status"] == "ok"})
     n, ms = dense[-1]
     slope = _loglog_slope(dense)
-    grid = next((r["config"] for _, r in oom_results()), {"height": 136, "width": 240})
+    grid = next((r["config"] for _, r in oom_results(results_dir)), {"height": 136, "width": 240})
     n2m = math.prod(DIT_PRESETS["1B"].token_grid(TARGET_FRAMES, grid["height"], grid["width"]))
     return (f"256 frames of 1080p latents (8x spatial VAE, patch 2): {clip_tokens(TARGET_FRAMES, grid, '1B')}. "
             f"Dense flash fwd+bwd of one 16x64-head layer: {ms:.0f} ms at {n / 1e3:.0f}K tokens "
-            f"({link('attention', 'h200_sweep')}); x(N ratio)^2 extrapolates to {ms * (n2m / n) ** 2 / 1e3:.0f} s "
-            f"at {n2m / 1e6:.2f} M (extrapolated, not run)",
+            f"({link(results_dir, 'attention', 'h200_sweep')}); x(N ratio)^2 extrapolates to "
+            f"{ms * (n2m / n) ** 2 / 1e3:.0f} s at {n2m / 1e6:.2f} M (extrapolated, not run)",
             f"{'supported' if slope >= QUADRATIC_SLOPE else 'not supported'}: measured dense time grows as "
             f"N^{slope:.2f} over {dense[0][0] / 1e3:.0f}K-{n / 1e3:.0f}K tokens ({len(dense)} sizes)")
 
@@ -97,9 +100,14 @@ def clip_tokens(frames: int, config: dict, model: str) -> str:
             f"{compressed[0]} latent frames = {math.prod(compressed):,} with a {VAE_TEMPORAL}x temporal VAE")
 
 
-def oom_results() -> list[tuple[str, dict]]:
-    """The oom_thresholds results under results/, as (name, data): measured GPU runs and planner-only tables."""
-    return [(f.stem, json.loads(f.read_text())) for f in sorted((RESULTS_DIR / "oom_thresholds").glob("*.json"))]
+def read_results(results_dir: Path, experiment: str) -> list[tuple[str, dict]]:
+    """(name, data) of every result JSON of `experiment` in the results folder, by name."""
+    return [(f.stem, json.loads(f.read_text())) for f in result_files(experiment, results_dir)]
+
+
+def oom_results(results_dir: Path) -> list[tuple[str, dict]]:
+    """The oom_thresholds results, as (name, data): measured GPU runs and planner-only tables."""
+    return read_results(results_dir, "oom_thresholds")
 
 
 def measured_cells(results: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -148,14 +156,14 @@ def _error_text(found: tuple[float, dict] | None, whose: str, predicted: Callabl
             f"{predicted(c):.1f} vs {c['measured_peak_GB']:.1f} GB; target {100 * PLANNER_TARGET:.0f}%)")
 
 
-def c3():
-    results = oom_results()
+def c3(results_dir: Path):
+    results = oom_results(results_dir)
     cells = measured_cells(results)
     plans = [(n, r) for n, r in results if r.get("plan_only")]
     if not cells:
         return "not measured", "-"
     files = {n for n, _ in cells}
-    src = ", ".join(link("oom_thresholds", n) for n in sorted(files))
+    src = ", ".join(link(results_dir, "oom_thresholds", n) for n in sorted(files))
     most = most_frames_fitting(cells)
     fitting = "; ".join(f"{m} {a} {mode}: {f}" for (m, a, mode), f in sorted(most.items()))
     model, attention, mode = "1B", "dsa", "chunked_offload"
@@ -180,7 +188,7 @@ def c3():
             ours.append(f"{TARGET_FRAMES} frames ({clip_tokens(TARGET_FRAMES, plan['config'], model)}): the planner "
                         f"predicts {row['predicted_peak_GB']:.0f} GB peak HBM in the {row['predicted_phase']} for "
                         f"{model} {attention} {mode}, over the {row['budget_GB']:.1f} GB budget it assumed "
-                        f"(predicted, not run; {link('oom_thresholds', name)})")
+                        f"(predicted, not run; {link(results_dir, 'oom_thresholds', name)})")
 
         def replanned(c):
             r = plan_row(plan, c["model"], c["attention"], c["mode"], c["frames"])
@@ -190,12 +198,12 @@ def c3():
     not_run = sorted({f"{c['attention']} {c['mode']}" for _, c in cells if c["status"] == "not run"})
     if not_run:
         ours.append(f"not run (time budget): {', '.join(not_run)}")
-    return "; ".join(ours + [layer_peaks()]), "; ".join(verdict)
+    return "; ".join(ours + [layer_peaks(results_dir)]), "; ".join(verdict)
 
 
-def layer_peaks() -> str:
+def layer_peaks(results_dir: Path) -> str:
     """The attention layer alone at the sweep's largest clip: fwd+bwd peak HBM of fused DSA and Swin."""
-    s = load("attention", "h200_sweep")
+    s = load(results_dir, "attention", "h200_sweep")
     if not s:
         return "attention layer alone not measured"
     sweep = s["tables"]["sweep"]
@@ -207,17 +215,17 @@ def layer_peaks() -> str:
             f"Swin {w['peak_gb']:.1f} GB; at {d['tokens'] / 1e3:.0f}K tokens fused DSA peaks "
             f"{'above' if t['peak_gb'] > d['peak_gb'] else 'at or below'} dense flash ({t['peak_gb']:.1f} vs "
             f"{d['peak_gb']:.1f} GB); dense flash not run past {d['tokens'] / 1e3:.0f}K tokens (time, not memory, "
-            f"is its wall) ({link('attention', 'h200_sweep')})")
+            f"is its wall) ({link(results_dir, 'attention', 'h200_sweep')})")
 
 
 PAPER_STEP_S, PAPER_PARAMS = 3.1, 105e9   # C4 as the paper states it: 3.1 s per step of its 105B model
 HOST_CORES = 16                             # the CPU the CPU AdamW floor is scaled to
 
 
-def pcie_rates() -> list[tuple[str, float, float]]:
+def pcie_rates(results_dir: Path) -> list[tuple[str, float, float]]:
     """(file, H2D GB/s, D2H GB/s) of every GPU result that measured PCIe (`ceilings.pcie`)."""
     found = []
-    for f in sorted(RESULTS_DIR.glob("*/*.json")):
+    for f in sorted(results_dir.glob("*/*.json")):
         pcie = (json.loads(f.read_text()).get("ceilings") or {}).get("pcie")
         if pcie:
             found.append((f"{f.parent.name}/{f.stem}", pcie["h2d_GBps"], pcie["d2h_GBps"]))
@@ -244,9 +252,9 @@ def step_floors(params: float, rates: list[tuple[str, float, float]], adam: tupl
             "pcie_serial_s": (min(serial), max(serial)), "adam_s": params / (rate * HOST_CORES / threads)}
 
 
-def physics_105b() -> tuple[str, str] | None:
+def physics_105b(results_dir: Path) -> tuple[str, str] | None:
     """C1/C4: the paper's 105B step time against the floors at our measured PCIe and CPU AdamW rates."""
-    rates, adam = pcie_rates(), load("cpu_adam", "h200")
+    rates, adam = pcie_rates(results_dir), load(results_dir, "cpu_adam", "h200")
     if not rates or not adam:
         return None
     rate, size, threads = adam_rate(adam)
@@ -261,20 +269,20 @@ def physics_105b() -> tuple[str, str] | None:
             f"results' `ceilings.pcie`) need >= {lo:.1f}-{hi:.1f} s with both directions overlapped "
             f"({f['pcie_serial_s'][0]:.1f}-{f['pcie_serial_s'][1]:.1f} s serially); CPU AdamW at the measured "
             f"{rate / 1e9:.2f} G params/s (bf16 grad + bf16 out, {size / 1e6:.0f}M params, {threads} threads"
-            f"{scaled}; {link('cpu_adam', 'h200')}) needs >= {f['adam_s']:.1f} s")
+            f"{scaled}; {link(results_dir, 'cpu_adam', 'h200')}) needs >= {f['adam_s']:.1f} s")
     word = "below our floor" if PAPER_STEP_S < floor else "above our floor"
     return text, (f"the paper's {PAPER_STEP_S} s/step at {PAPER_PARAMS / 1e9:.0f}B is {word} of {floor:.1f} s "
                   f"(rule: compared with max(PCIe floor, CPU AdamW floor))")
 
 
-def c4():
-    ours, verdict = mfu_c4()
-    physics = physics_105b()
+def c4(results_dir: Path):
+    ours, verdict = mfu_c4(results_dir)
+    physics = physics_105b(results_dir)
     return (ours, verdict) if physics is None else (f"{ours}; {physics[0]}", f"{verdict}; {physics[1]}")
 
 
-def mfu_c4():
-    m = load("mfu_overlap", "h200_7Bwidth_d20")
+def mfu_c4(results_dir: Path):
+    m = load(results_dir, "mfu_overlap", "h200_7Bwidth_d20")
     if not m:
         return "not measured", "-"
     v = {r["variant"]: r for r in m["variants"]}
@@ -294,7 +302,8 @@ def mfu_c4():
             f"params), {_tokens(tokens)} tokens/step, one H200: {o['step_s']:.2f} s/step with overlap, MFU "
             f"{100 * peak:.1f}% of the measured matmul peak ({100 * sheet:.1f}% of the "
             f"{m['ceilings']['datasheet_TFLOPs']:.0f} TFLOP/s datasheet); serial {100 * s['mfu_vs_measured_peak']:.1f}% "
-            f"({100 * s['mfu_vs_datasheet']:.1f}%){timing} ({link('mfu_overlap', 'h200_7Bwidth_d20')})",
+            f"({100 * s['mfu_vs_datasheet']:.1f}%){timing} "
+            f"({link(results_dir, 'mfu_overlap', 'h200_7Bwidth_d20')})",
             f"{word}: MFU {100 * peak:.1f}% (measured peak) / {100 * sheet:.1f}% (datasheet) vs "
             f"{100 * PAPER_MFU:.0f}%; overlap gain {gain:.2f}x vs {PAPER_MFU / PAPER_MFU_SERIAL:.2f}x"
             + ("" if spread else f" (from {timed} timed steps, no spread)"))
@@ -303,17 +312,16 @@ def mfu_c4():
 SCALING_COMMAND = "python -m experiments.scaling"
 
 
-def c9():
+def c9(results_dir: Path):
     """C9 from the planner-only scaling result (plan_only): predicted, never measured."""
-    found = [(f.stem, json.loads(f.read_text())) for f in sorted((RESULTS_DIR / "scaling").glob("*.json"))]
-    plans = [(n, r) for n, r in found if r.get("plan_only")]
+    plans = [(n, r) for n, r in read_results(results_dir, "scaling") if r.get("plan_only")]
     if not plans:
         return f"not measured: no scaling result; run `{SCALING_COMMAND}` on a GPU", "not measured"
     name, plan = plans[-1]
-    return predicted_scaling(name, plan)
+    return predicted_scaling(results_dir, name, plan)
 
 
-def predicted_scaling(name: str, plan: dict) -> tuple[str, str]:
+def predicted_scaling(results_dir: Path, name: str, plan: dict) -> tuple[str, str]:
     """C9's cell from a plan_only scaling result: per preset the planner's peak HBM against the full HBM and the
     cap, whether host RAM holds it, and the streamed forward's predicted overlap-vs-serial speedup."""
     c, rows = plan["config"], plan["tables"]["presets"]
@@ -323,7 +331,8 @@ def predicted_scaling(name: str, plan: dict) -> tuple[str, str]:
                     f"{r['predicted_forward_speedup']:.2f}x" for r in rows)
     both = [r for r in rows if r["predicted_fits_cap"] and r["host_holds_it"]]
     largest = max(both, key=lambda r: r["params_B"], default=None)
-    return (f"planner only, nothing run ({link('scaling', name)}; {c['frames']}x{c['height']}x{c['width']} latents, "
+    return (f"planner only, nothing run ({link(results_dir, 'scaling', name)}; "
+            f"{c['frames']}x{c['height']}x{c['width']} latents, "
             f"{c['attention']}; budgets {c['hbm_budget_GB']} GB HBM, {c['host_budget_GB']:.0f} GB host, "
             f"{c['cap_GB']:.0f} GB cap; forward speedup at the planner's default ceilings): {per}",
             f"predicted, not measured: the largest preset that fits the {c['cap_GB']:.0f} GB cap and "
@@ -332,13 +341,13 @@ def predicted_scaling(name: str, plan: dict) -> tuple[str, str]:
             + f"; GPU run: `{SCALING_COMMAND}`")
 
 
-def c5():
-    m = load("mfu_overlap", "h200_7Bwidth_d20")
+def c5(results_dir: Path):
+    m = load(results_dir, "mfu_overlap", "h200_7Bwidth_d20")
     if not m:
         return "not measured", "-"
     g = next(r for r in m["variants"] if r["variant"] == "gpu_optimizer")
     return (f"GPU optimizer (master + moments streamed): MFU {100 * g['mfu_vs_measured_peak']:.1f}% "
-            f"({link('mfu_overlap', 'h200_7Bwidth_d20')})",
+            f"({link(results_dir, 'mfu_overlap', 'h200_7Bwidth_d20')})",
             "supported" if g["mfu_vs_measured_peak"] <= PAPER_MFU_GPU_OPT else
             f"drop measured, smaller than the paper's: {100 * g['mfu_vs_measured_peak']:.1f}% vs {100 * PAPER_MFU_GPU_OPT:.0f}%")
 
@@ -406,15 +415,14 @@ class Pooled:
         return math.sqrt(p * (1 - p) / n) if n else math.nan
 
 
-def pooled(experiment: str) -> Pooled | None:
+def pooled(results_dir: Path, experiment: str) -> Pooled | None:
     """The GPU results of `experiment` pooled over their per-seed rows: of the files that share one
     run_settings key, the group of the newest scorer with the most finished runs (e.g. a run cut short
     and the run that added its missing seeds). None if there is no GPU result."""
     groups: dict[str, list] = {}
-    for f in sorted((RESULTS_DIR / experiment).glob("*.json")):
-        r = json.loads(f.read_text())
+    for name, r in read_results(results_dir, experiment):
         if r.get("hardware", {}).get("gpus") and "config" in r:
-            groups.setdefault(config_key(r), []).append((f.stem, r))
+            groups.setdefault(config_key(r), []).append((name, r))
 
     def rank(group):
         finished = sum(row.get("status") == "ok" and row["variant"] != "ground_truth"
@@ -426,7 +434,7 @@ def pooled(experiment: str) -> Pooled | None:
     per_seed = [row for _, r in group for row in r["tables"]["per seed"] if row["variant"] != "ground_truth"]
     truth = [row for row in group[0][1]["tables"]["per seed"] if row["variant"] == "ground_truth"]
     rows = {(r["variant"], r["frames"]): r for r in aggregate(per_seed + truth, ddof=1)}
-    return Pooled(rows, per_seed, run_settings(group[0][1]), [link(experiment, n) for n, _ in group])
+    return Pooled(rows, per_seed, run_settings(group[0][1]), [link(results_dir, experiment, n) for n, _ in group])
 
 
 def _scores(r: dict) -> str:
@@ -486,8 +494,8 @@ class QualityClaim:
     claimed: float
     studies: tuple[str, ...]
 
-    def judge(self) -> tuple[str, str]:
-        found = [(e, p) for e in self.studies if (p := pooled(e))]
+    def judge(self, results_dir: Path) -> tuple[str, str]:
+        found = [(e, p) for e in self.studies if (p := pooled(results_dir, e))]
         if not found:
             return "not measured at GPU scale", "open"
         ours, parts = [], []
@@ -520,12 +528,11 @@ QUALITY_CLAIMS = {
 }
 
 
-def widest(experiment: str, ranks_key: str, timed: str | None = None) -> tuple[str, dict] | None:
+def widest(results_dir: Path, experiment: str, ranks_key: str, timed: str | None = None) -> tuple[str, dict] | None:
     """The GPU result of `experiment` with the most ranks, as (name, data); CPU smoke runs excluded.
     `timed`: only results with a finished timing of that variant (runs may time a subset)."""
-    found = [(f.stem, json.loads(f.read_text())) for f in sorted((RESULTS_DIR / experiment).glob("*.json"))]
-    found = [(n, d) for n, d in found if str(d.get("device", "")).startswith("cuda") and (
-        timed is None or any(r["variant"] == timed and "time_s" in r for r in d.get("timings", [])))]
+    found = [(n, d) for n, d in read_results(results_dir, experiment) if str(d.get("device", "")).startswith("cuda")
+             and (timed is None or any(r["variant"] == timed and "time_s" in r for r in d.get("timings", [])))]
     return max(found, key=lambda nd: nd[1].get(ranks_key, 0), default=None)
 
 
@@ -541,12 +548,12 @@ def _slower_rungs(ladder: list[tuple[str, float]]) -> list[str]:
 
 
 def s_claim(which):
-    def f():
-        one, wide = load("sp_inference", "wan-1.3b_P1"), widest("sp_inference", "ranks")
+    def f(results_dir: Path):
+        one, wide = load(results_dir, "sp_inference", "wan-1.3b_P1"), widest(results_dir, "sp_inference", "ranks")
         if not one:
             return "not measured", "-"
         name, p = wide if wide and wide[1]["ranks"] > 1 else ("wan-1.3b_P1", one)
-        P, s, src = p["ranks"], p["summary"], link("sp_inference", name)
+        P, s, src = p["ranks"], p["summary"], link(results_dir, "sp_inference", name)
         where = f"{P} H200{'s' if P > 1 else ''}"
         if which == "S3":
             vs = s["speedup_vs_full_sequence_total"]
@@ -559,7 +566,8 @@ def s_claim(which):
         if which == "S4":
             one_ms = one["summary"]["ttff_ms"]
             more = f", {s['ttff_ms']:.0f} ms on {where} ({src})" if P > 1 else ""
-            return (f"first chunk final after {one_ms:.0f} ms on 1 H200 ({link('sp_inference', 'wan-1.3b_P1')})"
+            return (f"first chunk final after {one_ms:.0f} ms on 1 H200 "
+                    f"({link(results_dir, 'sp_inference', 'wan-1.3b_P1')})"
                     f"{more}; VAE decode excluded",
                     "supported (< 1 s)" if one["summary"]["ttff_1gpu_below_1s"] else "not reproduced")
         ladders = [(1, "wan-1.3b_P1", one)] + ([(P, name, p)] if P > 1 else [])
@@ -567,7 +575,7 @@ def s_claim(which):
         for gpus, file, result in ladders:
             ladder, slower = _ladder(result), _slower_rungs(_ladder(result))
             texts.append(f"{gpus} H200{'s' if gpus > 1 else ''}: {ladder[0][1]:.2f} s -> {ladder[-1][1]:.2f} s "
-                         f"({link('sp_inference', file)})")
+                         f"({link(results_dir, 'sp_inference', file)})")
             on = f"on {gpus} GPU{'s' if gpus > 1 else ''}"
             findings.append(f"mixed {on}: {len(slower)} of {len(ladder) - 1} rungs got slower, {', '.join(slower)}"
                             if slower else f"supported {on} (every rung faster)")
@@ -620,7 +628,7 @@ def _degenerate_note(result: dict) -> str:
     return "; ".join(f"{' = '.join(modes)} = {target}" for target, modes in groups.items()) or "none"
 
 
-def f1(s: dict, wide: tuple[str, dict] | None) -> tuple[str, str]:
+def f1(results_dir: Path, s: dict, wide: tuple[str, dict] | None) -> tuple[str, str]:
     sim = s["simulation"]
     wins = sum(r["winner_placement"] == "ring_intra" for r in sim)
     gaps = [r["ring_intra"]["total_s"] / r["usp"]["total_s"] - 1 for r in sim]
@@ -628,14 +636,14 @@ def f1(s: dict, wide: tuple[str, dict] | None) -> tuple[str, str]:
     ours = (f"simulated by our cost model (not measured), {', '.join(_tokens(n) for n in lens)} tokens on "
             f"2-8 nodes: ring_intra wins {wins} of {len(sim)} cases; its predicted time is within "
             f"{100 * min(gaps):+.1f}% to {100 * max(gaps):+.1f}% of the best USP-placement plan "
-            f"({link('swiftfusion', 'h200_1gpu')})")
+            f"({link(results_dir, 'swiftfusion', 'h200_1gpu')})")
     errors = [t["measured_over_predicted"] for t in (wide[1]["timings"] if wide else [])
               if t["variant"] != "sdpa_1gpu" and "measured_over_predicted" in t]
     if not errors:
         return ours, "undetermined: the cost model was never checked against a multi-GPU measurement"
     lo, hi = min(errors), max(errors)
     checked = (f"the cost model's own error on measured SP runs (measured/predicted {lo:.2f}-{hi:.2f} on "
-               f"{wide[1]['world_size']} H200s, {link('swiftfusion', wide[0])})")
+               f"{wide[1]['world_size']} H200s, {link(results_dir, 'swiftfusion', wide[0])})")
     if max(abs(g) for g in gaps) < abs(lo - 1):
         return ours, (f"undetermined until the model is calibrated on measurements: the predicted gaps "
                       f"({100 * min(gaps):+.1f}% to {100 * max(gaps):+.1f}%) are far smaller than {checked}")
@@ -644,22 +652,23 @@ def f1(s: dict, wide: tuple[str, dict] | None) -> tuple[str, str]:
 
 
 def swift(which):
-    def f():
-        s = load("swiftfusion", "h200_1gpu")
+    def f(results_dir: Path):
+        s = load(results_dir, "swiftfusion", "h200_1gpu")
         if not s:
             return "not measured", "-"
-        main = widest("swiftfusion", "world_size", "torus") or widest("swiftfusion", "world_size")
+        main = (widest(results_dir, "swiftfusion", "world_size", "torus")
+                or widest(results_dir, "swiftfusion", "world_size"))
         if which == "F1":
-            return f1(s, main)
-        wide = (widest("swiftfusion", "world_size", "ring_onesided") or main) if which == "F3" else main
+            return f1(results_dir, s, main)
+        wide = (widest(results_dir, "swiftfusion", "world_size", "ring_onesided") or main) if which == "F3" else main
         if not wide or wide[1]["world_size"] < 2:
             return ("only 1 GPU was lent: every mode degenerates to local attention "
-                    f"({link('swiftfusion', 'h200_1gpu')}); 2- and 8-GPU runs open", "not measured")
+                    f"({link(results_dir, 'swiftfusion', 'h200_1gpu')}); 2- and 8-GPU runs open", "not measured")
         name, w = wide
-        P, src, band = w["world_size"], link("swiftfusion", name), noise_band(main[1])
+        P, src, band = w["world_size"], link(results_dir, "swiftfusion", name), noise_band(main[1])
         context = (f"degenerate at {P} GPUs (USP degrees {w['usp_degrees'][0]}x{w['usp_degrees'][1]}): "
                    f"{_degenerate_note(w)}; noise band of identical modes {_band(band)} "
-                   f"({link('swiftfusion', main[0])})")
+                   f"({link(results_dir, 'swiftfusion', main[0])})")
         layer = {v: _speedups(w["timings"], v, "speedup_vs_usp", "seq_len") for v in ("torus", "swiftfusion")}
         step = {v: _speedups(w.get("denoising_step", []), v, "speedup_vs_usp", "tokens") for v in ("torus",)}
         fmt = lambda d: ", ".join(f"{_tokens(n)} {x:.2f}x" for n, x in sorted(d.items())) or "none measured"  # noqa: E731
@@ -681,7 +690,7 @@ def swift(which):
             where = against_band(list(gains.values()), band)
             word = {"above the noise band": "supported", "inside the noise band": "not shown"}.get(where, "mixed")
             return (f"{P} H200s of one node, one-sided ring vs P2P ring, attention layer: {fmt(gains)} ({src}); "
-                    f"noise band of identical modes {_band(band)} ({link('swiftfusion', main[0])})",
+                    f"noise band of identical modes {_band(band)} ({link(results_dir, 'swiftfusion', main[0])})",
                     f"{word}: the one-sided ring's gains lie {where}")
         both = {n: x for d in layer.values() for n, x in d.items()}
         if not both:
@@ -713,7 +722,7 @@ CLAIMS = {
         Claim("C9", "H100 NVL, up to 33.3B: async streaming 2.11x forward at 28.4B", c9),
     ],
     "Causal-RoPE SP": [
-        Claim("S1", "SP over 8 GPUs with RoPE positions computed locally", lambda: (
+        Claim("S1", "SP over 8 GPUs with RoPE positions computed locally", lambda results_dir: (
             "implemented; equal to one process on 2 and 3 gloo ranks (tests/inference/test_sp.py); 8 GPUs not run",
             "implemented, not run at 8")),
         Claim("S2", "precomputed tables, fused operators", s_claim("S2")),
@@ -767,35 +776,49 @@ QUALITY_NOTE = (
     "velocity.")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "README.md")
-    args = ap.parse_args()
+def readme(results_dir: Path) -> str:
+    """The claims page (markdown) from the result JSON files under `results_dir`, which it names."""
+    option = "" if results_dir.resolve() == RESULTS_DIR.resolve() else f" --results {results_dir}"
     out = ["# Paper claims beside our measurements", "",
-           "Generated by `python experiments/claims.py` from the JSON files under results/ (each linked); "
-           "do not edit by hand. Paper figures are the papers' own (see shared PAPERS.md) and are never ours.", ""]
+           f"Generated by `python experiments/claims.py{option}` from the JSON files under {results_dir.name}/ "
+           "(each linked); do not edit by hand. Paper figures are the papers' own (see shared PAPERS.md) and are "
+           "never ours.", ""]
     for paper, claims in CLAIMS.items():
         out += [f"## {paper}", "", "| claim | paper | ours | verdict |", "|---|---|---|---|"]
         for c in claims:
-            ours, verdict = c.ours()
+            ours, verdict = c.ours(results_dir)
             out.append(f"| {c.id} | {c.paper} | {ours} | {verdict} |")
         out.append("")
-    studies = [(e, p) for e in ("ablate_offsets", "quality") if (p := pooled(e))]
+    studies = [(e, p) for e in ("ablate_offsets", "quality") if (p := pooled(results_dir, e))]
     if studies:
         out += ["## Quality studies pooled over seeds", "", QUALITY_NOTE, ""]
         for experiment, p in studies:
             out += pooled_table(experiment, p)
-    partial = [(f, r) for f in sorted(RESULTS_DIR.glob("*/*.json"))
+    partial = [(f, r) for f in sorted(results_dir.glob("*/*.json"))
                if is_partial(r := json.loads(f.read_text()))]
     if partial:
         out += ["## Runs cut short", "",
                 "These runs hit the device time limit; their tables hold only the runs that finished:", ""]
-        out += [f"- {link(f.parent.name, f.stem)}: {r['jobs_done']} of {r['jobs_total']} planned runs"
-                + "".join(f"; more seeds of its config in {link(g.parent.name, g.stem)}" for g in _same_config(f, r))
+        out += [f"- {link(results_dir, f.parent.name, f.stem)}: {r['jobs_done']} of {r['jobs_total']} planned runs"
+                + "".join(f"; more seeds of its config in {link(results_dir, g.parent.name, g.stem)}"
+                          for g in _same_config(f, r))
                 for f, r in partial]
         out.append("")
-    args.out.write_text("\n".join(out))
-    print(f"wrote {args.out}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR",
+                    help="the results folder: <DIR>/<experiment>/*.json in (default: the repository's results/)")
+    ap.add_argument("--out", type=Path, default=None, help="the page to write (default: <DIR>/README.md)")
+    args = ap.parse_args()
+    if not args.results.is_dir():
+        ap.error(f"--results {args.results} is not a folder; pass the folder that holds <experiment>/*.json "
+                 f"(a study writes them under its results_dir, e.g. runs/ablate_offsets/results)")
+    out = args.out or args.results / "README.md"
+    out.write_text(readme(args.results))
+    print(f"wrote {out} from {args.results}")
 
 
 if __name__ == "__main__":

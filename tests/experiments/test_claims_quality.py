@@ -38,8 +38,8 @@ def _seeds(scores_per_seed: list[dict], frames: int = 16, **kw) -> list[dict]:
     return [r for r in rows if r["variant"] != "ground_truth"] + [r for r in rows if r["variant"] == "ground_truth"][:1]
 
 
-def _verdict(claim_id: str) -> str:
-    return next(c for claims_ in claims.CLAIMS.values() for c in claims_ if c.id == claim_id).ours()[1]
+def _verdict(results, claim_id: str) -> str:
+    return next(c for claims_ in claims.CLAIMS.values() for c in claims_ if c.id == claim_id).ours(results)[1]
 
 
 def test_seeds_pool_across_files_of_one_config(results):
@@ -47,12 +47,12 @@ def test_seeds_pool_across_files_of_one_config(results):
     _write(results, "b", 1500, [1, 2], _rows(1, {"dsa": (0.72, 0.8), "dsa_zero": (0.52, 0.2)})[:-1]
            + _rows(2, {"dsa": (0.71, 0.8), "dsa_zero": (0.51, 0.2)}))
     _write(results, "short", 100, [0], _rows(0, {"dsa": (0.1, 0.0), "dsa_zero": (0.9, 0.9)}))  # fewer runs
-    pooled = claims.pooled("ablate_offsets")
+    pooled = claims.pooled(results, "ablate_offsets")
     assert pooled.steps == 1500 and len(pooled.links) == 2
     row = pooled.rows[("dsa", 16)]
     assert row["seeds"] == 3 and row["temporal_consistency_mean"] == pytest.approx(0.71)
     assert row["temporal_consistency_std"] == pytest.approx(np.std([0.70, 0.72, 0.71], ddof=1))   # sample std
-    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours()
+    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours(results)
     assert "1500 steps" in ours and "scorer v2" in ours and verdict.startswith("supported")
 
 
@@ -65,14 +65,14 @@ def test_pool_key_holds_model_batch_n_eval_eval_seed_and_scorer(results):
                **{"model": "quality_gpu", "batch_size": 8, "eval_seed": 7, **change})
     _write(results, "same", 1500, [1], _rows(1, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})[:-1],
            model="quality_gpu", batch_size=8, eval_seed=7)
-    pooled = claims.pooled("ablate_offsets")
+    pooled = claims.pooled(results, "ablate_offsets")
     assert {link.split("/")[1].split(".")[0] for link in pooled.links} == {"a", "same"}
     # runs scored by different scorers never pool; rows without a version are scorer v1 and pool with each other
     _write(results, "old1", 1500, [2], _rows(2, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}, version=None),
            model="quality_gpu", batch_size=8, eval_seed=7)
     _write(results, "old2", 1500, [3], _rows(3, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}, version=None),
            model="quality_gpu", batch_size=8, eval_seed=7)
-    pooled = claims.pooled("ablate_offsets")                          # the newest scorer wins over more runs
+    pooled = claims.pooled(results, "ablate_offsets")                 # the newest scorer wins over more runs
     assert pooled.settings["scorer_version"] == 2 and pooled.rows[("dsa", 16)]["seeds"] == 2
     old = claims.run_settings(claims.json.loads((results / "ablate_offsets" / "old1.json").read_text()))
     assert old["scorer_version"] == 1 and claims.config_key({**old, "config": {}}) != claims.config_key(
@@ -109,7 +109,7 @@ def test_margin_counts_seed_spread_and_sampling_error(results):
     for r in rows:                                         # older rows: no recorded error, so sqrt(p(1-p)/n_eval)
         r.pop("text_alignment_se", None)
     _write(results, "a", 1500, [0, 1], rows)
-    p = claims.pooled("ablate_offsets")
+    p = claims.pooled(results, "ablate_offsets")
     ta = claims.gap(p, "dsa", "dsa_zero", 16, "text_alignment")
     assert ta.diff == 0.0 and ta.margin == pytest.approx(2 * math.sqrt(2 * 0.25 / 32))   # TA std 0.00 hides nothing
     tc = claims.gap(p, "dsa", "dsa_zero", 16, "temporal_consistency")
@@ -130,15 +130,15 @@ def test_one_rule_for_c6_c7_c8_supported_inconclusive_contradicted(results):
               _four((0.82, 0.82), (0.82, 0.83), (0.62, 0.72), (0.62, 0.52)),
               _four((0.81, 0.81), (0.81, 0.82), (0.61, 0.71), (0.61, 0.51))]
     _quality(results, {16: strong, 64: strong})
-    assert _verdict("C6").startswith("supported")                   # TA 0.01 below dense: within the tolerance
-    assert _verdict("C7").startswith("supported") and _verdict("C8").startswith("supported")
+    assert _verdict(results, "C6").startswith("supported")          # TA 0.01 below dense: within the tolerance
+    assert _verdict(results, "C7").startswith("supported") and _verdict(results, "C8").startswith("supported")
     close = [_four((0.80, 0.8), (0.90, 0.8), (0.79, 0.8), (0.79, 0.8)) for _ in range(3)]
     _quality(results, {16: strong, 64: close})                       # at 64 frames: dense well above, swin equal
-    assert _verdict("C6").startswith("contradicted") and "64 frames: contradicted" in _verdict("C6")
-    assert _verdict("C7").startswith("inconclusive") and "16 frames: supported" in _verdict("C7")
+    assert _verdict(results, "C6").startswith("contradicted") and "64 frames: contradicted" in _verdict(results, "C6")
+    assert _verdict(results, "C7").startswith("inconclusive") and "16 frames: supported" in _verdict(results, "C7")
     worse = [_four((0.60, 0.8), (0.6, 0.8), (0.8, 0.8), (0.8, 0.8)) for _ in range(3)]
     _quality(results, {16: worse, 64: worse})
-    assert _verdict("C7").startswith("contradicted") and _verdict("C8").startswith("contradicted")
+    assert _verdict(results, "C7").startswith("contradicted") and _verdict(results, "C8").startswith("contradicted")
 
 
 def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(results):
@@ -146,7 +146,7 @@ def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(resul
     _write(results, "abl", 1500, [0, 1, 2], _seeds(good))
     reversed_ta = [_four((0.60, 0.1), (0.6, 0.1), (0.6, 0.1), (0.58, 0.2)) for _ in range(3)]
     _quality(results, {16: [_four((0.8, 0.8), (0.8, 0.8), (0.8, 0.8), (0.6, 0.5))] * 3, 64: reversed_ta})
-    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours()
+    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours(results)
     assert "ablate_offsets, 16 frames" in ours and "quality, 16 frames" in ours and "quality, 64 frames" in ours
     assert verdict.startswith("inconclusive")                       # 64 frames: inside the margin
     assert "ablate_offsets, 16 frames: supported" in verdict and "quality, 64 frames: inconclusive" in verdict
@@ -156,25 +156,26 @@ def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(resul
 def test_cpu_results_are_not_claims_and_weak_models_are_inconclusive_under_every_claim(results, monkeypatch):
     monkeypatch.setattr("experiments.results_io.hardware", lambda: {"cpu": "x", "gpus": []})
     _write(results, "cpu", 60, [0], _rows(0, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}))
-    assert claims.pooled("ablate_offsets") is None and _verdict("C8") == "open"
+    assert claims.pooled(results, "ablate_offsets") is None and _verdict(results, "C8") == "open"
     monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
     weak = [_four((0.90, 0.2), (0.5, 0.0), (0.5, 0.0), (0.5, 0.0)) for _ in range(3)]
     _write(results, "gpu", 1500, [0, 1, 2], _seeds([{"dsa": (0.90, 0.2), "dsa_zero": (0.50, 0.0)}] * 3))
     _quality(results, {16: weak})
     for claim in ("C6", "C7", "C8"):
-        assert _verdict(claim).startswith("inconclusive") and "under-trained: best TA 0.20" in _verdict(claim)
+        verdict = _verdict(results, claim)
+        assert verdict.startswith("inconclusive") and "under-trained: best TA 0.20" in verdict
 
 
 def test_pooled_table_shows_caption_parts_only_when_every_row_has_them(results):
     rows = _rows(0, {"dsa": (0.6, 0.2), "dsa_zero": (0.5, 0.0)})
     _write(results, "old", 1500, [0], rows)
-    header = claims.pooled_table("ablate_offsets", claims.pooled("ablate_offsets"))
+    header = claims.pooled_table("ablate_offsets", claims.pooled(results, "ablate_offsets"))
     assert "n_eval 32, scorer v2" in header[0]
     assert "color match" not in header[2] and "text alignment" in header[2]
     for r in rows:
         r.update(color_match=1.0, shape_match=0.5, direction_match=0.25)
     _write(results, "old", 1500, [0], rows)
-    table = claims.pooled_table("ablate_offsets", claims.pooled("ablate_offsets"))
+    table = claims.pooled_table("ablate_offsets", claims.pooled(results, "ablate_offsets"))
     assert "| color match | shape match | direction match |" in table[2]
     assert "| dsa | 16 | 1 | 0.20 | 1.00 | 0.50 | 0.25 |" in table[4]   # one seed: no spread to show
 
@@ -198,13 +199,13 @@ def test_sp_ladder_names_the_rungs_that_got_slower():
     assert claims._slower_rungs(claims._ladder(result)) == ["+a (2.60 -> 2.90 s)"]
 
 
-def test_f1_is_undetermined_while_the_model_errs_more_than_its_predicted_gaps():
+def test_f1_is_undetermined_while_the_model_errs_more_than_its_predicted_gaps(tmp_path):
     plan = {"total_s": 1.0}
     sim = {"simulation": [{"seq_len": 1 << 18, "winner_placement": "ulysses_intra", "usp": plan,
                            "ring_intra": {"total_s": 1.01}}]}
     wide = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.2},
                                                  {"variant": "sdpa_1gpu", "measured_over_predicted": 1.01}]})
-    assert claims.f1(sim, wide)[1].startswith("undetermined until the model is calibrated")
-    assert "measured/predicted 1.20-1.20" in claims.f1(sim, wide)[1]
+    assert claims.f1(tmp_path, sim, wide)[1].startswith("undetermined until the model is calibrated")
+    assert "measured/predicted 1.20-1.20" in claims.f1(tmp_path, sim, wide)[1]
     calibrated = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.001}]})
-    assert claims.f1(sim, calibrated)[1].startswith("not supported by the model")
+    assert claims.f1(tmp_path, sim, calibrated)[1].startswith("not supported by the model")
