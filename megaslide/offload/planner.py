@@ -25,10 +25,18 @@ check keeps `HBM_MARGIN` of the free memory for the caching allocator's fragment
 The resident trainer (`plan_resident`: fp32 weights, gradients and AdamW moments on the device,
 bf16 autocast, per-block checkpointing) is planned with the same block model.
 
-Step-time floor: max(compute, H2D, D2H, CPU AdamW) from executed FLOPs (model FLOPs plus the
-recomputed forward, and with chunking the slices' token-wise forward once more), bytes moved
-(weights, gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s
-effective, 50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic).
+Step-time floor: max(compute, H2D, D2H, CPU AdamW) from executed FLOPs, bytes moved (weights,
+gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective,
+50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic). Compute (`compute_seconds`) has
+two terms, run one after the other on one stream:
+- attention: every block's `attend` (the variant's token mixing, DSA's offset net included) at the
+  variant's own rate (`AttentionRate`), forward and backward apart: DSA's gathers and its backward's
+  atomics run far below the matmul ceiling. Its forward runs in the streamed forward and again in
+  the recompute, its backward once;
+- matmul: all other executed FLOPs at the matmul ceiling: model FLOPs (forward + 2x forward for the
+  backward), the recomputed forward, and with chunking the slices' token-wise forward once more.
+Norms, RoPE, modulation and other memory-bound elementwise work is in neither: the floor is below
+the step by about their time.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ import torch
 
 from megaslide.config import DiTConfig
 from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
-from megaslide.perf.flops import DiTFlops, dit_flops
+from megaslide.perf.flops import DiTFlops, dit_flops, keys_per_query
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.models.dit import DiTBlock, count_params
 from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
@@ -51,12 +59,58 @@ HBM_MARGIN = 0.05                  # share of the free HBM left to the caching a
 
 
 @dataclass(frozen=True)
+class AttentionRate:
+    """How fast a self-attention variant's `attend` runs, in TFLOP/s of its counted FLOPs (QK^T and PV:
+    4 x keys x D per query, as megaslide/perf/flops.py counts them; the backward counted as 2x the
+    forward), forward and backward apart: time per counted FLOP, whatever `attend` does besides (DSA:
+    trilinear gathers, the backward's atomics). `includes_own_weights`: the rate was measured on the
+    whole `attend`, the variant's own weights (DSA's offset net) included, so the matmul term leaves
+    their FLOPs out."""
+
+    forward_tflops: float
+    backward_tflops: float
+    includes_own_weights: bool = True
+
+
+# the fused DSA op alone on an H200, bf16, 3x3x3, 16 heads x 64, 262,144 tokens (results/attention.md, the
+# dsa_gpu_check sweep's fastest forward + backward): forward 2.9e10 counted FLOPs in 27.6 ms, backward 5.8e10
+# in 122 ms. Its offset net is not in it: a rate measured on `attend` (experiments/oom_thresholds.py) is lower.
+DEFAULT_ATTENTION_RATES = {name: AttentionRate(1.05, 0.475, includes_own_weights=False) for name in ("dsa", "dsa_zero")}
+
+
+@dataclass(frozen=True)
 class Ceilings:
     tflops: float = 600.0           # sustained dense bf16 FLOP/s of a DiT step
     h2d_GBps: float = 50.0          # pinned PCIe, each way, while the other way is busy
     d2h_GBps: float = 50.0
     cpu_adam_gparams: float = 3.5   # fused CPU AdamW while PCIe traffic shares host DRAM
     hbm_TBps: float = 4.3           # device memory, for the GPU optimizer ablation
+    attention: AttentionRate | None = None  # the model's `attend`; None: DEFAULT_ATTENTION_RATES, else `tflops`
+
+    def attention_rate(self, name: str) -> AttentionRate:
+        """The rate of attention variant `name`: the measured one, its default, or the matmul ceiling."""
+        return (self.attention or DEFAULT_ATTENTION_RATES.get(name)
+                or AttentionRate(self.tflops, self.tflops, includes_own_weights=False))
+
+
+def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
+                    ceilings: Ceilings) -> tuple[float, dict[str, float]]:
+    """The compute floor of one training step of `batch` clips of token grid `grid` in which
+    `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
+    trainer's checkpointed ones): (executed FLOPs, {"matmul": s, "attention": s}); the floor is their
+    sum (see the module docstring)."""
+    flops = dit_flops(cfg, batch, grid)
+    tokens, depth, a = batch * math.prod(grid), cfg.depth, cfg.attention
+    # blocks dominate the forward (stem ignored); chunking runs every block's token-wise forward once more
+    executed = flops.train + flops.forward * recomputed / depth + (flops.weights if cfg.chunk_tokens else 0)
+    counted = 4.0 * tokens * keys_per_query(a, grid) * cfg.dim * depth            # attend's forward, counted
+    forwards = 1 + recomputed / depth
+    rate = ceilings.attention_rate(a.name)
+    own = 2.0 * tokens * a.variant.extra_macs_per_token(a.options, cfg.dim, cfg.num_heads) * depth
+    in_attend = counted + (own if rate.includes_own_weights else 0)
+    attention = counted * forwards / (rate.forward_tflops * 1e12) + 2 * counted / (rate.backward_tflops * 1e12)
+    matmul = (executed - in_attend * (forwards + 2)) / (ceilings.tflops * 1e12)
+    return executed, {"matmul": matmul, "attention": attention}
 
 
 def block_layout(cfg: DiTConfig) -> BlockLayout:
@@ -284,9 +338,8 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
         optimizer_s = depth * n * 28 / (ceilings.hbm_TBps * 1e12)
     else:
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
-    # blocks dominate the forward (stem ignored); chunking runs every block's token-wise forward once more
-    executed = flops.train + flops.forward * (depth - k) / depth + (flops.weights if cfg.chunk_tokens else 0)
-    seconds = {"compute": executed / (ceilings.tflops * 1e12), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
+    executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k, ceilings=ceilings)
+    seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
     pinned = arenas["pinned"] + parked * input_bytes
     peak = max(hbm_phases, key=hbm_phases.get)

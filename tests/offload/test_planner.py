@@ -11,8 +11,8 @@ from megaslide.perf.flops import dit_flops
 from megaslide.models.dit import DIT_PRESETS, VideoDiT, count_params
 from megaslide.offload import planner
 from megaslide.offload.host_state import BlockLayout, HostState
-from megaslide.offload.planner import (HBM_MARGIN, Ceilings, check_fits, largest_depth, phase_over, plan_offload,
-                                       plan_resident)
+from megaslide.offload.planner import (HBM_MARGIN, AttentionRate, Ceilings, check_fits, largest_depth, phase_over,
+                                       plan_offload, plan_resident)
 from megaslide.offload import engine as engine_module
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
@@ -51,6 +51,36 @@ def test_step_floor_is_the_max_of_compute_pcie_and_optimizer():
     assert gpu.d2h_bytes == plan.d2h_bytes + cfg.depth * n * (12 + 2)
     assert gpu.seconds["optimizer"] < plan.seconds["optimizer"] / 50
     assert "GPU optimizer slots (2) + AdamW temporaries" in gpu.hbm
+
+
+def test_compute_floor_runs_attention_at_its_own_rate():
+    """7B width, 4 blocks, DSA 3x3x3 (32 heads x 128), 16 x 32 x 64 tokens: attend at its measured rate (offset net
+    included), everything else at the matmul ceiling; the default DSA rate is the op's alone."""
+    cfg = dataclasses.replace(DIT_PRESETS["7B"], depth=4, attention=AttentionConfig("dsa"))
+    grid, tokens, D = (16, 32, 64), 32768, 4096
+    counted = 4 * tokens * 27 * D * 4                   # QK^T and PV over 27 samples per query, 4 blocks
+    own = 2 * tokens * (27 * D + D * 32 * 27 * 3) * 4   # offset net: depthwise 3^3 conv, Linear to heads * 27 * 3
+    assert counted == 57_982_058_496 and own == 2_812_129_837_056
+    measured = Ceilings(tflops=500.0, attention=AttentionRate(forward_tflops=2.0, backward_tflops=0.5))
+    executed, parts = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=measured)
+    assert executed == pytest.approx(dit_flops(cfg, 1, grid).executed)
+    # forward in the streamed pass and again in the recompute, backward (2x the forward's FLOPs) once
+    assert parts["attention"] == pytest.approx(2 * counted / 2e12 + 2 * counted / 0.5e12)
+    assert parts["attention"] == pytest.approx(0.289910292)
+    assert parts["matmul"] == pytest.approx((executed - 4 * (counted + own)) / 500e12)
+    plan = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, ceilings=measured)
+    assert plan.seconds["compute"] == pytest.approx(parts["attention"] + parts["matmul"])
+    # two resident blocks are not recomputed: 1.5 forwards per block on average
+    _, tail = planner.compute_seconds(cfg, 1, grid, recomputed=2, ceilings=measured)
+    assert tail["attention"] == pytest.approx(1.5 * counted / 2e12 + 2 * counted / 0.5e12)
+    # the default DSA rate (the op alone, no offset net): the offset net stays in the matmul term
+    _, default = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=Ceilings(tflops=500.0))
+    assert default["attention"] == pytest.approx(2 * counted / 1.05e12 + 2 * counted / 0.475e12)
+    assert default["matmul"] == pytest.approx((executed - 4 * counted) / 500e12)
+    # an attention without a rate (dense) runs at the matmul ceiling: compute = executed FLOPs / ceiling
+    dense = dataclasses.replace(cfg, attention=AttentionConfig("dense"))
+    dense_executed, dense_parts = planner.compute_seconds(dense, 1, grid, recomputed=4, ceilings=Ceilings(tflops=500.0))
+    assert sum(dense_parts.values()) == pytest.approx(dense_executed / 500e12)
 
 
 def test_resident_tail_trades_hbm_for_recompute_and_pcie():
