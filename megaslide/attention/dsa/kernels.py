@@ -43,6 +43,18 @@ scatters with relaxed fp32 `tl.atomic_add` into zero-initialised fp32 buffers (o
 casts them to the input dtype, as deformable-convolution and deformable-attention
 kernels do. The price: fp32 atomics traffic and a summation order that is not
 deterministic from run to run (differences at fp32 rounding level).
+
+Head groups. The fp32 dK / dV buffers of all heads would take 2 x 4 x B x N x heads x d
+bytes (34 GB for 2M tokens x 16 heads x 128), so for fp16 / bf16 inputs the backward runs
+over groups of heads: one launch per group, each accumulating into one reused fp32
+scratch of at most `SCRATCH_BYTES` (never less than one head), cast into the group's
+slice of dk / dv before the next group. A launch sees only its group: the q-like pointers
+(q, k, v, out, dout, dq, offsets, d(offsets)) start at the group's first head and keep the
+full tensors' token strides, HEADS is the group's size, the lse is the group's
+(B, group, N) and the scratch is contiguous (B, T, H, W, group, d), so its token stride is
+HEADS * D. A program does exactly the work it did in one launch over all heads, so every
+head's dK / dV sums the same terms in the same order. fp32 inputs accumulate straight
+into their fp32 dk / dv in one launch.
 """
 from __future__ import annotations
 
@@ -58,6 +70,8 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
 
 LOG2E = 1.4426950408889634
+SCRATCH_BYTES = 1 << 30
+"""Bound on the backward's fp32 dK + dV scratch for fp16 / bf16 inputs (see "Head groups")."""
 
 
 @dataclass(frozen=True)
@@ -200,8 +214,10 @@ def _dsa_bwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr,
     head_off = b * N * stride_tok + h * D
     k_bh = k_ptr + head_off
     v_bh = v_ptr + head_off
-    dk_bh = dk_ptr + head_off
-    dv_bh = dv_ptr + head_off
+    stride_acc_tok = HEADS * D  # the fp32 dK / dV scratch: contiguous (B, T, H, W, HEADS, d)
+    acc_off = b * N * stride_acc_tok + h * D
+    dk_bh = dk_ptr + acc_off
+    dv_bh = dv_ptr + acc_off
     own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
     q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
     do = tl.load(dout_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
@@ -290,7 +306,7 @@ def _dsa_bwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr,
                             tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
                             w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
                             row_mask = tile_mask & (w != 0.0)[:, None]
-                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
+                            rows = tok.to(tl.int64)[:, None] * stride_acc_tok + cols[None, :]  # (BQ, BD)
                             tl.atomic_add(dk_bh + rows, w[:, None] * dk_sample, mask=row_mask, sem="relaxed")
                             tl.atomic_add(dv_bh + rows, w[:, None] * dv_sample, mask=row_mask, sem="relaxed")
 
@@ -325,30 +341,60 @@ def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torc
     return out, lse
 
 
+def heads_per_group(batch: int, n_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
+                    scratch_bytes: int = SCRATCH_BYTES) -> int:
+    """Heads per backward launch: all of them for fp32 inputs (dk / dv are the fp32 buffers),
+    else as many as keep the fp32 dK + dV scratch (8 x B x N x d bytes per head) within
+    `scratch_bytes`, at least one."""
+    if dtype == torch.float32:
+        return heads
+    per_head = 2 * 4 * batch * n_tokens * head_dim
+    return max(1, min(heads, scratch_bytes // per_head))
+
+
 def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  kernel_size: tuple[int, int, int], scale: float, offsets_grad: bool,
-                 config: LaunchConfig | None = None,
+                 config: LaunchConfig | None = None, scratch_bytes: int = SCRATCH_BYTES,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Fused backward. Inputs as `dsa_forward` (contiguous) plus its out and lse and the
     output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and shape
     of q, k, v and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when
-    `offsets_grad` is False. `config` overrides the default tiles (for tuning)."""
+    `offsets_grad` is False. `config` overrides the default tiles (for tuning);
+    `scratch_bytes` bounds the fp32 dK / dV scratch of fp16 / bf16 inputs (`heads_per_group`)."""
     B, T, H, W, heads, d = q.shape
     N = T * H * W
     kt, kh, kw = kernel_size
     dout = dout.contiguous()
     dq = torch.empty_like(q)  # (B, T, H, W, heads, d)
-    dk = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, T, H, W, heads, d) fp32 atomics
-    dv = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, T, H, W, heads, d) fp32 atomics
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
+    group = heads_per_group(B, N, heads, d, k.dtype, scratch_bytes)
+    if k.dtype == torch.float32:
+        dk = torch.zeros_like(k)  # (B, T, H, W, heads, d) fp32 atomics, the outputs themselves
+        dv = torch.zeros_like(v)
+        scratch = None
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
+        scratch = torch.empty((2, B * N * group * d), dtype=torch.float32, device=q.device)  # fp32 dK, dV of a group
     cfg = config or launch_config(N, d)
-    grid = (triton.cdiv(N, cfg.block_q), B * heads)
     with _device_guard(q):
-        _dsa_bwd_kernel[grid](
-            q, k, v, offsets, out, dout, lse, dq, dk, dv, doff,
-            T, H, W, heads, d, q.stride(3), offsets.stride(3), scale, scale * LOG2E,
-            KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d,
-            OFFSET_GRAD=offsets_grad, num_warps=cfg.num_warps,
-        )
-    return dq, dk.to(k.dtype), dv.to(v.dtype), doff if offsets_grad else None
+        for h0 in range(0, heads, group):
+            g = min(group, heads - h0)
+            heads_of = (slice(None),) * 4 + (slice(h0, h0 + g),)  # (B, T, H, W, this group's heads, ...)
+            if scratch is None:
+                dk_acc, dv_acc = dk, dv
+            else:
+                scratch.zero_()
+                dk_acc, dv_acc = (buf[:B * N * g * d].view(B, T, H, W, g, d) for buf in scratch)
+            lse_g = lse[:, h0:h0 + g].contiguous()  # (B, g, N)
+            _dsa_bwd_kernel[(triton.cdiv(N, cfg.block_q), B * g)](
+                q[heads_of], k[heads_of], v[heads_of], offsets[heads_of], out[heads_of], dout[heads_of], lse_g,
+                dq[heads_of], dk_acc, dv_acc, doff[heads_of],
+                T, H, W, g, d, q.stride(3), offsets.stride(3), scale, scale * LOG2E,
+                KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d,
+                OFFSET_GRAD=offsets_grad, num_warps=cfg.num_warps,
+            )
+            if scratch is not None:
+                dk[heads_of].copy_(dk_acc)  # fp32 -> the input dtype, as .to() rounds
+                dv[heads_of].copy_(dv_acc)
+    return dq, dk, dv, doff if offsets_grad else None
