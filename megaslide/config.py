@@ -67,7 +67,7 @@ class AttentionConfig:
             self.variant.check_grid(self.options, grid)
 
 
-_EXECUTION_FIELDS = ("checkpoint_blocks", "chunk_tokens", "backend")  # how a model runs, not what it is
+_EXECUTION_FIELDS = ("checkpoint_blocks", "chunk_tokens", "slab_frames", "backend")  # how a model runs, not what it is
 
 
 def architecture_changes(saved: DiTConfig, current: DiTConfig) -> list[str]:
@@ -95,6 +95,7 @@ class DiTConfig:
     freq_dim: int = 256         # sinusoidal timestep features
     checkpoint_blocks: bool = False  # activation checkpointing per block
     chunk_tokens: int = 0       # token-wise work of each block over slices of this many tokens (0: off)
+    slab_frames: int = 0        # each block over slabs of this many token frames plus the attention's halo (0: off)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self):
@@ -121,12 +122,19 @@ class DiTConfig:
         if self.chunk_tokens < 0:
             raise ValueError(f"model.chunk_tokens={self.chunk_tokens} must be >= 0: set 0 to run each block "
                              f"unchunked, or n > 0 to run its token-wise work over slices of n tokens")
+        if self.slab_frames < 0:
+            raise ValueError(f"model.slab_frames={self.slab_frames} must be >= 0: set 0 to run each block over "
+                             f"the whole clip, or n > 0 to run it over slabs of n token frames")
         self.attention.validate()
+        if self.slab_frames and self.attention.variant.temporal_reach(self.attention.options) is None:
+            raise ValueError(f"model.slab_frames={self.slab_frames} needs a self-attention whose reach along time is "
+                             f"bounded (dsa, dsa_zero); {self.attention.name!r} attends across the whole clip: "
+                             f"set model.slab_frames=0")
 
     def architecture(self) -> dict[str, Any]:
         """The fields that decide the weights' names and shapes and what they compute, flat by their
         config key (`model.dim`, `model.attention.name`, ...): everything but how the blocks run
-        (checkpoint_blocks, chunk_tokens, the attention backend). Checkpoints are resumed only
+        (checkpoint_blocks, chunk_tokens, slab_frames, the attention backend). Checkpoints are resumed only
         into the same architecture."""
         flat = {f"model.{k}": v for k, v in dataclasses.asdict(self).items() if k not in _EXECUTION_FIELDS}
         del flat["model.attention"]

@@ -6,7 +6,7 @@ Shared: the projections, QK-norm, RoPE and the output projection. A variant is o
   `__post_init__` checks their values;
 - `attend(q, k, v, x, grid)`, the token mixing itself, and `reads_input`, whether it reads
   x, the attention input (DSA's offset net does; a chunked block keeps x whole only then);
-- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `extra_params(...)`,
+- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `temporal_reach(options)`, `extra_params(...)`,
   `extra_macs_per_token(...)` and `attend_memory(...)`: what config validation, FLOP,
   parameter and activation-memory accounting need to know without building the module.
 Callers that need the projected heads (the KV-cached causal generator, sequence
@@ -108,6 +108,12 @@ class SelfAttention(nn.Module):
     def keys_per_query(cls, options, grid: Grid) -> int:
         """Keys each video token attends to in self-attention on the token grid (T, H, W)."""
         raise NotImplementedError
+
+    @classmethod
+    def temporal_reach(cls, options) -> int | None:
+        """How many token frames away from its query a key can be, at most (None: unbounded, the whole
+        clip). A block with `slab_frames` runs its attention over a slab of frames padded by this halo."""
+        return None
 
     @classmethod
     def extra_params(cls, options, dim: int, num_heads: int) -> int:

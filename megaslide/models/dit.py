@@ -58,6 +58,17 @@ class DiTBlock(nn.Module):
     Every slice launches the block's small kernels again, and a DSA frame run also convolves its
     two halo frames, so slices should be large: several frames, enough tokens that their matmuls
     keep the device busy.
+    Frame slabs (`cfg.slab_frames` = s > 0, for an attention of bounded temporal reach r: DSA's
+    window plus its largest offset). A key more than r frames from a query never meets it, so the
+    block's output on frames [t0, t0 + s) depends only on its input on [t0 - r, t0 + s + r). The
+    block then runs slab by slab, each under its own checkpoint: the slab with its halo goes through
+    the token-wise projections and the attention (on that sub-grid: RoPE keeps the global positions,
+    and the attention's clamps at the clip's ends fall where they fall on the whole grid, because a
+    halo is cut only there), and only the kept frames go on through the output projection,
+    cross-attention and MLP. Nothing of the attention is ever whole-clip: a block's memory is
+    O((s + 2r) x per-token state) plus its input, output and their gradients. The price: the halo's
+    projections and attention are computed for each of its two slabs ((s + 2r) / s), and one more
+    forward of the token-wise work in backward (the slab checkpoint around the slice checkpoints).
     The `attn=` override (KV-cached and sequence-parallel inference) and a self-attention that is
     not a `SelfAttention` (the sequence-parallel form of `parallelize_dit`) run unchunked.
     """
@@ -65,7 +76,7 @@ class DiTBlock(nn.Module):
     def __init__(self, cfg: DiTConfig, layer_idx: int):
         super().__init__()
         a = cfg.attention
-        self.chunk_tokens = cfg.chunk_tokens
+        self.chunk_tokens, self.slab_frames = cfg.chunk_tokens, cfg.slab_frames
         self.norm1 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.attn = build_attention(a.name, cfg.dim, cfg.num_heads, qk_norm=cfg.qk_norm, layer_idx=layer_idx,
                                     chunk_tokens=cfg.chunk_tokens, **dataclasses.asdict(a.options))
@@ -90,7 +101,7 @@ class DiTBlock(nn.Module):
         `attn(h, rope, grid) -> (B, N, D)` replaces the self-attention call (default
         `self.attn`); KV-cached and sequence-parallel inference pass their own, built from
         `self.attn.project_qkv` / `project_out`."""
-        if attn is None and self.chunk_tokens and isinstance(self.attn, SelfAttention):
+        if attn is None and (self.chunk_tokens or self.slab_frames) and isinstance(self.attn, SelfAttention):
             return self._forward_chunked(x, t_mod, ctx, ctx_mask, rope, grid)
         attn = self.attn if attn is None else attn
         m = (self.modulation[None] + t_mod).unbind(1)                                  # 9 x (B, D)
@@ -103,17 +114,37 @@ class DiTBlock(nn.Module):
         return x + m[8][:, None] * self.mlp(modulate(self.norm3(x), m[6], m[7]))
 
     def _forward_chunked(self, x, t_mod, ctx, ctx_mask, rope, grid):
-        """`forward` with the token-wise work over slices of `chunk_tokens` tokens (see the class docstring)."""
+        """`forward` with the token-wise work over slices of `chunk_tokens` tokens and, with `slab_frames`,
+        the whole block over slabs of frames (see the class docstring)."""
         mod = self.modulation[None] + t_mod                                           # (B, 9, D)
+        reach = self.attn.temporal_reach(self.attn.options) if self.slab_frames else None
+        slabs = frame_slabs(grid[0], self.slab_frames, reach)
+        if len(slabs) == 1:
+            return self._run_slab(x, mod, ctx, ctx_mask, rope, grid, slice(None))
+        T, H, W = grid
+        fr = H * W                                                                     # tokens per frame
         cos, sin = rope                                                               # (N, d/2) each
-        spans = [slice(s, s + self.chunk_tokens) for s in range(0, x.shape[1], self.chunk_tokens)]
+        out = [checkpoint(self._run_slab, x[:, a * fr:b * fr], mod, ctx, ctx_mask,
+                          (cos[a * fr:b * fr], sin[a * fr:b * fr]), (b - a, H, W),
+                          slice((t0 - a) * fr, (t1 - a) * fr), use_reentrant=False)
+               for a, t0, t1, b in slabs]                                             # (B, (t1-t0)*fr, D) each
+        return torch.cat(out, dim=1)                                                  # (B, N, D)
+
+    def _run_slab(self, x, mod, ctx, ctx_mask, rope, grid, keep: slice):
+        """The block over x (B, n, D), a run of whole frames (grid (t, H, W)), returning only the rows
+        `keep` (B, n_keep, D): the halo rows outside it are there for the attention of the kept ones."""
+        cos, sin = rope                                                               # (n, d/2) each
+        step = self.chunk_tokens or x.shape[1]
+        spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
         parts = [checkpoint(self._project_slice, x[:, s], mod, cos[s], sin[s], use_reentrant=False) for s in spans]
-        q, k, v, *h = (torch.cat(p, dim=1) for p in zip(*parts))                     # (B, N, h, d) x 3[, (B, N, D)]
+        q, k, v, *h = (torch.cat(p, dim=1) for p in zip(*parts))                     # (B, n, h, d) x 3[, (B, n, D)]
         del parts  # the slices: only their concatenations stay alive through attention
-        o = self.attn.attend(q, k, v, h[0] if h else None, grid)                      # (B, N, h, d)
+        o = self.attn.attend(q, k, v, h[0] if h else None, grid)[:, keep]            # (B, n_keep, h, d)
+        x = x[:, keep]                                                                # (B, n_keep, D)
+        spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
         out = [checkpoint(self._finish_slice, x[:, s], o[:, s], mod, ctx, ctx_mask, use_reentrant=False)
                for s in spans]
-        return torch.cat(out, dim=1)                                                  # (B, N, D)
+        return torch.cat(out, dim=1)                                                  # (B, n_keep, D)
 
     def _project_slice(self, x, mod, cos, sin):
         """A slice x (B, n, D) -> q, k, v (B, n, heads, d), and the attention input (B, n, D) if the variant reads it."""
@@ -127,6 +158,16 @@ class DiTBlock(nn.Module):
         m = mod.unbind(1)                                                             # 9 x (B, D)
         x = x + m[2][:, None] * self.attn.project_out(o)                              # (B, n, D)
         return self._cross_and_mlp(x, m, ctx, ctx_mask)
+
+
+def frame_slabs(frames: int, slab: int, reach: int | None) -> list[tuple[int, int, int, int]]:
+    """The slabs (a, t0, t1, b) of a clip of `frames` token frames: slab i keeps frames [t0, t1) =
+    [i * slab, (i + 1) * slab) and reads [a, b), those padded by `reach` frames on each side (cut at
+    the clip's ends). One slab (0, 0, T, T) when `slab` is 0 or covers the clip."""
+    if not slab or slab >= frames:
+        return [(0, 0, frames, frames)]
+    return [(max(0, t0 - reach), t0, min(t0 + slab, frames), min(frames, t0 + slab + reach))
+            for t0 in range(0, frames, slab)]
 
 
 @dataclasses.dataclass

@@ -172,3 +172,54 @@ def test_negative_chunk_tokens_is_a_clear_error(chunk_tokens):
         DiTConfig(chunk_tokens=chunk_tokens).validate()
     with pytest.raises(ValueError, match=r"model\.chunk_tokens"):
         build_dit("tiny", chunk_tokens=chunk_tokens)
+
+
+SLAB_GRID = (19, 3, 4)   # 228 tokens; 19 frames: slabs with a halo cut at both ends and ones cut at neither
+
+
+@pytest.mark.parametrize("attention,max_offset,weight_std", [
+    ("dsa", 1.5, 0.3),    # reach 5: offsets mostly inside the bound
+    ("dsa", 4.0, 3.0),    # reach 7: saturated tanh, offsets at exactly +-max_offset, clamped at the clip's ends
+    ("dsa_zero", 4.0, 0.1),
+])
+@pytest.mark.parametrize("slab,chunk", [(1, 0), (3, 0), (4, 17), (7, 40), (19, 0)])
+def test_slab_block_equals_unslabbed(attention, max_offset, weight_std, slab, chunk):
+    """A block over slabs of frames padded by the attention's temporal reach = the block over the whole clip:
+    output and every gradient, for learned offsets up to their bound (which reach the halo's far edge)."""
+    cfg = DiTConfig(dim=32, num_heads=2, ffn_dim=64, attention={"name": attention, "max_offset": max_offset})
+    plain = DiTBlock(cfg, layer_idx=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            p.normal_(std=weight_std if name.startswith("attn.offset") else 0.1)
+    slabbed = DiTBlock(dataclasses.replace(cfg, slab_frames=slab, chunk_tokens=chunk), layer_idx=0)
+    slabbed.load_state_dict(plain.state_dict())
+    inputs = _block_inputs(cfg, grid=SLAB_GRID)
+    if attention == "dsa":
+        offsets = plain.attn.offsets(torch.randn(1, 228, 32), SLAB_GRID)
+        assert offsets.abs().max() > (0.99 if weight_std > 1 else 0.5) * max_offset  # saturated: the halo's far edge
+    want_out, want_grads = _run(plain, inputs)
+    got_out, got_grads = _run(slabbed, inputs)
+    _assert_close(got_out, want_out)
+    names = ["x", "t_mod", "ctx"] + [n for n, _ in plain.named_parameters()]
+    for name, got, want in zip(names, got_grads, want_grads):
+        if want is None:                                  # dsa_zero: the inert offset net
+            assert got is None, name
+            continue
+        assert want.abs().max() > 0, name
+        _assert_close(got, want)
+
+
+def test_frame_slabs_cover_the_clip_once():
+    from megaslide.models.dit import frame_slabs
+    assert frame_slabs(10, 0, 3) == [(0, 0, 10, 10)]
+    assert frame_slabs(10, 10, 3) == [(0, 0, 10, 10)]
+    assert frame_slabs(10, 4, 3) == [(0, 0, 4, 7), (1, 4, 8, 10), (5, 8, 10, 10)]
+
+
+@pytest.mark.parametrize("attention", ["dense", "swin"])
+def test_slab_frames_needs_a_bounded_attention(attention):
+    with pytest.raises(ValueError, match=r"model\.slab_frames=4 needs a self-attention.*set model\.slab_frames=0"):
+        DiTConfig(slab_frames=4, attention={"name": attention}).validate()
+    with pytest.raises(ValueError, match=r"model\.slab_frames=-1 must be >= 0"):
+        DiTConfig(slab_frames=-1).validate()
