@@ -63,6 +63,14 @@ class DSAAttention(SelfAttention):
         return math.prod(options.kernel_size)
 
     @classmethod
+    def temporal_reach(cls, options: DSAOptions) -> int:
+        # an edge query's clamped window spans kt - 1 frames on one side; a sample moves by at most
+        # max_offset (tanh can round to exactly 1); its upper trilinear corner (read for the offset
+        # gradient even at weight 0) is one frame further
+        kt = options.kernel_size[0]
+        return kt + (0 if cls.fixed_zero_offsets else math.ceil(options.max_offset))
+
+    @classmethod
     def extra_params(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
         out = num_heads * math.prod(options.kernel_size) * 3
         return (27 * dim + dim) + (dim * out + out)           # depthwise 3^3 Conv3d, offset Linear
