@@ -49,7 +49,7 @@ from megaslide.config import DiTConfig
 from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
 from megaslide.perf.flops import DiTFlops, dit_flops, keys_per_query
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
-from megaslide.models.dit import DiTBlock, count_params
+from megaslide.models.dit import DiTBlock, count_params, frame_slabs
 from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
 from megaslide.offload.streamer import parked_inputs
 
@@ -98,17 +98,28 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     """The compute floor of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
     trainer's checkpointed ones): (executed FLOPs, {"matmul": s, "attention": s}); the floor is their
-    sum (see the module docstring)."""
+    sum (see the module docstring).
+
+    Blocks dominate (the stem's forward is counted once per pass). Every block's forward runs once,
+    plus once more if recomputed, plus once more with several slabs (`slab_frames`: each slab re-runs
+    in the backward); its backward counts 2x its forward. A chunked block (`chunk_tokens` or
+    `slab_frames`) re-runs its token-wise slices in the backward: every weight's forward once more.
+    Slabs read their halo frames too: the QKV projection and `attend` run over `halo` x the tokens."""
     flops = dit_flops(cfg, batch, grid)
-    tokens, depth, a = batch * math.prod(grid), cfg.depth, cfg.attention
-    # blocks dominate the forward (stem ignored); chunking runs every block's token-wise forward once more
-    executed = flops.train + flops.forward * recomputed / depth + (flops.weights if cfg.chunk_tokens else 0)
-    counted = 4.0 * tokens * keys_per_query(a, grid) * cfg.dim * depth            # attend's forward, counted
-    forwards = 1 + recomputed / depth
+    tokens, depth, a, D = batch * math.prod(grid), cfg.depth, cfg.attention, cfg.dim
+    reach = a.variant.temporal_reach(a.options) if cfg.slab_frames else None
+    slabs = frame_slabs(grid[0], cfg.slab_frames, reach)
+    halo = sum(b - t for t, _, _, b in slabs) / grid[0]          # frames read per frame kept
+    forwards = 1 + recomputed / depth + (len(slabs) > 1)          # a block's forward passes; backward: 2 more
+    counted = 4.0 * tokens * keys_per_query(a, grid) * D * depth  # attend's forward, counted
+    own = 2.0 * tokens * a.variant.extra_macs_per_token(a.options, D, cfg.num_heads) * depth
+    qkv = 2.0 * tokens * 3 * D * D * depth
+    chunked = bool(cfg.chunk_tokens or cfg.slab_frames)
+    executed = (flops.forward * (forwards + 2) + (flops.weights + (halo - 1) * qkv) * chunked
+                + (halo - 1) * (qkv + counted + own) * (forwards + 2))
     rate = ceilings.attention_rate(a.name)
-    own = 2.0 * tokens * a.variant.extra_macs_per_token(a.options, cfg.dim, cfg.num_heads) * depth
-    in_attend = counted + (own if rate.includes_own_weights else 0)
-    attention = counted * forwards / (rate.forward_tflops * 1e12) + 2 * counted / (rate.backward_tflops * 1e12)
+    in_attend = halo * (counted + (own if rate.includes_own_weights else 0))
+    attention = halo * (counted * forwards / (rate.forward_tflops * 1e12) + 2 * counted / (rate.backward_tflops * 1e12))
     matmul = (executed - in_attend * (forwards + 2)) / (ceilings.tflops * 1e12)
     return executed, {"matmul": matmul, "attention": attention}
 

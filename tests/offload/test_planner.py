@@ -77,6 +77,16 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     _, default = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=Ceilings(tflops=500.0))
     assert default["attention"] == pytest.approx(2 * counted / 1.05e12 + 2 * counted / 0.475e12)
     assert default["matmul"] == pytest.approx((executed - 4 * counted) / 500e12)
+    # slabs of 4 frames, each padded by DSA's reach of 3 + 4 frames: frames [0, 11), [0, 15), [1, 16), [5, 16)
+    # read, 52 for 16 kept; every block's backward re-runs its slabs (a third forward) and its slices
+    slabbed = dataclasses.replace(cfg, slab_frames=4)
+    slab_executed, slab = planner.compute_seconds(slabbed, 1, grid, recomputed=4, ceilings=measured)
+    halo, qkv = 52 / 16, 2 * tokens * 3 * D * D * 4
+    assert slab["attention"] == pytest.approx(halo * (3 * counted / 2e12 + 2 * counted / 0.5e12))
+    f = dit_flops(cfg, 1, grid)
+    assert slab_executed == pytest.approx(5 * f.forward + f.weights + (halo - 1) * (qkv + counted + own) * 5
+                                          + (halo - 1) * qkv)
+    assert slab["matmul"] == pytest.approx((slab_executed - halo * (counted + own) * 5) / 500e12)
     # an attention without a rate (dense) runs at the matmul ceiling: compute = executed FLOPs / ceiling
     dense = dataclasses.replace(cfg, attention=AttentionConfig("dense"))
     dense_executed, dense_parts = planner.compute_seconds(dense, 1, grid, recomputed=4, ceilings=Ceilings(tflops=500.0))
