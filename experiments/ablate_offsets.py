@@ -18,12 +18,13 @@ import dataclasses
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import ground_truth_row, make_job, run_study
+from experiments.quality_protocol import check_study, ground_truth_row, make_job, run_study
 
 
 @script_main("ablate_offsets")
 def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
+    check_study(cfg)
     for name in cfg.variants:
         model.attention.name = name
         model.validate()

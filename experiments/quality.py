@@ -14,12 +14,13 @@ import dataclasses
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import ground_truth_row, make_job, run_study
+from experiments.quality_protocol import check_study, ground_truth_row, make_job, run_study
 
 
 @script_main("quality")
 def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
+    check_study(cfg)
     swin = {"window": tuple(cfg.swin_window)}
     models = {v: dataclasses.replace(model, attention=model.attention.for_variant(v, **(swin if v == "swin" else {})))
               for v in cfg.variants}

@@ -15,6 +15,7 @@ import math
 import multiprocessing
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -163,6 +164,26 @@ def publish(experiment: str, name: str, results_dir, config: dict, rows: list[di
         if save_grid(png, [r for r in truth + rows if frames is None or r["frames"] == frames]):
             pngs.append(png)
     return path, pngs
+
+
+STUDY_COUNTS = {"n_eval": "held-out captions each run samples and scores, e.g. n_eval=32",
+                "workers": "runs at once, e.g. workers=1 for one after another",
+                "sample_batch": "clips sampled per batch, e.g. sample_batch=32"}
+
+
+def check_study(cfg) -> None:
+    """The study keys of `cfg` (STUDY_COUNTS integers >= 1, seeds a non-empty list of integers); a ValueError
+    names the key and the fix. A study script calls it with typed_configs, before anything is written."""
+    for key, meaning in STUDY_COUNTS.items():
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be an integer >= 1: {meaning}")
+    seeds = cfg.seeds
+    if (isinstance(seeds, str) or not isinstance(seeds, Sequence) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+        shown = list(seeds) if isinstance(seeds, Sequence) and not isinstance(seeds, str) else seeds
+        raise ValueError(f"seeds={shown!r} must be a non-empty list of integers (one run per seed), e.g. "
+                         f"seeds=[0] or 'seeds=[0,1,2]'")
 
 
 def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, tag: str) -> dict:

@@ -13,6 +13,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import experiments.ablate_offsets
+import experiments.quality
 import experiments.sample
 import experiments.train
 from experiments.hydra_config import CONF_DIR, typed_configs
@@ -91,6 +93,28 @@ def test_train_refuses_before_writing_anything(kind, tmp_path, checkpoint, monke
     err = run_main(experiments.train, ["out_dir=runs/x", *args], cwd, monkeypatch, capsys)
     assert message in err
     assert list(cwd.iterdir()) == []                     # no run folder, .hydra, *.log or wandb/
+
+
+# the quality protocol's study keys (ablate_offsets.py, quality.py); one training step each, so that a
+# key accepted by mistake fails the test quickly instead of running the study
+BAD_STUDY = {
+    "zero n_eval": (["n_eval=0"], "n_eval=0 must be an integer >= 1: held-out captions each run samples"),
+    "fractional n_eval": (["n_eval=2.5"], "n_eval=2.5 must be an integer >= 1"),
+    "zero workers": (["workers=0"], "workers=0 must be an integer >= 1: runs at once"),
+    "zero sample batch": (["sample_batch=0"], "sample_batch=0 must be an integer >= 1: clips sampled per batch"),
+    "no seeds": (["seeds=[]"], "seeds=[] must be a non-empty list of integers"),
+    "seed not a list": (["seeds=3"], "seeds=3 must be a non-empty list of integers"),
+    "fractional seed": (["seeds=[0.5]"], "seeds=[0.5] must be a non-empty list of integers"),
+}
+
+
+@pytest.mark.parametrize("script", [experiments.ablate_offsets, experiments.quality], ids=["ablate_offsets", "quality"])
+@pytest.mark.parametrize("kind", BAD_STUDY)
+def test_studies_refuse_before_writing_anything(script, kind, tmp_path, monkeypatch, capsys):
+    args, message = BAD_STUDY[kind]
+    err = run_main(script, ["out_dir=runs/x", "train.steps=1", *args], tmp_path, monkeypatch, capsys)
+    assert message in err and "num_videos" not in err
+    assert list(tmp_path.iterdir()) == []                # no run folder, results, .hydra, *.log or wandb/
 
 
 def test_full_error_keeps_the_traceback(tmp_path, monkeypatch):
