@@ -3,18 +3,45 @@
 Same protocol as ablate_offsets.py (experiments/quality_protocol.py), several seeds, mean
 and spread. A variant that runs out of memory is recorded as OOM, not dropped.
 
+`progressive=true` trains the long clips the way video DiTs are trained: each clip after the
+first continues the previous clip's run of the same (variant, seed) from its final checkpoint
+(weights, EMA, AdamW state and step count) for its `clip_steps` more steps, the same schedule
+for every variant. The optimizer state is kept: after warm-up the learning rate is constant,
+and fresh AdamW moments would make the first updates about lr on every weight (bias-corrected
+first steps), a jolt away from the short-clip solution; kept, the long clip is exactly a
+resumed run. With workers > 1 a long run starts as soon as its short run has finished.
+
+`compile_probe=true` measures train.compile instead of running the study: per variant, at the
+first clip and its batch size, training steps per second without and with torch.compile
+(`probe_steps` timed steps after `probe_warmup` untimed ones, which include compiling), in
+results/quality_compile/<results_name>.json.
+
     python experiments/quality.py                                        # tiny, CPU
-    python experiments/quality.py train.device=cuda train.steps=2000 clip_frames=[16,64] \
-        results_dir=results results_name=h200
+    python experiments/quality.py compile_probe=true                     # tiny, CPU
+    experiments/gpu/quality_study.sh                                     # the H200 study, one command
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import check_study, ground_truth_row, make_job, run_study
+from experiments.quality_protocol import check_study, final_checkpoint, ground_truth_row, make_job, run_study
+from experiments.results_io import write_result
+from megaslide.config import DataConfig, DiTConfig, TrainConfig
+from megaslide.train.trainer import Trainer
+
+
+def per_clip(values, default: int, key: str, default_key: str, clip_frames) -> list[int]:
+    """One value per entry of clip_frames: `values`, or `default` for every clip when empty."""
+    out = [int(v) for v in values] or [default] * len(clip_frames)
+    if len(out) != len(clip_frames):
+        raise ValueError(f"{key}={list(values)} needs one value per entry of clip_frames={list(clip_frames)}, "
+                         f"or [] to use {default_key} for every clip")
+    return out
 
 
 @script_main("quality")
@@ -25,23 +52,81 @@ def main(cfg: DictConfig) -> None:
     models = {v: dataclasses.replace(model, attention=model.attention.for_variant(v, **(swin if v == "swin" else {})))
               for v in cfg.variants}
     clips = [dataclasses.replace(data, frames=int(f)) for f in cfg.clip_frames]
-    batches = [int(b) for b in cfg.clip_batch_sizes] or [train.batch_size] * len(clips)
-    if len(batches) != len(clips):
-        raise ValueError(f"clip_batch_sizes={list(cfg.clip_batch_sizes)} needs one batch size per entry of "
-                         f"clip_frames={list(cfg.clip_frames)}, or [] to use train.batch_size for every clip")
+    batches = per_clip(cfg.clip_batch_sizes, train.batch_size, "clip_batch_sizes", "train.batch_size", cfg.clip_frames)
+    steps = per_clip(cfg.clip_steps, train.steps, "clip_steps", "train.steps", cfg.clip_frames)
     for clip in clips:                       # every (variant, clip) is validated before training starts
         grid = model.token_grid(clip.frames, clip.height, clip.width)
         for name in cfg.variants:
             models[name].attention.validate(grid)
-    jobs = [make_job(cfg, variant, models[variant], clip,
-                     dataclasses.replace(train, seed=int(seed), batch_size=batch), f"{cfg.name}{clip.frames}f")
-            for seed in cfg.seeds for clip, batch in zip(clips, batches) for variant in cfg.variants]
+    if cfg.compile_probe:
+        probe_compile(cfg, models, clips[0], dataclasses.replace(train, batch_size=batches[0]))
+        return
+    totals = list(itertools.accumulate(steps)) if cfg.progressive else steps   # each run's steps in all
+    jobs = []
+    for seed in cfg.seeds:
+        previous: dict[str, dict] = {}       # variant -> its job at the previous clip
+        for clip, batch, total in zip(clips, batches, totals):
+            for variant in cfg.variants:
+                run = dataclasses.replace(train, seed=int(seed), batch_size=batch, steps=total)
+                if cfg.progressive and variant in previous:
+                    run = dataclasses.replace(run, resume=str(final_checkpoint(previous[variant])))
+                previous[variant] = make_job(cfg, variant, models[variant], clip, run, f"{cfg.name}{clip.frames}f")
+                jobs.append(previous[variant])
     config = {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
-              "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": train.steps,
+              "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": steps[0],
+              "clip_steps": steps, "progressive": bool(cfg.progressive), "compile": train.compile,
               "seeds": list(cfg.seeds), "batch_sizes": batches}
     run_study("quality", cfg, jobs, [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips], config,
               {f"_{clip.frames}f": clip.frames for clip in clips})
 
+
+def time_steps(model: DiTConfig, data: DataConfig, train: TrainConfig, out_dir: str, warmup: int,
+               steps: int) -> dict:
+    """Seconds of `warmup` untimed training steps (compiling, with train.compile) and the steps per second
+    of the `steps` after them; a failure (e.g. of the compiler) is the row's status."""
+    try:
+        trainer = Trainer(model, data, train, out_dir)
+        for _ in range(warmup):
+            trainer.train_step()
+        warmup_s = trainer.engine.timings(range(0, warmup))["step_time_s"] * warmup
+        for _ in range(steps):
+            trainer.train_step()
+        step_s = trainer.engine.timings(range(warmup, warmup + steps))["step_time_s"]
+    except Exception as err:  # the probe's question is whether compiling works here at all
+        return {"compile": train.compile, "status": f"failed: {type(err).__name__}: {str(err)[:200]}"}
+    return {"compile": train.compile, "warmup_s": warmup_s, "steps_per_s": 1 / step_s, "status": "ok"}
+
+
+def probe_compile(cfg: DictConfig, models: dict[str, DiTConfig], clip: DataConfig, train: TrainConfig) -> None:
+    """Each variant's training speed without and with train.compile (module docstring). The compiled row
+    adds `speedup` and `break_even_steps`, the steps after which compiling has paid for its longer warm-up.
+    The JSON is rewritten after every measurement, so a probe cut short keeps what it measured."""
+    config = {"frames": clip.frames, "size": [clip.height, clip.width], "batch_size": train.batch_size,
+              "warmup": cfg.probe_warmup, "steps": cfg.probe_steps, "variants": list(cfg.variants)}
+    rows: list[dict] = []
+    for variant, on in itertools.product(cfg.variants, (False, True)):
+        rows.append({"variant": variant, **time_steps(models[variant], clip, dataclasses.replace(train, compile=on),
+                                                      cfg.out_dir, cfg.probe_warmup, cfg.probe_steps)})
+        if on and rows[-2]["status"] == rows[-1]["status"] == "ok":
+            rows[-1].update(compile_gain(rows[-2], rows[-1]))
+        path = write_result("quality_compile", cfg.results_name, {"config": config, "rows": rows,
+                                                                  "jobs_done": len(rows),
+                                                                  "jobs_total": 2 * len(cfg.variants)},
+                            results_dir=cfg.results_dir)
+    for r in rows:
+        speed = f"{r['steps_per_s']:.1f} steps/s, warm-up {r['warmup_s']:.1f} s" if r["status"] == "ok" else r["status"]
+        gain = f", speed-up {r['speedup']:.2f}x (pays after {r['break_even_steps']} steps)" if "speedup" in r else ""
+        print(f"{r['variant']:9s} compile={str(r['compile']).lower():5s} {speed}{gain}")
+    print(f"\ncompile probe (JSON): {path}")
+
+
+def compile_gain(eager: dict, compiled: dict) -> dict:
+    """`speedup` (compiled / eager steps per second) and `break_even_steps`: the training steps after which
+    the compiled run has caught up with the eager one despite its longer warm-up (None: it never does)."""
+    saved = 1 / eager["steps_per_s"] - 1 / compiled["steps_per_s"]            # seconds per step
+    extra = max(0.0, compiled["warmup_s"] - eager["warmup_s"])
+    return {"speedup": compiled["steps_per_s"] / eager["steps_per_s"],
+            "break_even_steps": math.ceil(extra / saved) if saved > 0 else None}
 
 if __name__ == "__main__":
     main()

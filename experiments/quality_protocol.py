@@ -11,12 +11,14 @@ that the 16-pixel shapes of the CPU size can be seen.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import multiprocessing
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
@@ -25,12 +27,14 @@ import torch
 
 from experiments.report import render
 from experiments.results_io import write_result
+from megaslide.checkpoint import checkpoint_path
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
 from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
 from megaslide.eval.motion import score_videos
 from megaslide.eval.video import frame_consistency, temporal_flickering
 from megaslide.models.dit import count_params
+from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.trainer import Trainer
 
@@ -77,31 +81,80 @@ def sample_in_batches(trainer: Trainer, captions: list[str], batch: int, seed: i
     return torch.cat([trainer.sample(captions[i:i + batch], seed=seed + i) for i in range(0, len(captions), batch)])
 
 
+def run_name(tag: str, attention: str, seed: int) -> str:
+    """The folder of one run under out_dir."""
+    return f"{tag}_{attention}_seed{seed}"
+
+
+def final_checkpoint(job: dict) -> Path:
+    """The checkpoint a job's run writes when it finishes (training saves one at its last step)."""
+    run_dir = Path(job["out_dir"]) / run_name(job["tag"], job["attention"], job["train"].seed)
+    return checkpoint_path(run_dir / "checkpoints", job["train"].steps, sharded=False)
+
+
+def weights_digest(engine: StepEngine) -> str:
+    """sha256 (first 16 hex digits) of the trained weights and the sampling weights (the EMA when kept), by
+    name: equal digests mean a run continued from exactly the weights another run ended with."""
+    h = hashlib.sha256()
+    for state in (engine.model.state_dict(), engine.model_state_dict()):
+        for name, tensor in sorted(state.items()):
+            h.update(name.encode())
+            h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_samples(path: Path, videos: torch.Tensor, captions: list[str], labels: list) -> Path:
+    """All sampled clips of a run as uint8 frames (B, T, H, W, 3) with their captions and labels (JSON),
+    compressed, so that a later scorer can re-score them (load_samples)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, videos=np.stack([to_uint8_frames(v) for v in videos]), captions=np.array(captions),
+                        labels=np.array(json.dumps(labels)))
+    return path
+
+
+def load_samples(path: str | Path) -> tuple[torch.Tensor, list[str], list]:
+    """What save_samples wrote: videos (B, 3, T, H, W) in [-1, 1] (as score() takes them), captions, labels."""
+    with np.load(path) as f:
+        frames = torch.from_numpy(f["videos"])                                   # (B, T, H, W, 3) uint8
+        captions, labels = [str(c) for c in f["captions"]], json.loads(str(f["labels"]))
+    return frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1, captions, labels  # (B, 3, T, H, W)
+
+
 def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, *, n_eval: int,
                 eval_seed: int, sample_batch: int, out_dir: Path, project: str, tag: str,
                 save_mp4: bool = True) -> dict:
     """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row.
 
-    `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary)."""
+    A run whose `train.resume` names a checkpoint continues that run (weights, EMA, optimizer
+    state, step count) on this clip up to `train.steps` in all: quality.py's progressive
+    long-clip runs. The row says what the run started from (`init_from`: the checkpoint,
+    relative to out_dir, or "scratch"; `init_step`), its total `steps`, the weights_digest
+    at its start and end, and `samples_file`: every sampled clip (save_samples), relative to
+    out_dir. `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary)."""
     model = dataclasses.replace(model, attention=model.attention.for_variant(attention))
-    run_dir = out_dir / f"{tag}_{attention}_seed{train.seed}"
+    run_dir = out_dir / run_name(tag, attention, train.seed)
+    source = Path(train.resume) if train.resume else None
     row = {"variant": attention, "frames": data.frames, "seed": train.seed, "params": count_params(model),
-           "steps": train.steps}
+           "steps": train.steps, "init_from": "scratch" if source is None else _relative(source, out_dir)}
     logger = RunLogger(run_dir, project=project, name=f"{tag}-{attention}-s{train.seed}",
                        config={"model": dataclasses.asdict(model), "data": dataclasses.asdict(data),
                                "train": dataclasses.asdict(train)})
     try:
         trainer = Trainer(model, data, train, run_dir, logger=logger)
+        trainer.maybe_resume()
+        row.update(init_step=trainer.step, init_weights=weights_digest(trainer.engine))
         t0 = time.perf_counter()
         last = trainer.fit()
         row["train_s"] = time.perf_counter() - t0
         row["final_loss"] = last.get("loss", math.nan)
+        row["final_weights"] = weights_digest(trainer.engine)
         captions, labels, _ = eval_set(data, n_eval, eval_seed)
         videos = sample_in_batches(trainer, captions, sample_batch, seed=eval_seed)
     except torch.OutOfMemoryError as e:
         logger.finish()
         return {**row, "status": f"OOM: {str(e).splitlines()[0][:120]}"}
     row.update(score(videos, labels), status="ok")
+    row["samples_file"] = _relative(save_samples(run_dir / "samples" / "eval.npz", videos, captions, labels), out_dir)
     logger.log({f"eval/{k}": row[k] for k in SCORE_KEYS}, trainer.step)
     if save_mp4:
         mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", upscaled(videos[0]))
@@ -113,6 +166,10 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     return row
 
 
+def _relative(path: Path, root: Path) -> str:
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
@@ -121,28 +178,95 @@ def _run_job(job: dict) -> dict:
     return run_variant(**job)
 
 
+def dependencies(jobs: list[dict]) -> dict[int, int]:
+    """job index -> index of the earlier job whose final checkpoint it starts from (its `train.resume`)."""
+    writers = {str(final_checkpoint(job)): i for i, job in enumerate(jobs)}
+    after = {i: writers[job["train"].resume] for i, job in enumerate(jobs) if job["train"].resume in writers}
+    late = [(i, j) for i, j in after.items() if j >= i]
+    if late:
+        raise ValueError(f"jobs {[i for i, _ in late]} start from the checkpoints of later jobs {[j for _, j in late]}; "
+                         f"list each run after the run it continues")
+    return after
+
+
+def _row_of(job: dict, status: str) -> dict:
+    """The row of a job that has no scores."""
+    return {"variant": job["attention"], "frames": job["data"].frames, "seed": job["train"].seed,
+            "steps": job["train"].steps, "status": status}
+
+
 def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """run_variant(**job) for every job; result rows in job order.
 
-    `on_row(rows_so_far)` is called after each finished job (in job order), so a caller can
-    publish partial results that survive an interrupted run. workers > 1 runs that many
-    jobs at once in spawned processes; each gets an equal share of the CPU threads. Every
-    job is independent and seeded, so the rows do not depend on `workers`."""
+    A job that continues another job's run (dependencies) starts once that run has finished,
+    and is recorded as not run if it did not end "ok". `on_row(rows)` is called after each
+    finished job with the rows finished so far (in job order), so a caller can publish partial
+    results that survive an interrupted run. A job that raises is recorded as failed and the
+    others go on; the first such error is raised once every job has ended. workers > 1 runs
+    that many jobs at once in spawned processes; each gets an equal share of the CPU threads.
+    Every job is seeded, so the rows do not depend on `workers`."""
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 (1 runs the jobs one after another in this process)")
-    rows: list[dict] = []
+    after = dependencies(jobs)
+    done: dict[int, dict] = {}
+    errors: list[Exception] = []
+
+    def finish(i: int, row: dict) -> None:
+        done[i] = row
+        on_row([done[k] for k in sorted(done)])
+
+    def attempt(i: int, run: Callable[[], dict]) -> None:
+        try:
+            row = run()
+        except Exception as err:  # recorded, and raised after the other jobs
+            errors.append(err)
+            row = _row_of(jobs[i], f"failed: {type(err).__name__}: {str(err)[:200]}")
+        finish(i, row)
+
+    def blocked(i: int) -> bool:
+        """Whether job i continues a run that did not end "ok"; if so it is recorded as not run."""
+        if i in after and done[after[i]].get("status") != "ok":
+            source = done[after[i]]
+            finish(i, _row_of(jobs[i], f"not run: the run it continues ({source['frames']} frames) ended "
+                                       f"{source['status']}"))
+            return True
+        return False
+
     if workers == 1:
-        for job in jobs:
-            rows.append(run_variant(**job))
-            on_row(rows)
-        return rows
+        for i, job in enumerate(jobs):
+            if not blocked(i):
+                attempt(i, lambda: run_variant(**job))
+        return _rows(done, errors)
     threads = max(1, (os.cpu_count() or 1) // workers)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_init_worker, initargs=(threads,)) as pool:
-        for row in pool.map(_run_job, jobs):
-            rows.append(row)
-            on_row(rows)
-    return rows
+        running: dict = {}
+
+        def start(i: int) -> None:
+            """Submit job i, or record it (and the jobs that continue it) as not run."""
+            if not blocked(i):
+                running[pool.submit(_run_job, jobs[i])] = i
+                return
+            for k in (k for k, j in after.items() if j == i):
+                start(k)
+
+        for i in range(len(jobs)):
+            if i not in after:
+                start(i)
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                i = running.pop(future)
+                attempt(i, future.result)
+                for k in (k for k, j in after.items() if j == i):
+                    start(k)
+    return _rows(done, errors)
+
+
+def _rows(done: dict[int, dict], errors: list[Exception]) -> list[dict]:
+    if errors:
+        raise errors[0]
+    return [done[i] for i in sorted(done)]
 
 
 def publish(experiment: str, name: str, results_dir, config: dict, rows: list[dict], truth: list[dict],
@@ -150,7 +274,7 @@ def publish(experiment: str, name: str, results_dir, config: dict, rows: list[di
     """Write the result JSON (summary over seeds + per-seed table) and the sample grids; returns
     their paths.
 
-    `rows` may be a prefix of the jobs (`jobs_done` < `jobs_total` marks a partial result);
+    `rows` may be those of the jobs finished so far (`jobs_done` < `jobs_total` marks a partial result);
     `grids` maps a PNG suffix to the clip length it shows (None: every row); the ground truth
     of that clip length heads each grid."""
     everything = rows + truth

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The C6-C8 quality study (experiments/quality.py) on one H200 in one command, stopped by the
+# script itself before BUDGET_S seconds (issue 17, item 6). Run from anywhere:
+#
+#   experiments/gpu/quality_study.sh          # GPU: results under $OUT (or RESULTS), about 9 minutes
+#   DRY=1 experiments/gpu/quality_study.sh    # the same stages at tiny size on the CPU, under 2 minutes
+#
+# 1. Compile probe (at most PROBE_S = 40 s): dsa at 16 frames, batch 8, training steps/s without
+#    and with train.compile -> RESULTS/quality_compile/NAME.json.
+# 2. The study -> RESULTS/quality/NAME.json (+ sample grids, RESULTS/quality.md): 3 seeds x {dense,
+#    swin, dsa, dsa_zero} at 16 frames (batch 8, SHORT steps), then progressively at 64 frames
+#    (batch 2: the same tokens per step), each 64-frame run continuing its 16-frame run for LONG
+#    more steps. All 12 runs of a clip length train at once, one process and one CPU thread each;
+#    a 64-frame run starts when its 16-frame run ends. train.compile is on when the probe says it
+#    pays for itself well within SHORT steps. SHORT (at most SHORT_MAX) and LONG (at most
+#    LONG_MAX; below LONG_MIN: no 64-frame clip) are sized to the time left from the probe's
+#    steps/s, CONTENTION (the share of that rate each of the 12 runs keeps) and fixed overheads.
+# 3. Tars of the runs' sample clips, W&B offline runs, metrics.jsonl and the stage logs
+#    (checkpoints left out) -> RESULTS/NAME_runs.tar.gz, or _logs + _samples if one would pass 15 MiB.
+# Stages 1 and 2 run under `timeout`: the result JSON is rewritten after every finished run, so a
+# stage cut short leaves an honest partial result (jobs_done < jobs_total).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+START=$SECONDS
+DRY=${DRY:-0}
+if [ "$DRY" = 1 ]; then
+  SIZE="model=tiny data.height=8 data.width=8 data.shape_size=4 data.speed=2 data.num_videos=8 train.device=cpu
+        n_eval=2 sample_batch=2 train.sample_steps=1 save_mp4=false"
+  CLIPS=(4 8); BATCHES=(2 2); SEEDS="[0]"; WORKERS=2
+  : "${BUDGET_S:=110}" "${SHORT_MAX:=4}" "${LONG_MAX:=3}" "${LONG_MIN:=1}" "${NAME:=cpu_dry}"
+  PROBE="probe_warmup=1 probe_steps=3"; OVERHEAD_S=15
+else
+  SIZE="model=quality_gpu data.height=16 data.width=16 data.shape_size=6 data.speed=3 data.num_videos=512
+        train.device=cuda train.lr=1e-3 train.ema_decay=0.995 train.log_every=100 n_eval=32 sample_batch=32
+        train.sample_steps=20 save_mp4=false"
+  CLIPS=(16 64); BATCHES=(8 2); SEEDS="[0,1,2]"; WORKERS=12
+  : "${BUDGET_S:=540}" "${SHORT_MAX:=2800}" "${LONG_MAX:=3000}" "${LONG_MIN:=300}" "${NAME:=h200_progressive}"
+  PROBE="probe_warmup=5 probe_steps=60"; OVERHEAD_S=35   # per clip length: start-up, sampling, scoring
+fi
+: "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.7}"
+RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
+RUNS=${RUNS:-/tmp/quality_study/runs}    # out_dir: checkpoints, W&B runs, samples, logs
+mkdir -p "$RESULTS" "$RUNS/logs"
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 WANDB_MODE=${WANDB_MODE:-offline}
+left() { echo $(( BUDGET_S - (SECONDS - START) )); }
+say() { echo "[quality_study $(( SECONDS - START ))s] $*"; }
+
+# ---- setup: Hydra/W&B from carried wheels (.whl) and the package's entry points, where missing
+if ! python3 -c "import hydra" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/quality_study/site .whl/*.whl
+  export PYTHONPATH=/tmp/quality_study/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! python3 -c "from importlib.metadata import entry_points as e; assert e(group='megaslide.attention')" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+fi
+if [ "$WANDB_MODE" != disabled ] && ! python3 -c "import wandb" 2>/dev/null; then
+  say "wandb is not installed: WANDB_MODE=disabled (each run still writes metrics.jsonl)"; export WANDB_MODE=disabled
+fi
+[ -f .provenance.json ] && export MEGASLIDE_PROVENANCE=${MEGASLIDE_PROVENANCE:-stamp}
+COMMON="$SIZE out_dir=$RUNS results_dir=$RESULTS results_name=$NAME"
+
+# ---- 1. compile probe
+say "compile probe, at most $PROBE_S s"
+# shellcheck disable=SC2086
+timeout -k 5 "$PROBE_S" python3 experiments/quality.py $COMMON compile_probe=true "variants=[dsa]" \
+  "clip_frames=[${CLIPS[0]}]" "clip_batch_sizes=[${BATCHES[0]}]" $PROBE 2>&1 | tee "$RUNS/logs/probe.log"
+say "probe exit status ${PIPESTATUS[0]} (124: cut at $PROBE_S s; its JSON keeps what it measured)"
+
+# ---- plan: compile or not, SHORT and LONG from the probe and the time left
+read -r COMPILE SHORT LONG < <(python3 - "$RESULTS/quality_compile/$NAME.json" "$(left)" <<PY
+import json, math, sys
+try:
+    rows = {r["compile"]: r for r in json.load(open(sys.argv[1]))["rows"] if r["status"] == "ok"}
+except (OSError, ValueError, KeyError):
+    rows = {}
+left = int(sys.argv[2]) - $TAR_S
+eager, compiled = rows.get(False), rows.get(True)
+compile = bool(compiled and compiled.get("break_even_steps") is not None
+               and 3 * compiled["break_even_steps"] <= $SHORT_MAX and compiled["speedup"] >= 1.2)
+rate = (compiled if compile else eager or {"steps_per_s": 9.0})["steps_per_s"] * $CONTENTION  # per run
+warmup = 2 * compiled["warmup_s"] if compile else 0.0   # compiling, per clip length, with 12 at once
+short = max(0, min($SHORT_MAX, int((left - $OVERHEAD_S - warmup) * rate)))
+long = min($LONG_MAX, int((left - 2 * ($OVERHEAD_S + warmup) - short / rate) * rate))
+print(str(compile).lower(), short, long if long >= $LONG_MIN else 0)
+PY
+)
+[ -n "${SHORT:-}" ] && [ "$SHORT" -gt 0 ] || { say "no time left for the study"; exit 1; }
+say "plan: train.compile=$COMPILE, ${CLIPS[0]} frames $SHORT steps, ${CLIPS[1]} frames $LONG more steps (0: skipped); $(left) s left"
+
+# ---- 2. the study
+if [ "$LONG" -gt 0 ]; then
+  STUDY="clip_frames=[${CLIPS[0]},${CLIPS[1]}] clip_batch_sizes=[${BATCHES[0]},${BATCHES[1]}] clip_steps=[$SHORT,$LONG] progressive=true"
+else
+  STUDY="clip_frames=[${CLIPS[0]}] clip_batch_sizes=[${BATCHES[0]}] clip_steps=[$SHORT]"
+fi
+STUDY_S=$(( $(left) - TAR_S ))
+say "study, at most $STUDY_S s"
+# shellcheck disable=SC2086
+TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 "$STUDY_S" python3 experiments/quality.py $COMMON $STUDY \
+  "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE 2>&1 | tee "$RUNS/logs/study.log"
+say "study exit status ${PIPESTATUS[0]} (124: cut at $STUDY_S s; its JSON holds the runs that finished)"
+
+# ---- 3. tars: everything under RUNS but the checkpoints, in at most two files of <= 15 MiB
+LIMIT=$(( 15 * 1024 * 1024 ))
+rm -f "$RESULTS/${NAME}"_runs*.tar.gz
+tar -C "$RUNS" --exclude=checkpoints -czf "$RESULTS/${NAME}_runs.tar.gz" .
+if [ "$(stat -c %s "$RESULTS/${NAME}_runs.tar.gz")" -gt "$LIMIT" ]; then
+  rm "$RESULTS/${NAME}_runs.tar.gz"
+  tar -C "$RUNS" --exclude=checkpoints --exclude=samples -czf "$RESULTS/${NAME}_runs_logs.tar.gz" .
+  (cd "$RUNS" && find . -path '*/samples/*' -type f -print0 | tar --null -T - -czf "$RESULTS/${NAME}_runs_samples.tar.gz")
+fi
+for f in "$RESULTS/${NAME}"_runs*.tar.gz; do
+  size=$(stat -c %s "$f"); [ "$size" -gt "$LIMIT" ] && say "WARNING: $f is over 15 MiB and may not come back"
+  say "$f: $(( size / 1024 )) KiB"
+done
+say "done in $(( SECONDS - START )) s; results under $RESULTS"
