@@ -1,17 +1,33 @@
-"""Attention benchmark: forward+backward time and peak memory against token count.
+"""Attention benchmark: forward+backward time and peak memory of the attention variants, the DSA
+modules, and issue 16's targets.
 
-Variants: dense SDPA (flash on GPU), Swin windows at a comparable keys-per-query budget,
-DSA reference (materialised samples), DSA fused (Triton) and `dsa_zero` fused. Token grids
-are 1080p latents (8x VAE, patch 2: 68 x 120 tokens per latent frame) at growing frame
-counts, plus the 262K-token target grid (16 x 128 x 128). The same run re-measures the
-ceilings (HBM copy bandwidth, bf16 matmul) and works out the fused kernel's roofline.
+Tables of results/attention/<name>.json (rendered by experiments/report.py):
+- target: each op variant at the 262K-token target grid (16 x 128 x 128), `heads` x `head_dim`:
+  dense SDPA (flash on GPU), Swin 2x4x4 windows (32 keys per query), the DSA reference
+  (materialised samples), DSA fused (Triton) fwd+bwd and its forward alone (`dsa_fused_fwd`, under
+  no_grad), and `dsa_zero_fused`: what the `dsa_zero` module's attend runs (zero offsets, no offset
+  gradient);
+- module: the `dsa` and `dsa_zero` modules' attend (offset net + op) fwd+bwd at the target grid, for
+  each head dim of `module_head_dims` (`heads` heads), bf16 autocast over fp32 weights as training
+  runs them; the offset net keeps PyTorch's default init (not the zero init), so samples fall
+  between tokens as in a trained layer;
+- sweep: `sweep_variants` on 1080p latents (8x VAE, patch 2: 68 x 120 tokens per latent frame) at
+  `frames` latent frames, for the log-log slope of time against tokens;
+- tiles: the fused kernels' launch configuration per head dim at the target grid;
+- summary / targets: each target of the issue beside its measured figure; `met` is computed from
+  the data (`target_row`).
+Every cell is timed `repeats` (at least 5) times after one warm-up: median and min / max / std in
+ms, and its peak memory. The same run measures the ceilings (HBM copy, L2-resident copy, bf16
+matmul) for two bounds on the fused kernel: the idealised roofline and the gather bound.
 Configuration: experiments/conf/bench_attention.yaml.
 
-    python -m experiments.bench_attention                  # GPU sweep -> results/attention/
+    python -m experiments.bench_attention                  # GPU sweep -> results/attention/sweep.json
+    python -m experiments.bench_attention quick=true name=h200_quick   # target grid + short slope sweep
     python -m experiments.bench_attention smoke=true       # tiny, CPU, seconds
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 
@@ -21,12 +37,21 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
-from experiments.harness import ExperimentRun, copy_gbps, matmul_tflops, timed
+from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, matmul_tflops, timed, within_tolerance
 from experiments.hydra_config import script_config, script_main
+from experiments.results_io import result_path
+from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
-SMOKE = {"heads": 2, "head_dim": 16, "repeats": 5}
+KERNEL, WINDOW = (3, 3, 3), (2, 4, 4)
+SWIN = "swin" + "x".join(map(str, WINDOW))
+VARIANTS = ("dense", SWIN, "dsa_reference", "dsa_fused", "dsa_fused_fwd", "dsa_zero_fused")
+MODULES = ("dsa", "dsa_zero")
+SLOPE_TOKENS = (15_000, 1_100_000)  # the slope target's "16K to 1M tokens": 2 to 128 frames of 68 x 120
+SMOKE = {"heads": 2, "head_dim": 16, "module_head_dims": [16], "repeats": 5}
+QUICK = {"frames": [2, 8, 32, 128], "variants": ["dense", SWIN, "dsa_fused", "dsa_fused_fwd", "dsa_zero_fused"],
+         "sweep_variants": ["dsa_fused"]}
 
 
 @dataclass(frozen=True)
@@ -35,26 +60,42 @@ class BenchAttentionConfig:
 
     name: str
     smoke: bool
+    quick: bool
     heads: int
     head_dim: int
+    module_head_dims: list[int]
     frames: list[int]
+    variants: list[str]
+    sweep_variants: list[str]
     repeats: int
+    baseline: str
     wandb_dir: str
     wandb_project: str
 
+    def validate(self) -> None:
+        for key in ("variants", "sweep_variants"):
+            unknown = [v for v in getattr(self, key) if v not in VARIANTS]
+            if unknown:
+                raise ValueError(f"{key}={unknown} unknown; choose from {list(VARIANTS)}")
+        if self.repeats < MIN_REPEATS:
+            raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
 
-def make_inputs(grid, heads, d, K, dtype, device, max_offset=4.0, zero=False):
+
+# ----------------------------------------------------------------------------- cells
+def make_inputs(grid, heads, d, K, dtype, device, max_offset=4.0):
+    """q, k, v (1, T, H, W, heads, d) leaves requiring grad; offsets (1, T, H, W, heads, K, 3) uniform in
+    +-max_offset, requiring grad."""
     g = torch.Generator(device=device).manual_seed(0)
     shape = (1, *grid, heads, d)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype).requires_grad_() for _ in range(3))
-    off = torch.zeros(1, *grid, heads, K, 3, device=device) if zero else \
-        max_offset * (2 * torch.rand(1, *grid, heads, K, 3, generator=g, device=device) - 1)
+    off = max_offset * (2 * torch.rand(1, *grid, heads, K, 3, generator=g, device=device) - 1)
     return q, k, v, off.requires_grad_()
 
 
-def variant_fns(grid, heads, d, dtype, device, window, kernel):
-    """name -> (setup() -> step closure, keys per query)."""
-    K = math.prod(kernel)
+def variant_fns(grid, heads, d, dtype, device):
+    """name -> (setup() -> step closure, keys per query) for every op variant at one grid."""
+    K = math.prod(KERNEL)
+    n = math.prod(grid)
 
     def dense():
         q, k, v, _ = make_inputs(grid, heads, d, K, dtype, device)
@@ -64,7 +105,7 @@ def variant_fns(grid, heads, d, dtype, device, window, kernel):
             F.scaled_dot_product_attention(qt, kt, vt).sum().backward()
         return step
 
-    win = (min(window[0], grid[0]), *window[1:])  # a single latent frame gets 2D windows
+    win = (min(WINDOW[0], grid[0]), *WINDOW[1:])  # a single latent frame gets 2D windows
 
     def swin():
         q, k, v, _ = make_inputs(grid, heads, d, K, dtype, device)
@@ -74,22 +115,56 @@ def variant_fns(grid, heads, d, dtype, device, window, kernel):
             attn.attend(*(x.view(1, -1, heads, d) for x in (q, k, v)), None, grid).sum().backward()
         return step
 
-    def dsa(backend, zero=False):
+    def dsa(backend, backward=True):
         def setup():
-            q, k, v, off = make_inputs(grid, heads, d, K, dtype, device, zero=zero)
+            q, k, v, off = make_inputs(grid, heads, d, K, dtype, device)
 
             def step():
-                deformable_slide_attention(q, k, v, off, kernel, backend=backend).sum().backward()
+                if backward:
+                    deformable_slide_attention(q, k, v, off, KERNEL, backend=backend).sum().backward()
+                else:
+                    with torch.no_grad():
+                        deformable_slide_attention(q, k, v, off, KERNEL, backend=backend)
             return step
         return setup
 
-    n = math.prod(grid)
-    return {"dense": (dense, n), f"swin{'x'.join(map(str, window))}": (swin, math.prod(win)),
-            "dsa_reference": (dsa("reference"), K), "dsa_fused": (dsa("triton"), K),
-            "dsa_zero_fused": (dsa("triton", zero=True), K)}
+    def dsa_zero():
+        q, k, v, _ = make_inputs(grid, heads, d, K, dtype, device)
+        attn = build_attention("dsa_zero", heads * d, heads, kernel_size=KERNEL, backend="triton").to(device)
+
+        def step():
+            attn.attend(*(x.view(1, -1, heads, d) for x in (q, k, v)), None, grid).sum().backward()
+        return step
+
+    return {"dense": (dense, n), SWIN: (swin, math.prod(win)), "dsa_reference": (dsa("reference"), K),
+            "dsa_fused": (dsa("triton"), K), "dsa_fused_fwd": (dsa("triton", backward=False), K),
+            "dsa_zero_fused": (dsa_zero, K)}
+
+
+def module_fn(name, grid, heads, d, device, backend):
+    """setup() -> step closure: the `name` module's attend (offset net + op) fwd+bwd on bf16 q, k, v and
+    block input x under bf16 autocast over fp32 weights on CUDA; fp32 without autocast on CPU."""
+    def setup():
+        cuda = device.type == "cuda"
+        dtype = torch.bfloat16 if cuda else torch.float32
+        g = torch.Generator(device=device).manual_seed(0)
+        n, dim = math.prod(grid), heads * d
+        q, k, v = (torch.randn(1, n, heads, d, generator=g, device=device, dtype=dtype).requires_grad_()
+                   for _ in range(3))
+        x = torch.randn(1, n, dim, generator=g, device=device, dtype=dtype).requires_grad_()  # (1, N, D)
+        attn = build_attention(name, dim, heads, kernel_size=KERNEL, backend=backend).to(device)
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                o = attn.attend(q, k, v, x, grid)  # (1, N, heads, d)
+            o.float().sum().backward()
+        return step
+    return setup
 
 
 def measure(setup, repeats: int, device) -> dict:
+    """Median and spread (ms) of `repeats` calls of setup()'s step after a warm-up, and the peak memory
+    above what was allocated before setup (CUDA)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -104,43 +179,18 @@ def measure(setup, repeats: int, device) -> dict:
     return out
 
 
-def ceilings(device) -> dict:
-    """HBM copy bandwidth and bf16 matmul peak, measured now."""
-    if device.type != "cuda":
-        return {}
-    return {"hbm_gbps": copy_gbps(device), "matmul_tflops": matmul_tflops(device)}
+def _print_row(row: dict) -> None:
+    print(f"  {row['variant']:16s} N={row['tokens']:>8d} {row.get('status')} {row.get('ms', float('nan')):9.2f} ms "
+          f"[{row.get('ms_min', float('nan')):.2f}, {row.get('ms_max', float('nan')):.2f}] "
+          f"{row.get('peak_gb', float('nan')):7.2f} GB", flush=True)
 
 
-def dsa_roofline(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dict) -> dict:
-    """Work the fused DSA fwd+bwd must do at minimum.
-
-    Bytes: compulsory HBM traffic. Forward reads q, k, v (elem B each) and fp32 offsets, writes out
-    and an fp32 lse; backward reads q, k, v, out, dout, offsets, lse, writes dq, dk, dv, doffsets
-    (corner gathers are assumed to hit cache: neighbouring queries share them).
-    FLOPs (CUDA cores, fp32; per query, head and sample): interpolate K and V from 8 corners
-    (2 x 8 x 2d), score and PV (2 x 2d); backward recomputes both interpolations (2 x 16d), dP and
-    dq (2 x 2d), scatters dK and dV to 8 corners (2 x 8 x 2d) and the offset gradient (3 x 8 x 2d)."""
-    qh = n_tokens * heads
-    fwd_bytes = qh * (3 * d * elem + K * 3 * 4 + d * elem + 4)
-    bwd_bytes = qh * (5 * d * elem + K * 3 * 4 + 4 + 3 * d * elem + K * 3 * 4)
-    flops_fwd = qh * K * (32 * d + 4 * d)
-    flops_bwd = qh * K * (32 * d + 4 * d + 32 * d + 48 * d)
-    bytes_total, flops = fwd_bytes + bwd_bytes, flops_fwd + flops_bwd
-    out = {"bytes": bytes_total, "flops_cuda_core": flops}
-    if ceil:
-        out["t_bytes_ms"] = bytes_total / (ceil["hbm_gbps"] * 1e9) * 1e3
-        out["t_flops_ms"] = flops / (DATASHEET_FP32_TFLOPS * 1e12) * 1e3
-        out["roofline_ms"] = max(out["t_bytes_ms"], out["t_flops_ms"])
-    return out
-
-
-def sweep(grids, variants, heads, d, dtype, device, window, kernel, repeats, dense_limit, ref_limit,
-          on_row=lambda rows: None):
-    """Time every variant on every grid; `on_row(rows)` runs after each row (partial saves)."""
+def sweep(grids, variants, heads, d, dtype, device, repeats, dense_limit, ref_limit, on_row=lambda rows: None):
+    """Time `variants` on every grid; `on_row(rows)` runs after each row (partial saves)."""
     rows = []
     for grid in grids:
         n = math.prod(grid)
-        for name, (setup, keys) in variant_fns(grid, heads, d, dtype, device, window, kernel).items():
+        for name, (setup, keys) in variant_fns(grid, heads, d, dtype, device).items():
             if name not in variants:
                 continue
             row = {"variant": name, "grid": list(grid), "tokens": n, "keys_per_query": keys}
@@ -148,8 +198,8 @@ def sweep(grids, variants, heads, d, dtype, device, window, kernel, repeats, den
                 row["status"] = f"skipped: N > {dense_limit} (quadratic time)"
             elif name == "dsa_reference" and n > ref_limit:
                 row["status"] = f"skipped: N > {ref_limit} (OOM at a smaller N)"
-            elif name.startswith("dsa") and any(k > s for k, s in zip(kernel, grid)):
-                row["status"] = f"skipped: kernel {kernel} larger than the grid"
+            elif name.startswith("dsa") and any(k > s for k, s in zip(KERNEL, grid)):
+                row["status"] = f"skipped: kernel {KERNEL} larger than the grid"
             elif "fused" in name and device.type != "cuda":
                 row["status"] = "skipped: Triton kernels need CUDA"
             else:
@@ -160,36 +210,169 @@ def sweep(grids, variants, heads, d, dtype, device, window, kernel, repeats, den
                     dense_limit = min(dense_limit, n)
             rows.append(row)
             on_row(rows)
-            print(f"  {name:16s} N={n:>8d} {row.get('status')} {row.get('ms', float('nan')):9.2f} ms "
-                  f"{row.get('peak_gb', float('nan')):7.2f} GB", flush=True)
+            _print_row(row)
     return rows
 
 
-def loglog_slope(rows, variant) -> float | None:
-    pts = [(r["tokens"], r["ms"]) for r in rows if r["variant"] == variant and r.get("status") == "ok"]
+def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: None):
+    """Time each DSA module's attend at `grid` for each head dim (Triton on CUDA, "auto" on CPU)."""
+    backend = "triton" if device.type == "cuda" else "auto"
+    rows = []
+    for d in head_dims:
+        for name in MODULES:
+            row = {"variant": name, "grid": list(grid), "tokens": math.prod(grid), "heads": heads, "head_dim": d,
+                   "backend": backend}
+            row.update(measure(module_fn(name, grid, heads, d, device, backend), repeats, device))
+            rows.append(row)
+            on_row(rows)
+            _print_row(row)
+    return rows
+
+
+def tile_rows(n_tokens: int, heads: int, head_dims, dtype) -> list[dict]:
+    """The fused DSA kernels' tiles at n_tokens per head dim: `kernels.launch_config` and the heads per
+    backward launch (`kernels.heads_per_group`, batch 1)."""
+    from megaslide.attention.dsa import kernels
+    return [{"head_dim": d, **asdict(kernels.launch_config(n_tokens, d)),
+             "bwd_heads_per_launch": kernels.heads_per_group(1, n_tokens, heads, d, dtype)}
+            for d in sorted(set(head_dims))]
+
+
+# ----------------------------------------------------------------------------- ceilings and bounds
+def l2_copy_gbps(device, nbytes: int = 2 ** 24, calls: int = 50, repeats: int = MIN_REPEATS) -> float:
+    """Read + write GB/s of `calls` back-to-back copies of an `nbytes` buffer: source and destination
+    (32 MiB) stay resident in an H100/H200's 50 MB L2, so this is an L2 rate (launch gaps included,
+    so it errs low)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copies():
+        for _ in range(calls):
+            dst.copy_(src)
+    return 2 * nbytes * calls / timed(copies, device, repeats).median / 1e9
+
+
+def ceilings(device) -> dict:
+    """HBM copy bandwidth, L2-resident copy bandwidth and bf16 matmul peak, measured now."""
+    if device.type != "cuda":
+        return {}
+    return {"hbm_gbps": copy_gbps(device), "l2_gbps": l2_copy_gbps(device), "matmul_tflops": matmul_tflops(device)}
+
+
+def dsa_roofline(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dict) -> dict:
+    """The idealised roofline of fused DSA fwd+bwd: compulsory HBM traffic and CUDA-core FLOPs only.
+
+    Bytes: forward reads q, k, v (elem B each) and fp32 offsets, writes out and an fp32 lse; backward
+    reads q, k, v, out, dout, offsets, lse, writes dq, dk, dv, doffsets (the corner gathers are assumed
+    to be free: `gather_bound` counts them).
+    FLOPs (CUDA cores, fp32; per query, head and sample): interpolate K and V from 8 corners
+    (2 x 8 x 2d), score and PV (2 x 2d); backward recomputes both interpolations (2 x 16d), dP and
+    dq (2 x 2d), scatters dK and dV to 8 corners (2 x 8 x 2d) and the offset gradient (3 x 8 x 2d).
+    Time `ms`: the slower of the bytes at the measured HBM rate and the FLOPs at the datasheet peak."""
+    qh = n_tokens * heads
+    fwd_bytes = qh * (3 * d * elem + K * 3 * 4 + d * elem + 4)
+    bwd_bytes = qh * (5 * d * elem + K * 3 * 4 + 4 + 3 * d * elem + K * 3 * 4)
+    flops_fwd = qh * K * (32 * d + 4 * d)
+    flops_bwd = qh * K * (32 * d + 4 * d + 32 * d + 48 * d)
+    out = {"hbm_bytes": fwd_bytes + bwd_bytes, "flops_cuda_core": flops_fwd + flops_bwd}
+    if ceil:
+        out["t_hbm_ms"] = out["hbm_bytes"] / (ceil["hbm_gbps"] * 1e9) * 1e3
+        out["t_flops_ms"] = out["flops_cuda_core"] / (DATASHEET_FP32_TFLOPS * 1e12) * 1e3
+        out["ms"] = max(out["t_hbm_ms"], out["t_flops_ms"])
+    return out
+
+
+def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dict) -> dict:
+    """A bound on fused DSA fwd+bwd as the kernels are built: every sample gathers its 8 corner rows
+    of K and V (elem B each) from L2, once in the forward and once in the backward, and scatters 8
+    corner rows of dK and dV as fp32 atomic updates (4 B each, resolved in L2).
+
+    Time `ms`: the slowest of the idealised roofline's HBM bytes at the HBM rate, all L2 traffic (the
+    compulsory bytes, the gathers and the atomics) at the measured L2 copy rate, and the CUDA-core
+    FLOPs at the datasheet peak. Bytes only: the atomic units' own throughput and L1 hits between
+    neighbouring queries' corners are not modelled."""
+    ideal = dsa_roofline(n_tokens, heads, d, K, elem, ceil)
+    qh = n_tokens * heads
+    gathers = qh * 2 * K * 8 * 2 * d * elem       # forward and backward, K and V corner rows
+    atomics = qh * K * 8 * 2 * d * 4              # dK and dV corner rows, fp32
+    out = {"hbm_bytes": ideal["hbm_bytes"], "l2_bytes": ideal["hbm_bytes"] + gathers + atomics,
+           "gather_bytes": gathers, "atomic_bytes": atomics, "flops_cuda_core": ideal["flops_cuda_core"]}
+    if ceil:
+        out["t_hbm_ms"], out["t_flops_ms"] = ideal["t_hbm_ms"], ideal["t_flops_ms"]
+        out["t_l2_ms"] = out["l2_bytes"] / (ceil["l2_gbps"] * 1e9) * 1e3
+        out["ms"] = max(out["t_hbm_ms"], out["t_l2_ms"], out["t_flops_ms"])
+    return out
+
+
+# ----------------------------------------------------------------------------- summary
+def loglog_slope(rows, variant, tokens=(0, math.inf)) -> float | None:
+    """Least-squares slope of log(ms) against log(tokens) over `variant`'s rows within `tokens` (3 at least)."""
+    pts = [(r["tokens"], r["ms"]) for r in rows
+           if r["variant"] == variant and r.get("status") == "ok" and tokens[0] <= r["tokens"] <= tokens[1]]
     if len(pts) < 3:
         return None
     x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
     return float(np.polyfit(x, y, 1)[0])
 
 
-def summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, hbm_gb: float | None = None) -> dict:
-    """The headline numbers: the fused kernel at the target grid against the others and its
-    roofline, speed-ups at the largest common N, and each variant's log-log slope of time vs N.
-    `hbm_gb` (the device's memory) bounds the reference's peak where it ran out of memory."""
+def target_row(target: str, measured: float | None, bound: float | None) -> dict:
+    """One target line. `met` by the project's one rule, `harness.within_tolerance`, with the bound as
+    its floor and no reference error: measured finite and <= bound. None: not measured (or no bound)."""
+    met = None if measured is None or bound is None else within_tolerance(measured, 0.0, bound)
+    return {"target": target, "bound": bound, "measured": measured, "met": met}
+
+
+def _ok(rows, **match) -> dict | None:
+    return next((r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())), None)
+
+
+def targets(target, modules, rows, baseline: dict | None) -> list[dict]:
+    """Issue 16's targets (H200, the target grid, fwd+bwd unless said) against this run's figures.
+    `baseline` is the earlier result whose target-grid peak memory the fused variants must not exceed."""
+    def ms(variant):
+        r = _ok(target, variant=variant)
+        return r and r["ms"]
+
+    lines = [target_row("dsa_fused fwd+bwd ms <= 50", ms("dsa_fused"), 50.0),
+             target_row("dsa_fused fwd+bwd ms <= 23 (moonshot)", ms("dsa_fused"), 23.0),
+             target_row("dsa_fused forward ms <= 10", ms("dsa_fused_fwd"), 10.0),
+             target_row("dsa_zero_fused fwd+bwd ms <= 30", ms("dsa_zero_fused"), 30.0)]
+    for d in dict.fromkeys(r["head_dim"] for r in modules):
+        dsa, zero = _ok(modules, variant="dsa", head_dim=d), _ok(modules, variant="dsa_zero", head_dim=d)
+        lines.append(target_row(f"module dsa / dsa_zero at d={d} <= 1.3",
+                                dsa and zero and dsa["ms"] / zero["ms"], 1.3))
+    lo, hi = SLOPE_TOKENS
+    lines.append(target_row(f"dsa_fused log-log slope of ms over {lo:,}-{hi:,} tokens <= 1.1",
+                            loglog_slope(rows, "dsa_fused", SLOPE_TOKENS), 1.1))
+    before = baseline["tables"]["target"] if baseline else []
+    for variant in ("dsa_fused", "dsa_zero_fused"):
+        now, then = _ok(target, variant=variant), _ok(before, variant=variant)
+        lines.append(target_row(f"{variant} peak GB <= baseline's", now and now.get("peak_gb"),
+                                then and then.get("peak_gb")))
+    return lines
+
+
+def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | None = None,
+              modules=(), baseline: dict | None = None) -> dict:
+    """The headline numbers: the fused kernel at the target grid against the others, its two bounds (a
+    table: the idealised roofline and the gather bound, each with the fused time's fraction of it),
+    speed-ups at the largest common N, each variant's log-log slope of time vs N and the target lines
+    (a table). `hbm_gb` (the device's memory) bounds the reference's peak where it ran out of memory."""
     by = {r["variant"]: r for r in target if r.get("status") == "ok"}
-    n_t = math.prod(target_grid)
-    roof = dsa_roofline(n_t, heads, d, math.prod(kernel), torch.finfo(dtype).bits // 8, ceil)
-    summary = {"target_tokens": n_t, "roofline": roof}
+    n_t, K, elem = math.prod(target_grid), math.prod(KERNEL), torch.finfo(dtype).bits // 8
     fused = by.get("dsa_fused")
+    bounds = [{"bound": "idealised roofline", **dsa_roofline(n_t, heads, d, K, elem, ceil)},
+              {"bound": "gather bound", **gather_bound(n_t, heads, d, K, elem, ceil)}]
+    for b in bounds:
+        if fused and "ms" in b:
+            b["fused_fraction"] = b["ms"] / fused["ms"]
+    summary = {"target_tokens": n_t, "bounds": bounds}
     if fused:
-        for other in ("dsa_reference", "dense", "swin2x4x4"):
+        for other in ("dsa_reference", "dense", SWIN):
             if other in by:
                 summary[f"fused_speedup_vs_{other}"] = by[other]["ms"] / fused["ms"]
         if "dsa_reference" in by and "peak_gb" in fused:
             summary["fused_memory_fraction_of_reference"] = fused["peak_gb"] / by["dsa_reference"]["peak_gb"]
-        if "roofline_ms" in roof:
-            summary["fused_fraction_of_roofline"] = roof["roofline_ms"] / fused["ms"]
         ref_t = next((r for r in target if r["variant"] == "dsa_reference"), {})
         if ref_t.get("status") == "OOM" and "peak_gb" in fused and hbm_gb:
             summary["reference_oom_at_target_hbm_gb"] = hbm_gb
@@ -201,8 +384,9 @@ def summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, hbm_gb: 
         n, ms = max(common)
         summary["fused_speedup_vs_reference_at_largest_common_n"] = {"tokens": n, "speedup": ms / fused_by_n[n]}
     summary["fused_loglog_slope"] = loglog_slope(rows, "dsa_fused")
-    summary["swin_loglog_slope"] = loglog_slope(rows, "swin2x4x4")
+    summary["swin_loglog_slope"] = loglog_slope(rows, SWIN)
     summary["dense_loglog_slope"] = loglog_slope(rows, "dense")
+    summary["targets"] = targets(target, list(modules), rows, baseline)
     return summary
 
 
@@ -227,13 +411,18 @@ def plot(rows, path_prefix) -> str:
     return f"{path_prefix}.png"
 
 
+def load_baseline(name: str) -> dict | None:
+    """The earlier attention result `name` (results/attention/<name>.json), None when absent or unnamed."""
+    path = result_path("attention", name) if name else None
+    return json.loads(path.read_text()) if path and path.exists() else None
+
+
 @script_main("bench_attention")
 def main(hydra_cfg: DictConfig) -> None:
-    cfg = script_config(BenchAttentionConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
+    preset = SMOKE if hydra_cfg.smoke else QUICK if hydra_cfg.quick else None
+    cfg = script_config(BenchAttentionConfig, hydra_cfg, preset)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kernel, window = (3, 3, 3), (2, 4, 4)
-    variants = ["dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_zero_fused"]
     heads, d, repeats = cfg.heads, cfg.head_dim, cfg.repeats
     if cfg.smoke:
         sweep_grids, target_grid = [(4, 4, 8), (8, 4, 8)], (4, 8, 8)
@@ -243,10 +432,12 @@ def main(hydra_cfg: DictConfig) -> None:
     ceil = ceilings(device)
     print(f"device {device}, dtype {dtype}, ceilings {ceil}", flush=True)
     name = cfg.name or ("smoke" if cfg.smoke else "sweep")
-    config = {"heads": heads, "head_dim": d, "dtype": str(dtype), "kernel": kernel, "window": window,
-              "device": str(device)}
+    config = {"heads": heads, "head_dim": d, "module_head_dims": cfg.module_head_dims, "dtype": str(dtype),
+              "kernel": KERNEL, "window": WINDOW, "device": str(device), "baseline": cfg.baseline}
     run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
     tables: dict[str, list] = {}
+    if device.type == "cuda":
+        tables["tiles"] = tile_rows(math.prod(target_grid), heads, [d, *cfg.module_head_dims], dtype)
 
     def save(key):
         def on_row(rows):
@@ -255,23 +446,31 @@ def main(hydra_cfg: DictConfig) -> None:
         return on_row
 
     print("target grid", target_grid, flush=True)
-    target = sweep([target_grid], variants, heads, d, dtype, device, window, kernel, repeats,
+    target = sweep([target_grid], cfg.variants, heads, d, dtype, device, repeats,
                    dense_limit=10 ** 9, ref_limit=10 ** 9, on_row=save("target"))
+    print("modules", flush=True)
+    modules = module_rows(target_grid, heads, cfg.module_head_dims, device, repeats, on_row=save("module"))
     print("sweep", flush=True)
-    rows = sweep(sweep_grids, variants, heads, d, dtype, device, window, kernel, repeats,
+    rows = sweep(sweep_grids, cfg.sweep_variants, heads, d, dtype, device, repeats,
                  dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
     hbm_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
-    summary = summarise(target, rows, target_grid, heads, d, kernel, dtype, ceil, hbm_gb)
+    summary = summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb, modules,
+                        load_baseline(cfg.baseline))
 
     payload = {"config": config, "ceilings": ceil, "summary": summary,
-               "tables": {"target": target, "sweep": rows}}
+               "tables": {**tables, "target": target, "module": modules, "sweep": rows}}
     images = {}
     if not cfg.smoke:
         images["time and memory vs tokens"] = plot(rows, str(run.result_path.parent / name))
-    path = run.finish(payload, summary, images)
+    scalars = {k: v for k, v in summary.items() if k not in ("bounds", "targets")}  # the lists are tables
+    path = run.finish(payload, scalars, images)
     print("\nsummary")
-    for k, v in summary.items():
+    for k, v in scalars.items():
         print(f"  {k}: {v}")
+    for key in ("bounds", "targets"):
+        print(f"{key}:")
+        for line in summary[key]:
+            print("  " + ", ".join(f"{k} {v}" for k, v in line.items()))
     print(f"wrote {path}")
 
 

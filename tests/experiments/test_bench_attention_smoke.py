@@ -1,22 +1,30 @@
-"""experiments/bench_attention.py: the smoke run on CPU, and its roofline and summary code on
+"""experiments/bench_attention.py: the smoke run on CPU, and its bounds, summary and target lines on
 known inputs (on CPU the fused rows are skipped, so the smoke run alone never reaches them)."""
 import math
 
 import pytest
 import torch
 
-from experiments.bench_attention import dsa_roofline, summarise
+from experiments.bench_attention import (QUICK, SLOPE_TOKENS, BenchAttentionConfig, dsa_roofline, gather_bound,
+                                         summarise, target_row, targets, tile_rows)
 from tests.experiments.runner import load_result, run_script
 
 K = 27  # 3 x 3 x 3 samples
-CEIL = {"hbm_gbps": 1000.0, "matmul_tflops": 500.0}
+CEIL = {"hbm_gbps": 1000.0, "l2_gbps": 5000.0, "matmul_tflops": 500.0}
+TARGET_LINES = ["dsa_fused fwd+bwd ms <= 50", "dsa_fused fwd+bwd ms <= 23 (moonshot)", "dsa_fused forward ms <= 10",
+                "dsa_zero_fused fwd+bwd ms <= 30", "module dsa / dsa_zero at d=16 <= 1.3",
+                "dsa_fused log-log slope of ms over 15,000-1,100,000 tokens <= 1.1",
+                "dsa_fused peak GB <= baseline's", "dsa_zero_fused peak GB <= baseline's"]
 
 
 def test_bench_attention_smoke(tmp_path):
     run_script(["-m", "experiments.bench_attention", "smoke=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
     data = load_result(tmp_path, "attention", "smoke")
-    rows, target = data["tables"]["sweep"], data["tables"]["target"]
-    assert [r["grid"] for r in target] == [[4, 8, 8]] * 5 and sorted({tuple(r["grid"]) for r in rows}) == [
+    rows, target, modules = data["tables"]["sweep"], data["tables"]["target"], data["tables"]["module"]
+    assert [r["variant"] for r in target] == ["dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_fused_fwd",
+                                              "dsa_zero_fused"]
+    assert {r["variant"] for r in rows} == {"dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_zero_fused"}
+    assert [r["grid"] for r in target] == [[4, 8, 8]] * 6 and sorted({tuple(r["grid"]) for r in rows}) == [
         (4, 4, 8), (8, 4, 8)]
     for r in rows + target:
         assert r["tokens"] == math.prod(r["grid"])
@@ -25,15 +33,27 @@ def test_bench_attention_smoke(tmp_path):
         if "fused" in r["variant"]:
             assert r["status"] == "skipped: Triton kernels need CUDA"
         else:
-            assert r["status"] == "ok" and 0 < r["ms_min"] <= r["ms"] <= r["ms_max"]
+            assert r["status"] == "ok" and 0 < r["ms_min"] <= r["ms"] <= r["ms_max"] and r["ms_std"] >= 0
+    # the modules' attend (offset net + op) at the target grid, CPU backends
+    assert [(r["variant"], r["head_dim"], r["heads"], r["backend"]) for r in modules] == [
+        ("dsa", 16, 2, "auto"), ("dsa_zero", 16, 2, "auto")]
+    assert all(r["status"] == "ok" and 0 < r["ms_min"] <= r["ms"] <= r["ms_max"] for r in modules)
+    assert "tiles" not in data["tables"]  # the fused kernels' tiles are recorded on CUDA only
     summary = data["summary"]
     # 256 query tokens x 2 heads, d = 16, fp32: per query and head 584 B forward (q, k, v 192; fp32 offsets
     # 324; out 64; lse 4) and 1164 B backward (q, k, v, out, dout 320; offsets 324; lse 4; dq, dk, dv 192;
     # doffsets 324); 2432 FLOPs per sample (forward 36 d, backward 36 d + 32 d + 48 d).
     assert summary["target_tokens"] == 256
-    assert summary["roofline"] == {"bytes": 512 * (584 + 1164), "flops_cuda_core": 512 * K * 2432}
+    ideal, gathers = summary["bounds"]
+    assert ideal == {"bound": "idealised roofline", "hbm_bytes": 512 * (584 + 1164), "flops_cuda_core": 512 * K * 2432}
+    assert gathers["bound"] == "gather bound" and gathers["gather_bytes"] == 512 * 2 * K * 8 * 2 * 16 * 4
     assert not any(k.startswith("fused_speedup") for k in summary)  # no fused rows on CPU
     assert summary["fused_loglog_slope"] is None and summary["dense_loglog_slope"] is None  # < 3 sizes
+    lines = summary["targets"]
+    assert [line["target"] for line in lines] == TARGET_LINES
+    ratio = modules[0]["ms"] / modules[1]["ms"]
+    assert lines[4] == {"target": TARGET_LINES[4], "bound": 1.3, "measured": pytest.approx(ratio), "met": ratio <= 1.3}
+    assert all(line["measured"] is None and line["met"] is None for i, line in enumerate(lines) if i != 4)
     assert data["wandb_dir"] is None  # WANDB_MODE=disabled
 
 
@@ -41,11 +61,22 @@ def test_roofline_of_a_known_shape():
     # 1000 tokens x 2 heads, d = 16, bf16: per query and head 456 B forward (q, k, v 96; offsets 324; out 32;
     # lse 4) and 908 B backward (160 + 324 + 4 + 96 + 324).
     roof = dsa_roofline(1000, 2, 16, K, 2, CEIL)
-    assert roof["bytes"] == 2000 * (456 + 908) and roof["flops_cuda_core"] == 2000 * K * 2432
-    assert roof["t_bytes_ms"] == pytest.approx(2.728e6 / 1e12 * 1e3)
+    assert roof["hbm_bytes"] == 2000 * (456 + 908) and roof["flops_cuda_core"] == 2000 * K * 2432
+    assert roof["t_hbm_ms"] == pytest.approx(2.728e6 / 1e12 * 1e3)
     assert roof["t_flops_ms"] == pytest.approx(2000 * K * 2432 / 67e12 * 1e3)
-    assert roof["roofline_ms"] == roof["t_bytes_ms"]  # memory-bound
-    assert dsa_roofline(1000, 2, 16, K, 2, {}).keys() == {"bytes", "flops_cuda_core"}
+    assert roof["ms"] == roof["t_hbm_ms"]  # memory-bound
+    assert dsa_roofline(1000, 2, 16, K, 2, {}).keys() == {"hbm_bytes", "flops_cuda_core"}
+
+
+def test_gather_bound_of_a_known_shape():
+    # per query and head, bf16, d = 16: forward and backward gather 8 corners x 27 samples of K and V rows
+    # (2 x 27 x 8 x 2 x 32 B = 27,648 B) and scatter 27 x 8 fp32 rows of dK and dV (27 x 8 x 2 x 64 B = 27,648 B)
+    b = gather_bound(1000, 2, 16, K, 2, CEIL)
+    assert b["gather_bytes"] == 2000 * 27_648 and b["atomic_bytes"] == 2000 * 27_648
+    assert b["hbm_bytes"] == 2000 * (456 + 908) and b["l2_bytes"] == 2000 * (456 + 908 + 2 * 27_648)
+    assert b["t_l2_ms"] == pytest.approx(2000 * (1364 + 55_296) / 5e12 * 1e3)
+    assert b["ms"] == b["t_l2_ms"]  # L2-bound
+    assert "ms" not in gather_bound(1000, 2, 16, K, 2, {})
 
 
 def row(variant, tokens, ms, status="ok", **kw):
@@ -60,11 +91,14 @@ def test_summary_of_known_rows():
     sweep = ([row("dsa_fused", n, 3e-3 * n) for n in sizes] + [row("dense", n, 1e-6 * n ** 2) for n in sizes]
              + [row("dsa_reference", n, 0.03 * n) for n in sizes[:2]] + [row("dsa_reference", 4000, None, "OOM")]
              + [row("swin2x4x4", n, 0.01 * n) for n in sizes[:2]])
-    s = summarise(target, sweep, grid, 2, 16, (3, 3, 3), torch.bfloat16, CEIL)
-    assert s["target_tokens"] == 1000 and s["roofline"] == dsa_roofline(1000, 2, 16, K, 2, CEIL)
+    s = summarise(target, sweep, grid, 2, 16, torch.bfloat16, CEIL)
+    ideal, gathers = s["bounds"]
+    assert s["target_tokens"] == 1000 and ideal == {"bound": "idealised roofline", **dsa_roofline(1000, 2, 16, K, 2, CEIL),
+                                                    "fused_fraction": pytest.approx(ideal["ms"] / 5.0)}
+    assert gathers["ms"] == gather_bound(1000, 2, 16, K, 2, CEIL)["ms"]
+    assert gathers["fused_fraction"] == pytest.approx(gathers["ms"] / 5.0)
     assert s["fused_speedup_vs_dsa_reference"] == 6.0 and s["fused_speedup_vs_dense"] == 8.0
     assert s["fused_speedup_vs_swin2x4x4"] == 2.0 and s["fused_memory_fraction_of_reference"] == 1 / 8
-    assert s["fused_fraction_of_roofline"] == pytest.approx(s["roofline"]["roofline_ms"] / 5.0)
     assert s["fused_speedup_vs_reference_at_largest_common_n"] == {"tokens": 2000, "speedup": pytest.approx(10.0)}
     assert s["fused_loglog_slope"] == pytest.approx(1.0) and s["dense_loglog_slope"] == pytest.approx(2.0)
     assert s["swin_loglog_slope"] is None  # two sizes only
@@ -73,7 +107,63 @@ def test_summary_of_known_rows():
 
 def test_summary_bounds_the_reference_by_the_device_memory_where_it_ran_out():
     target = [row("dsa_reference", 1000, None, "OOM"), row("dsa_fused", 1000, 5.0, peak_gb=1.41)]
-    s = summarise(target, [], (10, 10, 10), 2, 16, (3, 3, 3), torch.bfloat16, {}, hbm_gb=141.0)
+    s = summarise(target, [], (10, 10, 10), 2, 16, torch.bfloat16, {}, hbm_gb=141.0)
     assert s["reference_oom_at_target_hbm_gb"] == 141.0
     assert s["fused_memory_fraction_of_reference_upper_bound"] == pytest.approx(0.01)
-    assert "fused_fraction_of_roofline" not in s and "fused_speedup_vs_dsa_reference" not in s
+    assert "fused_speedup_vs_dsa_reference" not in s
+    assert all("fused_fraction" not in b for b in s["bounds"])  # no ceilings measured
+
+
+def test_target_lines_computed_from_the_rows():
+    target = [row("dsa_fused", 262144, 48.0, peak_gb=10.0), row("dsa_fused_fwd", 262144, 12.0),
+              row("dsa_zero_fused", 262144, 31.0, peak_gb=13.0)]
+    modules = [row("dsa", 262144, 60.0, head_dim=64), row("dsa_zero", 262144, 50.0, head_dim=64),
+               row("dsa", 262144, 140.0, head_dim=128), row("dsa_zero", 262144, 100.0, head_dim=128)]
+    sweep = [row("dsa_fused", n, 1e-4 * n ** 1.05) for n in (16320, 65280, 261120, 1044480)]
+    sweep.append(row("dsa_fused", 8160, 1e3))  # below the slope's token range: left out
+    baseline = {"tables": {"target": [row("dsa_fused", 262144, 153.0, peak_gb=12.15),
+                                      row("dsa_zero_fused", 262144, 87.0, peak_gb=12.15)]}}
+    lines = {line["target"]: line for line in targets(target, modules, sweep, baseline)}
+    verdicts = {name: (line["measured"], line["met"]) for name, line in lines.items()}
+    assert verdicts == {
+        "dsa_fused fwd+bwd ms <= 50": (48.0, True), "dsa_fused fwd+bwd ms <= 23 (moonshot)": (48.0, False),
+        "dsa_fused forward ms <= 10": (12.0, False), "dsa_zero_fused fwd+bwd ms <= 30": (31.0, False),
+        "module dsa / dsa_zero at d=64 <= 1.3": (pytest.approx(1.2), True),
+        "module dsa / dsa_zero at d=128 <= 1.3": (pytest.approx(1.4), False),
+        "dsa_fused log-log slope of ms over 15,000-1,100,000 tokens <= 1.1": (pytest.approx(1.05), True),
+        "dsa_fused peak GB <= baseline's": (10.0, True), "dsa_zero_fused peak GB <= baseline's": (13.0, False)}
+    assert lines["dsa_fused peak GB <= baseline's"]["bound"] == 12.15
+    no_baseline = targets(target, modules, sweep, None)[-1]
+    assert no_baseline["bound"] is None and no_baseline["met"] is None
+
+
+def test_target_row_rule():
+    assert target_row("x", 50.0, 50.0)["met"] is True  # at the bound
+    assert target_row("x", float("nan"), 50.0)["met"] is False  # NaN fails
+    assert target_row("x", None, 50.0)["met"] is None  # not measured
+
+
+def test_quick_preset_sweeps_dsa_fused_over_the_slope_range():
+    tokens = [f * 68 * 120 for f in QUICK["frames"]]
+    assert QUICK["sweep_variants"] == ["dsa_fused"] and "dsa_reference" not in QUICK["variants"]
+    assert all(SLOPE_TOKENS[0] <= n <= SLOPE_TOKENS[1] for n in tokens) and len(tokens) >= 3
+    assert min(tokens) < 2 ** 14 * 1.01 and max(tokens) > 2 ** 20 * 0.99  # 16K to 1M tokens
+
+
+def test_config_refuses_unknown_variants_and_few_repeats():
+    ok = dict(name="", smoke=False, quick=False, heads=16, head_dim=64, module_head_dims=[64], frames=[1],
+              variants=["dsa_fused"], sweep_variants=["dense"], repeats=5, baseline="", wandb_dir="runs",
+              wandb_project="p")
+    BenchAttentionConfig(**ok).validate()
+    with pytest.raises(ValueError, match="sweep_variants=\\['flash'\\] unknown"):
+        BenchAttentionConfig(**{**ok, "sweep_variants": ["flash"]}).validate()
+    with pytest.raises(ValueError, match="repeats=4"):
+        BenchAttentionConfig(**{**ok, "repeats": 4}).validate()
+
+
+def test_tiles_at_the_target_grid():
+    tiles = tile_rows(262144, 16, [64, 128, 64], torch.bfloat16)
+    assert [t["head_dim"] for t in tiles] == [64, 128]
+    # the fp32 dK + dV scratch within 1 GiB: 128 MiB per head at d = 64, 256 MiB at d = 128
+    assert [t["bwd_heads_per_launch"] for t in tiles] == [8, 4]
+    assert all({"block_q", "block_d", "num_warps"} <= t.keys() for t in tiles)
