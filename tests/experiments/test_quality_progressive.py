@@ -1,0 +1,166 @@
+"""quality.py's progressive long clips, kept sample clips, run scheduling and compile probe; the GPU
+study script at its DRY size."""
+import hashlib
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import experiments.quality as quality
+import experiments.quality_protocol as protocol
+from experiments.quality_protocol import eval_set, load_samples, run_jobs, save_samples, score
+from megaslide.config import DataConfig, TrainConfig
+from tests.experiments.runner import REPO_ROOT, run_script
+from tests.helpers import needs_inductor, tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
+
+TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "seeds=[0]", "data.height=8", "data.width=8",
+        "data.shape_size=4", "data.speed=2", "data.num_videos=8", "train.batch_size=2"]
+
+
+def digest(checkpoint: Path) -> str:
+    """The reference of weights_digest: sha256 over the raw weights, then the EMA, by name, as float32 bytes."""
+    state = torch.load(checkpoint, weights_only=False)
+    h = hashlib.sha256()
+    for weights in (state["model"], state["ema"]):
+        for name in sorted(weights):
+            h.update(name.encode())
+            h.update(weights[name].float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_progressive_long_runs_start_from_the_short_runs(tmp_path):
+    """Two clips, two workers: each long run starts from exactly the weights (raw and EMA) its short run
+    ended with, continues its step count, and says so in its row; every run keeps its sample clips."""
+    run_script(["experiments/quality.py", f"out_dir={tmp_path}", *TINY, "clip_frames=[4,8]", "clip_steps=[3,2]",
+                "progressive=true", "variants=[dense,dsa]", "workers=2", "train.ema_decay=0.9", "save_mp4=false"])
+    result = json.loads((tmp_path / "results" / "quality" / "cpu_tiny.json").read_text())
+    assert result["config"]["clip_steps"] == [3, 2] and result["config"]["progressive"] is True
+    assert result["jobs_done"] == result["jobs_total"] == 4
+    runs = {(r["variant"], r["frames"]): r for r in result["tables"]["per seed"] if r["variant"] != "ground_truth"}
+    for variant in ("dense", "dsa"):
+        short, long = runs[(variant, 4)], runs[(variant, 8)]
+        assert (short["init_from"], short["init_step"], short["steps"]) == ("scratch", 0, 3)
+        source = f"quality4f_{variant}_seed0/checkpoints/step_3.pt"
+        assert (long["init_from"], long["init_step"], long["steps"]) == (source, 3, 5)
+        saved = torch.load(tmp_path / source, weights_only=False)
+        assert any(not torch.equal(saved["model"][k], saved["ema"][k]) for k in saved["model"])  # EMA is its own
+        assert long["init_weights"] == short["final_weights"] == digest(tmp_path / source)
+        assert long["init_weights"] != short["init_weights"]            # not a fresh start of the same seed
+        assert long["final_weights"] == digest(tmp_path / f"quality8f_{variant}_seed0/checkpoints/step_5.pt")
+        for row, frames in ((short, 4), (long, 8)):
+            videos, captions, labels = load_samples(tmp_path / row["samples_file"])
+            assert videos.shape == (2, 3, frames, 8, 8)
+            assert captions == eval_set(DataConfig(frames=frames, height=8, width=8, shape_size=4, speed=2), 2,
+                                        10007)[0]
+
+
+def test_sample_files_rescore_like_the_clips(tmp_path):
+    """Ground-truth clips at the GPU studies' size score the same after a round trip through uint8."""
+    data = DataConfig(frames=16, height=16, width=16, shape_size=6, speed=3)
+    captions, labels, videos = eval_set(data, 8, 10007)
+    loaded, loaded_captions, loaded_labels = load_samples(save_samples(tmp_path / "s" / "eval.npz", videos, captions,
+                                                                       labels))
+    assert (loaded_captions, loaded_labels) == (captions, labels)
+    assert (loaded - videos).abs().max() <= 1 / 127.5                   # uint8 rounding
+    before, after = score(videos, labels), score(loaded, loaded_labels)
+    for key in ("text_alignment", "color_match", "shape_match", "direction_match"):
+        assert after[key] == before[key]
+    assert after["temporal_consistency"] == pytest.approx(before["temporal_consistency"], abs=0.02)
+
+
+def _job(tmp_path, variant: str, frames: int, steps: int, source: dict | None = None) -> dict:
+    train = TrainConfig(steps=steps, resume=str(protocol.final_checkpoint(source)) if source else "")
+    return dict(attention=variant, data=DataConfig(frames=frames), train=train, out_dir=tmp_path, tag=f"q{frames}f")
+
+
+def test_run_jobs_follows_dependencies_and_keeps_going(tmp_path, monkeypatch):
+    """A run that continues a failed or OOM run is recorded as not run (down the chain); a run that
+    raises is recorded as failed, the others still run, and its error is raised at the end."""
+    a4 = _job(tmp_path, "a", 4, 2)
+    a8 = _job(tmp_path, "a", 8, 3, a4)
+    a16 = _job(tmp_path, "a", 16, 4, a8)
+    b4 = _job(tmp_path, "b", 4, 2)
+    b8 = _job(tmp_path, "b", 8, 3, b4)
+    c4 = _job(tmp_path, "c", 4, 2)
+    outcome = {"a": "OOM: out of memory", "b": "ok"}
+    ran = []
+
+    def fake_run(**job):
+        ran.append((job["attention"], job["data"].frames))
+        if job["attention"] == "c":
+            raise RuntimeError("broken")
+        return {"variant": job["attention"], "frames": job["data"].frames, "status": outcome[job["attention"]]}
+
+    monkeypatch.setattr(protocol, "run_variant", fake_run)
+    published = []
+    with pytest.raises(RuntimeError, match="broken"):
+        run_jobs([a4, a8, a16, b4, b8, c4], 1, on_row=lambda rows: published.append([r["status"] for r in rows]))
+    assert ran == [("a", 4), ("b", 4), ("b", 8), ("c", 4)]
+    statuses = published[-1]
+    assert statuses[0].startswith("OOM")
+    assert statuses[1] == "not run: the run it continues (4 frames) ended OOM: out of memory"
+    assert statuses[2].startswith("not run: the run it continues (8 frames) ended not run")
+    assert statuses[3:5] == ["ok", "ok"] and statuses[5] == "failed: RuntimeError: broken"
+    assert [len(p) for p in published] == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="list each run after the run it continues"):
+        run_jobs([a8, a4], 1)
+
+
+def test_compile_gain():
+    eager = {"steps_per_s": 10.0, "warmup_s": 1.0}
+    assert quality.compile_gain(eager, {"steps_per_s": 20.0, "warmup_s": 11.0}) == {"speedup": 2.0,
+                                                                                    "break_even_steps": 200}
+    assert quality.compile_gain(eager, {"steps_per_s": 8.0, "warmup_s": 11.0})["break_even_steps"] is None
+
+
+def test_time_steps_reports_a_failure_as_its_status(monkeypatch, tmp_path):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(quality, "Trainer", broken)
+    row = quality.time_steps(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(compile=True), str(tmp_path), 1, 1)
+    assert row == {"compile": True, "status": "failed: RuntimeError: no compiler"}
+
+
+@needs_inductor
+def test_compile_probe_rows(tmp_path):
+    """The probe runs on the CPU too: one eager and one compiled row per variant, the gain from both."""
+    run_script(["experiments/quality.py", f"out_dir={tmp_path}", *TINY, "clip_frames=[4]", "compile_probe=true",
+                "variants=[dense]", "probe_warmup=1", "probe_steps=2"])
+    result = json.loads((tmp_path / "results" / "quality_compile" / "cpu_tiny.json").read_text())
+    assert result["jobs_done"] == result["jobs_total"] == 2
+    eager, compiled = result["rows"]
+    assert (eager["compile"], compiled["compile"]) == (False, True)
+    assert eager["status"] == compiled["status"] == "ok"
+    assert eager["steps_per_s"] > 0 and compiled["steps_per_s"] > 0 and compiled["warmup_s"] > 0
+    gain = quality.compile_gain(eager, compiled)
+    assert compiled["speedup"] == pytest.approx(gain["speedup"])
+    assert compiled["break_even_steps"] == gain["break_even_steps"]
+    assert result["config"] == {"frames": 4, "size": [8, 8], "batch_size": 2, "warmup": 1, "steps": 2,
+                                "variants": ["dense"]}
+
+
+def test_gpu_study_script_dry_run(tmp_path):
+    """experiments/gpu/quality_study.sh at its DRY size: probe, plan, a progressive study that finishes,
+    and one tar with every run's samples and metrics but no checkpoint."""
+    env = {**os.environ, "DRY": "1", "PROBE_S": "20", "RESULTS": str(tmp_path / "results"),
+           "RUNS": str(tmp_path / "runs"), "WANDB_MODE": "disabled"}
+    done = subprocess.run(["bash", "experiments/gpu/quality_study.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "plan: train.compile=" in done.stdout and "study exit status 0" in done.stdout
+    results = tmp_path / "results"
+    probe = json.loads((results / "quality_compile" / "cpu_dry.json").read_text())
+    assert probe["rows"][0]["compile"] is False and probe["rows"][0]["status"] == "ok"
+    study = json.loads((results / "quality" / "cpu_dry.json").read_text())
+    assert study["jobs_done"] == study["jobs_total"] == 8 and study["config"]["progressive"] is True
+    with tarfile.open(results / "cpu_dry_runs.tar.gz") as tar:
+        names = tar.getnames()
+    assert not any("checkpoints" in n for n in names)
+    rows = [r for r in study["tables"]["per seed"] if r["variant"] != "ground_truth"]
+    assert {f"./{r['samples_file']}" for r in rows} <= set(names)
+    assert {"./logs/probe.log", "./logs/study.log"} <= set(names)
