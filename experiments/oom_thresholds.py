@@ -3,33 +3,49 @@ trains on, with the measured peak HBM beside the planner's prediction (paper tab
 
 Clips are 1080p latents after an 8x VAE (135 x 240, height rounded to 136 so that the 1x2x2 patches
 tile it: 68 x 120 tokens per latent frame), frames in `frames`. Attention: `attentions` (dense,
-swin, dsa, with their group defaults). Modes:
+swin, dsa, with their group defaults); `rows` replaces attentions x modes x frames by explicit rows. Modes:
 - resident: the resident trainer (fp32 weights and AdamW on the device, bf16 autocast) with
   per-block activation checkpointing;
 - offload: the MegaSlide offload engine;
-- chunked_offload: the offload engine with token-chunked blocks (`chunk_tokens`) and activation
-  offload (saved block inputs parked in pinned host RAM).
+- chunked_offload: the offload engine with token-chunked blocks (`chunk_tokens`), activation
+  offload (saved block inputs parked in pinned host RAM) and, for attentions of bounded temporal
+  reach (DSA), blocks over slabs of `slab_frames` frames (0: off).
 Models: the presets in `models`; those also in `host_depth` at the most blocks of their width that
 host RAM holds (the planner, `host_ram_fraction` of it for the block state).
 
 Each cell runs in a fresh process (forked from a server with torch loaded), so a CUDA OOM or a hang
 cannot poison the next cell and the allocator's peak is the cell's own; a cell over
 `cell_time_limit_s` is stopped and reported as such. A row (model, attention, mode) stops at its
-first OOM, refusal or time limit; a cell whose steps the planner's floor already puts over the
-limit is reported over it without running; with `time_budget_s` the whole table stops starting
-cells when that much time has passed (each cell's limit shrinks to what is left). Per cell: fits
+first OOM, refusal or time limit; a cell whose warm-up and first timed step the planner's floor
+already puts over the limit is reported over it without running; with `time_budget_s` the table
+starts no cell after that much time has passed, nor one the time left cannot hold at its floor
+(each cell's limit shrinks to what is left; those not started are reported `not run`). Per cell: fits
 or OOM and in which phase (plan = refused before allocating, build, forward, loss, backward,
 optimizer), the measured peak (CUDA: torch.cuda.max_memory_allocated; CPU: the live-tensor peak
-of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and one warm step
-timed `timed_steps` times after `warmup_steps` (n, median, spread). The fit decision: on CUDA the run itself (the
-planner refuses only cells it puts beyond `refuse_over` x the free HBM, and any that host RAM
-cannot hold); on CPU, which has no allocator to run out of, the planner against the stated
-`hbm_budget_GB`. The same run re-measures the matmul and PCIe ceilings (experiments/harness.py).
-Writes results/oom_thresholds/<name>.json (tables: cells, summary), <name>.png (frames vs peak
-HBM and step time) and the generated results/oom_thresholds.md; W&B through harness.ExperimentRun.
+of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and the step time:
+- timing rule (recorded per cell as `timing_rule`): `warmup_steps` untimed steps, then
+  `timed_steps` timed ones (n, median, spread; `first_step_s` is the cell's first step); a cell
+  whose planner floor is over `long_step_s` runs `long_warmup_steps` and `long_timed_steps`
+  instead, and timed steps stop early where the next one would run past the cell's time limit;
+- compute-only time (offload modes): the compute stream's busy time over the timed steps, CUDA
+  events around every piece of compute (OffloadEngine.breakdown), transfers and host waits
+  excluded; `step_over_compute` = step / compute-only, with the H2D, D2H and CPU AdamW times;
+- attention share: the time inside the attention op (`attend`, DSA's offset net included: forward,
+  recomputed forward, backward) over the step (experiments/attention_time.py);
+- the planner's floor (matmul and attention terms) at the ceilings this run measured, beside it.
+The fit decision: on CUDA the run itself (the planner refuses only cells it puts beyond
+`refuse_over` x the free HBM, and any that host RAM cannot hold); on CPU, which has no allocator to
+run out of, the planner against the stated `hbm_budget_GB`. The same run re-measures the ceilings:
+matmul and PCIe (experiments/harness.py) and, per model and attention, `attend` alone on a clip of
+`probe_frames` frames (the floor's attention rate). The summary gives, per row, the most frames,
+and whether the transfers hide: step <= `hide_ratio` x compute-only on every cell of at least
+`hide_min_tokens` tokens. Writes results/oom_thresholds/<name>.json (tables: cells, summary),
+<name>.png (frames vs peak HBM and step time) and the generated results/oom_thresholds.md; W&B
+through harness.ExperimentRun.
 
     python -m experiments.oom_thresholds                     # GPU: the whole table (hours on an H200)
     python -m experiments.oom_thresholds time_budget_s=450   # GPU: what fits in 7.5 minutes
+    python -m experiments.oom_thresholds oom_preset=headline # GPU: the long-clip headline (about 8 minutes)
     python -m experiments.oom_thresholds plan_only=true      # the planner's table, nothing run
     python -m experiments.oom_thresholds smoke=true          # tiny, CPU, stated HBM budget (CI)
 """
@@ -49,13 +65,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, Timing, matmul_tflops, pcie_gbps, progress, sync
 from experiments.hydra_config import script_config, script_main
 from experiments.mfu_overlap import synthetic_batch
 from experiments.report import render
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
-from megaslide.perf.flops import dit_flops
 from megaslide.perf.live_bytes import LiveTensorBytes
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
@@ -66,9 +82,19 @@ from megaslide.train.resident import ResidentEngine
 GB = 1e9
 MODES = ("resident", "offload", "chunked_offload")
 MIN_CELL_S = 10.0   # with less of the time budget left, a cell is not started
+NEXT_STEP_MARGIN = 1.25  # a timed step starts only if this x the last step's time is left in the cell's limit
 SMOKE = {"models": ["tiny"], "host_depth": [], "frames": [4, 8], "height": 16, "width": 16, "chunk_tokens": 128,
          "hbm_budget_GB": 0.009, "warmup_steps": 1, "timed_steps": 2, "cell_time_limit_s": 60.0,
-         "matmul_n": 128, "pcie_probe_MiB": 4}
+         "matmul_n": 128, "pcie_probe_MiB": 4, "probe_frames": 4, "hide_min_tokens": 512}
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """Rows of the table given explicitly: one attention, its modes and its frames."""
+
+    attention: str
+    modes: list[str]
+    frames: list[int]
 
 
 @dataclass(frozen=True)
@@ -83,33 +109,49 @@ class OOMConfig:
     attentions: list[str]
     modes: list[str]
     frames: list[int]
+    rows: list[RowSpec]
     height: int
     width: int
     batch: int
     chunk_tokens: int
+    slab_frames: int
     precision: str
     warmup_steps: int
     timed_steps: int
+    long_step_s: float
+    long_warmup_steps: int
+    long_timed_steps: int
     cell_time_limit_s: float
     time_budget_s: float
     refuse_over: float
     hbm_budget_GB: float
     host_budget_GB: float
     host_ram_fraction: float
+    hide_min_tokens: int
+    hide_ratio: float
     matmul_n: int
     pcie_probe_MiB: int
+    probe_frames: int
     wandb_dir: str
     wandb_project: str
 
     def validate(self) -> None:
-        unknown = sorted(set(self.modes) - set(MODES))
+        unknown = sorted(set(self.modes).union(*(r.modes for r in self.rows)) - set(MODES))
         if unknown:
             raise ValueError(f"modes has unknown {unknown}; known: {list(MODES)}")
         for preset in [*self.models, *self.host_depth]:
             if preset not in DIT_PRESETS:
                 raise ValueError(f"models has unknown preset {preset!r}; known: {sorted(DIT_PRESETS)}")
-        if self.timed_steps < 1 or self.warmup_steps < 0:
-            raise ValueError(f"timed_steps={self.timed_steps} must be >= 1 and warmup_steps={self.warmup_steps} >= 0")
+        for steps, warmup in ((self.timed_steps, self.warmup_steps), (self.long_timed_steps, self.long_warmup_steps)):
+            if steps < 1 or warmup < 0:
+                raise ValueError(f"timed steps ({self.timed_steps}, long: {self.long_timed_steps}) must be >= 1 and "
+                                 f"warm-up steps ({self.warmup_steps}, long: {self.long_warmup_steps}) >= 0")
+        if self.slab_frames < 0:
+            raise ValueError(f"slab_frames={self.slab_frames} must be >= 0 (0: blocks over the whole clip)")
+
+    def row_specs(self) -> list[RowSpec]:
+        """`rows`, or every attention with all `modes` and `frames`."""
+        return self.rows or [RowSpec(a, list(self.modes), list(self.frames)) for a in self.attentions]
 
 
 @dataclass(frozen=True)
@@ -140,6 +182,9 @@ class Cell(Step):
     refuse_over: float
     hbm_budget: int           # bytes; used on CPU (and in plan_only) only
     host_budget: int          # bytes
+    ceilings: planner.Ceilings  # the floor's: measured in this run where it could be
+    timing_rule: str = ""     # how warmup_steps and timed_steps were chosen
+    time_limit_s: float = math.inf
 
 
 # ---- the planner's view -----------------------------------------------------------------------------
@@ -149,15 +194,27 @@ def plan_cell(cell: Cell, device: torch.device):
     if cell.mode == "resident":
         return planner.plan_resident(cell.cfg, batch=cell.batch, grid=cell.grid, autocast=dtype == torch.bfloat16)
     return planner.plan_offload(cell.cfg, batch=cell.batch, grid=cell.grid, param_dtype=dtype,
-                                activation_offload=cell.mode == "chunked_offload")
+                                activation_offload=cell.mode == "chunked_offload", ceilings=cell.ceilings)
 
 
-def floor_s(cell: Cell, plan) -> float:
-    """The planner's lower bound on a step's time: the offload plan's floor, or the resident
-    step's executed FLOPs (forward, backward, checkpoint recompute) at the default ceiling."""
-    if hasattr(plan, "floor_s"):
-        return plan.floor_s
-    return dit_flops(cell.cfg, cell.batch, cell.grid).executed / (planner.Ceilings().tflops * 1e12)
+def floor_parts(cell: Cell, plan) -> dict:
+    """The planner's lower bound on a step's time at the cell's ceilings: the offload plan's floor (max of
+    compute, PCIe and CPU AdamW), or the resident step's compute; with the compute's two terms (every
+    block recomputed: the engine's streamed blocks, the resident trainer's checkpointed ones)."""
+    _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
+                                         ceilings=cell.ceilings)
+    floor = plan.floor_s if isinstance(plan, planner.OffloadPlan) else sum(compute.values())
+    return {"predicted_floor_s": floor, "predicted_matmul_s": compute["matmul"],
+            "predicted_attention_s": compute["attention"]}
+
+
+def with_timing(cell: Cell, floor_s: float, cfg: OOMConfig) -> Cell:
+    """The cell's warm-up and timed steps by the timing rule (module docstring), the rule recorded."""
+    if floor_s > cfg.long_step_s:
+        return dataclasses.replace(cell, warmup_steps=cfg.long_warmup_steps, timed_steps=cfg.long_timed_steps,
+                                   timing_rule=f"floor {floor_s:.1f} s > long_step_s {cfg.long_step_s:g} s: "
+                                               f"{cfg.long_warmup_steps} warm-up, {cfg.long_timed_steps} timed")
+    return dataclasses.replace(cell, timing_rule=f"{cell.warmup_steps} warm-up, {cell.timed_steps} timed")
 
 
 def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict:
@@ -214,8 +271,47 @@ def _build(cell: Cell, device: torch.device):
     return OffloadEngine.from_config(cell.cfg, device=device, train_cfg=train, offload_cfg=offload, grid=cell.grid)
 
 
+def _step_s(engine, batch, device: torch.device) -> float:
+    start = time.perf_counter()
+    engine.train_step(batch, 1e-5)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def fits_no_more(last_step_s: float, deadline: float) -> bool:
+    """Whether another step like the last one might run past `deadline` (time.monotonic())."""
+    return time.monotonic() + NEXT_STEP_MARGIN * last_step_s > deadline
+
+
+def timed_steps(cell: Cell, engine, batch, device: torch.device, deadline: float) -> tuple[dict, int | None]:
+    """The cell's warm-up, then its timed steps (fewer where the next would pass `deadline`), with the
+    attention op timed inside them, the CPU peak of live tensors and, on the offload engine, the compute
+    stream's busy time: the row's timing fields and the measured peak (CPU; None on CUDA)."""
+    warm = [_step_s(engine, batch, device) for _ in range(cell.warmup_steps)]
+    times, begin = [], engine.step
+    live = LiveTensorBytes()              # CPU only: on CUDA the allocator counts, without slowing the steps
+    attend = AttendTimer([block.attn for block in engine.model.blocks], device)
+    with live if device.type == "cpu" else contextlib.nullcontext(), attend:
+        live.track(*_persistent(engine), *(t for t in vars(batch).values() if isinstance(t, torch.Tensor)))
+        while len(times) < cell.timed_steps and not (times and fits_no_more(times[-1], deadline)):
+            times.append(_step_s(engine, batch, device))
+    timing = Timing(tuple(times))
+    rule = cell.timing_rule + ("" if len(times) == cell.timed_steps else
+                               f"; stopped after {len(times)}: the next would pass the cell's time limit")
+    row = {"step_s": timing.median, "step_s_min": timing.min, "step_s_max": timing.max, "step_s_std": timing.std,
+           "timed_steps": len(times), "timing_rule": rule, "first_step_s": (warm + times)[0]}
+    attention_s = attend.seconds()
+    row.update(attention_s=attention_s / len(times), attention_share=attention_s / sum(times))
+    if isinstance(engine, OffloadEngine):
+        parts = engine.breakdown(range(begin, engine.step))
+        row.update(compute_only_s=parts.compute_s, h2d_s=parts.h2d_s, d2h_s=parts.d2h_s, optimizer_s=parts.optimizer_s,
+                   step_over_compute=parts.step_s / parts.compute_s)
+    return row, (live.peak if device.type == "cpu" else None)
+
+
 def run_cell(cell: Cell) -> dict:
     """Plan, then (unless refused) build and time one cell on this process's device."""
+    deadline = time.monotonic() + cell.time_limit_s
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     budget = hbm_available_bytes(device) if device.type == "cuda" else cell.hbm_budget
     plan = plan_cell(cell, device)
@@ -226,22 +322,10 @@ def run_cell(cell: Cell) -> dict:
     try:
         engine = _build(cell, device)
         batch = synthetic_batch(cell.cfg, cell, device, engine.model.tokenizer)
-        for _ in range(cell.warmup_steps):
-            engine.train_step(batch, 1e-5)
-        sync(device)
-        times = []
-        live = LiveTensorBytes()              # CPU only: on CUDA the allocator counts, without slowing the steps
-        with live if device.type == "cpu" else contextlib.nullcontext():
-            live.track(*_persistent(engine), *(t for t in vars(batch).values() if isinstance(t, torch.Tensor)))
-            for _ in range(cell.timed_steps):
-                start = time.perf_counter()
-                engine.train_step(batch, 1e-5)
-                sync(device)
-                times.append(time.perf_counter() - start)
-        timing = Timing(tuple(times))
-        row.update(status="fits", phase="", step_s=timing.median, step_s_min=timing.min, step_s_max=timing.max,
-                   step_s_std=timing.std, timed_steps=len(times))
-        measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else live.peak
+        timing, measured = timed_steps(cell, engine, batch, device, deadline)
+        row.update(status="fits", phase="", **timing)
+        if device.type == "cuda":
+            measured = torch.cuda.max_memory_allocated(device)
     except torch.OutOfMemoryError as err:
         phase = getattr(engine, "phase", "") or offload_phase(err)
         row.update(status="OOM", phase=phase.replace(" step", ""), error=str(err).splitlines()[0][:200])
@@ -290,16 +374,41 @@ def run_isolated(target, args: tuple, time_limit_s: float) -> dict:
     return {"status": "crashed", "phase": f"exit code {proc.exitcode}"}
 
 
-# ---- the table ------------------------------------------------------------------------------------------
-def _ceilings(matmul_n: int, probe_MiB: int, queue) -> None:
+# ---- the ceilings ---------------------------------------------------------------------------------------
+def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, tuple[DiTConfig, tuple]], precision: str,
+              queue) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))   # as the cells run
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     peak = matmul_tflops(device, n=matmul_n, dtype=torch.bfloat16 if cuda else torch.float32)
+    attention = []
+    for (model, name, chunked), (dit, grid) in probes.items():
+        row = {"model": model, "attention": name, "chunked": chunked}
+        try:
+            row.update(attend_rate(dit, grid, device, precision_dtype(precision, device)))
+        except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:200]
+        attention.append(row)
     queue.put({"matmul_TFLOPs": peak, "pcie": pcie_gbps(device, probe_MiB * 2 ** 20) if cuda else None,
                "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-               "hbm_free_GB": hbm_available_bytes(device) / GB if cuda else None})
+               "hbm_free_GB": hbm_available_bytes(device) / GB if cuda else None, "attention": attention})
 
 
+def cell_ceilings(measured: dict | None, model: str, attention: str, chunked: bool) -> planner.Ceilings:
+    """The floor's ceilings for a cell: this run's matmul, PCIe and attention rates where measured, else
+    the planner's defaults."""
+    if not measured:
+        return planner.Ceilings()
+    rate = next((r for r in measured["attention"] if (r["model"], r["attention"], r["chunked"]) ==
+                 (model, attention, chunked) and "error" not in r), None)
+    pcie = measured.get("pcie") or {}
+    default = planner.Ceilings()
+    return planner.Ceilings(tflops=measured["matmul_TFLOPs"], h2d_GBps=pcie.get("h2d_GBps", default.h2d_GBps),
+                            d2h_GBps=pcie.get("d2h_GBps", default.d2h_GBps),
+                            attention=rate and planner.AttentionRate(rate["forward_tflops"], rate["backward_tflops"]))
+
+
+# ---- the table ------------------------------------------------------------------------------------------
 def host_budget(cfg: OOMConfig) -> int:
     """Host RAM the cells may use: host_budget_GB, or this machine's MemAvailable when 0."""
     return int(cfg.host_budget_GB * GB) or host_available_bytes()
@@ -320,28 +429,60 @@ def model_configs(cfg: OOMConfig) -> dict[str, DiTConfig]:
     return out
 
 
-def cells_of_row(cfg: OOMConfig, label: str, model: DiTConfig, attention: str, mode: str) -> list[Cell]:
-    dit = dataclasses.replace(model, attention=AttentionConfig(attention),
-                              chunk_tokens=cfg.chunk_tokens if mode == "chunked_offload" else 0)
+def row_model(cfg: OOMConfig, model: DiTConfig, attention: str, mode: str) -> DiTConfig:
+    """The model of a row: its attention and, in chunked_offload, chunk_tokens and (where the attention's
+    reach along time is bounded) slab_frames."""
+    a = AttentionConfig(attention)
+    chunked = mode == "chunked_offload"
+    slabs = chunked and a.variant.temporal_reach(a.options) is not None
+    return dataclasses.replace(model, attention=a, chunk_tokens=cfg.chunk_tokens if chunked else 0,
+                               slab_frames=cfg.slab_frames if slabs else 0)
+
+
+def attention_probes(cfg: OOMConfig, models: dict[str, DiTConfig]) -> dict[tuple, tuple[DiTConfig, tuple]]:
+    """(model, attention, chunked) -> (its row model, the probe clip's token grid): one `attend` probe each."""
+    probes = {}
+    for label, model in models.items():
+        for spec in cfg.row_specs():
+            for mode in spec.modes:
+                dit = row_model(cfg, model, spec.attention, mode)
+                grid = dit.token_grid(min([cfg.probe_frames, *spec.frames]), cfg.height, cfg.width)
+                probes.setdefault((label, spec.attention, mode == "chunked_offload"), (dit, grid))
+    return probes
+
+
+def cells_of_row(cfg: OOMConfig, label: str, model: DiTConfig, spec: RowSpec, mode: str,
+                 ceilings: dict | None) -> list[Cell]:
+    dit = row_model(cfg, model, spec.attention, mode)
+    rates = cell_ceilings(ceilings, label, spec.attention, mode == "chunked_offload")
     return [Cell(dit, f, cfg.height, cfg.width, cfg.batch, cfg.precision, label, mode, cfg.warmup_steps,
-                 cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB), host_budget(cfg))
-            for f in sorted(cfg.frames)]
+                 cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB), host_budget(cfg), rates)
+            for f in sorted(spec.frames)]
 
 
 def cell_row(cell: Cell) -> dict:
     return {"model": cell.model, "attention": cell.cfg.attention.name, "mode": cell.mode, "frames": cell.frames,
-            "tokens": cell.batch * math.prod(cell.grid)}
+            "tokens": cell.batch * math.prod(cell.grid), "slab_frames": cell.cfg.slab_frames}
 
 
-def summary(rows: list[dict]) -> list[dict]:
-    """The most frames each (model, attention, mode) trains with, and what stopped it."""
+def summary(rows: list[dict], hide_min_tokens: int, hide_ratio: float) -> list[dict]:
+    """The most frames each (model, attention, mode) trains with, what stopped it and, at the most, the
+    step, peak, attention share and step / compute-only; whether the transfers hide: step <= hide_ratio
+    x compute-only on every fitting cell of at least hide_min_tokens tokens (None: no such cell)."""
     out = {}
     for r in rows:
         key = (r["model"], r["attention"], r["mode"])
         s = out.setdefault(key, {"model": key[0], "attention": key[1], "mode": key[2], "max_frames": 0,
-                                 "stopped_by": "", "step_s_at_max": None, "peak_GB_at_max": None})
+                                 "stopped_by": "", "step_s_at_max": None, "peak_GB_at_max": None,
+                                 "attention_share_at_max": None, "step_over_compute_at_max": None,
+                                 "long_clip_step_over_compute": None, "transfers_hide": None})
         if r["status"].startswith("fits"):
-            s.update(max_frames=r["frames"], step_s_at_max=r.get("step_s"), peak_GB_at_max=r.get("measured_peak_GB"))
+            s.update(max_frames=r["frames"], step_s_at_max=r.get("step_s"), peak_GB_at_max=r.get("measured_peak_GB"),
+                     attention_share_at_max=r.get("attention_share"),
+                     step_over_compute_at_max=r.get("step_over_compute"))
+            if r["tokens"] >= hide_min_tokens and r.get("step_over_compute") is not None:
+                worst = max(r["step_over_compute"], s["long_clip_step_over_compute"] or 0.0)
+                s.update(long_clip_step_over_compute=worst, transfers_hide=worst <= hide_ratio)
         elif not s["stopped_by"]:
             s["stopped_by"] = f"{r['status']} at {r['frames']} frames ({r.get('phase', '')})"
     return list(out.values())
@@ -371,22 +512,15 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def plan_only(cell: Cell) -> dict:
-    """The planner's verdict for a GPU run (precision auto: bf16) against the stated budgets, with its
-    step-time floor."""
-    plan = plan_cell(cell, torch.device("cuda"))
+def plan_only(cell: Cell, plan) -> dict:
+    """The planner's verdict for a GPU run (precision auto: bf16) against the stated budgets."""
     row = planner_verdict(cell, plan, torch.device("cpu"), cell.hbm_budget)
-    return {"status": "fits (predicted)", "phase": "", **row, "predicted_floor_s": floor_s(cell, plan)}
+    return {"status": "fits (predicted)", "phase": "", **row}
 
 
-def over_time(cell: Cell, limit_s: float) -> dict | None:
-    """A cell whose steps cannot finish within the limit even at the planner's floor is not run."""
-    plan = plan_cell(cell, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    floor = floor_s(cell, plan)
-    if floor * (cell.warmup_steps + cell.timed_steps) <= limit_s:
-        return None
-    return {"status": "time limit", "phase": f"planner floor {floor:.0f} s/step", "predicted_peak_GB":
-            plan.hbm_total / GB, "predicted_phase": plan.peak_phase, "measured_peak_GB": None}
+def over_time(cell: Cell, floor_s: float, limit_s: float) -> bool:
+    """Whether the cell's warm-up and one timed step cannot finish within `limit_s` even at the planner's floor."""
+    return floor_s * (cell.warmup_steps + 1) > limit_s
 
 
 @script_main("oom_thresholds")
@@ -396,30 +530,44 @@ def main(hydra_cfg: DictConfig) -> None:
     deadline = time.monotonic() + (cfg.time_budget_s if cfg.time_budget_s > 0 else math.inf)
     run = ExperimentRun("oom_thresholds", name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
     models = model_configs(cfg)
-    ceilings = None if cfg.plan_only else run_isolated(_ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB), 300)
+    # plan_only plans the GPU run (bf16); a run plans in the dtype of this machine's device
+    device = torch.device("cuda" if cfg.plan_only or torch.cuda.is_available() else "cpu")
+    ceilings = None if cfg.plan_only else run_isolated(
+        _ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB, attention_probes(cfg, models), cfg.precision), 300)
     progress(f"models {list(models)}; ceilings {ceilings}")
     rows: list[dict] = []
     payload = {"config": dataclasses.asdict(cfg), "ceilings": ceilings, "plan_only": cfg.plan_only,
                "tables": {"cells": rows}}
     for label, model in models.items():
-        for attention in cfg.attentions:
-            for mode in cfg.modes:
-                for cell in cells_of_row(cfg, label, model, attention, mode):
+        for spec in cfg.row_specs():
+            for mode in spec.modes:
+                for cell in cells_of_row(cfg, label, model, spec, mode, ceilings):
+                    plan = plan_cell(cell, device)
+                    floor = floor_parts(cell, plan)
+                    cell = with_timing(cell, floor["predicted_floor_s"], cfg)
                     limit = min(cfg.cell_time_limit_s, deadline - time.monotonic())
                     if cfg.plan_only:
-                        result = plan_only(cell)
-                    elif limit < MIN_CELL_S:
+                        result = plan_only(cell, plan)
+                    elif over_time(cell, floor["predicted_floor_s"], cfg.cell_time_limit_s):
+                        result = {"status": "time limit", "phase": f"planner floor {floor['predicted_floor_s']:.0f} "
+                                  f"s/step", "predicted_peak_GB": plan.hbm_total / GB,
+                                  "predicted_phase": plan.peak_phase, "measured_peak_GB": None}
+                    elif limit < MIN_CELL_S or over_time(cell, floor["predicted_floor_s"], limit):
                         result = {"status": "not run", "phase": "time budget spent", "measured_peak_GB": None}
                     else:
-                        result = over_time(cell, limit) or run_isolated(_cell_process, (cell,), limit)
-                    row = {**cell_row(cell), **result}
+                        result = run_isolated(_cell_process, (dataclasses.replace(cell, time_limit_s=limit),), limit)
+                    row = {**cell_row(cell), **floor, **result}
+                    if row.get("step_s"):
+                        row["floor_over_step"] = floor["predicted_floor_s"] / row["step_s"]
                     rows.append(row)
                     run.save(payload)
-                    progress(f"{label} {attention} {mode} {cell.frames} frames: {row['status']} {row.get('phase', '')} "
-                             f"measured {row.get('measured_peak_GB')} GB, planner {row.get('predicted_peak_GB')} GB")
-                    if not row["status"].startswith("fits"):
+                    progress(f"{label} {spec.attention} {mode} {cell.frames} frames: {row['status']} "
+                             f"{row.get('phase', '')} measured {row.get('measured_peak_GB')} GB, planner "
+                             f"{row.get('predicted_peak_GB')} GB; step {row.get('step_s')} s, floor "
+                             f"{floor['predicted_floor_s']:.3g} s")
+                    if not row["status"].startswith(("fits", "not run")):   # a row stops at its first failure
                         break
-    payload["tables"]["summary"] = summary(rows)
+    payload["tables"]["summary"] = summary(rows, cfg.hide_min_tokens, cfg.hide_ratio)
     images = {}
     if not cfg.plan_only and any(r["status"] == "fits" for r in rows):
         images["frames vs peak HBM and step time"] = plot(rows, run.result_path.with_suffix(".png"))

@@ -21,15 +21,25 @@ def test_oom_thresholds_smoke_reaches_fitting_and_oom_cells(tmp_path):
     for c in fits:
         assert c["predicted_peak_GB"] <= budget and c["measured_peak_GB"] > 0
         assert c["timed_steps"] == 2 and 0 < c["step_s_min"] <= c["step_s"] <= c["step_s_max"]
+        assert c["timing_rule"] == "1 warm-up, 2 timed" and c["first_step_s"] > 0
+        assert 0 < c["attention_s"] < c["step_s"] and 0 < c["attention_share"] < 1
+        assert c["predicted_floor_s"] >= c["predicted_matmul_s"] + c["predicted_attention_s"] > 0
+        assert c["floor_over_step"] == c["predicted_floor_s"] / c["step_s"]
+        if c["mode"] != "resident":     # the compute stream's busy time: all of the step but the transfers
+            assert 0 < c["compute_only_s"] <= c["step_s_max"] and c["step_over_compute"] >= 1
+            assert c["h2d_s"] > 0 and c["d2h_s"] > 0 and c["optimizer_s"] > 0
         if c["attention"] != "dsa":     # CPU runs DSA's gather backend; the planner models the fused kernels
             assert 0.85 < c["predicted_over_measured"] < 1.1
     for (attention, mode) in rows:      # a row stops at its first OOM
         statuses = [c["status"] for c in cells if (c["attention"], c["mode"]) == (attention, mode)]
         assert "fits" not in statuses[statuses.index("OOM"):] if "OOM" in statuses else True
     best = {(s["attention"], s["mode"]): s["max_frames"] for s in summary}
+    hide = {(s["attention"], s["mode"]): s["transfers_hide"] for s in summary}
+    assert hide[("dense", "resident")] is None and hide[("dense", "chunked_offload")] in (True, False)
     assert best[("dense", "resident")] == 4 and best[("dense", "chunked_offload")] == 8
     assert data["ceilings"]["matmul_TFLOPs"] > 0 and data["wandb_dir"] is None
-    assert (tmp_path / "oom_thresholds.md").read_text().count("| tiny |") == len(cells) + len(summary)
+    probes = data["ceilings"]["attention"]     # attend alone per (model, attention, chunked): the floor's rates
+    assert (tmp_path / "oom_thresholds.md").read_text().count("| tiny |") == len(cells) + len(summary) + len(probes)
     assert (tmp_path / "oom_thresholds" / "smoke.png").stat().st_size > 0
 
 
