@@ -92,8 +92,10 @@ class Job(Step):
 
 
 def forward_floors(plan: planner.OffloadPlan, ceilings: planner.Ceilings = planner.Ceilings()) -> dict:
-    """The streamed forward's predicted floors: overlapped = max(compute, weight H2D), serial = their sum."""
-    compute = plan.flops.forward / (ceilings.tflops * 1e12)
+    """The streamed forward's predicted floors: overlapped = max(compute, weight H2D), serial = their sum;
+    compute as the planner counts one forward pass (attention at its own rate, planner.compute_seconds)."""
+    _, parts = planner.compute_seconds(plan.cfg, plan.batch, plan.grid, recomputed=0, ceilings=ceilings, backward=False)
+    compute = sum(parts.values())
     weights = plan.cfg.depth * planner.block_layout(plan.cfg).numel * plan.param_dtype.itemsize
     h2d = weights / (ceilings.h2d_GBps * 1e9)
     return {"predicted_forward_overlap_s": max(compute, h2d), "predicted_forward_serial_s": compute + h2d,

@@ -94,11 +94,11 @@ class Ceilings:
 
 
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
-                    ceilings: Ceilings) -> tuple[float, dict[str, float]]:
+                    ceilings: Ceilings, backward: bool = True) -> tuple[float, dict[str, float]]:
     """The compute floor of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
-    trainer's checkpointed ones): (executed FLOPs, {"matmul": s, "attention": s}); the floor is their
-    sum (see the module docstring).
+    trainer's checkpointed ones), or without `backward` of one forward pass (no grad: nothing re-runs):
+    (executed FLOPs, {"matmul": s, "attention": s}); the floor is their sum (see the module docstring).
 
     Blocks dominate (the stem's forward is counted once per pass). Every block's forward runs once,
     plus once more if recomputed, plus once more with several slabs (`slab_frames`: each slab re-runs
@@ -110,17 +110,19 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     reach = a.variant.temporal_reach(a.options) if cfg.slab_frames else None
     slabs = frame_slabs(grid[0], cfg.slab_frames, reach)
     halo = sum(b - t for t, _, _, b in slabs) / grid[0]          # frames read per frame kept
-    forwards = 1 + recomputed / depth + (len(slabs) > 1)          # a block's forward passes; backward: 2 more
+    forwards = 1 + (recomputed / depth + (len(slabs) > 1) if backward else 0)  # a block's forward passes
+    passes = forwards + 2 * backward                              # counting the backward as 2 forwards
     counted = 4.0 * tokens * keys_per_query(a, grid) * D * depth  # attend's forward, counted
     own = 2.0 * tokens * a.variant.extra_macs_per_token(a.options, D, cfg.num_heads) * depth
     qkv = 2.0 * tokens * 3 * D * D * depth
-    chunked = bool(cfg.chunk_tokens or cfg.slab_frames)
-    executed = (flops.forward * (forwards + 2) + (flops.weights + (halo - 1) * qkv) * chunked
-                + (halo - 1) * (qkv + counted + own) * (forwards + 2))
+    rerun_slices = backward and bool(cfg.chunk_tokens or cfg.slab_frames)
+    executed = (flops.forward * passes + (flops.weights + (halo - 1) * qkv) * rerun_slices
+                + (halo - 1) * (qkv + counted + own) * passes)
     rate = ceilings.attention_rate(a.name)
     in_attend = halo * (counted + (own if rate.includes_own_weights else 0))
-    attention = halo * (counted * forwards / (rate.forward_tflops * 1e12) + 2 * counted / (rate.backward_tflops * 1e12))
-    matmul = (executed - in_attend * (forwards + 2)) / (ceilings.tflops * 1e12)
+    attention = halo * (counted * forwards / (rate.forward_tflops * 1e12)
+                        + 2 * backward * counted / (rate.backward_tflops * 1e12))
+    matmul = (executed - in_attend * passes) / (ceilings.tflops * 1e12)
     return executed, {"matmul": matmul, "attention": attention}
 
 

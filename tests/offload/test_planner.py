@@ -87,6 +87,11 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     assert slab_executed == pytest.approx(5 * f.forward + f.weights + (halo - 1) * (qkv + counted + own) * 5
                                           + (halo - 1) * qkv)
     assert slab["matmul"] == pytest.approx((slab_executed - halo * (counted + own) * 5) / 500e12)
+    # one forward pass (no grad): attend's forward once, nothing re-runs, even with slabs and chunks
+    one_executed, one = planner.compute_seconds(slabbed, 1, grid, recomputed=4, ceilings=measured, backward=False)
+    assert one_executed == pytest.approx(f.forward + (halo - 1) * (qkv + counted + own))
+    assert one["attention"] == pytest.approx(halo * counted / 2e12)
+    assert one["matmul"] == pytest.approx((one_executed - halo * (counted + own)) / 500e12)
     # an attention without a rate (dense) runs at the matmul ceiling: compute = executed FLOPs / ceiling
     dense = dataclasses.replace(cfg, attention=AttentionConfig("dense"))
     dense_executed, dense_parts = planner.compute_seconds(dense, 1, grid, recomputed=4, ceilings=Ceilings(tflops=500.0))
