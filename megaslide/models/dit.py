@@ -134,7 +134,7 @@ class DiTBlock(nn.Module):
         """The block over x (B, n, D), a run of whole frames (grid (t, H, W)), returning only the rows
         `keep` (B, n_keep, D): the halo rows outside it are there for the attention of the kept ones."""
         cos, sin = rope                                                               # (n, d/2) each
-        step = self.chunk_tokens or x.shape[1]
+        step = self.chunk_tokens or len(range(x.shape[1])[keep])  # unset: slices of the kept rows' size
         spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
         parts = [checkpoint(self._project_slice, x[:, s], mod, cos[s], sin[s], use_reentrant=False) for s in spans]
         q, k, v, *h = (torch.cat(p, dim=1) for p in zip(*parts))                     # (B, n, h, d) x 3[, (B, n, D)]

@@ -42,6 +42,7 @@ of c tokens holds the token-wise activations above. These moments compete:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megaslide.config import DiTConfig
@@ -96,13 +97,19 @@ def _largest(moments: dict[str, dict[str, int]]) -> tuple[str, dict[str, int]]:
     return name, moments[name]
 
 
-def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes) -> BlockMemory:
-    """`DiTBlock(cfg)`'s activation bytes for `tokens` video tokens (batch x tokens per clip) in
-    the given dtypes (see the module docstring for what is counted and why)."""
+def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: int = 1) -> BlockMemory:
+    """`DiTBlock(cfg)`'s activation bytes for `tokens` video tokens (batch x tokens per clip, of
+    `frames` token frames: it matters only with `slab_frames`) in the given dtypes (see the module
+    docstring for what is counted and why)."""
     D, F, heads = cfg.dim, cfg.ffn_dim, cfg.num_heads
     a, r = dtypes.act, dtypes.residual
     variant, options = cfg.attention.variant, cfg.attention.options
     chunk = cfg.chunk_tokens
+    slabbed = 0 < cfg.slab_frames < frames
+    if slabbed:   # the largest slab: s frames and a halo of r on each side; its slices are the whole slab if unset
+        span = min(frames, cfg.slab_frames + 2 * variant.temporal_reach(options))
+        wide, kept, tokens = r * D * tokens, tokens * cfg.slab_frames // frames, tokens * span // frames
+        chunk = chunk or kept
     attend = variant.attend_memory(options, D, heads, a, chunked=bool(chunk))
     qk = cfg.qk_norm
     first_norm_copy = 4 * D if dtypes.autocast and r < 4 else 0
@@ -162,5 +169,27 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes) -> Block
         "slice gradient accumulation": _scaled({**whole, "dL/d(attention output), dL/d(block input), twice":
                                                 2 * (a * D + r * D)}, tokens),
     }
-    moment, peak = _largest(moments)
-    return BlockMemory(_scaled(whole, tokens), peak, moment, forward)
+    if not slabbed:
+        moment, peak = _largest(moments)
+        return BlockMemory(_scaled(whole, tokens), peak, moment, forward)
+    # a slab: the attention part over its `tokens` (halo included), the finishing slices over its kept rows;
+    # beside it the whole clip's slab outputs and, in backward, the block output and dL/d(block input),
+    # which sums the slabs' full-size input gradients as each slab's backward ends
+    slab_whole = _scaled({k: v for k, v in whole.items() if k not in output}, tokens)
+    finish = _scaled({**post, **mlp_grad, "slice output": r * D}, min(chunk, kept))
+    grads = {"dL/d(attention output), dL/d(slab input)": a * D + r * D}
+    outputs = {"slab outputs (whole clip)": wide}
+    held = {"block output (whole clip)": wide, "dL/d(block input), accumulated (whole clip)": wide}
+    slab_moments = {
+        "slab concatenation": {**concatenation, **outputs},
+        "slab attention forward": {**attention_forward, **outputs},
+        "slab finishing slices' backward": {**slab_whole, **finish, **_scaled(grads, kept), **held},
+        "slab attention backward": {**slab_whole, **_scaled({f"{name} attention backward": attend.backward,
+                                                             **grads}, tokens), **held},
+        "slab input gradient summed in": {**_scaled({"dL/d(slab input)": r * D}, tokens), **held,
+                                          "its full-size share, the sum": 2 * wide},
+        "forward end": {"slab outputs and their concatenation": 2 * wide},
+    }
+    moment, peak = _largest(slab_moments)
+    forward = max([{**forward, **outputs}, slab_moments["forward end"]], key=lambda m: sum(m.values()))
+    return BlockMemory(outputs, peak, moment, forward)

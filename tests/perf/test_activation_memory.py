@@ -132,3 +132,32 @@ def test_chunked_bf16_swin_block_matches_cpu_measurement(layer_idx):
     assert model.kept_total == pytest.approx(kept, rel=0.01)
     assert model.peak_total == pytest.approx(peak, rel=0.02 if layer_idx else 0.12)
     assert model.peak_total >= peak * 0.99
+
+
+@pytest.mark.parametrize("chunk,slab,ffn", [(0, 2, 256), (512, 2, 256), (0, 1, 64), (128, 1, 64), (256, 3, 64)])
+def test_fp32_slab_block_matches_a_block_measured_on_cpu(monkeypatch, chunk, slab, ffn):
+    """A block over frame slabs (`slab_frames`), measured: dense attention made to declare a reach of 2
+    frames (its memory is what the model knows for CPU; its outputs do not matter here) on 8 x 16 x 16,
+    beside the whole clip's slab outputs and input gradient. A wide MLP puts the peak in the finishing
+    slices' backward, a narrow one in the slab's attention backward."""
+    from megaslide import attention as registry
+    from megaslide.attention.dense import DenseAttention
+
+    class ReachTwo(DenseAttention):
+        name = "dense_reach_two"
+
+        @classmethod
+        def temporal_reach(cls, options) -> int:
+            return 2
+
+    monkeypatch.setitem(registry._REGISTRY, ReachTwo.name, ReachTwo)
+    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=ffn, qk_norm=False, chunk_tokens=chunk, slab_frames=slab,
+                    attention=AttentionConfig(ReachTwo.name))
+    kept, peak = _measured(cfg, (8, 16, 16))
+    fp32 = ActivationDtypes(act=4, residual=4)
+    model = block_memory(cfg, 2048, fp32, frames=8)
+    whole = block_memory(dataclasses.replace(cfg, slab_frames=0, chunk_tokens=chunk or 2048), 2048, fp32, frames=8)
+    assert model.kept_total == pytest.approx(kept, rel=0.01)
+    assert model.peak_total == pytest.approx(peak, rel=0.05)
+    assert model.moment == ("slab attention backward" if ffn == 64 else "slab finishing slices' backward")
+    assert model.peak_total < whole.peak_total
