@@ -75,7 +75,8 @@ class AttentionRate:
 # the fused DSA op alone on an H200, bf16, 3x3x3, 16 heads x 64, 262,144 tokens (results/attention.md, the
 # dsa_gpu_check sweep's fastest forward + backward): forward 2.9e10 counted FLOPs in 27.6 ms, backward 5.8e10
 # in 122 ms. Its offset net is not in it: a rate measured on `attend` (experiments/oom_thresholds.py) is lower.
-DEFAULT_ATTENTION_RATES = {name: AttentionRate(1.05, 0.475, includes_own_weights=False) for name in ("dsa", "dsa_zero")}
+# dsa_zero runs kernels of its own (no offsets, no atomics): no default, so it is bounded at the matmul ceiling.
+DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.05, 0.475, includes_own_weights=False)}
 
 
 @dataclass(frozen=True)
