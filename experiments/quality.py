@@ -13,8 +13,8 @@ resumed run. With workers > 1 a long run starts as soon as its short run has fin
 
 `compile_probe=true` measures train.compile instead of running the study: per variant, at the
 first clip and its batch size, training steps per second without and with torch.compile
-(`probe_steps` timed steps after `probe_warmup` untimed ones, which include compiling), in
-results/quality_compile/<results_name>.json.
+(`probe_steps` timed steps after `probe_warmup` untimed ones, which include compiling; `workers`
+measurements at once), in results/quality_compile/<results_name>.json.
 
     python experiments/quality.py                                        # tiny, CPU
     python experiments/quality.py compile_probe=true                     # tiny, CPU
@@ -25,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from concurrent.futures import as_completed
 
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import check_study, final_checkpoint, ground_truth_row, make_job, run_study
+from experiments.quality_protocol import (check_study, final_checkpoint, ground_truth_row, make_job, process_pool,
+                                          run_study)
 from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.train.trainer import Trainer
@@ -98,26 +100,35 @@ def time_steps(model: DiTConfig, data: DataConfig, train: TrainConfig, out_dir: 
 
 
 def probe_compile(cfg: DictConfig, models: dict[str, DiTConfig], clip: DataConfig, train: TrainConfig) -> None:
-    """Each variant's training speed without and with train.compile (module docstring). The compiled row
-    adds `speedup` and `break_even_steps`, the steps after which compiling has paid for its longer warm-up.
-    The JSON is rewritten after every measurement, so a probe cut short keeps what it measured."""
+    """Each variant's training speed without and with train.compile (module docstring), each measured in a
+    spawned process, `workers` at once. The compiled row adds `speedup` and
+    `break_even_steps`, the steps after which compiling has paid for its longer warm-up. The JSON
+    is rewritten after every measurement, so a probe cut short keeps what it measured."""
     config = {"frames": clip.frames, "size": [clip.height, clip.width], "batch_size": train.batch_size,
-              "warmup": cfg.probe_warmup, "steps": cfg.probe_steps, "variants": list(cfg.variants)}
-    rows: list[dict] = []
-    for variant, on in itertools.product(cfg.variants, (False, True)):
-        rows.append({"variant": variant, **time_steps(models[variant], clip, dataclasses.replace(train, compile=on),
-                                                      cfg.out_dir, cfg.probe_warmup, cfg.probe_steps)})
-        if on and rows[-2]["status"] == rows[-1]["status"] == "ok":
-            rows[-1].update(compile_gain(rows[-2], rows[-1]))
-        path = write_result("quality_compile", cfg.results_name, {"config": config, "rows": rows,
-                                                                  "jobs_done": len(rows),
-                                                                  "jobs_total": 2 * len(cfg.variants)},
-                            results_dir=cfg.results_dir)
-    for r in rows:
+              "warmup": cfg.probe_warmup, "steps": cfg.probe_steps, "variants": list(cfg.variants),
+              "workers": cfg.workers}
+    pairs = list(itertools.product(cfg.variants, (False, True)))   # (variant, compile): eager, then compiled
+    jobs = [(models[v], clip, dataclasses.replace(train, compile=on), cfg.out_dir, cfg.probe_warmup, cfg.probe_steps)
+            for v, on in pairs]
+    rows: dict[int, dict] = {}
+
+    def finish(i: int, row: dict) -> Path:
+        rows[i] = {"variant": pairs[i][0], **row}
+        eager, compiled = rows.get(i - i % 2), rows.get(i - i % 2 + 1)
+        if eager and compiled and eager["status"] == compiled["status"] == "ok":
+            compiled.update(compile_gain(eager, compiled))
+        payload = {"config": config, "rows": [rows[k] for k in sorted(rows)], "jobs_done": len(rows),
+                   "jobs_total": len(jobs)}
+        return write_result("quality_compile", cfg.results_name, payload, results_dir=cfg.results_dir)
+
+    with process_pool(cfg.workers) as pool:
+        futures = {pool.submit(time_steps, *job): i for i, job in enumerate(jobs)}
+        paths = [finish(futures[f], f.result()) for f in as_completed(futures)]
+    for r in (rows[k] for k in sorted(rows)):
         speed = f"{r['steps_per_s']:.1f} steps/s, warm-up {r['warmup_s']:.1f} s" if r["status"] == "ok" else r["status"]
         gain = f", speed-up {r['speedup']:.2f}x (pays after {r['break_even_steps']} steps)" if "speedup" in r else ""
         print(f"{r['variant']:9s} compile={str(r['compile']).lower():5s} {speed}{gain}")
-    print(f"\ncompile probe (JSON): {path}")
+    print(f"\ncompile probe (JSON): {paths[-1]}")
 
 
 def compile_gain(eager: dict, compiled: dict) -> dict:

@@ -174,6 +174,13 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def process_pool(workers: int) -> ProcessPoolExecutor:
+    """`workers` spawned processes, each with an equal share of the CPU threads."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                               initargs=(threads,))
+
+
 def _run_job(job: dict) -> dict:
     return run_variant(**job)
 
@@ -184,8 +191,8 @@ def dependencies(jobs: list[dict]) -> dict[int, int]:
     after = {i: writers[job["train"].resume] for i, job in enumerate(jobs) if job["train"].resume in writers}
     late = [(i, j) for i, j in after.items() if j >= i]
     if late:
-        raise ValueError(f"jobs {[i for i, _ in late]} start from the checkpoints of later jobs {[j for _, j in late]}; "
-                         f"list each run after the run it continues")
+        raise ValueError(f"jobs {[i for i, _ in late]} start from the checkpoints of the later jobs "
+                         f"{[j for _, j in late]}; list each run after the run it continues")
     return after
 
 
@@ -237,9 +244,7 @@ def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None
             if not blocked(i):
                 attempt(i, lambda: run_variant(**job))
         return _rows(done, errors)
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads,)) as pool:
+    with process_pool(workers) as pool:
         running: dict = {}
 
         def start(i: int) -> None:

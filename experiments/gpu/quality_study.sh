@@ -6,7 +6,7 @@
 #   DRY=1 experiments/gpu/quality_study.sh    # the same stages at tiny size on the CPU, under 2 minutes
 #
 # 1. Compile probe (at most PROBE_S = 40 s): dsa at 16 frames, batch 8, training steps/s without
-#    and with train.compile -> RESULTS/quality_compile/NAME.json.
+#    and with train.compile, the two in parallel processes -> RESULTS/quality_compile/NAME.json.
 # 2. The study -> RESULTS/quality/NAME.json (+ sample grids, RESULTS/quality.md): 3 seeds x {dense,
 #    swin, dsa, dsa_zero} at 16 frames (batch 8, SHORT steps), then progressively at 64 frames
 #    (batch 2: the same tokens per step), each 64-frame run continuing its 16-frame run for LONG
@@ -37,7 +37,7 @@ else
   : "${BUDGET_S:=540}" "${SHORT_MAX:=2800}" "${LONG_MAX:=3000}" "${LONG_MIN:=300}" "${NAME:=h200_progressive}"
   PROBE="probe_warmup=5 probe_steps=60"; OVERHEAD_S=35   # per clip length: start-up, sampling, scoring
 fi
-: "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.7}"
+: "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.65}"
 RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
 RUNS=${RUNS:-/tmp/quality_study/runs}    # out_dir: checkpoints, W&B runs, samples, logs
 mkdir -p "$RESULTS" "$RUNS/logs"
@@ -63,7 +63,7 @@ COMMON="$SIZE out_dir=$RUNS results_dir=$RESULTS results_name=$NAME"
 say "compile probe, at most $PROBE_S s"
 # shellcheck disable=SC2086
 timeout -k 5 "$PROBE_S" python3 experiments/quality.py $COMMON compile_probe=true "variants=[dsa]" \
-  "clip_frames=[${CLIPS[0]}]" "clip_batch_sizes=[${BATCHES[0]}]" $PROBE 2>&1 | tee "$RUNS/logs/probe.log"
+  "clip_frames=[${CLIPS[0]}]" "clip_batch_sizes=[${BATCHES[0]}]" workers=2 $PROBE 2>&1 | tee "$RUNS/logs/probe.log"
 say "probe exit status ${PIPESTATUS[0]} (124: cut at $PROBE_S s; its JSON keeps what it measured)"
 
 # ---- plan: compile or not, SHORT and LONG from the probe and the time left

@@ -128,9 +128,10 @@ def test_time_steps_reports_a_failure_as_its_status(monkeypatch, tmp_path):
 
 @needs_inductor
 def test_compile_probe_rows(tmp_path):
-    """The probe runs on the CPU too: one eager and one compiled row per variant, the gain from both."""
+    """The probe runs on the CPU too: one eager and one compiled row per variant (measured in two processes
+    at once), the gain from both."""
     run_script(["experiments/quality.py", f"out_dir={tmp_path}", *TINY, "clip_frames=[4]", "compile_probe=true",
-                "variants=[dense]", "probe_warmup=1", "probe_steps=2"])
+                "variants=[dense]", "probe_warmup=1", "probe_steps=2", "workers=2"])
     result = json.loads((tmp_path / "results" / "quality_compile" / "cpu_tiny.json").read_text())
     assert result["jobs_done"] == result["jobs_total"] == 2
     eager, compiled = result["rows"]
@@ -141,7 +142,7 @@ def test_compile_probe_rows(tmp_path):
     assert compiled["speedup"] == pytest.approx(gain["speedup"])
     assert compiled["break_even_steps"] == gain["break_even_steps"]
     assert result["config"] == {"frames": 4, "size": [8, 8], "batch_size": 2, "warmup": 1, "steps": 2,
-                                "variants": ["dense"]}
+                                "variants": ["dense"], "workers": 2}
 
 
 def test_gpu_study_script_dry_run(tmp_path):
