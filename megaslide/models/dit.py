@@ -311,8 +311,14 @@ class VideoDiT(nn.Module):
         return block(x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, attn)
 
     def head(self, x: torch.Tensor, e: Embedded) -> torch.Tensor:
-        """Tokens (B, n, D) -> velocity rows (B, n, pv*C) in `patchify`'s layout: the final layer, per row."""
-        return self.final(x, e.t_emb)
+        """Tokens (B, n, D) -> velocity rows (B, n, pv*C) in `patchify`'s layout: the final layer, per row;
+        with `chunk_tokens`, over slices of that many rows, each under a checkpoint (its LayerNorm keeps
+        fp32 copies of whole rows, too much over millions of tokens)."""
+        step = self.cfg.chunk_tokens
+        if not step or x.shape[1] <= step:
+            return self.final(x, e.t_emb)
+        return torch.cat([checkpoint(self.final, x[:, s:s + step], e.t_emb, use_reentrant=False)
+                          for s in range(0, x.shape[1], step)], dim=1)      # (B, n, pv*C)
 
     def unembed(self, x: torch.Tensor, e: Embedded) -> torch.Tensor:
         """Tokens (B, N, D) -> latents (B, C, T, H, W)."""

@@ -164,9 +164,12 @@ def _clip_and_rope(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], act: 
 
 def _final_layer(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes) -> int:
     """The final layer at the peak of its backward (the modulation's): LayerNorm's fp32 input copy (of
-    a bf16 input) and output, and the fp32 gradients of the modulation's output and input."""
+    a bf16 input) and output, and the fp32 gradients of the modulation's output and input; with
+    `chunk_tokens`, those of one slice, beside a slice's input gradient made full size to be summed in."""
     per_token = (4 if dtypes.autocast and dtypes.residual < 4 else 0) + 4 + 8
-    return tokens * cfg.dim * per_token
+    if not cfg.chunk_tokens or tokens <= cfg.chunk_tokens:
+        return tokens * cfg.dim * per_token
+    return cfg.chunk_tokens * cfg.dim * per_token + tokens * cfg.dim * dtypes.residual
 
 
 def _block_items(memory: BlockMemory, which: str) -> dict[str, int]:
@@ -267,7 +270,7 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
     tokens = batch * math.prod(grid)
     w, D, depth = dtypes.residual, cfg.dim, cfg.depth
     x = tokens * D * w                                        # one (B, N, D) block input / output / gradient
-    memory = block_memory(cfg, tokens, dtypes)
+    memory = block_memory(cfg, tokens, dtypes, grid[0])
     streamed = depth - k
     fixed = {f"block shells ({2 + k}): weights and flat gradients": 2 * (2 + k) * n * w,
              "resident stem: fp32 weights, AdamW moments": 12 * resident,
@@ -392,7 +395,7 @@ def plan_resident(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], aut
     block = block_layout(cfg).param_count
     tokens = batch * math.prod(grid)
     dtypes = ActivationDtypes(act=2 if autocast else 4, residual=4)
-    memory = block_memory(cfg, tokens, dtypes)
+    memory = block_memory(cfg, tokens, dtypes, grid[0])
     x = tokens * cfg.dim * 4
     cast = 2 if autocast else 0
     state = {"fp32 weights and AdamW moments": 12 * params,

@@ -288,3 +288,14 @@ def test_hbm_prediction_is_within_ten_percent_of_the_h200_oom_cells(config, cell
         plan = plan_offload(cfg, batch=config["batch"], grid=grid, param_dtype=torch.bfloat16,
                             activation_offload=cell["mode"] == "chunked_offload")
     assert plan.hbm_total / GB == pytest.approx(cell["measured_peak_GB"], rel=0.10)
+
+
+def test_chunked_final_layer_holds_one_slice_and_a_full_size_gradient_share():
+    """With chunk_tokens the final layer runs over slices: the loss phase holds one slice's fp32 norm input
+    copy, output and two gradients (16 D bytes a token) and one bf16 full-size input-gradient share."""
+    cfg, grid = DIT_PRESETS["1B"], (64, 68, 120)
+    tokens, chunk, D = 64 * 68 * 120, 16320, DIT_PRESETS["1B"].dim
+    whole = plan_offload(dataclasses.replace(cfg, chunk_tokens=0), batch=1, grid=grid, param_dtype=torch.bfloat16)
+    sliced = plan_offload(dataclasses.replace(cfg, chunk_tokens=chunk), batch=1, grid=grid,
+                          param_dtype=torch.bfloat16)
+    assert whole.hbm_phases["loss"] - sliced.hbm_phases["loss"] == tokens * 16 * D - (chunk * 16 * D + tokens * 2 * D)
