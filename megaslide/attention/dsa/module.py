@@ -3,8 +3,9 @@
 Offsets are predicted from the block input: a depthwise Conv3d over the token grid, GELU,
 and a Linear to heads * K * 3, bounded by `max_offset * tanh`. The Linear starts at zero,
 so a fresh `dsa` layer is exactly 3D neighbourhood attention and learns to move its
-samples. `dsa_zero` is the ablation: offsets fixed at exactly zero. It keeps the (inert)
-offset net so both variants have the same parameter count. Both take `DSAOptions`.
+samples. `dsa_zero` is the ablation: offsets fixed at exactly zero, run as 3D neighbourhood
+attention (`neighborhood_attention`: no offsets tensor, no offset gradient). It keeps the
+(inert) offset net so both variants have the same parameter count. Both take `DSAOptions`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import register_attention
 from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
-from megaslide.attention.dsa.op import BACKENDS, deformable_slide_attention
+from megaslide.attention.dsa.op import BACKENDS, deformable_slide_attention, neighborhood_attention
 
 
 @dataclass(frozen=True)
@@ -82,16 +83,15 @@ class DSAAttention(SelfAttention):
     @classmethod
     def attend_memory(cls, options: DSAOptions, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
         # the fused kernels (the CUDA path) keep contiguous q, k, v, offsets (fp32), the output and
-        # lse; the offset net, unless zero or chunked (then recomputed from the kept input), keeps
-        # its conv, GELU and Linear inputs and tanh's fp32 output. Forward: the net's fp32 input made
+        # lse; the offset net, unless chunked (then recomputed from the kept input), keeps its conv,
+        # GELU and Linear inputs and tanh's fp32 output. Forward: the net's fp32 input made
         # contiguous and its Linear output before and after the cast to fp32 (chunked: the offsets of
         # the runs before their concatenation). Backward: dq, fp32 dk and dv (atomics) and, in low
         # precision, their casts; fp32 d(offsets)
         offsets = 4 * num_heads * math.prod(options.kernel_size) * 3
-        saved, forward = act * dim + 4 * num_heads + offsets, 0
-        if not cls.fixed_zero_offsets:
-            forward = offsets if chunked else 4 * dim + offsets * (act + 4) // 4
-        if not (cls.fixed_zero_offsets or chunked):
+        saved = act * dim + 4 * num_heads + offsets
+        forward = offsets if chunked else 4 * dim + offsets * (act + 4) // 4
+        if not chunked:
             saved += 3 * act * dim + offsets
         return AttendMemory("contiguous", saved, forward, 3 * act * dim + (8 * dim if act < 4 else 0) + offsets)
 
@@ -128,11 +128,11 @@ class DSAAttention(SelfAttention):
     def attend(self, q, k, v, x, grid):
         B, N, h, d = q.shape
         q6, k6, v6 = (t.reshape(B, *grid, h, d) for t in (q, k, v))  # (B, T, H, W, h, d)
+        kernel_size, backend = self.options.kernel_size, self.options.backend
         if self.fixed_zero_offsets:
-            off = torch.zeros(B, *grid, h, self.num_samples, 3, device=q.device, dtype=torch.float32)
+            o = neighborhood_attention(q6, k6, v6, kernel_size, backend=backend)  # (B, T, H, W, h, d)
         else:
-            off = self.offsets(x, grid)
-        o = deformable_slide_attention(q6, k6, v6, off, self.options.kernel_size, backend=self.options.backend)
+            o = deformable_slide_attention(q6, k6, v6, self.offsets(x, grid), kernel_size, backend=backend)
         return o.reshape(B, N, h, d)                                  # (B, N, h, d)
 
 
@@ -141,3 +141,9 @@ class DSAZeroAttention(DSAAttention):
     name = "dsa_zero"
     fixed_zero_offsets = True
     reads_input = False
+
+    @classmethod
+    def attend_memory(cls, options: DSAOptions, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
+        # the zero-offset kernels (the CUDA path) keep contiguous q, k, v, the output and lse; no
+        # offsets. Backward: dq, dk, dv in the input dtype (no fp32 scratch) and fp32 delta = <dO, out>
+        return AttendMemory("contiguous", act * dim + 4 * num_heads, 0, 3 * act * dim + 4 * num_heads)

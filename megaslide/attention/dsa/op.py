@@ -1,9 +1,19 @@
-"""The public 3D-DSA op: input checks, backend choice and the Triton autograd Function.
+"""The public 3D-DSA ops: input checks, backend choice and the Triton autograd Functions.
 
-Backends are `megaslide.backends.Backend` records with a `can_run(q, offsets, explicit)`
-check, walked in preference order for "auto"; an explicit request that cannot run raises a
-ValueError that says why for every backend. The Triton kernels are imported on first use, so
-importing this module does not build them (tests choose TRITON_INTERPRET before that).
+`deformable_slide_attention` is the general op (kernels.py); `neighborhood_attention` is its
+special case with offsets exactly zero (`dsa_zero`), with its own kernels (zero_kernels.py:
+one key row per sample, no offset gradient, a deterministic backward) and, off CUDA, the
+general PyTorch backends called with zero offsets. Backends are `megaslide.backends.Backend`
+records with a `can_run(q, offsets, explicit)` check, walked in preference order for "auto";
+an explicit request that cannot run raises a ValueError that says why for every backend.
+The Triton kernels are imported on first use, so importing this module does not build them
+(tests choose TRITON_INTERPRET before that).
+
+Forward only. When no input needs a gradient (none requires grad, or under torch.no_grad /
+inference_mode, as in sampling) the Triton backends skip the autograd Function: nothing is
+saved for a backward. The zero-offset forward then neither allocates nor writes the lse; the
+general forward kernel always writes it, so there the fp32 (B, heads, N) lse is dropped as
+soon as the kernel returns (it is 1 / (2 d) of q's bytes in bf16).
 """
 from __future__ import annotations
 
@@ -31,10 +41,21 @@ def _kernels():
     return kernels
 
 
-def _triton_interpreted() -> bool:
-    """Whether the kernels run (or, once imported, will run) in the CPU interpreter."""
-    loaded = sys.modules.get("megaslide.attention.dsa.kernels")
+def _zero_kernels():
+    from megaslide.attention.dsa import zero_kernels
+    return zero_kernels
+
+
+def _triton_interpreted(module: str) -> bool:
+    """Whether the kernels of `module` (kernels or zero_kernels) run (or, once imported, will
+    run) in the CPU interpreter."""
+    loaded = sys.modules.get(f"megaslide.attention.dsa.{module}")
     return loaded.INTERPRETED if loaded is not None else triton_interpreted()
+
+
+def _needs_grad(*inputs: torch.Tensor) -> bool:
+    """Whether autograd will ask for a gradient of any input (else the forward-only path)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
 
 
 # The kernels are wrapped as custom ops so that torch.compile (train.compile) treats them as
@@ -68,6 +89,31 @@ def _(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad):
             torch.empty_like(offsets) if offsets_grad else offsets.new_empty(0))
 
 
+@torch.library.custom_op("megaslide::na_fused_forward", mutates_args=())
+def _na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: list[int], scale: float,
+                store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _zero_kernels().na_forward(q, k, v, tuple(kernel_size), scale, store_lse=store_lse)
+    return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
+
+
+@_na_forward.register_fake
+def _(q, k, v, kernel_size, scale, store_lse):
+    B, T, H, W, heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, heads, T * H * W) if store_lse else 0, dtype=torch.float32)
+
+
+@torch.library.custom_op("megaslide::na_fused_backward", mutates_args=())
+def _na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 dout: torch.Tensor, kernel_size: list[int], scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _zero_kernels().na_backward(q, k, v, out, lse, dout, tuple(kernel_size), scale)
+
+
+@_na_backward.register_fake
+def _(q, k, v, out, lse, dout, kernel_size, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 class _DSATritonFunction(torch.autograd.Function):
     """Fused Triton forward / backward; saves q, k, v, offsets, out and the log-sum-exp."""
 
@@ -87,6 +133,42 @@ class _DSATritonFunction(torch.autograd.Function):
         dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), list(ctx.kernel_size),
                                            ctx.scale, offsets_grad)
         return dq, dk, dv, doff if offsets_grad else None, None, None
+
+
+class _NATritonFunction(torch.autograd.Function):
+    """Zero-offset Triton forward / backward; saves q, k, v, out and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel_size: KernelSize, scale: float):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        out, lse = _na_forward(q, k, v, list(kernel_size), scale, True)  # (B, T, H, W, heads, d), (B, heads, N)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel_size = kernel_size
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _na_backward(q, k, v, out, lse, dout.contiguous(), list(ctx.kernel_size), ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
+    """The fused kernels; forward only when no input needs a gradient."""
+    if _needs_grad(q, k, v, offsets):
+        return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale)
+    q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
+    return _fused_forward(q, k, v, offsets, list(kernel_size), scale)[0]
+
+
+def _na_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
+    """The zero-offset kernels (offsets, all zero, are not read); forward only, without an lse,
+    when no input needs a gradient."""
+    if _needs_grad(q, k, v):
+        return _NATritonFunction.apply(q, k, v, kernel_size, scale)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return _na_forward(q, k, v, list(kernel_size), scale, False)[0]
 
 
 def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
@@ -117,6 +199,15 @@ def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tu
     """The fused kernels need triton, fp32/fp16/bf16, d <= 128 and a launch grid within
     CUDA's limits, on CUDA; on CPU only under the Triton interpreter (TRITON_INTERPRET=1)
     and only when asked for by name."""
+    return _can_run_kernels(q, offsets, explicit, "kernels")
+
+
+def can_run_na_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
+    """The zero-offset kernels run where the fused kernels run (`can_run_triton`)."""
+    return _can_run_kernels(q, offsets, explicit, "zero_kernels")
+
+
+def _can_run_kernels(q: torch.Tensor, offsets: torch.Tensor, explicit: bool, module: str) -> tuple[bool, str]:
     if not TRITON_AVAILABLE:
         return False, "triton is not installed"
     if q.dtype not in TRITON_DTYPES or offsets.dtype not in TRITON_DTYPES:
@@ -127,27 +218,44 @@ def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tu
         return False, f"head dim d={d} exceeds {TRITON_MAX_HEAD_DIM}"
     if B * heads > 65535 or T * H * W >= 2**31:
         return False, f"B * heads = {B * heads} > 65535 or T * H * W = {T * H * W} >= 2**31"
-    return triton_device_check(q.device, explicit, _triton_interpreted(), "fused kernels")
+    return triton_device_check(q.device, explicit, _triton_interpreted(module), "fused kernels")
 
 
 BACKENDS: tuple[Backend, ...] = (
-    Backend("triton", can_run_triton, _DSATritonFunction.apply),
+    Backend("triton", can_run_triton, _dsa_triton),
     Backend("scores", can_run_scores, deformable_slide_attention_scores),
     Backend("gather", can_run_gather, deformable_slide_attention_gather),
     Backend("reference", can_run_reference, deformable_slide_attention_reference),
 )
 """In the order "auto" tries them."""
 
+NA_BACKENDS: tuple[Backend, ...] = (Backend("triton", can_run_na_triton, _na_triton), *BACKENDS[1:])
+"""`neighborhood_attention`'s backends, in the order "auto" tries them: its own kernels, then the
+general PyTorch backends, given zero offsets that need no gradient."""
 
-def select_backend(name: str, q: torch.Tensor, offsets: torch.Tensor) -> Backend:
-    """The DSA backend `name` ("auto": the first that can run q and offsets)."""
-    return choose_backend(name, BACKENDS, q, offsets)
+
+def select_backend(name: str, q: torch.Tensor, offsets: torch.Tensor, backends=BACKENDS) -> Backend:
+    """The backend `name` of `backends` (DSA's by default; "auto": the first that can run q and offsets)."""
+    return choose_backend(name, backends, q, offsets)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                  kernel_size: int | Sequence[int]) -> KernelSize:
     """Validate shapes, dtypes, devices and kernel sizes; return kernel_size as (kt, kh, kw)."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("offsets", offsets)):
+    kernel_size = check_qkv(q, k, v, kernel_size, offsets=offsets)
+    K = math.prod(kernel_size)
+    expected = (*q.shape[:5], K, 3)
+    if tuple(offsets.shape) != expected:
+        raise ValueError(f"offsets must have shape (B, T, H, W, heads, K, 3) = {expected} for "
+                         f"kernel_size={kernel_size}, got {tuple(offsets.shape)}")
+    return kernel_size
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int | Sequence[int],
+              **others: torch.Tensor) -> KernelSize:
+    """Validate q, k, v (and the tensors in `others`, by name: floating, on q's device) and the
+    kernel sizes against q's grid; return kernel_size as (kt, kh, kw)."""
+    for name, x in (("q", q), ("k", k), ("v", v), *others.items()):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -159,7 +267,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
         if x.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}; cast it first")
-    for name, x in (("k", k), ("v", v), ("offsets", offsets)):
+    for name, x in (("k", k), ("v", v), *others.items()):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move them to one device")
 
@@ -173,12 +281,16 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
         if kernel < 1 or kernel % 2 == 0 or kernel > size:
             raise ValueError(f"kernel_size {kernel_name}={kernel} must be odd, >= 1 and <= the grid size "
                              f"{size_name}={size}; pick an odd {kernel_name} <= {size}")
-    K = math.prod(kernel_size)
-    expected = (B, T, H, W, heads, K, 3)
-    if tuple(offsets.shape) != expected:
-        raise ValueError(f"offsets must have shape (B, T, H, W, heads, K, 3) = {expected} for "
-                         f"kernel_size={kernel_size}, got {tuple(offsets.shape)}")
     return kernel_size
+
+
+def check_scale(scale: float | None, q: torch.Tensor) -> float:
+    """The softmax scale: d ** -0.5 when None, else a finite number (a ValueError otherwise)."""
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None (for d ** -0.5), got {scale!r}")
+    return float(scale)
 
 
 def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -210,9 +322,33 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         (B, T, H, W, heads, d) in q's dtype.
     """
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number or None (for d ** -0.5), got {scale!r}")
-    chosen = select_backend(backend, q, offsets)
-    return chosen.run(q, k, v, offsets, kernel_size, float(scale))
+    scale = check_scale(scale, q)
+    return select_backend(backend, q, offsets).run(q, k, v, offsets, kernel_size, scale)
+
+
+def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kernel_size: int | Sequence[int] = (3, 3, 3), *,
+                           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """3D neighbourhood attention: `deformable_slide_attention` with offsets exactly zero (`dsa_zero`).
+
+    Every query token and head attends to the kt * kh * kw tokens of its clamped window
+    (along an axis of size S with kernel k the window of query i starts at
+    clamp(i - k // 2, 0, S - k)): out = softmax_j(scale * <q, K_j>) @ V_j. There are no
+    offsets and so no offset gradient; gradients reach q, k and v.
+
+    Args:
+        q, k, v: (B, T, H, W, heads, d), one floating dtype and device.
+        kernel_size: (kt, kh, kw) (or one int for all three), odd and <= (T, H, W).
+        scale: softmax scale; d ** -0.5 when None.
+        backend: "auto" (triton on CUDA; else scores on small grids, gather beyond), "triton"
+            (zero_kernels.py: one key row per sample, deterministic backward without atomics),
+            or "scores", "gather", "reference": the general PyTorch backends given zero
+            offsets that need no gradient.
+
+    Returns:
+        (B, T, H, W, heads, d) in q's dtype.
+    """
+    kernel_size = check_qkv(q, k, v, kernel_size)
+    scale = check_scale(scale, q)
+    offsets = q.new_zeros(()).expand(*q.shape[:5], math.prod(kernel_size), 3)  # (B, T, H, W, heads, K, 3), no memory
+    return select_backend(backend, q, offsets, NA_BACKENDS).run(q, k, v, offsets, kernel_size, scale)
