@@ -12,11 +12,14 @@
 #    (batch 2: the same tokens per step), each 64-frame run continuing its 16-frame run for LONG
 #    more steps. All 12 runs of a clip length train at once, one process and one CPU thread each;
 #    a 64-frame run starts when its 16-frame run ends. train.compile is on when the probe says it
-#    pays for itself well within SHORT steps. SHORT (at most SHORT_MAX) and LONG (at most
-#    LONG_MAX; below LONG_MIN: no 64-frame clip) are sized to the time left from the probe's
-#    steps/s, CONTENTION (the share of that rate each of the 12 runs keeps) and fixed overheads.
+#    pays for itself within a third of SHORT_MAX steps, with a speed-up of at least 1.2. SHORT (at
+#    most SHORT_MAX) and LONG (at most LONG_MAX; below LONG_MIN: no 64-frame clip) fill MARGIN of
+#    the time left, from the probe's steps/s times CONTENTION (the share of it each of 12 runs on
+#    one GPU keeps: an assumption; 4 runs kept 0.85-1.0 of 2 runs' rate on an H200), OVERHEAD_S per
+#    clip length (start-up, sampling, scoring) and, compiled, twice the probe's compile warm-up.
 # 3. Tars of the runs' sample clips, W&B offline runs, metrics.jsonl and the stage logs
-#    (checkpoints left out) -> RESULTS/NAME_runs.tar.gz, or _logs + _samples if one would pass 15 MiB.
+#    (checkpoints left out) -> RESULTS/NAME_runs.tar.gz, or _logs + _samples if one would pass 15 MiB
+#    (a device machine returns files of up to 16 MiB, 8 files in all: the stages write 6 or 7).
 # Stages 1 and 2 run under `timeout`: the result JSON is rewritten after every finished run, so a
 # stage cut short leaves an honest partial result (jobs_done < jobs_total).
 set -uo pipefail
@@ -37,9 +40,12 @@ else
   : "${BUDGET_S:=540}" "${SHORT_MAX:=2800}" "${LONG_MAX:=3000}" "${LONG_MIN:=300}" "${NAME:=h200_progressive}"
   PROBE="probe_warmup=5 probe_steps=60"; OVERHEAD_S=35   # per clip length: start-up, sampling, scoring
 fi
-: "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.65}"
+: "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.65}" "${MARGIN:=0.95}"
 RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
 RUNS=${RUNS:-/tmp/quality_study/runs}    # out_dir: checkpoints, W&B runs, samples, logs
+if [ -n "$(ls -A "$RUNS" 2>/dev/null)" ]; then
+  echo "RUNS=$RUNS holds an earlier study (its files would go into the tars): remove it or set RUNS" >&2; exit 2
+fi
 mkdir -p "$RESULTS" "$RUNS/logs"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 WANDB_MODE=${WANDB_MODE:-offline}
 left() { echo $(( BUDGET_S - (SECONDS - START) )); }
@@ -50,7 +56,9 @@ if ! python3 -c "import hydra" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; the
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/quality_study/site .whl/*.whl
   export PYTHONPATH=/tmp/quality_study/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! python3 -c "from importlib.metadata import entry_points as e; assert e(group='megaslide.attention')" 2>/dev/null; then
+python3 -c "import hydra" 2>/dev/null || { say "no Hydra: carry the Hydra/OmegaConf wheels in .whl"; exit 1; }
+if ! python3 -c "from importlib.metadata import entry_points as e; assert e(group='megaslide.attention')" 2>/dev/null
+then   # swin is found through the package's entry point
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 fi
 if [ "$WANDB_MODE" != disabled ] && ! python3 -c "import wandb" 2>/dev/null; then
@@ -67,29 +75,33 @@ timeout -k 5 "$PROBE_S" python3 experiments/quality.py $COMMON compile_probe=tru
 say "probe exit status ${PIPESTATUS[0]} (124: cut at $PROBE_S s; its JSON keeps what it measured)"
 
 # ---- plan: compile or not, SHORT and LONG from the probe and the time left
-read -r COMPILE SHORT LONG < <(python3 - "$RESULTS/quality_compile/$NAME.json" "$(left)" <<PY
-import json, math, sys
+read -r COMPILE SHORT LONG EST < <(python3 - "$RESULTS/quality_compile/$NAME.json" "$(left)" <<PY
+import json, sys
 try:
     rows = {r["compile"]: r for r in json.load(open(sys.argv[1]))["rows"] if r["status"] == "ok"}
 except (OSError, ValueError, KeyError):
     rows = {}
-left = int(sys.argv[2]) - $TAR_S
+usable = $MARGIN * (int(sys.argv[2]) - $TAR_S)          # seconds the study may plan to use
 eager, compiled = rows.get(False), rows.get(True)
 compile = bool(compiled and compiled.get("break_even_steps") is not None
                and 3 * compiled["break_even_steps"] <= $SHORT_MAX and compiled["speedup"] >= 1.2)
 rate = (compiled if compile else eager or {"steps_per_s": 9.0})["steps_per_s"] * $CONTENTION  # per run
-warmup = 2 * compiled["warmup_s"] if compile else 0.0   # compiling, per clip length, with 12 at once
-short = max(0, min($SHORT_MAX, int((left - $OVERHEAD_S - warmup) * rate)))
-long = min($LONG_MAX, int((left - 2 * ($OVERHEAD_S + warmup) - short / rate) * rate))
-print(str(compile).lower(), short, long if long >= $LONG_MIN else 0)
+fixed = $OVERHEAD_S + (2 * compiled["warmup_s"] if compile else 0.0)  # per clip length; 12 compile at once
+short = max(0, min($SHORT_MAX, int((usable - fixed) * rate)))
+long = min($LONG_MAX, int((usable - 2 * fixed - short / rate) * rate))
+long = long if long >= $LONG_MIN else 0
+est = f"{fixed + short / rate:.0f}s+{fixed + long / rate if long else 0:.0f}s"
+print(str(compile).lower(), short, long, est)
 PY
 )
 [ -n "${SHORT:-}" ] && [ "$SHORT" -gt 0 ] || { say "no time left for the study"; exit 1; }
-say "plan: train.compile=$COMPILE, ${CLIPS[0]} frames $SHORT steps, ${CLIPS[1]} frames $LONG more steps (0: skipped); $(left) s left"
+say "plan: train.compile=$COMPILE, ${CLIPS[0]} frames $SHORT steps, ${CLIPS[1]} frames $LONG more steps" \
+    "(0: skipped); estimated $EST; $(left) s left"
 
 # ---- 2. the study
 if [ "$LONG" -gt 0 ]; then
-  STUDY="clip_frames=[${CLIPS[0]},${CLIPS[1]}] clip_batch_sizes=[${BATCHES[0]},${BATCHES[1]}] clip_steps=[$SHORT,$LONG] progressive=true"
+  STUDY="clip_frames=[${CLIPS[0]},${CLIPS[1]}] clip_batch_sizes=[${BATCHES[0]},${BATCHES[1]}]
+         clip_steps=[$SHORT,$LONG] progressive=true"
 else
   STUDY="clip_frames=[${CLIPS[0]}] clip_batch_sizes=[${BATCHES[0]}] clip_steps=[$SHORT]"
 fi
@@ -100,17 +112,18 @@ TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 "$STUDY_S" python3 experiments/qua
   "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE 2>&1 | tee "$RUNS/logs/study.log"
 say "study exit status ${PIPESTATUS[0]} (124: cut at $STUDY_S s; its JSON holds the runs that finished)"
 
-# ---- 3. tars: everything under RUNS but the checkpoints, in at most two files of <= 15 MiB
-LIMIT=$(( 15 * 1024 * 1024 ))
+# ---- 3. tars: everything under RUNS but the checkpoints, in at most two files of <= TAR_MAX_KIB
+LIMIT=$(( ${TAR_MAX_KIB:-15360} * 1024 ))
 rm -f "$RESULTS/${NAME}"_runs*.tar.gz
 tar -C "$RUNS" --exclude=checkpoints -czf "$RESULTS/${NAME}_runs.tar.gz" .
 if [ "$(stat -c %s "$RESULTS/${NAME}_runs.tar.gz")" -gt "$LIMIT" ]; then
   rm "$RESULTS/${NAME}_runs.tar.gz"
   tar -C "$RUNS" --exclude=checkpoints --exclude=samples -czf "$RESULTS/${NAME}_runs_logs.tar.gz" .
-  (cd "$RUNS" && find . -path '*/samples/*' -type f -print0 | tar --null -T - -czf "$RESULTS/${NAME}_runs_samples.tar.gz")
+  (cd "$RUNS" && find . -path '*/samples/*' -type f -print0 |
+     tar --null -T - -czf "$RESULTS/${NAME}_runs_samples.tar.gz")
 fi
 for f in "$RESULTS/${NAME}"_runs*.tar.gz; do
-  size=$(stat -c %s "$f"); [ "$size" -gt "$LIMIT" ] && say "WARNING: $f is over 15 MiB and may not come back"
+  size=$(stat -c %s "$f"); [ "$size" -gt "$LIMIT" ] && say "WARNING: $f is over $LIMIT bytes"
   say "$f: $(( size / 1024 )) KiB"
 done
 say "done in $(( SECONDS - START )) s; results under $RESULTS"

@@ -146,10 +146,10 @@ def test_compile_probe_rows(tmp_path):
 
 
 def test_gpu_study_script_dry_run(tmp_path):
-    """experiments/gpu/quality_study.sh at its DRY size: probe, plan, a progressive study that finishes,
-    and one tar with every run's samples and metrics but no checkpoint."""
+    """experiments/gpu/quality_study.sh at its DRY size: probe, plan, a progressive study that finishes, and
+    the runs' samples and logs in two tars (a tiny size limit forces the split) without any checkpoint."""
     env = {**os.environ, "DRY": "1", "PROBE_S": "20", "RESULTS": str(tmp_path / "results"),
-           "RUNS": str(tmp_path / "runs"), "WANDB_MODE": "disabled"}
+           "RUNS": str(tmp_path / "runs"), "WANDB_MODE": "disabled", "TAR_MAX_KIB": "1"}
     done = subprocess.run(["bash", "experiments/gpu/quality_study.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -159,9 +159,13 @@ def test_gpu_study_script_dry_run(tmp_path):
     assert probe["rows"][0]["compile"] is False and probe["rows"][0]["status"] == "ok"
     study = json.loads((results / "quality" / "cpu_dry.json").read_text())
     assert study["jobs_done"] == study["jobs_total"] == 8 and study["config"]["progressive"] is True
-    with tarfile.open(results / "cpu_dry_runs.tar.gz") as tar:
-        names = tar.getnames()
-    assert not any("checkpoints" in n for n in names)
+    names = {}
+    for part in ("logs", "samples"):
+        with tarfile.open(results / f"cpu_dry_runs_{part}.tar.gz") as tar:
+            names[part] = set(tar.getnames())
+    assert not (results / "cpu_dry_runs.tar.gz").exists()
+    assert not any("checkpoints" in n for n in names["logs"] | names["samples"])
     rows = [r for r in study["tables"]["per seed"] if r["variant"] != "ground_truth"]
-    assert {f"./{r['samples_file']}" for r in rows} <= set(names)
-    assert {"./logs/probe.log", "./logs/study.log"} <= set(names)
+    assert {f"./{r['samples_file']}" for r in rows} == names["samples"]
+    assert {"./logs/probe.log", "./logs/study.log"} <= names["logs"]
+    assert {f"./{Path(r['samples_file']).parts[0]}/metrics.jsonl" for r in rows} <= names["logs"]
