@@ -38,10 +38,10 @@ from megaslide.train.trainer import Trainer
 
 
 def per_clip(values, default: int, key: str, default_key: str, clip_frames) -> list[int]:
-    """One value per entry of clip_frames: `values`, or `default` for every clip when empty."""
+    """One value (>= 1) per entry of clip_frames: `values`, or `default` for every clip when empty."""
     out = [int(v) for v in values] or [default] * len(clip_frames)
-    if len(out) != len(clip_frames):
-        raise ValueError(f"{key}={list(values)} needs one value per entry of clip_frames={list(clip_frames)}, "
+    if len(out) != len(clip_frames) or min(out) < 1:
+        raise ValueError(f"{key}={list(values)} needs one value >= 1 per entry of clip_frames={list(clip_frames)}, "
                          f"or [] to use {default_key} for every clip")
     return out
 
@@ -61,6 +61,8 @@ def main(cfg: DictConfig) -> None:
         for name in cfg.variants:
             models[name].attention.validate(grid)
     if cfg.compile_probe:
+        if min(cfg.probe_warmup, cfg.probe_steps) < 1:
+            raise ValueError(f"probe_warmup={cfg.probe_warmup} and probe_steps={cfg.probe_steps} must each be >= 1")
         probe_compile(cfg, models, clips[0], dataclasses.replace(train, batch_size=batches[0]))
         return
     totals = list(itertools.accumulate(steps)) if cfg.progressive else steps   # each run's steps in all

@@ -110,6 +110,14 @@ def test_run_jobs_follows_dependencies_and_keeps_going(tmp_path, monkeypatch):
         run_jobs([a8, a4], 1)
 
 
+def test_per_clip_values_are_checked():
+    assert quality.per_clip([], 5, "clip_steps", "train.steps", [16, 64]) == [5, 5]
+    assert quality.per_clip([3, 2], 5, "clip_steps", "train.steps", [16, 64]) == [3, 2]
+    for bad in ([8], [8, 0]):                                          # one too few; a zero
+        with pytest.raises(ValueError, match=r"clip_steps=.* needs one value >= 1 per entry of clip_frames"):
+            quality.per_clip(bad, 5, "clip_steps", "train.steps", [16, 64])
+
+
 def test_compile_gain():
     eager = {"steps_per_s": 10.0, "warmup_s": 1.0}
     assert quality.compile_gain(eager, {"steps_per_s": 20.0, "warmup_s": 11.0}) == {"speedup": 2.0,
