@@ -4,6 +4,7 @@ from megaslide.attention.dsa.op import (
     can_run_reference,
     can_run_triton,
     deformable_slide_attention,
+    neighborhood_attention,
 )
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 
@@ -13,4 +14,5 @@ __all__ = [
     "can_run_triton",
     "deformable_slide_attention",
     "deformable_slide_attention_reference",
+    "neighborhood_attention",
 ]
