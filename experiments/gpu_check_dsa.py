@@ -2,13 +2,17 @@
 
 For each case and dtype (fp32, bf16) it draws inputs in float64, rounds them to the dtype
 and compares the Triton output and the gradients of q, k, v and offsets with the float64
-PyTorch reference run on the same rounded inputs. The rule (harness.within_tolerance):
+PyTorch reference run on the same rounded inputs. Op `dsa_zero` checks the zero-offset
+kernels (`neighborhood_attention`, zero_kernels.py) the same way at the same shapes (output
+and q, k, v gradients against the reference with zero offsets) and that two backward runs
+are bit-identical (they use no atomics). The rule (harness.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
 an offset gradient, many query blocks and (3, 5, 5) windows. `sweep=true` also times the
-kernels' launch configurations at the 262K-token benchmark shape, beside a re-measured HBM
-copy ceiling, to pick the default tiles. Configuration: experiments/conf/gpu_check_dsa.yaml.
+kernels' launch configurations (the zero-offset kernels' too) at the 262K-token benchmark shape,
+beside a re-measured HBM copy ceiling, to pick the default tiles. Configuration:
+experiments/conf/gpu_check_dsa.yaml.
 
     python -m experiments.gpu_check_dsa               # H200: checks -> results/attention/dsa_gpu_check.json
     python -m experiments.gpu_check_dsa sweep=true    # + launch-config timings
@@ -28,13 +32,14 @@ from omegaconf import DictConfig
 
 from experiments.harness import TOLERANCE_RULE, ExperimentRun, copy_gbps, rounding_floor, timed, within_tolerance
 from experiments.hydra_config import script_config, script_main
-from megaslide.attention.dsa import deformable_slide_attention
+from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
 from megaslide.attention.dsa.op import select_backend
 
 F64 = torch.float64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR_ULPS = 2
 GRADS = ("out", "dq", "dk", "dv", "doffsets")
+OPS = ("dsa", "dsa_zero")  # the general kernels; the zero-offset kernels (no offsets, no offset gradient)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class GpuCheckConfig:
     smoke: bool
     sweep: bool
     dtypes: list[str]
+    ops: list[str]
     wandb_dir: str
     wandb_project: str
 
@@ -87,24 +93,27 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int 
     return [x.to(dtype) for x in (q, k, v, offsets, grad_out)]
 
 
-def run(backend: str, inputs, case: Case, dtype: torch.dtype):
-    """Output and gradients of one backend, inputs cast to dtype."""
+def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str):
+    """Output and gradients of one backend of `op` (dsa: offsets as drawn; dsa_zero: none), inputs cast to dtype."""
     q, k, v, grad_out = (x.to(dtype) for x in (inputs[0], inputs[1], inputs[2], inputs[4]))
     offsets = inputs[3].to(torch.float32 if case.fp32_offsets and dtype != F64 else dtype)
-    leaves = [q, k, v] + ([offsets] if case.offsets_grad else [])
+    leaves = [q, k, v] + ([offsets] if case.offsets_grad and op == "dsa" else [])
     for x in leaves:
         x.requires_grad_()
-    out = deformable_slide_attention(q, k, v, offsets, case.kernel_size, backend=backend)
+    if op == "dsa":
+        out = deformable_slide_attention(q, k, v, offsets, case.kernel_size, backend=backend)
+    else:
+        out = neighborhood_attention(q, k, v, case.kernel_size, backend=backend)
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
 
-def check_case(case: Case, dtype_name: str, device: torch.device) -> dict:
+def check_case(case: Case, dtype_name: str, device: torch.device, op: str) -> dict:
     dtype = DTYPES[dtype_name]
     inputs = make_inputs(case, dtype, device)
-    truth = run("reference", inputs, case, F64)
-    same_dtype = run("reference", inputs, case, dtype)
-    fused = run("triton", inputs, case, dtype)
-    row = {"case": case.name, "dtype": dtype_name, "shape": list(case.shape),
+    truth = run("reference", inputs, case, F64, op)
+    same_dtype = run("reference", inputs, case, dtype, op)
+    fused = run("triton", inputs, case, dtype, op)
+    row = {"case": case.name, "op": op, "dtype": dtype_name, "shape": list(case.shape),
            "kernel_size": list(case.kernel_size), "passed": True, "errors": {}}
     for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
         err_fused = (got.to(F64) - want).abs().max().item()
@@ -113,6 +122,11 @@ def check_case(case: Case, dtype_name: str, device: torch.device) -> dict:
         ok = within_tolerance(err_fused, err_ref, floor)
         row["errors"][name] = {"triton": err_fused, "reference_same_dtype": err_ref, "floor": floor, "ok": ok}
         row["passed"] &= ok
+    if op == "dsa_zero":  # no atomics: a second run gives the same bits
+        again = run("triton", inputs, case, dtype, op)
+        row["deterministic"] = all(torch.equal(a, b) for a, b in zip(fused, again))
+        row["passed"] &= row["deterministic"]
+        del again
     del truth, same_dtype, fused
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -120,8 +134,9 @@ def check_case(case: Case, dtype_name: str, device: torch.device) -> dict:
 
 
 def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
-    """Forward and backward times of candidate tiles; bf16, offsets U(-4, 4)."""
-    from megaslide.attention.dsa import kernels
+    """Forward and backward times of candidate tiles, for the general kernels (bf16, offsets
+    U(-4, 4)) and the zero-offset kernels (zero_fwd_ms, zero_bwd_ms)."""
+    from megaslide.attention.dsa import kernels, zero_kernels
 
     shape = (1, 2, 3, 5, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)
     kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
@@ -142,26 +157,35 @@ def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
         fwd_s = timed(lambda: kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg), device).median
         bwd_s = timed(lambda: kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale,
                                                    offsets_grad=True, config=cfg), device).median
+        out, lse = zero_kernels.na_forward(q, k, v, kernel_size, scale, config=cfg)
+        zero_fwd_s = timed(lambda: zero_kernels.na_forward(q, k, v, kernel_size, scale, config=cfg), device).median
+        zero_bwd_s = timed(lambda: zero_kernels.na_backward(q, k, v, out, lse, dout, kernel_size, scale, config=cfg),
+                           device).median
         rows.append({"block_q": block_q, "num_warps": num_warps, "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
-                     "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3})
+                     "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
+                     "zero_bwd_ms": zero_bwd_s * 1e3})
     return {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
             "default_config": asdict(default), "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30),
             "configs": rows}
 
 
 def print_tables(rows: list[dict], sweep: dict | None) -> None:
-    header = f"{'case':34s} {'dtype':5s} " + " ".join(f"{g:>19s}" for g in GRADS) + "  result"
+    header = f"{'case':34s} {'op':8s} {'dtype':5s} " + " ".join(f"{g:>19s}" for g in GRADS) + "  result"
     print(header)
-    print(f"{'':34s} {'':5s} " + " ".join(f"{'triton / ref err':>19s}" for _ in GRADS))
+    print(f"{'':34s} {'':8s} {'':5s} " + " ".join(f"{'triton / ref err':>19s}" for _ in GRADS))
     for r in rows:
-        cells = " ".join(f"{e['triton']:9.2e}/{e['reference_same_dtype']:9.2e}" for e in r["errors"].values())
-        print(f"{r['case']:34s} {r['dtype']:5s} {cells}  {'PASS' if r['passed'] else 'FAIL'}")
+        errors = [r["errors"].get(g) for g in GRADS]
+        cells = " ".join(f"{e['triton']:9.2e}/{e['reference_same_dtype']:9.2e}" if e else f"{'-':>19s}" for e in errors)
+        deterministic = {True: ", bit-identical", False: ", NOT bit-identical"}.get(r.get("deterministic"), "")
+        print(f"{r['case']:34s} {r['op']:8s} {r['dtype']:5s} {cells}  {'PASS' if r['passed'] else 'FAIL'}{deterministic}")
     if sweep:
         print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
               f"(default {sweep['default_config']}; HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
-        print(f"{'block_q':>7s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd ms':>11s}")
+        print(f"{'block_q':>7s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd ms':>11s} "
+              f"{'zero fwd ms':>12s} {'zero bwd ms':>12s}")
         for c in sweep["configs"]:
-            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f}")
+            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f} "
+                  f"{c['zero_fwd_ms']:12.2f} {c['zero_bwd_ms']:12.2f}")
 
 
 def check(cfg: GpuCheckConfig) -> int:
@@ -179,12 +203,14 @@ def check(cfg: GpuCheckConfig) -> int:
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown:
         raise ValueError(f"dtypes {unknown} unknown; choose from {sorted(DTYPES)}")
+    if not cfg.ops or set(cfg.ops) - set(OPS):
+        raise ValueError(f"ops={list(cfg.ops)}: choose one or more of {list(OPS)}")
     name = cfg.name or ("dsa_gpu_check_smoke" if cfg.smoke else "dsa_gpu_check")
     run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
 
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
-    rows = [check_case(case, dtype, device) for case in cases for dtype in dtypes]
+    rows = [check_case(case, dtype, device, op) for op in cfg.ops for case in cases for dtype in dtypes]
     sweep = sweep_launch_configs(device, cfg.smoke) if cfg.sweep else None
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     passed = all(r["passed"] for r in rows) and auto_backend == expected_auto
