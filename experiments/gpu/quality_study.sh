@@ -31,14 +31,14 @@ if [ "$DRY" = 1 ]; then
         n_eval=2 sample_batch=2 train.sample_steps=1 save_mp4=false"
   CLIPS=(4 8); BATCHES=(2 2); SEEDS="[0]"; WORKERS=2
   : "${BUDGET_S:=110}" "${SHORT_MAX:=4}" "${LONG_MAX:=3}" "${LONG_MIN:=1}" "${NAME:=cpu_dry}"
-  PROBE="probe_warmup=1 probe_steps=3"; OVERHEAD_S=15
+  PROBE="probe_warmup=1 probe_steps=3"; : "${OVERHEAD_S:=15}"
 else
   SIZE="model=quality_gpu data.height=16 data.width=16 data.shape_size=6 data.speed=3 data.num_videos=512
         train.device=cuda train.lr=1e-3 train.ema_decay=0.995 train.log_every=100 n_eval=32 sample_batch=32
         train.sample_steps=20 save_mp4=false"
   CLIPS=(16 64); BATCHES=(8 2); SEEDS="[0,1,2]"; WORKERS=12
   : "${BUDGET_S:=540}" "${SHORT_MAX:=2800}" "${LONG_MAX:=3000}" "${LONG_MIN:=300}" "${NAME:=h200_progressive}"
-  PROBE="probe_warmup=5 probe_steps=60"; OVERHEAD_S=35   # per clip length: start-up, sampling, scoring
+  PROBE="probe_warmup=5 probe_steps=60"; : "${OVERHEAD_S:=35}"   # per clip length: start-up, sampling, scoring
 fi
 : "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.65}" "${MARGIN:=0.95}"
 RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
@@ -49,7 +49,7 @@ fi
 mkdir -p "$RESULTS" "$RUNS/logs"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 WANDB_MODE=${WANDB_MODE:-offline}
 left() { echo $(( BUDGET_S - (SECONDS - START) )); }
-say() { echo "[quality_study $(( SECONDS - START ))s] $*"; }
+say() { echo "[quality_study $(( SECONDS - START ))s] $*" | tee -a "$RUNS/logs/script.log"; }
 
 # ---- setup: Hydra/W&B from carried wheels (.whl) and the package's entry points, where missing
 if ! python3 -c "import hydra" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
@@ -94,23 +94,28 @@ est = f"{fixed + short / rate:.0f}s+{fixed + long / rate if long else 0:.0f}s"
 print(str(compile).lower(), short, long, est)
 PY
 )
-[ -n "${SHORT:-}" ] && [ "$SHORT" -gt 0 ] || { say "no time left for the study"; exit 1; }
 say "plan: train.compile=$COMPILE, ${CLIPS[0]} frames $SHORT steps, ${CLIPS[1]} frames $LONG more steps" \
     "(0: skipped); estimated $EST; $(left) s left"
 
 # ---- 2. the study
-if [ "$LONG" -gt 0 ]; then
-  STUDY="clip_frames=[${CLIPS[0]},${CLIPS[1]}] clip_batch_sizes=[${BATCHES[0]},${BATCHES[1]}]
-         clip_steps=[$SHORT,$LONG] progressive=true"
-else
-  STUDY="clip_frames=[${CLIPS[0]}] clip_batch_sizes=[${BATCHES[0]}] clip_steps=[$SHORT]"
-fi
 STUDY_S=$(( $(left) - TAR_S ))
-say "study, at most $STUDY_S s"
-# shellcheck disable=SC2086
-TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 "$STUDY_S" python3 experiments/quality.py $COMMON $STUDY \
-  "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE 2>&1 | tee "$RUNS/logs/study.log"
-say "study exit status ${PIPESTATUS[0]} (124: cut at $STUDY_S s; its JSON holds the runs that finished)"
+if [ "${SHORT:-0}" -gt 0 ] && [ "$STUDY_S" -gt 0 ]; then
+  if [ "$LONG" -gt 0 ]; then
+    STUDY="clip_frames=[${CLIPS[0]},${CLIPS[1]}] clip_batch_sizes=[${BATCHES[0]},${BATCHES[1]}]
+           clip_steps=[$SHORT,$LONG] progressive=true"
+  else
+    STUDY="clip_frames=[${CLIPS[0]}] clip_batch_sizes=[${BATCHES[0]}] clip_steps=[$SHORT]"
+  fi
+  say "study, at most $STUDY_S s"
+  # shellcheck disable=SC2086
+  TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 "$STUDY_S" python3 experiments/quality.py $COMMON $STUDY \
+    "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE 2>&1 | tee "$RUNS/logs/study.log"
+  STATUS=${PIPESTATUS[0]}
+  say "study exit status $STATUS (124: cut at $STUDY_S s; its JSON holds the runs that finished)"
+else
+  STATUS=1
+  say "no time left for the study"
+fi
 
 # ---- 3. tars: everything under RUNS but the checkpoints, in at most two files of <= TAR_MAX_KIB
 LIMIT=$(( ${TAR_MAX_KIB:-15360} * 1024 ))
@@ -127,3 +132,4 @@ for f in "$RESULTS/${NAME}"_runs*.tar.gz; do
   say "$f: $(( size / 1024 )) KiB"
 done
 say "done in $(( SECONDS - START )) s; results under $RESULTS"
+exit "$STATUS"   # the study's: 0 complete, 124 cut short by the budget
