@@ -1,30 +1,35 @@
-"""The fused backward over head groups (kernels.dsa_backward with a bounded fp32 dK / dV
-scratch) against one launch over all heads, under the Triton interpreter: every gradient
-bit-identical, for groups that divide the heads and for a partial last group."""
+"""How the fused kernels are launched, under the Triton interpreter: the backward over head groups
+(kernels.dsa_backward with a bounded fp32 dK / dV scratch) against one launch over all heads, every
+gradient bit-identical; and the order in which programs take query blocks (kernels._query_block)
+against the float64 reference."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megaslide.attention.dsa import deformable_slide_attention
 from tests.attention.test_dsa_triton import kernels, make_inputs
 
-SHAPE, KERNEL = (2, 3, 4, 5, 3, 16), (3, 3, 3)  # B = 2, 3 heads of d = 16
-PER_HEAD = 2 * 4 * 2 * 60 * 16  # fp32 dK + dV bytes of one head: 2 x 4 B x B x N x d
+SHAPE, KERNEL = (2, 1, 4, 5, 3, 16), (1, 3, 3)  # B = 2, N = 20, 3 heads of d = 16
+PER_HEAD = 2 * 4 * 2 * 20 * 16  # fp32 dK + dV bytes of one head: 2 x 4 B x B x N x d
 
 
 def test_heads_per_group_rule():
-    assert kernels.heads_per_group(2, 60, 3, 16, torch.bfloat16, scratch_bytes=2 * PER_HEAD) == 2
-    assert kernels.heads_per_group(2, 60, 3, 16, torch.bfloat16, scratch_bytes=PER_HEAD - 1) == 1  # one at least
-    assert kernels.heads_per_group(2, 60, 3, 16, torch.float16, scratch_bytes=10 * PER_HEAD) == 3
-    assert kernels.heads_per_group(2, 60, 3, 16, torch.float32, scratch_bytes=1) == 3  # fp32: the outputs
+    assert kernels.heads_per_group(2, 20, 3, 16, torch.bfloat16, scratch_bytes=2 * PER_HEAD) == 2
+    assert kernels.heads_per_group(2, 20, 3, 16, torch.bfloat16, scratch_bytes=PER_HEAD - 1) == 1  # one at least
+    assert kernels.heads_per_group(2, 20, 3, 16, torch.float16, scratch_bytes=10 * PER_HEAD) == 3
+    assert kernels.heads_per_group(2, 20, 3, 16, torch.float32, scratch_bytes=1) == 3  # fp32: the outputs
     # 2M tokens x 16 heads x 128 in bf16 within the default 1 GiB: one head (2 GiB) per launch
     assert kernels.heads_per_group(1, 2 ** 21, 16, 128, torch.bfloat16) == 1
     # the 262K-token benchmark shape (16 heads x 64): 128 MiB per head, 8 heads per launch
     assert kernels.heads_per_group(1, 2 ** 18, 16, 64, torch.bfloat16) == 8
 
 
-@pytest.mark.parametrize("offsets_grad", [True, False])
-@pytest.mark.parametrize("heads_per_launch", [1, 2])  # 3 launches; 2 launches with a partial last group
+@pytest.mark.parametrize("heads_per_launch,offsets_grad", [
+    (1, True),    # 3 launches
+    (2, True),    # 2 launches, the last one partial
+    (2, False),
+])
 def test_grouped_backward_equals_one_launch(heads_per_launch, offsets_grad):
     q, k, v, offsets, grad_out = make_inputs(SHAPE, KERNEL, torch.bfloat16, offset_std=1.5)
     offsets = offsets.float()  # as the module calls it: bf16 activations, fp32 offsets
@@ -32,10 +37,28 @@ def test_grouped_backward_equals_one_launch(heads_per_launch, offsets_grad):
     args = (q, k, v, offsets, out, lse, grad_out, KERNEL, 0.25, offsets_grad)
     whole = kernels.dsa_backward(*args)
     grouped = kernels.dsa_backward(*args, scratch_bytes=heads_per_launch * PER_HEAD)
-    assert kernels.heads_per_group(2, 60, 3, 16, torch.bfloat16, heads_per_launch * PER_HEAD) == heads_per_launch
+    assert kernels.heads_per_group(2, 20, 3, 16, torch.bfloat16, heads_per_launch * PER_HEAD) == heads_per_launch
     for name, a, b in zip(["dq", "dk", "dv", "doffsets"], whole, grouped):
         if not offsets_grad and name == "doffsets":
             assert a is None and b is None
             continue
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert whole[1].dtype == torch.bfloat16 and whole[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("grid,kernel_size", [((2, 3, 8), (1, 3, 3)),   # swept: H > T, W % BLOCK_Q = 0
+                                              ((3, 2, 8), (1, 1, 3))])  # in order: H <= T
+def test_block_order_covers_every_query_once(grid, kernel_size):
+    """With 8-query blocks, (2, 3, 8) takes the swept order (y slowest): a block left out would leave
+    its output unwritten, one taken twice would add its dK / dV twice."""
+    shape = (1, *grid, 1, 16)
+    q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0)
+    config = kernels.LaunchConfig(block_q=8, block_d=16, num_warps=1)
+    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, 0.25, config=config)
+    grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, 0.25,
+                                 offsets_grad=True, config=config)
+    leaves = [x.double().requires_grad_() for x in (q, k, v, offsets)]
+    want = deformable_slide_attention(*leaves, kernel_size, scale=0.25, backend="reference")
+    want_grads = torch.autograd.grad(want, leaves, grad_out.double())
+    for got, ref in zip([out, *grads], [want, *want_grads]):
+        torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)

@@ -122,13 +122,26 @@ def _axis_sample(start, j, offset, size):
 def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr):
     """This program's (batch, head) and its BLOCK_Q query tokens (row-major over (t, y, x)).
 
+    Block order. Block i holds tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q); program p of the launch
+    grid's first axis takes block p, except when every (t, y) row is whole blocks
+    (W % BLOCK_Q == 0) and H > T: then consecutive programs sweep all T frames of one y row
+    before the next row (p -> (y, t, x block), y slowest). Programs run roughly in launch order,
+    and a query's samples lie within a few tokens of it along each axis, so the K / V rows (and
+    the backward's dK / dV scratch) that the running programs share span a slab of a few y rows
+    across all frames (T x W tokens per row) instead of a few whole frames (H x W per frame): the
+    smaller working set stays in L2. Either order is a bijection over blocks.
+
     Returns b (int64), h, N = T*H*W, n (BQ,) token indices, q_valid (BQ,) n < N, and the
     queries' grid coordinates t, y, x (BQ,)."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS).to(tl.int64)
     h = pid_bh % HEADS
     N = T * H * W
-    n = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
+    p = tl.program_id(0)
+    row_blocks = tl.maximum(W // BLOCK_Q, 1)  # blocks per (t, y) row when rows are whole blocks
+    swept = ((p // row_blocks) % T * H + p // (row_blocks * T)) * row_blocks + p % row_blocks
+    block = tl.where((W % BLOCK_Q == 0) & (H > T), swept, p)
+    n = block * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
     t = n // (H * W)
     y = (n // W) % H
     x = n % W
