@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 from baselines.swin_attention import SwinAttention
 from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, matmul_tflops, timed, within_tolerance
 from experiments.hydra_config import script_config, script_main
-from experiments.results_io import result_path
+from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
 
@@ -105,15 +105,20 @@ def variant_fns(grid, heads, d, dtype, device):
             F.scaled_dot_product_attention(qt, kt, vt).sum().backward()
         return step
 
+    def attend(build):
+        """setup of a module's attend on q, k, v (Swin and dsa_zero read no block input)."""
+        def setup():
+            q, k, v, _ = make_inputs(grid, heads, d, K, dtype, device)
+            attn = build().to(device)
+
+            def step():
+                attn.attend(*(x.view(1, -1, heads, d) for x in (q, k, v)), None, grid).sum().backward()
+            return step
+        return setup
+
     win = (min(WINDOW[0], grid[0]), *WINDOW[1:])  # a single latent frame gets 2D windows
-
-    def swin():
-        q, k, v, _ = make_inputs(grid, heads, d, K, dtype, device)
-        attn = SwinAttention(heads * d, heads, window=win, layer_idx=1).to(device)
-
-        def step():
-            attn.attend(*(x.view(1, -1, heads, d) for x in (q, k, v)), None, grid).sum().backward()
-        return step
+    swin = attend(lambda: SwinAttention(heads * d, heads, window=win, layer_idx=1))
+    dsa_zero = attend(lambda: build_attention("dsa_zero", heads * d, heads, kernel_size=KERNEL, backend="triton"))
 
     def dsa(backend, backward=True):
         def setup():
@@ -127,14 +132,6 @@ def variant_fns(grid, heads, d, dtype, device):
                         deformable_slide_attention(q, k, v, off, KERNEL, backend=backend)
             return step
         return setup
-
-    def dsa_zero():
-        q, k, v, _ = make_inputs(grid, heads, d, K, dtype, device)
-        attn = build_attention("dsa_zero", heads * d, heads, kernel_size=KERNEL, backend="triton").to(device)
-
-        def step():
-            attn.attend(*(x.view(1, -1, heads, d) for x in (q, k, v)), None, grid).sum().backward()
-        return step
 
     return {"dense": (dense, n), SWIN: (swin, math.prod(win)), "dsa_reference": (dsa("reference"), K),
             "dsa_fused": (dsa("triton"), K), "dsa_fused_fwd": (dsa("triton", backward=False), K),
@@ -412,9 +409,10 @@ def plot(rows, path_prefix) -> str:
 
 
 def load_baseline(name: str) -> dict | None:
-    """The earlier attention result `name` (results/attention/<name>.json), None when absent or unnamed."""
-    path = result_path("attention", name) if name else None
-    return json.loads(path.read_text()) if path and path.exists() else None
+    """The committed attention result `name`: the repository's results/attention/<name>.json (also when
+    MEGASLIDE_RESULTS_DIR sends this run's result elsewhere); None when absent or unnamed."""
+    path = RESULTS_DIR / "attention" / f"{name}.json"
+    return json.loads(path.read_text()) if name and path.exists() else None
 
 
 @script_main("bench_attention")

@@ -7,6 +7,7 @@ import torch
 
 from experiments.bench_attention import (QUICK, SLOPE_TOKENS, BenchAttentionConfig, dsa_roofline, gather_bound,
                                          summarise, target_row, targets, tile_rows)
+from experiments.results_io import RESULTS_DIR
 from tests.experiments.runner import load_result, run_script
 
 K = 27  # 3 x 3 x 3 samples
@@ -54,6 +55,10 @@ def test_bench_attention_smoke(tmp_path):
     ratio = modules[0]["ms"] / modules[1]["ms"]
     assert lines[4] == {"target": TARGET_LINES[4], "bound": 1.3, "measured": pytest.approx(ratio), "met": ratio <= 1.3}
     assert all(line["measured"] is None and line["met"] is None for i, line in enumerate(lines) if i != 4)
+    # the memory bounds come from the repository's baseline result, not from this run's results folder
+    baseline = {r["variant"]: r for r in load_result(RESULTS_DIR, "attention", "h200_sweep")["tables"]["target"]}
+    assert [line["bound"] for line in lines[6:]] == [baseline["dsa_fused"]["peak_gb"],
+                                                     baseline["dsa_zero_fused"]["peak_gb"]]
     assert data["wandb_dir"] is None  # WANDB_MODE=disabled
 
 
