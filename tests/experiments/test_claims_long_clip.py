@@ -47,10 +47,25 @@ def test_c3_reads_measured_cells_and_says_256_frames_not_met(results):
     ours, verdict = claims.c3(results)
     assert "1B dsa chunked_offload: 128" in ours and "1,044,480 tokens" in ours and "100.0 GB measured" in ours
     assert "215 GB peak HBM in the backward" in ours and "146.8 GB budget" in ours and "522,240" in ours
-    assert "256-frame target (1B at 256 frames) not met" in verdict and "most for 1B is 128" in verdict
+    assert "256-frame target (1B at 256 frames): not met" in verdict and "most for 1B is 128" in verdict
     assert "recorded by the runs: met (worst |predicted/measured - 1| = 2%" in verdict
     assert "today's planner (plan.json) on the same cells: met (worst |predicted/measured - 1| = 1%" in verdict
     assert "supported" not in verdict
+
+
+def test_c3_says_met_when_a_256_frame_cell_fits_and_replans_with_its_slabs(results):
+    write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
+        _cell("dsa", "chunked_offload", 256, measured=99.0, predicted=100.0, slab_frames=32)]}}, results_dir=results)
+    write_result("oom_thresholds", "plan", {"config": GRID, "plan_only": True, "tables": {"cells": [
+        _cell("dsa", "chunked_offload", 256, status="OOM", predicted=215.0, predicted_phase="backward",
+              budget_GB=146.8)]}}, results_dir=results)
+    write_result("oom_thresholds", "plan_slabs", {"config": GRID, "plan_only": True, "tables": {"cells": [
+        _cell("dsa", "chunked_offload", 256, status="fits (predicted)", predicted=120.0, predicted_phase="backward",
+              budget_GB=146.8, slab_frames=32)]}}, results_dir=results)
+    ours, verdict = claims.c3(results)
+    assert "256-frame target (1B at 256 frames): met (a measured 1B cell of 256 frames fits)" in verdict
+    assert "120 GB peak HBM in the backward" in ours and "within the 146.8 GB budget" in ours
+    assert "on the same cells: not met (worst |predicted/measured - 1| = 21%" in verdict   # the slab plan, not 215
 
 
 def test_step_floor_overlaps_directions_and_scales_adam_to_the_host_cores():
