@@ -7,7 +7,8 @@ backward is fp32 (B, heads, N) with N = T * H * W, in log2 units.
 
 Work split. One program owns BLOCK_Q consecutive query tokens (row-major over (t, y, x),
 so neighbouring queries sample overlapping tokens and share cache lines) of one
-(batch, head); the launch grid is (cdiv(N, BLOCK_Q), B * heads). It loops over the K
+(batch, head); the launch grid is (cdiv(N, BLOCK_Q), B * heads), and programs take the
+blocks in an order that keeps the running programs' K / V rows in L2 (`_query_block`). It loops over the K
 samples of the window. For each sample it computes every query's clamped position, the 8
 surrounding tokens and their trilinear weights, gathers those 8 rows of K (a
 (BLOCK_Q, d) tile each, skipping rows whose weight is exactly 0) and combines them
