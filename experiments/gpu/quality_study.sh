@@ -15,7 +15,8 @@
 #    pays for itself within a third of SHORT_MAX steps, with a speed-up of at least 1.2. SHORT (at
 #    most SHORT_MAX) and LONG (at most LONG_MAX; below LONG_MIN: no 64-frame clip) fill MARGIN of
 #    the time left, from the probe's steps/s times CONTENTION (the share of it each of 12 runs on
-#    one GPU keeps: an assumption; 4 runs kept 0.85-1.0 of 2 runs' rate on an H200), OVERHEAD_S per
+#    one GPU keeps, measured on an H200 with 16 cores: 12 eager runs at 16 frames kept 0.29 (dsa),
+#    0.38 (swin, dsa_zero) and 0.45 (dense) of the dsa probe's solo rate), OVERHEAD_S per
 #    clip length (start-up, sampling, scoring) and, compiled, twice the probe's compile warm-up.
 # 3. Tars of the runs' sample clips, W&B offline runs, metrics.jsonl and the stage logs
 #    (checkpoints left out) -> RESULTS/NAME_runs.tar.gz, or _logs + _samples if one would pass 15 MiB
@@ -40,7 +41,7 @@ else
   : "${BUDGET_S:=540}" "${SHORT_MAX:=2800}" "${LONG_MAX:=3000}" "${LONG_MIN:=300}" "${NAME:=h200_progressive}"
   PROBE="probe_warmup=5 probe_steps=60"; : "${OVERHEAD_S:=35}"   # per clip length: start-up, sampling, scoring
 fi
-: "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.65}" "${MARGIN:=0.95}"
+: "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.29}" "${MARGIN:=0.95}"
 RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
 RUNS=${RUNS:-/tmp/quality_study/runs}    # out_dir: checkpoints, W&B runs, samples, logs
 if [ -n "$(ls -A "$RUNS" 2>/dev/null)" ]; then
