@@ -177,15 +177,16 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
         errors = [r["errors"].get(g) for g in GRADS]
         cells = " ".join(f"{e['triton']:9.2e}/{e['reference_same_dtype']:9.2e}" if e else f"{'-':>19s}" for e in errors)
         deterministic = {True: ", bit-identical", False: ", NOT bit-identical"}.get(r.get("deterministic"), "")
-        print(f"{r['case']:34s} {r['op']:8s} {r['dtype']:5s} {cells}  {'PASS' if r['passed'] else 'FAIL'}{deterministic}")
+        verdict = "PASS" if r["passed"] else "FAIL"
+        print(f"{r['case']:34s} {r['op']:8s} {r['dtype']:5s} {cells}  {verdict}{deterministic}")
     if sweep:
         print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
               f"(default {sweep['default_config']}; HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
         print(f"{'block_q':>7s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd ms':>11s} "
               f"{'zero fwd ms':>12s} {'zero bwd ms':>12s}")
         for c in sweep["configs"]:
-            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f} "
-                  f"{c['zero_fwd_ms']:12.2f} {c['zero_bwd_ms']:12.2f}")
+            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} "
+                  f"{c['fwd_bwd_ms']:11.2f} {c['zero_fwd_ms']:12.2f} {c['zero_bwd_ms']:12.2f}")
 
 
 def check(cfg: GpuCheckConfig) -> int:

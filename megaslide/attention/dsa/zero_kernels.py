@@ -46,9 +46,25 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 
 @triton.jit
-def _window_start(i, k: tl.constexpr, size):
-    """First index of the clamped window (kernel k) of queries i along an axis of length size."""
-    return tl.minimum(tl.maximum(i - k // 2, 0), size - k)
+def _window_starts(t, y, x, T, H, W, KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr):
+    """First index of the clamped window of queries (t, y, x) along each axis: (BLOCK_Q,) int32 each."""
+    return (tl.minimum(tl.maximum(t - KT // 2, 0), T - KT),
+            tl.minimum(tl.maximum(y - KH // 2, 0), H - KH),
+            tl.minimum(tl.maximum(x - KW // 2, 0), W - KW))
+
+
+@triton.jit
+def _rows(tok, head_off, stride_tok, cols):
+    """(BLOCK_Q, BLOCK_D) element offsets of the head vectors of tokens tok (BLOCK_Q,) of one (batch, head)."""
+    return head_off + tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]
+
+
+@triton.jit
+def _load_pair(a_ptr, b_ptr, rows, mask):
+    """The tiles at `rows` of two tensors, fp32 (masked elements 0)."""
+    a = tl.load(a_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    return a, b
 
 
 @triton.jit
@@ -70,12 +86,10 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
 
     head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
-    own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-    q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0)
+    own_rows = _rows(n, head_off, stride_tok, cols)  # (BQ, BD)
+    q = tl.load(q_ptr + own_rows, mask=tile_mask, other=0.0)
     q = q.to(tl.float32) * qk_scale  # (BQ, BD), scores come out in log2 units
-    t_start = _window_start(t, KT, T)  # (BQ,)
-    y_start = _window_start(y, KH, H)
-    x_start = _window_start(x, KW, W)
+    t_start, y_start, x_start = _window_starts(t, y, x, T, H, W, KT, KH, KW)  # (BQ,) each
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_Q], tl.float32)  # running softmax denominator
@@ -84,9 +98,7 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         for iy in range(KH):
             for ix in range(KW):
                 tok = ((t_start + it) * H + y_start + iy) * W + x_start + ix  # (BQ,) key token
-                rows = head_off + tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                k_j = tl.load(k_ptr + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                v_j = tl.load(v_ptr + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                k_j, v_j = _load_pair(k_ptr, v_ptr, _rows(tok, head_off, stride_tok, cols), tile_mask)  # (BQ, BD)
                 s = tl.sum(q * k_j, axis=1)  # (BQ,)
 
                 m_new = tl.maximum(m_i, s)
@@ -97,7 +109,7 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                 m_i = m_new
 
     out = acc / l_i[:, None]  # (BQ, BD)
-    tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(out_ptr + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
     if STORE_LSE:
         tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
 
@@ -112,26 +124,21 @@ def _na_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, out_ptr, dout_ptr, lse_ptr, delta_ptr
     tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
 
     head_off = b * N * stride_tok + h * D
-    own_rows = head_off + n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-    q = tl.load(q_ptr + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-    do = tl.load(dout_ptr + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    own_rows = _rows(n, head_off, stride_tok, cols)  # (BQ, BD)
+    q, do = _load_pair(q_ptr, dout_ptr, own_rows, tile_mask)  # (BQ, BD) each
     o = tl.load(out_ptr + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
     delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
     stat = (b * HEADS + h) * N + n  # (BQ,) index into (B, heads, N)
     tl.store(delta_ptr + stat, delta, mask=q_valid)
     lse = tl.load(lse_ptr + stat, mask=q_valid, other=0.0)  # (BQ,) log2 units
-    t_start = _window_start(t, KT, T)  # (BQ,)
-    y_start = _window_start(y, KH, H)
-    x_start = _window_start(x, KW, W)
+    t_start, y_start, x_start = _window_starts(t, y, x, T, H, W, KT, KH, KW)  # (BQ,) each
 
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     for it in range(KT):
         for iy in range(KH):
             for ix in range(KW):
                 tok = ((t_start + it) * H + y_start + iy) * W + x_start + ix  # (BQ,) key token
-                rows = head_off + tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                k_j = tl.load(k_ptr + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                v_j = tl.load(v_ptr + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                k_j, v_j = _load_pair(k_ptr, v_ptr, _rows(tok, head_off, stride_tok, cols), tile_mask)  # (BQ, BD)
                 p = tl.exp2(tl.sum(q * k_j, axis=1) * qk_scale - lse)  # (BQ,) softmax probability
                 ds = p * (tl.sum(do * v_j, axis=1) - delta)  # (BQ,) d loss / d score, over scale
                 dq += ds[:, None] * k_j  # (BQ, BD)
@@ -151,9 +158,8 @@ def _na_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_pt
     tile_mask = k_valid[:, None] & col_mask  # (BQ, BD)
 
     head_off = b * N * stride_tok + h * D
-    own_rows = head_off + n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-    k_j = tl.load(k_ptr + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-    v_j = tl.load(v_ptr + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    own_rows = _rows(n, head_off, stride_tok, cols)  # (BQ, BD)
+    k_j, v_j = _load_pair(k_ptr, v_ptr, own_rows, tile_mask)  # (BQ, BD) each
     stat_bh = (b * HEADS + h) * N  # offset of (b, h) in the (B, heads, N) statistics
 
     t_lo, t_count = _inverse_range(t, KT, T)  # (BQ,) each
@@ -175,10 +181,8 @@ def _na_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_pt
             while e < x_steps:
                 hit = k_valid & (a < t_count) & (c < y_count) & (e < x_count)  # (BQ,)
                 qn = ((t_lo + a) * H + y_lo + c) * W + x_lo + e  # (BQ,) query token
-                rows = head_off + qn.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
                 row_mask = hit[:, None] & col_mask  # (BQ, BD)
-                q_n = tl.load(q_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                do_n = tl.load(dout_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                q_n, do_n = _load_pair(q_ptr, dout_ptr, _rows(qn, head_off, stride_tok, cols), row_mask)  # (BQ, BD)
                 lse = tl.load(lse_ptr + stat_bh + qn, mask=hit, other=0.0)  # (BQ,)
                 delta = tl.load(delta_ptr + stat_bh + qn, mask=hit, other=0.0)  # (BQ,)
                 p = tl.where(hit, tl.exp2(tl.sum(q_n * k_j, axis=1) * qk_scale - lse), 0.0)  # (BQ,)
