@@ -11,9 +11,6 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ pytest.importorskip("triton")
 
 from experiments.harness import rounding_floor, within_tolerance  # noqa: E402
 from megaslide.attention.dsa import deformable_slide_attention, kernels  # noqa: E402
-from tests.helpers import needs_inductor  # noqa: E402
+from tests.helpers import builds_for_sm90, needs_inductor  # noqa: E402
 
 if not kernels.INTERPRETED:  # built earlier in this process without the interpreter
     kernels = importlib.reload(kernels)
@@ -121,10 +118,7 @@ def test_several_query_blocks_with_partial_last_block():
 def test_kernels_compile_for_sm90():
     """The interpreter cannot catch GPU lowering errors; build both kernels to sm_90 SASS
     with Triton's bundled ptxas (no GPU needed) in a process without TRITON_INTERPRET."""
-    script = textwrap.dedent("""
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+    assert builds_for_sm90("""
         from megaslide.attention.dsa import kernels
 
         common = {"T": "i32", "H": "i32", "W": "i32", "HEADS": "i32", "D": "i32",
@@ -138,21 +132,8 @@ def test_kernels_compile_for_sm90():
         tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d}
         for fn, sig, const in [(kernels._dsa_fwd_kernel, fwd, tiles),
                                (kernels._dsa_bwd_kernel, bwd, {**tiles, "OFFSET_GRAD": True})]:
-            sig = {**sig, **{name: "constexpr" for name in const}}
-            names = list(sig)
-            aligned = [n for n in names if n.endswith("_ptr")] + ["D", "stride_tok"]
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-            src = ASTSource(fn, sig, constexprs=const, attrs=attrs)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": cfg.num_warps})
-            assert compiled.asm["cubin"], fn
-            print(fn.__name__, "ok")
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count(" ok") == 2
+            build(fn, sig, const, cfg.num_warps, aligned_ints=("D", "stride_tok"))
+    """) == 2
 
 
 @pytest.mark.slow

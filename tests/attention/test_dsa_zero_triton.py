@@ -7,9 +7,6 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from megaslide.attention.dsa import zero_kernels  # noqa: E402
 from megaslide.attention.dsa.module import DSAAttention, DSAZeroAttention  # noqa: E402
 from megaslide.attention.dsa.op import NA_BACKENDS, select_backend  # noqa: E402
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference  # noqa: E402
+from tests.helpers import builds_for_sm90  # noqa: E402
 
 if not (kernels.INTERPRETED and zero_kernels.INTERPRETED):  # built earlier without the interpreter
     kernels = importlib.reload(kernels)
@@ -170,12 +168,8 @@ def test_dsa_zero_module_is_a_fresh_dsa_module_without_offset_gradient():
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter cannot catch GPU lowering errors (the while loops, say): build the three
-    kernels to sm_90 SASS with Triton's bundled ptxas (no GPU needed), without TRITON_INTERPRET."""
-    script = textwrap.dedent("""
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+    """The interpreter cannot catch GPU lowering errors (the while loops, say): build the three kernels."""
+    assert builds_for_sm90("""
         from megaslide.attention.dsa import zero_kernels as zk
 
         sizes = {"T": "i32", "H": "i32", "W": "i32", "HEADS": "i32", "D": "i32", "stride_tok": "i32"}
@@ -184,26 +178,13 @@ def test_kernels_compile_for_sm90():
         scales = {"scale": "fp32", "qk_scale": "fp32"}
         cfg = zk.launch_config(262144, 64)
         tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d}
-        builds = [
+        for fn, sig, const in [
             (zk._na_fwd_kernel, {**bf16("q_ptr", "k_ptr", "v_ptr", "out_ptr"), **fp32("lse_ptr"), **sizes,
                                  "qk_scale": "fp32"}, {**tiles, "STORE_LSE": False}),
             (zk._na_bwd_dq_kernel, {**bf16("q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr"),
                                     **fp32("lse_ptr", "delta_ptr"), **bf16("dq_ptr"), **sizes, **scales}, tiles),
             (zk._na_bwd_dkdv_kernel, {**bf16("q_ptr", "k_ptr", "v_ptr", "dout_ptr"), **fp32("lse_ptr", "delta_ptr"),
                                       **bf16("dk_ptr", "dv_ptr"), **sizes, **scales}, tiles),
-        ]
-        for fn, sig, const in builds:
-            sig = {**sig, **{name: "constexpr" for name in const}}
-            names = list(sig)
-            aligned = [n for n in names if n.endswith("_ptr")] + ["D", "stride_tok"]
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-            compiled = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs),
-                                      target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
-            assert compiled.asm["cubin"], fn
-            print(fn.__name__, "ok")
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count(" ok") == 3
+        ]:
+            build(fn, sig, const, cfg.num_warps, aligned_ints=("D", "stride_tok"))
+    """) == 3
