@@ -167,6 +167,26 @@ def test_dsa_zero_module_is_a_fresh_dsa_module_without_offset_gradient():
     assert all(p.grad is None for p in zero.parameters())
 
 
+@pytest.mark.slow
+def test_op_inside_torch_compile():
+    """Under torch.compile (aot_eager: the traced autograd graph) the zero-offset op runs as in
+    eager, with and without gradients (its kernels are opaque custom ops)."""
+    q, k, v, grad_out = make_inputs((1, 3, 4, 5, 2, 8), torch.float32, seed=6)
+
+    def attend(q, k, v):
+        return neighborhood_attention(q.relu(), k, v, (3, 3, 3), backend="triton") * 2
+
+    results = []
+    for fn in (attend, torch.compile(attend, backend="aot_eager")):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        with torch.no_grad():
+            sampled = fn(q, k, v)
+        results.append([out.detach(), *torch.autograd.grad(out, leaves, grad_out), sampled])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
+
+
 def test_kernels_compile_for_sm90():
     """The interpreter cannot catch GPU lowering errors (the while loops, say): build the three kernels."""
     assert builds_for_sm90("""
