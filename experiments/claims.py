@@ -374,8 +374,10 @@ def _overrides(command: str) -> dict:
 
 
 def scorer_version(result: dict) -> int:
-    """The MovingShapes scorer version of a result's rows; rows that carry none were scored by v1."""
-    versions = {int(r.get("scorer_version", 1)) for r in result.get("tables", {}).get("per seed", [])}
+    """The MovingShapes scorer version of a result's scored rows; scored rows that carry none were scored
+    by v1. Rows that were not scored (OOM, failed, not run: a status other than "ok") say nothing."""
+    versions = {int(r.get("scorer_version", 1)) for r in result.get("tables", {}).get("per seed", [])
+                if r.get("status", "ok") == "ok"}
     if len(versions) > 1:
         raise ValueError(f"a result mixes rows of scorer versions {sorted(versions)}; score a run with one scorer")
     return versions.pop() if versions else 1

@@ -209,3 +209,12 @@ def test_f1_is_undetermined_while_the_model_errs_more_than_its_predicted_gaps(tm
     assert "measured/predicted 1.20-1.20" in claims.f1(tmp_path, sim, wide)[1]
     calibrated = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.001}]})
     assert claims.f1(tmp_path, sim, calibrated)[1].startswith("not supported by the model")
+
+
+def test_scorer_version_reads_only_scored_rows():
+    """A failed, OOM or not-run row carries no scorer version; it must not read as v1 beside v2 rows."""
+    rows = [{"variant": "dsa", "status": "ok", "scorer_version": 2},
+            {"variant": "dense", "status": "OOM"}, {"variant": "swin", "status": "failed: boom"}]
+    assert claims.scorer_version({"tables": {"per seed": rows}}) == 2
+    with pytest.raises(ValueError, match="mixes rows of scorer versions"):
+        claims.scorer_version({"tables": {"per seed": [*rows, {"variant": "dsa_zero", "status": "ok"}]}})
