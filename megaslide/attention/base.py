@@ -34,12 +34,25 @@ class AttendMemory:
     (a strided one is copied first) or "none" (it keeps copies of its own, counted in `saved`);
     saved: everything else it keeps from forward to backward (output, lse, offsets, copies);
     forward, backward: what its forward (beyond `saved`) and its backward allocate at their peaks
-    (intermediates, input gradients, accumulators)."""
+    (intermediates, input gradients, accumulators);
+    scratch, scratch_cap, heads: fp32 accumulators that the backward keeps within `scratch_cap` bytes
+    (0: no bound) by running whole heads at a time, at least one (DSA's dK / dV over head groups)."""
 
     keeps: str
     saved: int
     forward: int
     backward: int
+    scratch: int = 0
+    scratch_cap: int = 0
+    heads: int = 1
+
+    def scratch_bytes(self, tokens: int) -> int:
+        """The backward's scratch for `tokens` tokens, as its launches bound it."""
+        total = self.scratch * tokens
+        per_head = total // self.heads
+        if not self.scratch_cap or not per_head:
+            return total
+        return min(total, max(1, self.scratch_cap // per_head) * per_head)
 
 
 @dataclasses.dataclass(frozen=True)

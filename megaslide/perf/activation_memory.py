@@ -115,6 +115,9 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: 
     first_norm_copy = 4 * D if dtypes.autocast and r < 4 else 0
     keeps_qk = attend.keeps != "none"
 
+    def scratch(n: int) -> dict[str, int]:
+        return {f"{cfg.attention.name} attention backward: fp32 scratch": attend.scratch_bytes(n)}
+
     # token-wise work after self-attention: kept per token, and one of it for a slice when chunked
     post = {"norms 2, 3: fp32 inputs, outputs, statistics": 2 * (8 * D + 8),
             "cross q and fc1 projection inputs": 2 * a * D,
@@ -132,16 +135,18 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: 
                    + (a * D if attend.keeps == "contiguous" else 0) + (8 if qk else 0),
                f"{name} attention (kept)": attend.saved}
         kept = {**pre, **post, **output}
-        attention_backward = {**pre, **output, f"{name} attention backward": attend.backward,
-                              "dL/d(attention output), dL/d(residual)": a * D + r * D}
+        attention_backward = {**_scaled({**pre, **output, f"{name} attention backward": attend.backward,
+                                         "dL/d(attention output), dL/d(residual)": a * D + r * D}, tokens),
+                              **scratch(tokens)}
         attention_forward = {**pre, "attention input (fp32)": 4 * D, f"{name} attention forward": attend.forward}
-        moment, peak = _largest({"MLP backward": {**kept, **mlp_grad}, "attention backward": attention_backward,
-                                 "attention forward": attention_forward})
+        moment, peak = _largest({"MLP backward": _scaled({**kept, **mlp_grad}, tokens),
+                                 "attention backward": attention_backward,
+                                 "attention forward": _scaled(attention_forward, tokens)})
         _, forward = _largest({
             "attention": {"attention input (fp32)": 4 * D, "qkv output, rotated q and k": 5 * a * D,
                           f"{name} attention": attend.saved + attend.forward},
             "MLP": {"residual": r * D, "MLP hidden (fc1, GELU outputs)": 2 * a * F}})
-        return BlockMemory(_scaled(kept, tokens), _scaled(peak, tokens), moment, _scaled(forward, tokens))
+        return BlockMemory(_scaled(kept, tokens), peak, moment, _scaled(forward, tokens))
 
     reads = 4 * D if variant.reads_input else 0
     whole = {"q, k, v (whole sequence)": 3 * a * D if keeps_qk else 0,
@@ -162,8 +167,9 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: 
         "concatenation": concatenation,
         "attention forward": attention_forward,
         "forward end": forward_end,
-        "attention backward": _scaled({**whole, f"{name} attention backward": attend.backward,
-                                       "dL/d(attention output), dL/d(block input)": a * D + r * D}, tokens),
+        "attention backward": {**_scaled({**whole, f"{name} attention backward": attend.backward,
+                                          "dL/d(attention output), dL/d(block input)": a * D + r * D}, tokens),
+                               **scratch(tokens)},
         "slice backward": {**_scaled({**whole, "dL/d(attention output), dL/d(block input)": a * D + r * D},
                                      tokens), **slice_part},
         "slice gradient accumulation": _scaled({**whole, "dL/d(attention output), dL/d(block input), twice":
@@ -185,7 +191,7 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: 
         "slab attention forward": {**attention_forward, **outputs},
         "slab finishing slices' backward": {**slab_whole, **finish, **_scaled(grads, kept), **held},
         "slab attention backward": {**slab_whole, **_scaled({f"{name} attention backward": attend.backward,
-                                                             **grads}, tokens), **held},
+                                                             **grads}, tokens), **scratch(tokens), **held},
         "slab input gradient summed in": {**_scaled({"dL/d(slab input)": r * D}, tokens), **held,
                                           "its full-size share, the sum": 2 * wide},
         "forward end": {"slab outputs and their concatenation": 2 * wide},

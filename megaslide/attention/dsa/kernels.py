@@ -67,12 +67,12 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from megaslide.attention.dsa.op import SCRATCH_BYTES
+
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
 
 LOG2E = 1.4426950408889634
-SCRATCH_BYTES = 1 << 30
-"""Bound on the backward's fp32 dK + dV scratch for fp16 / bf16 inputs (see "Head groups")."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ KernelSize = tuple[int, int, int]
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TRITON_MAX_HEAD_DIM = 128
+SCRATCH_BYTES = 1 << 30
+"""Bound on the fused backward's fp32 dK + dV scratch for fp16 / bf16 inputs (kernels.py, "Head groups");
+here, not in kernels.py, so that the memory model reads it without importing Triton."""
 
 
 def _kernels():
