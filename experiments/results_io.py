@@ -86,6 +86,16 @@ def tree_files(root: Path) -> list[str]:
     return sorted({n.decode() for n in names if n and (root / n.decode()).is_file()})
 
 
+def descends_from(commit: str, ancestor: str, root: Path = REPO_ROOT) -> bool:
+    """Whether the code of `commit` includes `ancestor` (False where git cannot tell: an unknown commit,
+    a shallow clone, no git)."""
+    try:
+        return subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit], cwd=root,
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
 def git_state(root: Path = REPO_ROOT) -> dict:
     """`commit`, `dirty` and (when dirty) `diff_sha256` of the git work tree at `root`."""
     commit = _git(root, "rev-parse", "HEAD").decode().strip()

@@ -263,25 +263,18 @@ def test_resident_plan_phases_by_hand():
         "backward" if plan.hbm_phases["backward"] > plan.hbm_phases["forward"] else "optimizer")
 
 
-HEAD_GROUPS = "ddc31f7"  # the commit from which DSA's backward bounds its fp32 dK/dV scratch (what the planner models)
-
-
-def _runs_head_groups(commit: str, root) -> bool:
-    """Whether `commit` has HEAD_GROUPS in its history (False where git cannot tell, e.g. a shallow clone)."""
-    import subprocess
-    found = subprocess.run(["git", "merge-base", "--is-ancestor", HEAD_GROUPS, commit], cwd=root, capture_output=True)
-    return found.returncode == 0
-
-
 def _h200_measured_cells():
     """Every cell of the committed H200 OOM tables (results/oom_thresholds/h200*.json) that fit and was measured;
-    DSA cells measured before HEAD_GROUPS, whose kernel kept dK/dV scratch for every head, are left out."""
+    DSA cells measured before the head-grouped backward, which kept dK/dV scratch for every head, are left out."""
     import json
     from pathlib import Path
+
+    from experiments.claims import DSA_HEAD_GROUPS
+    from experiments.results_io import descends_from
     root = Path(__file__).parents[2]
     for path in sorted(root.glob("results/oom_thresholds/h200*.json")):
         table = json.loads(path.read_text())
-        current = _runs_head_groups(table.get("commit", ""), root)
+        current = descends_from(table.get("commit", ""), DSA_HEAD_GROUPS, root)
         for cell in table["tables"]["cells"]:
             if cell.get("measured_peak_GB") and (current or cell["attention"] != "dsa"):
                 yield pytest.param(table["config"], cell, id=f"{path.stem}-{cell['attention']}-{cell['mode']}-"
