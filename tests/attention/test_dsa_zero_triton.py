@@ -94,19 +94,24 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b), name
 
 
+def _lse_spy(monkeypatch, module, name: str) -> list:
+    """Replace module.name, a forward returning (out, lse), with a wrapper that records each lse."""
+    calls, forward = [], getattr(module, name)
+
+    def spy(*args, **kw):
+        out, lse = forward(*args, **kw)
+        calls.append(lse)
+        return out, lse
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def test_forward_only_stores_no_lse(monkeypatch):
     """Without a gradient to compute (no_grad, inference_mode, or no input requiring grad) the op
     asks the kernels for no lse and saves nothing: the output has no autograd graph and equals
     the training forward's output."""
-    calls = []
-
-    def spy(*args, **kw):
-        out, lse = na_forward(*args, **kw)
-        calls.append(lse)
-        return out, lse
-
-    na_forward = zero_kernels.na_forward
-    monkeypatch.setattr(zero_kernels, "na_forward", spy)
+    calls = _lse_spy(monkeypatch, zero_kernels, "na_forward")
     q, k, v, _ = make_inputs((1, 3, 4, 5, 2, 16), torch.float32, seed=2)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     trained = neighborhood_attention(*leaves, (3, 3, 3), backend="triton")
@@ -122,13 +127,17 @@ def test_forward_only_stores_no_lse(monkeypatch):
         assert torch.equal(out, trained.detach())
 
 
-def test_general_op_forward_only_equals_training_forward():
+def test_general_op_forward_only_stores_no_lse_and_equals_training_forward(monkeypatch):
+    from megaslide.attention.dsa import kernels
+    calls = _lse_spy(monkeypatch, kernels, "dsa_forward")
     q, k, v, _ = make_inputs((1, 3, 4, 5, 1, 16), torch.float32, seed=3)
     offsets = torch.randn(1, 3, 4, 5, 1, 27, 3, generator=torch.Generator().manual_seed(4))
     leaves = [x.clone().requires_grad_() for x in (q, k, v, offsets)]
     trained = deformable_slide_attention(*leaves, (3, 3, 3), backend="triton")
+    assert calls.pop().shape == (1, 1, 60)
     with torch.no_grad():
         sampled = deformable_slide_attention(*leaves, (3, 3, 3), backend="triton")
+    assert calls == [None]
     assert trained.grad_fn is not None and sampled.grad_fn is None
     assert torch.equal(sampled, trained.detach())
 

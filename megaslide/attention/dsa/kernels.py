@@ -153,7 +153,7 @@ def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr):
 def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                     T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
@@ -210,7 +210,8 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
 
     out = acc / l_i[:, None]  # (BQ, BD)
     tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
-    tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
+    if STORE_LSE:
+        tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
 
 
 @triton.jit
@@ -333,24 +334,26 @@ def _device_guard(t: torch.Tensor):
 
 
 def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                kernel_size: tuple[int, int, int], scale: float,
-                config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kernel_size: tuple[int, int, int], scale: float, store_lse: bool = True,
+                config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused forward. q, k, v: contiguous (B, T, H, W, heads, d); offsets: contiguous
-    (B, T, H, W, heads, K, 3). Returns out (B, T, H, W, heads, d) in q's dtype and the
-    fp32 log-sum-exp (B, heads, T*H*W) in log2 units, both for `dsa_backward`. `config`
-    overrides the default tiles (for tuning)."""
+    (B, T, H, W, heads, K, 3). Returns out (B, T, H, W, heads, d) in q's dtype and, if
+    `store_lse`, the fp32 log-sum-exp (B, heads, T*H*W) in log2 units, both for `dsa_backward`
+    (else None: the forward-only path allocates and writes none). `config` overrides the default
+    tiles (for tuning)."""
     B, T, H, W, heads, d = q.shape
     N = T * H * W
     kt, kh, kw = kernel_size
     out = torch.empty_like(q)  # (B, T, H, W, heads, d)
-    lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device)  # (B, heads, N)
+    lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None  # (B, heads, N)
     cfg = config or launch_config(N, d)
     grid = (triton.cdiv(N, cfg.block_q), B * heads)
     with _device_guard(q):
         _dsa_fwd_kernel[grid](
-            q, k, v, offsets, out, lse,
+            q, k, v, offsets, out, lse if store_lse else out,  # never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
-            KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+            KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse,
+            num_warps=cfg.num_warps,
         )
     return out, lse
 

@@ -11,9 +11,7 @@ The Triton kernels are imported on first use, so importing this module does not 
 
 Forward only. When no input needs a gradient (none requires grad, or under torch.no_grad /
 inference_mode, as in sampling) the Triton backends skip the autograd Function: nothing is
-saved for a backward. The zero-offset forward then neither allocates nor writes the lse; the
-general forward kernel always writes it, so there the fp32 (B, heads, N) lse is dropped as
-soon as the kernel returns (it is 1 / (2 d) of q's bytes in bf16).
+saved for a backward, and neither forward kernel allocates or writes the log-sum-exp.
 """
 from __future__ import annotations
 
@@ -66,14 +64,15 @@ def _needs_grad(*inputs: torch.Tensor) -> bool:
 # kernels' fp32 loop state rejects. The fake functions give compile the output shapes.
 @torch.library.custom_op("megaslide::dsa_fused_forward", mutates_args=())
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                   kernel_size: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels().dsa_forward(q, k, v, offsets, tuple(kernel_size), scale)
+                   kernel_size: list[int], scale: float, store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _kernels().dsa_forward(q, k, v, offsets, tuple(kernel_size), scale, store_lse=store_lse)
+    return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
 
 
 @_fused_forward.register_fake
-def _(q, k, v, offsets, kernel_size, scale):
+def _(q, k, v, offsets, kernel_size, scale, store_lse):
     B, T, H, W, heads, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, heads, T * H * W), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty((B, heads, T * H * W) if store_lse else 0, dtype=torch.float32)
 
 
 @torch.library.custom_op("megaslide::dsa_fused_backward", mutates_args=())
@@ -123,7 +122,8 @@ class _DSATritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-        out, lse = _fused_forward(q, k, v, offsets, list(kernel_size), scale)  # (B, T, H, W, heads, d), (B, heads, N)
+        # out (B, T, H, W, heads, d), lse (B, heads, N)
+        out, lse = _fused_forward(q, k, v, offsets, list(kernel_size), scale, True)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.kernel_size = kernel_size
         ctx.scale = scale
@@ -162,7 +162,7 @@ def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torc
     if _needs_grad(q, k, v, offsets):
         return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale)
     q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-    return _fused_forward(q, k, v, offsets, list(kernel_size), scale)[0]
+    return _fused_forward(q, k, v, offsets, list(kernel_size), scale, False)[0]
 
 
 def _na_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
