@@ -61,13 +61,10 @@ def _run(block: DiTBlock, inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return out.detach(), [x.grad, t_mod.grad, ctx.grad] + [p.grad for p in block.parameters()]
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("attention", ["dense", "swin", "dsa", "dsa_zero"])
-def test_chunked_block_equals_unchunked(attention, chunk):
-    plain, chunked, cfg = _block_pair(attention, chunk)
-    inputs = _block_inputs(cfg)
+def _assert_same_block(plain: DiTBlock, other: DiTBlock, inputs) -> None:
+    """`other` gives `plain`'s output and every gradient (inputs and parameters), each non-trivial."""
     want_out, want_grads = _run(plain, inputs)
-    got_out, got_grads = _run(chunked, inputs)
+    got_out, got_grads = _run(other, inputs)
     _assert_close(got_out, want_out)
     names = ["x", "t_mod", "ctx"] + [n for n, _ in plain.named_parameters()]
     for name, got, want in zip(names, got_grads, want_grads):
@@ -76,6 +73,14 @@ def test_chunked_block_equals_unchunked(attention, chunk):
             continue
         assert want.abs().max() > 0, name                 # every compared gradient is non-trivial
         _assert_close(got, want)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("attention", ["dense", "swin", "dsa", "dsa_zero"])
+def test_chunked_block_equals_unchunked(attention, chunk):
+    plain, chunked, cfg = _block_pair(attention, chunk)
+    inputs = _block_inputs(cfg)
+    _assert_same_block(plain, chunked, inputs)
 
 
 @pytest.mark.parametrize("chunk_tokens", [5, 16, 17, 33, 200])  # 1, 1, 1, 2 frames, the whole clip
@@ -198,16 +203,7 @@ def test_slab_block_equals_unslabbed(attention, max_offset, weight_std, slab, ch
     if attention == "dsa":
         offsets = plain.attn.offsets(torch.randn(1, 228, 32), SLAB_GRID)
         assert offsets.abs().max() > (0.99 if weight_std > 1 else 0.5) * max_offset  # saturated: the halo's far edge
-    want_out, want_grads = _run(plain, inputs)
-    got_out, got_grads = _run(slabbed, inputs)
-    _assert_close(got_out, want_out)
-    names = ["x", "t_mod", "ctx"] + [n for n, _ in plain.named_parameters()]
-    for name, got, want in zip(names, got_grads, want_grads):
-        if want is None:                                  # dsa_zero: the inert offset net
-            assert got is None, name
-            continue
-        assert want.abs().max() > 0, name
-        _assert_close(got, want)
+    _assert_same_block(plain, slabbed, inputs)
 
 
 def test_frame_slabs_cover_the_clip_once():

@@ -120,6 +120,16 @@ def _axis_sample(start, j, offset, size):
 
 
 @triton.jit
+def _softmax_step(m_i, l_i, acc, s, v):
+    """One key of an online softmax: running max m_i, denominator l_i (BQ,) and numerator acc
+    (BQ, BD) updated with scores s (BQ,) in log2 units and values v (BQ, BD)."""
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)  # (BQ,)
+    return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v
+
+
+@triton.jit
 def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr):
     """This program's (batch, head) and its BLOCK_Q query tokens (row-major over (t, y, x)).
 
@@ -200,13 +210,7 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                             k_sample += w[:, None] * k_c
                             v_sample += w[:, None] * v_c
                 s = tl.sum(q * k_sample, axis=1)  # (BQ,)
-
-                m_new = tl.maximum(m_i, s)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new)  # (BQ,)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v_sample  # (BQ, BD)
-                m_i = m_new
+                m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_sample)
 
     out = acc / l_i[:, None]  # (BQ, BD)
     tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)

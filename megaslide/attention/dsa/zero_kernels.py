@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from megaslide.attention.dsa.kernels import LOG2E, LaunchConfig, _device_guard, _query_block, launch_config
+from megaslide.attention.dsa.kernels import (LOG2E, LaunchConfig, _device_guard, _query_block, _softmax_step,
+                                            launch_config)
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -100,13 +101,7 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                 tok = ((t_start + it) * H + y_start + iy) * W + x_start + ix  # (BQ,) key token
                 k_j, v_j = _load_pair(k_ptr, v_ptr, _rows(tok, head_off, stride_tok, cols), tile_mask)  # (BQ, BD)
                 s = tl.sum(q * k_j, axis=1)  # (BQ,)
-
-                m_new = tl.maximum(m_i, s)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new)  # (BQ,)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v_j  # (BQ, BD)
-                m_i = m_new
+                m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_j)
 
     out = acc / l_i[:, None]  # (BQ, BD)
     tl.store(out_ptr + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
