@@ -21,6 +21,9 @@
 # 3. Tars of the runs' sample clips, W&B offline runs, metrics.jsonl and the stage logs
 #    (checkpoints left out) -> RESULTS/NAME_runs.tar.gz, or _logs + _samples if one would pass 15 MiB
 #    (a device machine returns files of up to 16 MiB, 8 files in all: the stages write 6 or 7).
+# The GPU recipe's knobs are environment variables: BATCHES ("8 2": batch at 16 and at 64 frames;
+# "32 8" keeps the same tokens per step at 64 frames), LR (1e-3), SEEDS ("[0,1,2]"), WORKERS (12),
+# and the budget ones above (BUDGET_S, SHORT_MAX, LONG_MAX, CONTENTION, ...).
 # Stages 1 and 2 run under `timeout`: the result JSON is rewritten after every finished run, so a
 # stage cut short leaves an honest partial result (jobs_done < jobs_total).
 set -uo pipefail
@@ -35,9 +38,9 @@ if [ "$DRY" = 1 ]; then
   PROBE="probe_warmup=1 probe_steps=3"; : "${OVERHEAD_S:=15}"
 else
   SIZE="model=quality_gpu data.height=16 data.width=16 data.shape_size=6 data.speed=3 data.num_videos=512
-        train.device=cuda train.lr=1e-3 train.ema_decay=0.995 train.log_every=100 n_eval=32 sample_batch=32
+        train.device=cuda train.lr=${LR:-1e-3} train.ema_decay=0.995 train.log_every=100 n_eval=32 sample_batch=32
         train.sample_steps=20 save_mp4=false"
-  CLIPS=(16 64); BATCHES=(8 2); SEEDS="[0,1,2]"; WORKERS=12
+  read -ra BATCHES <<< "${BATCHES:-8 2}"; CLIPS=(16 64); SEEDS=${SEEDS:-"[0,1,2]"}; WORKERS=${WORKERS:-12}
   : "${BUDGET_S:=540}" "${SHORT_MAX:=2800}" "${LONG_MAX:=3000}" "${LONG_MIN:=300}" "${NAME:=h200_progressive}"
   PROBE="probe_warmup=5 probe_steps=60"; : "${OVERHEAD_S:=35}"   # per clip length: start-up, sampling, scoring
 fi
