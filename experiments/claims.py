@@ -127,6 +127,20 @@ def most_frames_fitting(cells: list[tuple[str, dict]]) -> dict[tuple[str, str, s
     return most
 
 
+def first_walls(cells: list[tuple[str, dict]]) -> list[str]:
+    """Per (model, attention, mode), its fewest-frames cell beyond the most frames that fit that ran into a wall
+    (OOM, a time limit, host RAM): what the wall is, in the cell's own words ("not run" cells, cut by the run's
+    budget, are no wall; nor is an earlier run's limit on a length that another run fits)."""
+    most, walls = most_frames_fitting(cells), {}
+    for _, c in cells:
+        key = (c["model"], c["attention"], c["mode"])
+        if (c["status"] not in ("fits", "not run") and c["frames"] > most.get(key, 0)
+                and (key not in walls or c["frames"] < walls[key]["frames"])):
+            walls[key] = c
+    return [f"{m} {a} {mode} at {c['frames']} frames: {c['status']}" + (f" ({c['phase']})" if c.get("phase") else "")
+            for (m, a, mode), c in sorted(walls.items())]
+
+
 def planner_error(cells: list[tuple[str, dict]], predicted: Callable[[dict], float | None]) -> tuple[float, dict] | None:
     """The worst |predicted / measured - 1| of peak HBM over cells that fit, with its cell; None if none.
     `predicted(cell)` gives the prediction in GB (None: no prediction for that cell: not compared)."""
@@ -204,6 +218,9 @@ def c3(results_dir: Path):
         current = {n for n, r in results if descends_from(r.get("commit", ""), DSA_HEAD_GROUPS)}
         verdict.append(_error_text(planner_error(cells, replanned), f"today's planner ({names}) on the same cells",
                                    replanned))
+    walls = first_walls(cells)
+    if walls:
+        ours.append("first cell that does not fit per (model, attention, mode): " + "; ".join(walls))
     not_run = sorted({f"{c['attention']} {c['mode']}" for _, c in cells if c["status"] == "not run"})
     if not_run:
         ours.append(f"not run (time budget): {', '.join(not_run)}")
@@ -321,13 +338,57 @@ def mfu_c4(results_dir: Path):
 SCALING_COMMAND = "python -m experiments.scaling"
 
 
+CLAIMED_SPEEDUP = 2.11   # C9: the streamed forward's overlapped-vs-serial speedup the paper reports ...
+CLAIMED_AT_B = 28.4      # ... at this many billion parameters
+
+
 def c9(results_dir: Path):
-    """C9 from the planner-only scaling result (plan_only): predicted, never measured."""
-    plans = [(n, r) for n, r in read_results(results_dir, "scaling") if r.get("plan_only")]
+    """C9 from the latest GPU scaling run; without one, from the planner-only result (predicted, never measured)."""
+    results = read_results(results_dir, "scaling")
+    runs = [(n, r) for n, r in results if not r.get("plan_only") and r.get("hardware", {}).get("gpus")]
+    if runs:
+        return measured_scaling(results_dir, *runs[-1])
+    plans = [(n, r) for n, r in results if r.get("plan_only")]
     if not plans:
         return f"not measured: no scaling result; run `{SCALING_COMMAND}` on a GPU", "not measured"
     name, plan = plans[-1]
     return predicted_scaling(results_dir, name, plan)
+
+
+def scaling_word(ran: list[dict]) -> str:
+    """C9's speedup rule: "supported" if every preset run at CLAIMED_AT_B or more reaches CLAIMED_SPEEDUP,
+    "not reproduced" if one falls short, "not measured" at that size if no preset that large ran."""
+    at_size = [r["full_forward_speedup"] for r in ran if r["params_B"] >= CLAIMED_AT_B]
+    if not at_size:
+        largest = max((r["params_B"] for r in ran), default=0.0)
+        return f"not measured at {CLAIMED_AT_B} B (the largest preset run is {largest:.1f} B)"
+    return "supported" if min(at_size) >= CLAIMED_SPEEDUP else "not reproduced"
+
+
+def measured_scaling(results_dir: Path, name: str, run: dict) -> tuple[str, str]:
+    """C9's cell from a GPU scaling run: per preset run, fits or not under the full HBM and the cap, measured
+    peak and forward speedup beside the planner's; presets host RAM cannot hold, the planner's figures."""
+    c, rows = run["config"], run["tables"]["presets"]
+    ran = sorted((r for r in rows if r["measured"] == "run"), key=lambda r: r["params_B"])
+    gpu = run["hardware"]["gpus"][0]
+    per = [f"{r['preset']} ({r['params_B']:.1f} B): full HBM {r['full_status']}, {c['cap_GB']:.0f} GB cap "
+           f"{r['cap_status']}, peak {r['full_measured_peak_GB']:.1f} GB (planner {r['predicted_peak_GB']:.1f}), "
+           f"forward overlapped vs serial {r['full_forward_speedup']:.2f}x (planner {r['predicted_forward_speedup']:.2f}x)"
+           for r in ran]
+    per += [f"{r['preset']} ({r['params_B']:.1f} B): predicted only (needs {r['predicted_host_GB']:.0f} GB host RAM), "
+            f"fits the cap {'yes' if r['predicted_fits_cap'] else 'no'}, forward {r['predicted_forward_speedup']:.2f}x"
+            for r in rows if r["measured"] != "run"]
+    fits_cap = [r for r in ran if r["cap_status"] == "fits"]
+    speedups = [r["full_forward_speedup"] for r in ran]
+    grows = len(speedups) > 1 and all(a < b for a, b in zip(speedups, speedups[1:]))
+    trend = " -> ".join(f"{r['full_forward_speedup']:.2f}x at {r['params_B']:.1f} B" for r in ran)
+    return (f"measured on one {gpu}, the {c['cap_GB']:.0f} GB card emulated with the memory fraction "
+            f"({link(results_dir, 'scaling', name)}; {c['frames']}x{c['height']}x{c['width']} latents, "
+            f"{c['attention']}, {c['forward_repeats']} timed forwards per mode): " + "; ".join(per),
+            f"speedup {CLAIMED_SPEEDUP}x at {CLAIMED_AT_B} B: {scaling_word(ran)}; the speedup "
+            f"{'grows' if grows else 'does not grow'} with size ({trend}); the largest preset measured to fit the "
+            f"{c['cap_GB']:.0f} GB cap is " + (f"{fits_cap[-1]['preset']} ({fits_cap[-1]['params_B']:.1f} B)"
+                                               if fits_cap else "none"))
 
 
 def predicted_scaling(results_dir: Path, name: str, plan: dict) -> tuple[str, str]:

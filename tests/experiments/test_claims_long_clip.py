@@ -68,6 +68,38 @@ def test_c3_says_met_when_a_256_frame_cell_fits_and_replans_with_its_slabs(resul
     assert "on the same cells: not met (worst |predicted/measured - 1| = 21%" in verdict   # the slab plan, not 215
 
 
+def test_first_walls_name_the_wall_beyond_what_fits_and_skip_cut_or_superseded_cells():
+    cells = [("a", _cell("dsa", "chunked_offload", 32, status="time limit", phase="over 60 s")),   # an earlier limit
+             ("b", _cell("dsa", "chunked_offload", 256)),
+             ("b", _cell("dense", "chunked_offload", 32)),
+             ("b", _cell("dense", "chunked_offload", 128, status="OOM", phase="backward")),
+             ("b", _cell("dense", "chunked_offload", 64, status="time limit", phase="planner floor 231 s/step")),
+             ("b", _cell("swin", "offload", 8, status="not run"))]
+    assert claims.first_walls(cells) == ["1B dense chunked_offload at 64 frames: time limit (planner floor 231 s/step)"]
+
+
+def _scaling_row(preset, params_B, speedup, ran=True, cap="fits"):
+    row = {"preset": preset, "params_B": params_B, "predicted_peak_GB": 10.0, "predicted_fits_cap": True,
+           "predicted_host_GB": 100.0, "predicted_forward_speedup": 1.5, "measured": "run" if ran else "predicted"}
+    return row | ({"full_status": "fits", "cap_status": cap, "full_measured_peak_GB": 11.0,
+                   "full_forward_speedup": speedup} if ran else {})
+
+
+def test_c9_reads_a_gpu_run_before_the_plan_and_its_rule_needs_the_claimed_size(results):
+    _write_scaling_plan(results)
+    config = {"frames": 8, "height": 64, "width": 128, "attention": "dsa", "cap_GB": 94.0, "forward_repeats": 5}
+    write_result("scaling", "run", {"plan_only": False, "config": config, "tables": {"presets": [
+        _scaling_row("7B", 7.2, 1.33), _scaling_row("1B", 1.0, 1.22), _scaling_row("33B", 34.5, 0, ran=False)]}},
+        results_dir=results)
+    ours, verdict = claims.c9(results)
+    assert "7B (7.2 B): full HBM fits, 94 GB cap fits, peak 11.0 GB (planner 10.0)" in ours
+    assert "33B (34.5 B): predicted only (needs 100 GB host RAM)" in ours and "[scaling/run.json]" in ours
+    assert verdict.startswith("speedup 2.11x at 28.4 B: not measured at 28.4 B (the largest preset run is 7.2 B)")
+    assert "grows with size (1.22x at 1.0 B -> 1.33x at 7.2 B)" in verdict and "cap is 7B (7.2 B)" in verdict
+    assert claims.scaling_word([_scaling_row("28B", 28.4, 2.2), _scaling_row("33B", 34.5, 2.3)]) == "supported"
+    assert claims.scaling_word([_scaling_row("28B", 28.4, 2.2), _scaling_row("33B", 34.5, 2.0)]) == "not reproduced"
+
+
 def test_step_floor_overlaps_directions_and_scales_adam_to_the_host_cores():
     f = claims.step_floors(1e9, [("x", 50.0, 25.0)], (1e9, 1, 8))
     assert f["h2d_GB"] == 4 and f["d2h_GB"] == 2
