@@ -66,7 +66,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.attention_time import AttendTimer, attend_rate
-from experiments.harness import ExperimentRun, Timing, matmul_tflops, pcie_gbps, progress, sync
+from experiments.harness import ExperimentRun, Timing, copy_gbps, matmul_tflops, pcie_gbps, progress, sync
 from experiments.hydra_config import script_config, script_main
 from experiments.mfu_overlap import synthetic_batch
 from experiments.report import render
@@ -205,7 +205,7 @@ def floor_parts(cell: Cell, plan) -> dict:
                                          ceilings=cell.ceilings)
     floor = plan.floor_s if isinstance(plan, planner.OffloadPlan) else sum(compute.values())
     return {"predicted_floor_s": floor, "predicted_matmul_s": compute["matmul"],
-            "predicted_attention_s": compute["attention"]}
+            "predicted_attention_s": compute["attention"], "predicted_elementwise_s": compute["elementwise"]}
 
 
 def with_timing(cell: Cell, floor_s: float, cfg: OOMConfig) -> Cell:
@@ -390,13 +390,14 @@ def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, tuple[DiTConfig
             row["error"] = f"{type(err).__name__}: {err}"[:200]
         attention.append(row)
     queue.put({"matmul_TFLOPs": peak, "pcie": pcie_gbps(device, probe_MiB * 2 ** 20) if cuda else None,
+               "hbm_copy_GBps": copy_gbps(device) if cuda else None,
                "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                "hbm_free_GB": hbm_available_bytes(device) / GB if cuda else None, "attention": attention})
 
 
 def cell_ceilings(measured: dict | None, model: str, attention: str, chunked: bool) -> planner.Ceilings:
-    """The floor's ceilings for a cell: this run's matmul, PCIe and attention rates where measured, else
-    the planner's defaults."""
+    """The floor's ceilings for a cell: this run's matmul, PCIe, HBM and attention rates where measured,
+    else the planner's defaults."""
     if not measured:
         return planner.Ceilings()
     rate = next((r for r in measured["attention"] if (r["model"], r["attention"], r["chunked"]) ==
@@ -405,6 +406,7 @@ def cell_ceilings(measured: dict | None, model: str, attention: str, chunked: bo
     default = planner.Ceilings()
     return planner.Ceilings(tflops=measured["matmul_TFLOPs"], h2d_GBps=pcie.get("h2d_GBps", default.h2d_GBps),
                             d2h_GBps=pcie.get("d2h_GBps", default.d2h_GBps),
+                            hbm_TBps=(measured.get("hbm_copy_GBps") or 1e3 * default.hbm_TBps) / 1e3,
                             attention=rate and planner.AttentionRate(rate["forward_tflops"], rate["backward_tflops"]))
 
 

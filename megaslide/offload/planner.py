@@ -28,15 +28,17 @@ bf16 autocast, per-block checkpointing) is planned with the same block model.
 Step-time floor: max(compute, H2D, D2H, CPU AdamW) from executed FLOPs, bytes moved (weights,
 gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective,
 50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic). Compute (`compute_seconds`) has
-two terms, run one after the other on one stream:
+three terms, run one after the other on one stream:
 - attention: every block's `attend` (the variant's token mixing, DSA's offset net included) at the
   variant's own rate (`AttentionRate`), forward and backward apart: DSA's gathers and its backward's
   atomics run far below the matmul ceiling. Its forward runs in the streamed forward and again in
   the recompute, its backward once;
 - matmul: all other executed FLOPs at the matmul ceiling: model FLOPs (forward + 2x forward for the
   backward), the recomputed forward, and with chunking the slices' token-wise forward once more.
-Norms, RoPE, modulation and other memory-bound elementwise work is in neither: the floor is below
-the step by about their time.
+- elementwise: norms, RoPE, modulation, activations, residual adds, casts and the slices' copies are
+  memory-bound: `ELEMENTWISE_BYTES` of HBM traffic per token and width element per block pass (a
+  forward, or a third of a backward) at the HBM ceiling. That one figure is calibrated on one measured
+  cell (see its docstring) and checked against the other H200 cells.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ class Ceilings:
     h2d_GBps: float = 50.0          # pinned PCIe, each way, while the other way is busy
     d2h_GBps: float = 50.0
     cpu_adam_gparams: float = 3.5   # fused CPU AdamW while PCIe traffic shares host DRAM
-    hbm_TBps: float = 4.3           # device memory, for the GPU optimizer ablation
+    hbm_TBps: float = 4.3           # device memory (copy, read + write): GPU optimizer, elementwise work
     attention: AttentionRate | None = None  # the model's `attend`; None: DEFAULT_ATTENTION_RATES, else `tflops`
 
     def attention_rate(self, name: str) -> AttentionRate:
@@ -94,12 +96,20 @@ class Ceilings:
                 or AttentionRate(self.tflops, self.tflops, includes_own_weights=False))
 
 
+ELEMENTWISE_BYTES = 660.0
+"""HBM bytes the memory-bound work of one block moves per token and width element in one pass: calibrated
+as (step - matmul - attention) x HBM ceiling / (tokens x dim x depth x passes) on the 1B dense
+chunked-offload 16-frame cell of results/oom_thresholds/h200_headline_256.json (657; 4 passes: forward,
+recompute, 2 for the backward); tests/offload/test_planner.py re-derives it from that file."""
+
+
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
                     ceilings: Ceilings, backward: bool = True) -> tuple[float, dict[str, float]]:
     """The compute floor of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
     trainer's checkpointed ones), or without `backward` of one forward pass (no grad: nothing re-runs):
-    (executed FLOPs, {"matmul": s, "attention": s}); the floor is their sum (see the module docstring).
+    (executed FLOPs, {"matmul": s, "attention": s, "elementwise": s}); the floor is their sum (see the
+    module docstring).
 
     Blocks dominate (the stem's forward is counted once per pass). Every block's forward runs once,
     plus once more if recomputed, plus once more with several slabs (`slab_frames`: each slab re-runs
@@ -124,7 +134,8 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     attention = halo * (counted * forwards / (rate.forward_tflops * 1e12)
                         + 2 * backward * counted / (rate.backward_tflops * 1e12))
     matmul = (executed - in_attend * passes) / (ceilings.tflops * 1e12)
-    return executed, {"matmul": matmul, "attention": attention}
+    elementwise = ELEMENTWISE_BYTES * tokens * D * depth * passes / (ceilings.hbm_TBps * 1e12)
+    return executed, {"matmul": matmul, "attention": attention, "elementwise": elementwise}
 
 
 def block_layout(cfg: DiTConfig) -> BlockLayout:

@@ -1,6 +1,8 @@
 """The planner: exact host bytes, the step-time floor, and clear errors before allocating."""
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +44,8 @@ def test_step_floor_is_the_max_of_compute_pcie_and_optimizer():
     assert plan.d2h_bytes == 2 * n * cfg.depth
     assert plan.seconds["h2d"] == pytest.approx(plan.h2d_bytes / 40e9)
     assert plan.seconds["optimizer"] == pytest.approx(plan.block_params / 2e9)
-    assert plan.seconds["compute"] == pytest.approx(dit_flops(cfg, 1, (16, 32, 64)).executed / 500e12)
+    elementwise = planner.ELEMENTWISE_BYTES * 32768 * cfg.dim * cfg.depth * 4 / 4.3e12   # 4 passes at 4.3 TB/s
+    assert plan.seconds["compute"] == pytest.approx(dit_flops(cfg, 1, (16, 32, 64)).executed / 500e12 + elementwise)
     assert plan.floor_s == max(plan.seconds.values()) and plan.serial_s == pytest.approx(sum(plan.seconds.values()))
     assert plan.bound == "compute"
     # the ablation moves master + moments both ways: more PCIe, and no CPU optimizer
@@ -69,7 +72,9 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     assert parts["attention"] == pytest.approx(0.289910292)
     assert parts["matmul"] == pytest.approx((executed - 4 * (counted + own)) / 500e12)
     plan = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, ceilings=measured)
-    assert plan.seconds["compute"] == pytest.approx(parts["attention"] + parts["matmul"])
+    # memory-bound work: ELEMENTWISE_BYTES per token and width element per block pass, 4 passes, at 4.3 TB/s
+    assert parts["elementwise"] == pytest.approx(planner.ELEMENTWISE_BYTES * tokens * D * 4 * 4 / 4.3e12)
+    assert plan.seconds["compute"] == pytest.approx(sum(parts.values()))
     # two resident blocks are not recomputed: 1.5 forwards per block on average
     _, tail = planner.compute_seconds(cfg, 1, grid, recomputed=2, ceilings=measured)
     assert tail["attention"] == pytest.approx(1.5 * counted / 2e12 + 2 * counted / 0.5e12)
@@ -95,7 +100,35 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     # an attention without a rate (dense) runs at the matmul ceiling: compute = executed FLOPs / ceiling
     dense = dataclasses.replace(cfg, attention=AttentionConfig("dense"))
     dense_executed, dense_parts = planner.compute_seconds(dense, 1, grid, recomputed=4, ceilings=Ceilings(tflops=500.0))
-    assert sum(dense_parts.values()) == pytest.approx(dense_executed / 500e12)
+    assert dense_parts["matmul"] + dense_parts["attention"] == pytest.approx(dense_executed / 500e12)
+
+
+def test_elementwise_bytes_are_the_calibration_cells_and_the_floor_holds_on_the_other_h200_cells():
+    """ELEMENTWISE_BYTES re-derived from the committed cell it was calibrated on; with it, the floor recorded
+    by each other fitting H200 cell (matmul + attention as its run planned them, + today's elementwise term)
+    is within 10% of the measured step."""
+    results = Path(__file__).resolve().parents[2] / "results" / "oom_thresholds"
+    cells = {(f.stem, c["model"], c["attention"], c["frames"]): (c, json.loads(f.read_text())["config"])
+             for f in results.glob("h200_*.json") for c in json.loads(f.read_text())["tables"]["cells"]}
+    model = {"1B": DIT_PRESETS["1B"], "7B width, depth 23": dataclasses.replace(DIT_PRESETS["7B"], depth=23)}
+
+    def element_passes(c):  # tokens x width x blocks x passes: forward, recompute, 2 for the backward, + slab re-run
+        cfg, slabbed = model[c["model"]], 0 < c.get("slab_frames", 0) < c["frames"]
+        return c["tokens"] * cfg.dim * cfg.depth * (4 + slabbed)
+
+    calib, _ = cells[("h200_headline_256", "1B", "dense", 16)]
+    implied = ((calib["step_s"] - calib["predicted_matmul_s"] - calib["predicted_attention_s"]) * 4.3e12
+               / element_passes(calib))
+    assert implied == pytest.approx(planner.ELEMENTWISE_BYTES, rel=0.01)
+    checked = 0
+    for (name, *_), (c, _) in cells.items():
+        if c["status"] != "fits" or "predicted_matmul_s" not in c or c is calib:
+            continue
+        floor = (c["predicted_matmul_s"] + c["predicted_attention_s"]
+                 + planner.ELEMENTWISE_BYTES * element_passes(c) / 4.3e12)
+        assert floor / c["step_s"] == pytest.approx(1, abs=0.10), (name, c["attention"], c["frames"])
+        checked += 1
+    assert checked >= 3
 
 
 def test_resident_tail_trades_hbm_for_recompute_and_pcie():
