@@ -11,6 +11,7 @@ here, or the cell states a fact without a verdict word; a claim we could not mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
@@ -25,6 +26,7 @@ from experiments.report import result_files
 from experiments.results_io import RESULTS_DIR, descends_from, dirty_note, is_partial
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import DIT_PRESETS, count_params
+from megaslide.offload import planner
 
 TB = 1e12
 PAPER_MFU, PAPER_MFU_SERIAL, PAPER_MFU_GPU_OPT = 0.61, 0.28, 0.15   # C4, C5 as the paper states them
@@ -174,6 +176,42 @@ def _error_text(found: tuple[float, dict] | None, whose: str, predicted: Callabl
             f"{predicted(c):.1f} vs {c['measured_peak_GB']:.1f} GB; target {100 * PLANNER_TARGET:.0f}%)")
 
 
+FLOOR_TARGET = 0.25     # C3 / issue 15: the planner's step-time floor counts as accurate within 25% of the measured step
+
+
+def cell_model(name: str) -> DiTConfig:
+    """The DiT of an oom_thresholds model name: a preset ("1B"), or a preset's width at a depth ("7B width, depth 23")."""
+    preset, _, depth = name.partition(" width, depth ")
+    return dataclasses.replace(DIT_PRESETS[preset], depth=int(depth)) if depth else DIT_PRESETS[preset]
+
+
+def todays_floor(c: dict) -> float:
+    """A measured cell's step-time floor with today's compute model: its run's floor (the max of compute, PCIe and
+    AdamW), with the compute's matmul and attention terms as the run planned them plus today's elementwise term
+    (recorded by runs that had it; else every block's forward, its recompute, a slab re-run with several slabs
+    and a 2-pass backward, at the planner's HBM ceiling)."""
+    elementwise = c.get("predicted_elementwise_s")
+    if elementwise is None:
+        passes = 4 + (0 < c.get("slab_frames", 0) < c["frames"])
+        elementwise = planner.elementwise_seconds(cell_model(c["model"]), c["tokens"], passes, planner.Ceilings())
+        compute = c["predicted_matmul_s"] + c["predicted_attention_s"] + elementwise
+        return max(c["predicted_floor_s"], compute)
+    return c["predicted_floor_s"]
+
+
+def floor_text(cells: list[tuple[str, dict]]) -> str:
+    """C3's floor rule: "met" if today's floor of every measured cell that fits is within FLOOR_TARGET of its step."""
+    ratios = [(todays_floor(c) / c["step_s"], c) for _, c in cells
+              if c["status"] == "fits" and c.get("step_s") and "predicted_matmul_s" in c]
+    if not ratios:
+        return "step-time floor: no measured cell to check"
+    worst, c = max(ratios, key=lambda rc: abs(rc[0] - 1))
+    return (f"step-time floor, today's compute model on {len(ratios)} measured cells (its elementwise term calibrated "
+            f"on one of them, see megaslide/offload/planner.py ELEMENTWISE_BYTES): "
+            f"{'met' if abs(worst - 1) <= FLOOR_TARGET else 'not met'} (worst floor/step = {worst:.2f} at "
+            f"{_cell_name(c)}: {todays_floor(c):.1f} vs {c['step_s']:.1f} s; target within {100 * FLOOR_TARGET:.0f}%)")
+
+
 def c3(results_dir: Path):
     results = oom_results(results_dir)
     cells = measured_cells(results)
@@ -218,6 +256,7 @@ def c3(results_dir: Path):
         current = {n for n, r in results if descends_from(r.get("commit", ""), DSA_HEAD_GROUPS)}
         verdict.append(_error_text(planner_error(cells, replanned), f"today's planner ({names}) on the same cells",
                                    replanned))
+    verdict.append(floor_text(cells))
     walls = first_walls(cells)
     if walls:
         ours.append("first cell that does not fit per (model, attention, mode): " + "; ".join(walls))

@@ -134,8 +134,13 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     attention = halo * (counted * forwards / (rate.forward_tflops * 1e12)
                         + 2 * backward * counted / (rate.backward_tflops * 1e12))
     matmul = (executed - in_attend * passes) / (ceilings.tflops * 1e12)
-    elementwise = ELEMENTWISE_BYTES * tokens * D * depth * passes / (ceilings.hbm_TBps * 1e12)
+    elementwise = elementwise_seconds(cfg, tokens, passes, ceilings)
     return executed, {"matmul": matmul, "attention": attention, "elementwise": elementwise}
+
+
+def elementwise_seconds(cfg: DiTConfig, tokens: int, passes: float, ceilings: Ceilings) -> float:
+    """The memory-bound work of `passes` passes of every block over `tokens` tokens at the HBM ceiling."""
+    return ELEMENTWISE_BYTES * tokens * cfg.dim * cfg.depth * passes / (ceilings.hbm_TBps * 1e12)
 
 
 def block_layout(cfg: DiTConfig) -> BlockLayout:

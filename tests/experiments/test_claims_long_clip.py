@@ -78,6 +78,21 @@ def test_first_walls_name_the_wall_beyond_what_fits_and_skip_cut_or_superseded_c
     assert claims.first_walls(cells) == ["1B dense chunked_offload at 64 frames: time limit (planner floor 231 s/step)"]
 
 
+def test_floor_rule_adds_todays_elementwise_term_to_old_runs_and_takes_the_worst_cell():
+    assert claims.cell_model("7B width, depth 23").depth == 23 and claims.cell_model("1B").dim == 2048
+    parts = {"predicted_matmul_s": 10.0, "predicted_attention_s": 20.0}
+    old = _cell("dsa", "chunked_offload", 16, step_s=40.0, predicted_floor_s=30.0, slab_frames=8, tokens=130560,
+                **parts)
+    elementwise = claims.planner.elementwise_seconds(claims.DIT_PRESETS["1B"], 130560, 5, claims.planner.Ceilings())
+    assert claims.todays_floor(old) == pytest.approx(30.0 + elementwise)          # 5 passes: slabs re-run
+    new = _cell("dense", "chunked_offload", 16, step_s=40.0, predicted_floor_s=25.0, predicted_elementwise_s=1.0,
+                **parts)
+    assert claims.todays_floor(new) == 25.0                                        # recorded by its run
+    text = claims.floor_text([("a", old), ("b", new), ("b", _cell("dsa", "offload", 512, status="OOM", **parts))])
+    assert "on 2 measured cells" in text and "not met (worst floor/step = 0.62 at 1B dense chunked_offload 16" in text
+    assert "met (worst" in claims.floor_text([("a", old)])
+
+
 def _scaling_row(preset, params_B, speedup, ran=True, cap="fits"):
     row = {"preset": preset, "params_B": params_B, "predicted_peak_GB": 10.0, "predicted_fits_cap": True,
            "predicted_host_GB": 100.0, "predicted_forward_speedup": 1.5, "measured": "run" if ran else "predicted"}
