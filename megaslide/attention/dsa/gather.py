@@ -69,27 +69,28 @@ def trilinear_corners(offsets: torch.Tensor, kernel_size: tuple[int, int, int]) 
     device = offsets.device
     coord_dtype = torch.promote_types(offsets.dtype, torch.float32)
     base = base_positions((T, H, W), kernel_size, device).to(coord_dtype)  # (T, H, W, K, 3)
-    pos = base[None, :, :, :, None] + offsets.to(coord_dtype)  # (B, T, H, W, heads, K, 3)
+    pos = (base[None, :, :, :, None] + offsets.to(coord_dtype)).reshape(-1, 3)  # (M, 3)
     hi = torch.tensor([T - 1, H - 1, W - 1], dtype=coord_dtype, device=device)  # (3,)
-    inside = ((pos >= 0) & (pos <= hi)).reshape(-1, 3)  # (M, 3)
-    pos = torch.clamp(pos, min=torch.zeros_like(hi), max=hi).movedim(-1, 0).reshape(3, -1)  # (3, M)
-    lower = torch.floor(pos)  # (3, M)
-    frac = pos - lower  # (3, M)
+    inside = (pos >= 0) & (pos <= hi)  # (M, 3)
+    pos = pos.clamp_(min=torch.zeros_like(hi), max=hi)  # (M, 3)
+    lower = torch.floor(pos)  # (M, 3)
+    frac = pos.sub_(lower).t()  # (3, M)
     strides = (H + 1) * (W + 1) * heads, (W + 1) * heads, heads
     first = torch.arange(B, device=device)[:, None] * ((T + 1) * strides[0]) + torch.arange(heads, device=device)
-    first = first.view(B, 1, 1, 1, heads, 1).expand(B, T, H, W, heads, K).reshape(-1)  # (M,)
-    lower = lower.long()  # (3, M)
-    row = first + lower[0] * strides[0] + lower[1] * strides[1] + lower[2] * strides[2]  # (M,)
-    return Corners(row, strides, torch.stack([1 - frac, frac], dim=1), inside)
+    step = torch.tensor(strides, device=device)  # (3,)
+    row = (lower.long() * step).sum(-1).view(B, -1, heads, K) + first.view(B, 1, heads, 1)  # (B, T*H*W, heads, K)
+    return Corners(row.view(-1), strides, torch.stack([1 - frac, frac], dim=1), inside)
 
 
 def corner_weights(factors: torch.Tensor, bits=BITS, skip: int | None = None) -> torch.Tensor:
-    """(len(bits), M): per corner the product over the axes (but `skip`) of its factor, from the
-    per-axis factors (3, 2, M). All axes: the trilinear weights; all but one, on that axis'
-    lower face: the derivative of the trilinear weights along it (up to sign)."""
-    t, y, x = (torch.ones_like(f) if axis == skip else f for axis, f in enumerate(factors))  # (2, M) each
-    every = (t[:, None, None] * y[None, :, None] * x[None, None, :]).reshape(8, -1)  # (8, M), BITS order
-    return every if bits == BITS else every[[BITS.index(corner) for corner in bits]]
+    """(..., len(bits), L): per corner the product over the axes (but `skip`) of its factor, from
+    the per-axis factors (..., 3, 2, L) (samples last, so that every product runs along them).
+    All axes: the trilinear weights; all but one, on that axis' lower face: the derivative of the
+    trilinear weights along it (up to sign)."""
+    t, y, x = (torch.ones_like(f) if axis == skip else f for axis, f in enumerate(factors.unbind(-3)))  # (..., 2, L)
+    every = t[..., :, None, None, :] * y[..., None, :, None, :] * x[..., None, None, :, :]  # (..., 2, 2, 2, L)
+    every = every.flatten(-4, -2)  # (..., 8, L), BITS order
+    return every if bits == BITS else every[..., [BITS.index(corner) for corner in bits], :]
 
 
 def pad_replicate(x: torch.Tensor) -> torch.Tensor:

@@ -118,9 +118,12 @@ class DSAAttention(SelfAttention):
         B, N, D = x.shape
         T, H, W = grid
         a, b = max(t0 - 1, 0), min(t1 + 1, T)
-        # contiguous NCDHW: the strided view is channels-last, where cuDNN's bf16 depthwise
-        # Conv3d weight gradient runs 15-50x slower on an H200 (experiments/profile_step.py)
-        h = x[:, a * H * W:b * H * W].transpose(1, 2).reshape(B, D, b - a, H, W).contiguous()  # (B, D, b-a, H, W)
+        h = x[:, a * H * W:b * H * W].transpose(1, 2).reshape(B, D, b - a, H, W)  # (B, D, b-a, H, W)
+        if x.is_cuda:
+            # contiguous NCDHW: the strided view is channels-last, where cuDNN's bf16 depthwise
+            # Conv3d weight gradient runs 15-50x slower on an H200 (experiments/profile_step.py);
+            # on CPU channels-last is the faster layout (oneDNN), so the view is kept there
+            h = h.contiguous()
         h = self.offset_conv(h)[:, :, t0 - a:t1 - a]                 # (B, D, t1-t0, H, W)
         h = F.gelu(h).permute(0, 2, 3, 4, 1)                         # (B, t1-t0, H, W, D)
         o = self.offset_proj(h)                                      # (B, t1-t0, H, W, heads*K*3)

@@ -24,7 +24,8 @@ import torch
 
 from megaslide.attention.dsa.gather import deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
-from megaslide.attention.dsa.scores import MAX_SCORES, deformable_slide_attention_scores, score_elements
+from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
+                                             neighborhood_attention_scores, score_elements)
 from megaslide.backends import Backend, triton_device_check, triton_interpreted
 from megaslide.backends import select_backend as choose_backend
 
@@ -182,14 +183,29 @@ def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) ->
 def can_run_scores(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     """The score-matrix backend runs on any device and floating dtype while its O(B * heads * N^2)
     matrices stay small; "auto" takes it only where it beats the gathers: while a query's row
-    of N' padded scores is at most twice its 8 K corner reads."""
+    of N scores is at most twice its 8 K corner reads."""
     B, T, H, W, heads, _ = q.shape
-    size, padded, reads = score_elements(q), (T + 1) * (H + 1) * (W + 1), 8 * offsets.shape[-2]
+    size, tokens, reads = score_elements(q), T * H * W, 8 * offsets.shape[-2]
     if size > MAX_SCORES:
-        return False, f"score matrices of B * heads * N * N' = {size} elements exceed {MAX_SCORES}"
-    if not explicit and padded > 2 * reads:
-        return False, f"N' = {padded} padded tokens per row > 2 x {reads} corner reads: the gathers are faster"
+        return False, f"score matrices of B * heads * N * N = {size} elements exceed {MAX_SCORES}"
+    if not explicit and tokens > 2 * reads:
+        return False, f"N = {tokens} tokens per row > 2 x {reads} corner reads: the gathers are faster"
     return True, f"score matrices of {size} elements"
+
+
+def can_run_na_scores(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
+    """Masked dense attention (neighbourhood attention, zero offsets) runs on any device and
+    floating dtype; "auto" takes it while a query's N keys are at most NA_SCORES_PER_SAMPLE x its
+    K window reads (past that the gathers are faster)."""
+    B, T, H, W, heads, _ = q.shape
+    tokens, reads = T * H * W, offsets.shape[-2]
+    if not explicit and tokens > NA_SCORES_PER_SAMPLE * reads:
+        return False, f"N = {tokens} keys per query > {NA_SCORES_PER_SAMPLE} x {reads} reads: the gathers are faster"
+    return True, f"dense attention over N = {tokens} keys with the window as a mask"
+
+
+NA_SCORES_PER_SAMPLE = 64
+"""Keys per window sample up to which masked dense attention beats the gathers on CPU."""
 
 
 def can_run_gather(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
@@ -232,9 +248,11 @@ BACKENDS: tuple[Backend, ...] = (
 )
 """In the order "auto" tries them."""
 
-NA_BACKENDS: tuple[Backend, ...] = (Backend("triton", can_run_na_triton, _na_triton), *BACKENDS[1:])
-"""`neighborhood_attention`'s backends, in the order "auto" tries them: its own kernels, then the
-general PyTorch backends, given zero offsets that need no gradient."""
+NA_BACKENDS: tuple[Backend, ...] = (Backend("triton", can_run_na_triton, _na_triton),
+                                    Backend("scores", can_run_na_scores, neighborhood_attention_scores),
+                                    *BACKENDS[2:])
+"""`neighborhood_attention`'s backends, in the order "auto" tries them: its own kernels, masked dense
+attention (scores.py), then the general PyTorch backends, given zero offsets that need no gradient."""
 
 
 def select_backend(name: str, q: torch.Tensor, offsets: torch.Tensor, backends=BACKENDS) -> Backend:

@@ -1,118 +1,165 @@
 """3D-DSA through whole score matrices: the fast backend for small token grids off CUDA.
 
 On a small grid every key is cheap to score: per (batch, head) the matrices Q K^T and
-dO V^T, (N, N') with N tokens and N' = (T+1)(H+1)(W+1) padded ones (K and V padded by one
-replicated token per axis, as in gather.py), are a few small matmuls. A sample's score is
-then its 8 trilinear weights times 8 scalars gathered from its query's row, and its value
-read is a scatter of attention x weight into a row of P, out = P V. The backward reuses the
-forward's corners and weights: dP = dO V^T gives each sample's attention gradient, dS (the
-score gradient scattered like P) gives dq = dS K and dk = dS^T Q, dv = P^T dO, and the
-offsets' gradient is the weights' derivatives times the gathered S and dP entries, no
-further reads of K or V. Memory is O(B heads N N'), so `can_run_scores` admits only small
-grids; the gather backend (O(N K)) takes the rest.
+dO V^T, (N, N) over the N tokens, are a few small matmuls. A sample's score is then its 8
+trilinear weights times 8 scalars gathered from its query's row, and its value read is a
+scatter of attention x weight into a row of P, out = P V. The backward reuses the forward's
+corners and weights: dP = dO V^T gives each sample's attention gradient, dS (the score
+gradient scattered like P) gives dq = dS K and dk = dS^T Q, dv = P^T dO, and the offsets'
+gradient is the weights' derivatives times the gathered S and dP entries, no further reads
+of K or V. Samples are kept in the matrices' row order (batch, head, token), and P and dS
+are written over the S and dP they were read from: of the score-sized matrices, only S
+(then P) and dP (then dS) are ever allocated. Memory is O(B heads N^2), so
+`can_run_scores` admits only small grids; the gather backend (O(N K)) takes the rest.
+
+No padding: a sample clamped to the last index of an axis reads it as the upper neighbour of
+the one before, with weight 1 (the definition's lower neighbour there, with the same weight),
+and its position gradient along that axis is 0 as in the definition (there the definition's
+upper neighbour is the lower one). An axis of size 1 has no upper neighbour: its weight is 0.
+
+With offsets exactly zero (`neighborhood_attention`) every sample is one token of its window:
+the op is dense attention with the window as a mask, and runs as PyTorch's fused
+`scaled_dot_product_attention`, no corners at all.
 """
 from __future__ import annotations
 
-import torch
+import math
+from typing import NamedTuple
 
-from megaslide.attention.dsa.gather import BITS, Corners, corner_weights, pad_replicate, trilinear_corners
+import torch
+import torch.nn.functional as F
+
+from megaslide.attention.dsa.gather import BITS, corner_weights
+from megaslide.attention.dsa.reference import base_positions, window_starts
 
 MAX_SCORES = 2 ** 24
-"""Largest B * heads * N * N' this backend takes (each score-sized matrix is that many floats)."""
+"""Largest B * heads * N * N this backend takes (each score-sized matrix is that many floats)."""
 
 
 def score_elements(q: torch.Tensor) -> int:
-    """B * heads * N * N' of q (B, T, H, W, heads, d): the size of one score matrix."""
+    """B * heads * N * N of q (B, T, H, W, heads, d): the size of one score matrix."""
     B, T, H, W, heads, _ = q.shape
-    return B * heads * T * H * W * (T + 1) * (H + 1) * (W + 1)
+    return B * heads * (T * H * W) ** 2
 
 
 def per_head(x: torch.Tensor) -> torch.Tensor:
-    """(B, T, H, W, heads, d) -> (B*heads, T*H*W, d)."""
-    B, heads, d = x.shape[0], x.shape[4], x.shape[5]
-    return x.reshape(B, -1, heads, d).transpose(1, 2).reshape(B * heads, -1, d)
+    """(B, T, H, W, heads, ...) -> (B, heads, T, H, W, ...): the score matrices' row order, a view."""
+    return x.movedim(4, 1)
 
 
-def per_query(x: torch.Tensor, B: int, heads: int) -> torch.Tensor:
-    """(B*heads, N, w) -> (B*N*heads, w): rows in the op's query order (b, token, head)."""
-    return x.view(B, heads, -1, x.shape[-1]).transpose(1, 2).reshape(-1, x.shape[-1])
+def rows_per_head(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, H, W, heads, d) -> (B*heads, N, d)."""
+    return per_head(x).reshape(-1, math.prod(x.shape[1:4]), x.shape[-1])
 
 
-def per_head_rows(x: torch.Tensor, B: int, heads: int) -> torch.Tensor:
-    """Inverse of per_query: (B*N*heads, w) -> (B*heads, N, w)."""
-    return x.view(B, -1, heads, x.shape[-1]).transpose(1, 2).reshape(B * heads, -1, x.shape[-1])
+def from_per_head(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """(B*heads, N, d) -> (B, T, H, W, heads, d) of `shape`, a view."""
+    B, T, H, W, heads, d = shape
+    return x.view(B, heads, T, H, W, d).movedim(1, 4)
 
 
-def corner_tokens(corners: Corners, bits, heads: int, padded_tokens: int, K: int) -> torch.Tensor:
-    """(B*N*heads, K * len(bits)): each sample's corner tokens within its (batch, head) padded grid."""
-    lower = (corners.lower // heads) % padded_tokens  # (M,) the lower corner's token
-    shifts = torch.tensor([s // heads for s in corners.shifts(bits)], device=lower.device)  # (n,)
-    return (lower[:, None] + shifts).view(-1, K * len(bits))  # (B*N*heads, K*n)
+class RowCorners(NamedTuple):
+    """The corners of the R * K samples, R = B * heads * N query rows in per-head order.
+
+    tokens (R, 8 * K) long: per row, corner-major, the token of each sample's corner in its
+    (batch, head) grid; factors (R, 3, 2, K): per axis the weights (1 - frac, frac) of the
+    lower and upper neighbour; inside (R, K, 3) bool: the position gradient passes (the
+    unclamped position lay in [0, S - 1) on that axis)."""
+
+    tokens: torch.Tensor
+    factors: torch.Tensor
+    inside: torch.Tensor
+
+
+def row_corners(offsets: torch.Tensor, kernel_size: tuple[int, int, int]) -> RowCorners:
+    """The 8 corners of every sample; offsets (B, T, H, W, heads, K, 3). Positions
+    and weights in at least float32, as in the reference."""
+    B, T, H, W, heads, K, _ = offsets.shape
+    coord_dtype = torch.promote_types(offsets.dtype, torch.float32)
+    base = base_positions((T, H, W), kernel_size, offsets.device).to(coord_dtype)  # (T, H, W, K, 3)
+    pos = offsets.new_empty((3, B, heads, T, H, W, K), dtype=coord_dtype)  # axis first, samples last
+    torch.add(base.permute(4, 0, 1, 2, 3)[:, None, None], offsets.permute(6, 0, 4, 1, 2, 3, 5), out=pos)
+    pos = pos.view(3, -1, K).unbind(0)  # 3 x (R, K)
+    factors = offsets.new_empty((pos[0].shape[0], 3, 2, K), dtype=coord_dtype)  # (R, 3, 2, K)
+    token, inside, steps = 0, [], []
+    for axis, (p, size, stride) in enumerate(zip(pos, (T, H, W), (H * W, W, 1))):
+        inside.append((p >= 0) & (p < size - 1))  # (R, K)
+        p = p.clamp(0, size - 1)  # (R, K)
+        lower = p.floor().clamp_(max=max(size - 2, 0))  # (R, K) the last index: upper neighbour of the one before
+        torch.sub(p, lower, out=factors[:, axis, 1])
+        torch.sub(1, factors[:, axis, 1], out=factors[:, axis, 0])
+        token = token + lower.long() * stride  # (R, K)
+        steps.append(stride if size > 1 else 0)
+    shifts = torch.tensor([sum(b * s for b, s in zip(corner, steps)) for corner in BITS], device=offsets.device)
+    tokens = (token[:, None] + shifts[:, None]).view(-1, 8 * K)  # (R, 8*K)
+    return RowCorners(tokens, factors, torch.stack(inside, dim=-1))
+
+
+def live_bits(factors: torch.Tensor) -> tuple:
+    """The corners of nonzero weight for some sample, from factors (R, 3, 2, K): along an axis
+    where every position is an integer below the last (zero offsets, say) the upper neighbours
+    weigh 0 and are skipped."""
+    integer = (factors[:, :, 1] == 0).all(-1).all(0).tolist()  # (3,)
+    return tuple(bits for bits in BITS if not any(b and flat for b, flat in zip(bits, integer)))
 
 
 class DSAScoresFunction(torch.autograd.Function):
-    """3D-DSA through per-(batch, head) score matrices; the backward by hand from the forward's corners."""
+    """3D-DSA through per-(batch, head) score matrices; the backward by hand from the forward's corners.
+
+    Per query row the corner tables are (n, K), corner-major: every elementwise product and sum
+    over corners runs along the K samples."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, kernel_size: tuple[int, int, int], scale: float):
         B, T, H, W, heads, d = q.shape
-        K = offsets.shape[-2]
-        padded = (T + 1) * (H + 1) * (W + 1)
-        corners = trilinear_corners(offsets, kernel_size)
-        bits = BITS if ctx.needs_input_grad[3] else corners.live_bits()  # the offsets' gradient reads all 8
-        tokens = corner_tokens(corners, bits, heads, padded, K)  # (B*N*heads, K*n)
-        weights = corner_weights(corners.factors, bits).t().to(q.dtype).reshape(tokens.shape)  # (B*N*heads, K*n)
-        k_pad, v_pad = (per_head(pad_replicate(x)) for x in (k, v))  # (B*heads, N', d) each
-        qh = per_head(q)  # (B*heads, N, d)
-        s = per_query(torch.bmm(qh, k_pad.transpose(1, 2)), B, heads)  # (B*N*heads, N') all scores
-        s_at = s.gather(1, tokens)  # (B*N*heads, K*n) the scores of the corners
-        scores = (s_at * weights).view(-1, K, len(bits)).sum(-1) * scale  # (B*N*heads, K)
-        attn = torch.softmax(scores, dim=-1)  # (B*N*heads, K)
-        spread = (attn[..., None] * weights.view(-1, K, len(bits))).view(tokens.shape)  # (B*N*heads, K*n)
-        p = torch.zeros_like(s).scatter_add_(1, tokens, spread)  # (B*N*heads, N')
-        out = torch.bmm(per_head_rows(p, B, heads), v_pad)  # (B*heads, N, d)
+        K, N = offsets.shape[-2], T * H * W
+        tokens, factors, inside = row_corners(offsets, kernel_size)
+        bits = BITS if ctx.needs_input_grad[3] else live_bits(factors)  # the offsets' gradient reads all 8
+        if bits != BITS:
+            tokens = tokens.view(-1, 8, K)[:, [BITS.index(corner) for corner in bits]].reshape(-1, len(bits) * K)
+        weights = corner_weights(factors, bits).to(q.dtype)  # (R, n, K), R = B*heads*N
+        qh, kh, vh = (rows_per_head(x) for x in (q, k, v))  # (B*heads, N, d) each
+        s = torch.bmm(qh, kh.transpose(1, 2)).view(-1, N)  # (R, N) all scores
+        s_at = s.gather(1, tokens).view(weights.shape)  # (R, n, K) the scores of the corners
+        attn = torch.softmax((s_at * weights).sum(1) * scale, dim=-1)  # (R, K)
+        p = s.zero_().scatter_add_(1, tokens, (attn[:, None] * weights).view(tokens.shape))  # (R, N)
+        out = torch.bmm(p.view(B * heads, N, N), vh)  # (B*heads, N, d)
         if any(ctx.needs_input_grad[:4]):
-            ctx.save_for_backward(qh, k_pad, v_pad, corners.factors, corners.inside, tokens, weights, s_at, attn, p)
-        ctx.bits = bits
+            ctx.save_for_backward(qh, kh, vh, factors, inside, tokens, weights, s_at, attn, p)
         ctx.scale = scale
         ctx.offsets_dtype = offsets.dtype
-        return per_query(out, B, heads).view(q.shape)  # (B, T, H, W, heads, d)
+        return from_per_head(out, q.shape).contiguous()  # (B, T, H, W, heads, d)
 
     @staticmethod
     def backward(ctx, dout):
-        qh, k_pad, v_pad, factors, inside, tokens, weights, s_at, attn, p = ctx.saved_tensors
-        B, T, H, W, heads, d = dout.shape
-        K, n = attn.shape[1], len(ctx.bits)
-        do = per_head(dout)  # (B*heads, N, d)
-        dp = per_query(torch.bmm(do, v_pad.transpose(1, 2)), B, heads)  # (B*N*heads, N')
-        dp_at = dp.gather(1, tokens).view(-1, K, n)  # (B*N*heads, K, n)
-        d_attn = (dp_at * weights.view(-1, K, n)).sum(-1)  # (B*N*heads, K)
-        d_scores = attn * (d_attn - (attn * d_attn).sum(-1, keepdim=True)) * ctx.scale  # (B*N*heads, K)
-        ds = torch.zeros_like(p).scatter_add_(1, tokens, (d_scores[..., None] * weights.view(-1, K, n)).view(
-            tokens.shape))  # (B*N*heads, N')
-        ds = per_head_rows(ds, B, heads)  # (B*heads, N, N')
-        dq = torch.bmm(ds, k_pad)  # (B*heads, N, d)
-        dk = torch.bmm(ds.transpose(1, 2), qh)  # (B*heads, N', d)
-        dv = torch.bmm(per_head_rows(p, B, heads).transpose(1, 2), do)  # (B*heads, N', d)
-        # padded tokens are read with weight 0 only (an upper neighbour past the end): crop them
-        dk, dv = (x.view(B, heads, T + 1, H + 1, W + 1, d)[:, :, :T, :H, :W].permute(0, 2, 3, 4, 1, 5)
-                  for x in (dk, dv))  # (B, T, H, W, heads, d)
+        qh, kh, vh, factors, inside, tokens, weights, s_at, attn, p = ctx.saved_tensors
+        BH, N, d = qh.shape
+        do = rows_per_head(dout)  # (B*heads, N, d)
+        dp = torch.bmm(do, vh.transpose(1, 2)).view(-1, N)  # (R, N)
+        dp_at = dp.gather(1, tokens).view(weights.shape)  # (R, n, K)
+        d_attn = (dp_at * weights).sum(1)  # (R, K)
+        d_scores = attn * (d_attn - (attn * d_attn).sum(-1, keepdim=True)) * ctx.scale  # (R, K)
+        ds = dp.zero_().scatter_add_(1, tokens, (d_scores[:, None] * weights).view(tokens.shape))  # (R, N)
+        ds = ds.view(BH, N, N)  # (B*heads, N, N)
+        dq, dk = torch.bmm(ds, kh), torch.bmm(ds.transpose(1, 2), qh)  # (B*heads, N, d) each
+        dv = torch.bmm(p.view(BH, N, N).transpose(1, 2), do)  # (B*heads, N, d)
 
         d_offsets = None
         if ctx.needs_input_grad[3]:
             # d loss / d weight of each corner = d_scores * S + attn * dP there; along an axis, the
             # position moves weight from the lower to the upper corner, in proportion to the other
             # axes' weights: d pos = sum over the lower face of (upper - lower) x those weights
-            d_weight = d_scores[..., None] * s_at.view(-1, K, n) + attn[..., None] * dp_at
-            d_weight = d_weight.to(factors.dtype).reshape(-1, 8).t().contiguous().view(2, 2, 2, -1)  # (2, 2, 2, M)
-            t, y, x = factors  # (2, M) each
-            d_pos = torch.stack([((d_weight[1] - d_weight[0]) * (y[:, None] * x[None])).sum((0, 1)),
-                                 ((d_weight[:, 1] - d_weight[:, 0]) * (t[:, None] * x[None])).sum((0, 1)),
-                                 ((d_weight[:, :, 1] - d_weight[:, :, 0]) * (t[:, None] * y[None])).sum((0, 1))],
-                                dim=-1)  # (M, 3)
-            d_pos = torch.where(inside, d_pos, 0)  # (M, 3)
-            d_offsets = d_pos.view(B, T, H, W, heads, K, 3).to(ctx.offsets_dtype)
-        return (per_query(dq, B, heads).view(dout.shape), dk, dv, d_offsets, None, None)
+            d_weight = (d_scores[:, None] * s_at + attn[:, None] * dp_at).to(factors.dtype)  # (R, 8, K)
+            dw = d_weight.view(-1, 2, 2, 2, d_weight.shape[-1])  # (R, 2, 2, 2, K), BITS order
+            t, y, x = factors.unbind(1)  # (R, 2, K) each
+            d_pos = torch.stack([((dw[:, 1] - dw[:, 0]) * (y[:, :, None] * x[:, None])).sum((1, 2)),
+                                 ((dw[:, :, 1] - dw[:, :, 0]) * (t[:, :, None] * x[:, None])).sum((1, 2)),
+                                 ((dw[:, :, :, 1] - dw[:, :, :, 0]) * (t[:, :, None] * y[:, None])).sum((1, 2))],
+                                dim=-1)  # (R, K, 3)
+            d_pos = torch.where(inside, d_pos, 0)  # (R, K, 3)
+            B, T, H, W, heads, _ = dout.shape
+            d_offsets = d_pos.view(B, heads, T, H, W, -1, 3).movedim(1, 4).to(ctx.offsets_dtype)
+        return tuple(from_per_head(x, dout.shape) for x in (dq, dk, dv)) + (d_offsets, None, None)
 
 
 def deformable_slide_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
@@ -121,3 +168,26 @@ def deformable_slide_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch
     (`score_elements(q) <= MAX_SCORES`). Shapes as the reference: q, k, v (B, T, H, W, heads, d),
     offsets (B, T, H, W, heads, K, 3) -> (B, T, H, W, heads, d)."""
     return DSAScoresFunction.apply(q, k, v, offsets, kernel_size, scale)
+
+
+def window_mask(grid: tuple[int, int, int], kernel_size: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """(N, N) bool: key token m lies in query token n's clamped window (the base window of every sample)."""
+    per_axis = []
+    for size, kernel in zip(grid, kernel_size):
+        start = window_starts(size, kernel, device)[:, None]  # (S, 1)
+        key = torch.arange(size, device=device)  # (S,)
+        per_axis.append((key >= start) & (key < start + kernel))  # (S query, S key)
+    t, y, x = per_axis
+    mask = t[:, None, None, :, None, None] & y[None, :, None, None, :, None] & x[None, None, :, None, None, :]
+    return mask.view(math.prod(grid), math.prod(grid))  # (N, N)
+
+
+def neighborhood_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                                  kernel_size: tuple[int, int, int], scale: float) -> torch.Tensor:
+    """3D neighbourhood attention (DSA with zero offsets, which are not read) as masked dense
+    attention; inputs are assumed validated. q, k, v (B, T, H, W, heads, d) -> (B, T, H, W, heads, d)."""
+    B, T, H, W, heads, d = q.shape
+    mask = window_mask((T, H, W), kernel_size, q.device)  # (N, N)
+    qh, kh, vh = (x.reshape(B, -1, heads, d).transpose(1, 2) for x in (q, k, v))  # (B, heads, N, d) each
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)  # (B, heads, N, d)
+    return out.transpose(1, 2).reshape(q.shape)  # (B, T, H, W, heads, d)
