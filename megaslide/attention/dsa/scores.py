@@ -59,14 +59,15 @@ def from_per_head(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 class RowCorners(NamedTuple):
-    """The corners of the R * K samples, R = B * heads * N query rows in per-head order.
+    """The corners of the M = R * K samples, R = B * heads * N query rows in per-head order.
 
-    tokens (R, 8 * K) long: per row, corner-major, the token of each sample's corner in its
-    (batch, head) grid; factors (R, 3, 2, K): per axis the weights (1 - frac, frac) of the
-    lower and upper neighbour; inside (R, K, 3) bool: the position gradient passes (the
-    unclamped position lay in [0, S - 1) on that axis)."""
+    lower (R, K) long: each sample's lower corner token in its (batch, head) grid; shifts: per
+    corner of BITS, its token step from the lower corner; factors (3, 2, R, K): per axis the
+    weights (1 - frac, frac) of the lower and upper neighbour; inside (3, R, K) bool: the
+    position gradient passes (the unclamped position lay in [0, S - 1) on that axis)."""
 
-    tokens: torch.Tensor
+    lower: torch.Tensor
+    shifts: list[int]
     factors: torch.Tensor
     inside: torch.Tensor
 
@@ -79,68 +80,92 @@ def row_corners(offsets: torch.Tensor, kernel_size: tuple[int, int, int]) -> Row
     base = base_positions((T, H, W), kernel_size, offsets.device).to(coord_dtype)  # (T, H, W, K, 3)
     pos = offsets.new_empty((3, B, heads, T, H, W, K), dtype=coord_dtype)  # axis first, samples last
     torch.add(base.permute(4, 0, 1, 2, 3)[:, None, None], offsets.permute(6, 0, 4, 1, 2, 3, 5), out=pos)
-    pos = pos.view(3, -1, K).unbind(0)  # 3 x (R, K)
-    factors = offsets.new_empty((pos[0].shape[0], 3, 2, K), dtype=coord_dtype)  # (R, 3, 2, K)
-    token, inside, steps = 0, [], []
+    pos = pos.view(3, -1, K)  # (3, R, K)
+    factors = offsets.new_empty((3, 2, *pos.shape[1:]), dtype=coord_dtype)  # (3, 2, R, K)
+    lower, inside, steps = 0, [], []
     for axis, (p, size, stride) in enumerate(zip(pos, (T, H, W), (H * W, W, 1))):
         inside.append((p >= 0) & (p < size - 1))  # (R, K)
         p = p.clamp(0, size - 1)  # (R, K)
-        lower = p.floor().clamp_(max=max(size - 2, 0))  # (R, K) the last index: upper neighbour of the one before
-        torch.sub(p, lower, out=factors[:, axis, 1])
-        torch.sub(1, factors[:, axis, 1], out=factors[:, axis, 0])
-        token = token + lower.long() * stride  # (R, K)
+        floor = p.floor().clamp_(max=max(size - 2, 0))  # (R, K) the last index: upper neighbour of the one before
+        torch.sub(p, floor, out=factors[axis, 1])
+        torch.sub(1, factors[axis, 1], out=factors[axis, 0])
+        lower = lower + floor.long() * stride  # (R, K)
         steps.append(stride if size > 1 else 0)
-    shifts = torch.tensor([sum(b * s for b, s in zip(corner, steps)) for corner in BITS], device=offsets.device)
-    tokens = (token[:, None] + shifts[:, None]).view(-1, 8 * K)  # (R, 8*K)
-    return RowCorners(tokens, factors, torch.stack(inside, dim=-1))
+    shifts = [sum(b * s for b, s in zip(corner, steps)) for corner in BITS]
+    return RowCorners(lower, shifts, factors, torch.stack(inside))
 
 
 def live_bits(factors: torch.Tensor) -> tuple:
-    """The corners of nonzero weight for some sample, from factors (R, 3, 2, K): along an axis
+    """The corners of nonzero weight for some sample, from factors (3, 2, R, K): along an axis
     where every position is an integer below the last (zero offsets, say) the upper neighbours
     weigh 0 and are skipped."""
-    integer = (factors[:, :, 1] == 0).all(-1).all(0).tolist()  # (3,)
+    integer = (factors[:, 1] == 0).flatten(1).all(1).tolist()  # (3,)
     return tuple(bits for bits in BITS if not any(b and flat for b, flat in zip(bits, integer)))
+
+
+def gather_corners(s: torch.Tensor, lower: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+    """(n, R, K): s (R, N) at each sample's corner tokens, lower (R, K) + shifts (n); one gather
+    per corner from s shifted by its step (a corner token is always inside the grid)."""
+    out = s.new_empty(len(shifts), *lower.shape)  # (n, R, K)
+    for c, shift in enumerate(shifts):
+        torch.gather(s[:, shift:], 1, lower, out=out[c])
+    return out
+
+
+def scatter_corners(s: torch.Tensor, lower: torch.Tensor, shifts: list[int], per_sample: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """s (R, N) plus per_sample (R, K) x weights (n, R, K) added at each sample's corner tokens
+    (gather_corners' adjoint), in place; a corner at a time, so that the products stay in cache."""
+    for shift, weight in zip(shifts, weights):
+        s[:, shift:].scatter_add_(1, lower, per_sample * weight)
+    return s
+
+
+def weighted_sum(tables: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(R, K): the sum over corners of tables x weights (n, R, K) each, a corner at a time."""
+    out = torch.zeros_like(tables[0])  # (R, K)
+    for table, weight in zip(tables, weights):
+        out.addcmul_(table, weight)
+    return out
 
 
 class DSAScoresFunction(torch.autograd.Function):
     """3D-DSA through per-(batch, head) score matrices; the backward by hand from the forward's corners.
 
-    Per query row the corner tables are (n, K), corner-major: every elementwise product and sum
-    over corners runs along the K samples."""
+    Corner tables are (n, R, K), corner-major: every elementwise product and sum over corners
+    runs along the M samples."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, kernel_size: tuple[int, int, int], scale: float):
         B, T, H, W, heads, d = q.shape
         K, N = offsets.shape[-2], T * H * W
-        tokens, factors, inside = row_corners(offsets, kernel_size)
-        bits = BITS if ctx.needs_input_grad[3] else live_bits(factors)  # the offsets' gradient reads all 8
-        if bits != BITS:
-            tokens = tokens.view(-1, 8, K)[:, [BITS.index(corner) for corner in bits]].reshape(-1, len(bits) * K)
-        weights = corner_weights(factors, bits).to(q.dtype)  # (R, n, K), R = B*heads*N
-        qh, kh, vh = (rows_per_head(x) for x in (q, k, v))  # (B*heads, N, d) each
+        corners = row_corners(offsets, kernel_size)
+        bits = BITS if ctx.needs_input_grad[3] else live_bits(corners.factors)  # the offsets' gradient reads all 8
+        shifts = [corners.shifts[BITS.index(corner)] for corner in bits]
+        weights = corner_weights(corners.factors.flatten(2), bits).to(q.dtype).view(len(bits), -1, K)  # (n, R, K)
+        qh, kh, vh = (rows_per_head(x) for x in (q, k, v))  # (B*heads, N, d) each, R = B*heads*N
         s = torch.bmm(qh, kh.transpose(1, 2)).view(-1, N)  # (R, N) all scores
-        s_at = s.gather(1, tokens).view(weights.shape)  # (R, n, K) the scores of the corners
-        attn = torch.softmax((s_at * weights).sum(1) * scale, dim=-1)  # (R, K)
-        p = s.zero_().scatter_add_(1, tokens, (attn[:, None] * weights).view(tokens.shape))  # (R, N)
+        s_at = gather_corners(s, corners.lower, shifts)  # (n, R, K) the scores of the corners
+        attn = torch.softmax(weighted_sum(s_at, weights) * scale, dim=-1)  # (R, K)
+        p = scatter_corners(s.zero_(), corners.lower, shifts, attn, weights)  # (R, N)
         out = torch.bmm(p.view(B * heads, N, N), vh)  # (B*heads, N, d)
         if any(ctx.needs_input_grad[:4]):
-            ctx.save_for_backward(qh, kh, vh, factors, inside, tokens, weights, s_at, attn, p)
+            ctx.save_for_backward(qh, kh, vh, corners.lower, corners.factors, corners.inside, weights, s_at, attn, p)
+        ctx.shifts = shifts
         ctx.scale = scale
         ctx.offsets_dtype = offsets.dtype
         return from_per_head(out, q.shape).contiguous()  # (B, T, H, W, heads, d)
 
     @staticmethod
     def backward(ctx, dout):
-        qh, kh, vh, factors, inside, tokens, weights, s_at, attn, p = ctx.saved_tensors
+        qh, kh, vh, lower, factors, inside, weights, s_at, attn, p = ctx.saved_tensors
         BH, N, d = qh.shape
         do = rows_per_head(dout)  # (B*heads, N, d)
         dp = torch.bmm(do, vh.transpose(1, 2)).view(-1, N)  # (R, N)
-        dp_at = dp.gather(1, tokens).view(weights.shape)  # (R, n, K)
-        d_attn = (dp_at * weights).sum(1)  # (R, K)
+        dp_at = gather_corners(dp, lower, ctx.shifts)  # (n, R, K)
+        d_attn = weighted_sum(dp_at, weights)  # (R, K)
         d_scores = attn * (d_attn - (attn * d_attn).sum(-1, keepdim=True)) * ctx.scale  # (R, K)
-        ds = dp.zero_().scatter_add_(1, tokens, (d_scores[:, None] * weights).view(tokens.shape))  # (R, N)
-        ds = ds.view(BH, N, N)  # (B*heads, N, N)
+        ds = scatter_corners(dp.zero_(), lower, ctx.shifts, d_scores, weights).view(BH, N, N)  # (B*heads, N, N)
         dq, dk = torch.bmm(ds, kh), torch.bmm(ds.transpose(1, 2), qh)  # (B*heads, N, d) each
         dv = torch.bmm(p.view(BH, N, N).transpose(1, 2), do)  # (B*heads, N, d)
 
@@ -149,16 +174,14 @@ class DSAScoresFunction(torch.autograd.Function):
             # d loss / d weight of each corner = d_scores * S + attn * dP there; along an axis, the
             # position moves weight from the lower to the upper corner, in proportion to the other
             # axes' weights: d pos = sum over the lower face of (upper - lower) x those weights
-            d_weight = (d_scores[:, None] * s_at + attn[:, None] * dp_at).to(factors.dtype)  # (R, 8, K)
-            dw = d_weight.view(-1, 2, 2, 2, d_weight.shape[-1])  # (R, 2, 2, 2, K), BITS order
-            t, y, x = factors.unbind(1)  # (R, 2, K) each
-            d_pos = torch.stack([((dw[:, 1] - dw[:, 0]) * (y[:, :, None] * x[:, None])).sum((1, 2)),
-                                 ((dw[:, :, 1] - dw[:, :, 0]) * (t[:, :, None] * x[:, None])).sum((1, 2)),
-                                 ((dw[:, :, :, 1] - dw[:, :, :, 0]) * (t[:, :, None] * y[:, None])).sum((1, 2))],
-                                dim=-1)  # (R, K, 3)
-            d_pos = torch.where(inside, d_pos, 0)  # (R, K, 3)
+            dw = dp_at.mul_(attn).addcmul_(s_at, d_scores).to(factors.dtype).view(2, 2, 2, -1)  # (2, 2, 2, M), BITS order
+            t, y, x = factors.flatten(2)  # (2, M) each
+            d_pos = torch.stack([((dw[1] - dw[0]) * (y[:, None] * x[None])).sum((0, 1)),
+                                 ((dw[:, 1] - dw[:, 0]) * (t[:, None] * x[None])).sum((0, 1)),
+                                 ((dw[:, :, 1] - dw[:, :, 0]) * (t[:, None] * y[None])).sum((0, 1))])  # (3, M)
+            d_pos = d_pos.mul_(inside.view(3, -1))  # (3, M)
             B, T, H, W, heads, _ = dout.shape
-            d_offsets = d_pos.view(B, heads, T, H, W, -1, 3).movedim(1, 4).to(ctx.offsets_dtype)
+            d_offsets = d_pos.view(3, B, heads, T, H, W, -1).permute(1, 3, 4, 5, 2, 6, 0).to(ctx.offsets_dtype)
         return tuple(from_per_head(x, dout.shape) for x in (dq, dk, dv)) + (d_offsets, None, None)
 
 
