@@ -1,13 +1,17 @@
 """The PyTorch backends of 3D-DSA beside the reference (gather: weighted row gathers; scores:
 score matrices, for small grids) against the float64 reference: output and the gradients of
 q, k, v and offsets, odd grids, far (clamped), integer and zero offsets, several kernel
-sizes, float64 gradcheck, and the low-precision error rule of test_dsa_triton.py."""
+sizes, float64 gradcheck, and the low-precision error rule of test_dsa_triton.py; and
+neighborhood_attention's scores backend (masked dense attention) and its "auto" choice."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from megaslide.attention.dsa import deformable_slide_attention
+from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
+from megaslide.attention.dsa.op import NA_BACKENDS, NA_SCORES_PER_SAMPLE, select_backend
 from tests.attention.test_dsa_op import random_inputs, smooth_offsets
 
 F64 = torch.float64
@@ -117,3 +121,56 @@ def test_low_precision_error_within_twice_the_reference(backend, dtype, offsets_
         floor = 2 * torch.finfo(got.dtype).eps * max(1.0, want.abs().max().item())
         assert err <= 2 * err_ref + floor, f"{name}: {backend} {err:.3e} vs reference {err_ref:.3e}"
 
+
+
+@pytest.mark.parametrize("shape,kernel_size", [
+    ((2, 2, 1, 3, 2, 4), (1, 1, 3)),   # axes of size 2 and 1: the last index is the upper neighbour of the first
+    ((1, 1, 2, 2, 3, 3), (1, 1, 1)),
+])
+def test_axes_of_one_and_two_tokens(backend, shape, kernel_size):
+    q, k, v, offsets = random_inputs(shape, kernel_size, offset_std=2.0, seed=20)
+    assert_equals_reference(backend, q, k, v, offsets, kernel_size)
+
+
+@pytest.mark.parametrize("offsets_kind", ["zero", "integer, clamped beyond the edges"])
+def test_forward_only_skips_corners_of_zero_weight(backend, offsets_kind):
+    """Without an offset gradient the backends read only the corners of nonzero weight; at the
+    last index of an axis the scores backend reads the upper neighbour of the one before."""
+    shape, kernel_size = (2, 3, 4, 5, 2, 4), (3, 3, 3)
+    q, k, v, offsets = random_inputs(shape, kernel_size, offset_std=3.0, seed=21)
+    offsets = torch.zeros_like(offsets) if offsets_kind == "zero" else torch.round(offsets)
+    with torch.no_grad():
+        got = deformable_slide_attention(q, k, v, offsets, kernel_size, scale=0.6, backend=backend)
+    want = deformable_slide_attention(q, k, v, offsets, kernel_size, scale=0.6, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape,kernel_size", [
+    ((2, 3, 5, 7, 3, 4), (3, 5, 1)),
+    ((1, 1, 4, 7, 2, 2), (1, 3, 5)),
+    ((2, 5, 5, 5, 1, 3), (5, 5, 5)),
+])
+def test_neighborhood_attention_as_masked_dense_attention(shape, kernel_size):
+    """neighborhood_attention's scores backend (dense attention with the window as a mask) equals
+    the reference with zero offsets: output and the gradients of q, k and v."""
+    q, k, v, _ = random_inputs(shape, kernel_size, seed=22)
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(23), dtype=F64)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    got = neighborhood_attention(*leaves, kernel_size, scale=0.6, backend="scores")
+    got = [got.detach(), *torch.autograd.grad(got, leaves, grad_out)]
+    zeros = torch.zeros(*shape[:5], math.prod(kernel_size), 3, dtype=F64)
+    want = output_and_grads("reference", q, k, v, zeros, kernel_size, grad_out, offsets_grad=False)
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_neighborhood_auto_takes_masked_attention_only_for_small_grids():
+    """Masked dense attention costs N keys per query against K window reads: "auto" takes it up
+    to NA_SCORES_PER_SAMPLE keys per read, the gathers beyond; asked for by name it runs."""
+    small = torch.zeros(1, 3, 8, 8, 1, 4, dtype=F64)  # N = 192 <= 32 x 27
+    large = torch.zeros(1, 4, 16, 16, 1, 4, dtype=F64)  # N = 1024 > 32 x 27
+    for q, name in ((small, "scores"), (large, "gather")):
+        offsets = q.new_zeros(()).expand(*q.shape[:5], 27, 3)
+        assert select_backend("auto", q, offsets, NA_BACKENDS).name == name
+    assert select_backend("scores", large, offsets, NA_BACKENDS).name == "scores"
+    assert NA_SCORES_PER_SAMPLE * 27 < 1024

@@ -2,8 +2,9 @@
 
 `deformable_slide_attention` is the general op (kernels.py); `neighborhood_attention` is its
 special case with offsets exactly zero (`dsa_zero`), with its own kernels (zero_kernels.py:
-one key row per sample, no offset gradient, a deterministic backward) and, off CUDA, the
-general PyTorch backends called with zero offsets. Backends are `megaslide.backends.Backend`
+one key row per sample, no offset gradient, a deterministic backward) and, off CUDA, dense
+attention with the window as a mask (scores.py) on small grids, else the general PyTorch
+backends called with zero offsets. Backends are `megaslide.backends.Backend`
 records with a `can_run(q, offsets, explicit)` check, walked in preference order for "auto";
 an explicit request that cannot run raises a ValueError that says why for every backend.
 The Triton kernels are imported on first use, so importing this module does not build them
@@ -204,7 +205,7 @@ def can_run_na_scores(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) ->
     return True, f"dense attention over N = {tokens} keys with the window as a mask"
 
 
-NA_SCORES_PER_SAMPLE = 64
+NA_SCORES_PER_SAMPLE = 32
 """Keys per window sample up to which masked dense attention beats the gathers on CPU."""
 
 
@@ -363,8 +364,8 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale: softmax scale; d ** -0.5 when None.
         backend: "auto" (triton on CUDA; else scores on small grids, gather beyond), "triton"
             (zero_kernels.py: one key row per sample, deterministic backward without atomics),
-            or "scores", "gather", "reference": the general PyTorch backends given zero
-            offsets that need no gradient.
+            "scores" (dense attention with the window as a mask), or "gather", "reference":
+            the general PyTorch backends given zero offsets that need no gradient.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
