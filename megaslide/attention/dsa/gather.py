@@ -20,7 +20,6 @@ reference slow.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import NamedTuple
 
 import torch
