@@ -10,8 +10,8 @@ For each command of a Hydra script of experiments/:
    16-channel preset on RGB clips, an option that does not exist) fails here. torchrun commands and
    scripts without a tiny size get step 1 only.
 argparse scripts (report.py, claims.py) run with their output redirected into a temporary folder;
-any other module must at least be a command-line entry point (`--help` prints a usage). Installs and the test
-suite itself are skipped. W&B is disabled and every output lands in a temporary folder.
+any other module must at least be a command-line entry point (`--help` prints a usage). Installs, the test
+suite itself and shell scripts (`bash experiments/gpu/*.sh`, tested in their own files) are skipped. W&B is disabled and every output lands in a temporary folder.
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def readme_commands(text: str) -> list[Command]:
         elif re.match(r"experiments/\w+\.py \S", span):
             found += _commands_of(f"python3 {span}", {})
     unique = {c.text: c for c in found}
-    return [c for c in unique.values() if c.target()[0] not in SKIP_MODULES]
+    return [c for c in unique.values() if c.argv[0] != "bash" and c.target()[0] not in SKIP_MODULES]
 
 
 COMMANDS = readme_commands(README.read_text())
