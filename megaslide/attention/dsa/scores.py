@@ -78,9 +78,9 @@ def row_corners(offsets: torch.Tensor, kernel_size: tuple[int, int, int]) -> Row
     B, T, H, W, heads, K, _ = offsets.shape
     coord_dtype = torch.promote_types(offsets.dtype, torch.float32)
     base = base_positions((T, H, W), kernel_size, offsets.device).to(coord_dtype)  # (T, H, W, K, 3)
-    pos = offsets.new_empty((3, B, heads, T, H, W, K), dtype=coord_dtype)  # axis first, samples last
-    torch.add(base.permute(4, 0, 1, 2, 3)[:, None, None], offsets.permute(6, 0, 4, 1, 2, 3, 5), out=pos)
-    pos = pos.view(3, -1, K)  # (3, R, K)
+    # axis first, samples last: (3, B, heads, T, H, W, K) -> (3, R, K); no out= buffer, which torch.compile
+    # may give the permuted strides of offsets
+    pos = (base.permute(4, 0, 1, 2, 3)[:, None, None] + offsets.permute(6, 0, 4, 1, 2, 3, 5)).reshape(3, -1, K)
     factors = offsets.new_empty((3, 2, *pos.shape[1:]), dtype=coord_dtype)  # (3, 2, R, K)
     lower, inside, steps = 0, [], []
     for axis, (p, size, stride) in enumerate(zip(pos, (T, H, W), (H * W, W, 1))):
