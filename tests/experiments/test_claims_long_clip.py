@@ -53,6 +53,13 @@ def test_c3_reads_measured_cells_and_says_256_frames_not_met(results):
     assert "supported" not in verdict
 
 
+def test_c3_lists_modes_cut_by_the_time_budget_only_while_none_of_their_cells_was_measured(results):
+    write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
+        _cell("dense", "offload", 8, status="not run"), _cell("dense", "chunked_offload", 16, status="not run"),
+        _cell("dense", "chunked_offload", 8, measured=10.0, predicted=10.0)]}}, results_dir=results)
+    assert "not run (time budget), no cell measured: 1B dense offload;" in claims.c3(results)[0]
+
+
 def test_c3_says_met_when_a_256_frame_cell_fits_and_replans_with_its_slabs(results):
     write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
         _cell("dsa", "chunked_offload", 256, measured=99.0, predicted=100.0, slab_frames=32)]}}, results_dir=results)
