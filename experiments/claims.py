@@ -190,13 +190,11 @@ def todays_floor(c: dict) -> float:
     AdamW), with the compute's matmul and attention terms as the run planned them plus today's elementwise term
     (recorded by runs that had it; else every block's forward, its recompute, a slab re-run with several slabs
     and a 2-pass backward, at the planner's HBM ceiling)."""
-    elementwise = c.get("predicted_elementwise_s")
-    if elementwise is None:
-        passes = 4 + (0 < c.get("slab_frames", 0) < c["frames"])
-        elementwise = planner.elementwise_seconds(cell_model(c["model"]), c["tokens"], passes, planner.Ceilings())
-        compute = c["predicted_matmul_s"] + c["predicted_attention_s"] + elementwise
-        return max(c["predicted_floor_s"], compute)
-    return c["predicted_floor_s"]
+    if "predicted_elementwise_s" in c:
+        return c["predicted_floor_s"]
+    passes = 4 + (0 < c.get("slab_frames", 0) < c["frames"])
+    elementwise = planner.elementwise_seconds(cell_model(c["model"]), c["tokens"], passes, planner.Ceilings())
+    return max(c["predicted_floor_s"], c["predicted_matmul_s"] + c["predicted_attention_s"] + elementwise)
 
 
 def floor_text(cells: list[tuple[str, dict]]) -> str:

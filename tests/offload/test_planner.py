@@ -114,11 +114,11 @@ def test_elementwise_bytes_are_the_calibration_cells_and_the_floor_holds_on_the_
 
     def element_passes(c):  # tokens x width x blocks x passes: forward, recompute, 2 for the backward, + slab re-run
         cfg, slabbed = model[c["model"]], 0 < c.get("slab_frames", 0) < c["frames"]
-        assert planner.elementwise_seconds(cfg, c["tokens"], 4 + slabbed, Ceilings(hbm_TBps=1e-12)) == pytest.approx(
-            planner.ELEMENTWISE_BYTES * c["tokens"] * cfg.dim * cfg.depth * (4 + slabbed))
         return c["tokens"] * cfg.dim * cfg.depth * (4 + slabbed)
 
     calib, _ = cells[("h200_headline_256", "1B", "dense", 16)]
+    assert planner.elementwise_seconds(model["1B"], calib["tokens"], 4, Ceilings()) == pytest.approx(
+        planner.ELEMENTWISE_BYTES * element_passes(calib) / 4.3e12)
     implied = ((calib["step_s"] - calib["predicted_matmul_s"] - calib["predicted_attention_s"]) * 4.3e12
                / element_passes(calib))
     assert implied == pytest.approx(planner.ELEMENTWISE_BYTES, rel=0.01)
