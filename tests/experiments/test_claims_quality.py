@@ -153,6 +153,15 @@ def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(resul
     assert "TA -0.10" in verdict                                     # TA reverses at 64 frames and is reported
 
 
+def test_under_training_is_judged_at_each_clip_length(results):
+    strong = [_four((0.80, 0.80), (0.80, 0.60), (0.60, 0.50), (0.60, 0.40)) for _ in range(3)]
+    weak = [_four((0.30, 0.30), (0.05, 0.05), (0.05, 0.05), (0.05, 0.05)) for _ in range(3)]
+    _quality(results, {16: strong, 64: weak})       # dsa far ahead at 64 frames, but no model learned the captions
+    verdict = _verdict(results, "C8")
+    assert verdict.startswith("inconclusive") and "16 frames: supported" in verdict
+    assert "64 frames: inconclusive, under-trained: best TA 0.30" in verdict
+
+
 def test_cpu_results_are_not_claims_and_weak_models_are_inconclusive_under_every_claim(results, monkeypatch):
     monkeypatch.setattr("experiments.results_io.hardware", lambda: {"cpu": "x", "gpus": []})
     _write(results, "cpu", 60, [0], _rows(0, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}))
