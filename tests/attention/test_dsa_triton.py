@@ -116,8 +116,9 @@ def test_several_query_blocks_with_partial_last_block():
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter cannot catch GPU lowering errors; build both kernels to sm_90 SASS
-    with Triton's bundled ptxas (no GPU needed) in a process without TRITON_INTERPRET."""
+    """The interpreter cannot catch GPU lowering errors; build the forward kernel to sm_90 SASS
+    with Triton's bundled ptxas (no GPU needed) in a process without TRITON_INTERPRET (the
+    backward's kernels: tests/attention/test_dsa_binned.py)."""
     assert builds_for_sm90("""
         from megaslide.attention.dsa import kernels
 
@@ -125,15 +126,11 @@ def test_kernels_compile_for_sm90():
                   "stride_tok": "i32", "stride_off_tok": "i32"}
         fwd = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "off_ptr", "out_ptr"]},
                "lse_ptr": "*fp32", **common, "qk_scale": "fp32"}
-        bwd = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "off_ptr", "out_ptr", "dout_ptr"]},
-               "lse_ptr": "*fp32", "dq_ptr": "*bf16", "dk_ptr": "*fp32", "dv_ptr": "*fp32",
-               "doff_ptr": "*bf16", **common, "scale": "fp32", "qk_scale": "fp32"}
         cfg = kernels.launch_config(262144, 64)
         tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d}
-        for fn, sig, const in [(kernels._dsa_fwd_kernel, fwd, tiles),
-                               (kernels._dsa_bwd_kernel, bwd, {**tiles, "OFFSET_GRAD": True})]:
-            build(fn, sig, const, cfg.num_warps, aligned_ints=("D", "stride_tok"))
-    """) == 2
+        build(kernels._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True}, cfg.num_warps,
+              aligned_ints=("D", "stride_tok"))
+    """) == 1
 
 
 @pytest.mark.slow

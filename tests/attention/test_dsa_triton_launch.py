@@ -1,6 +1,6 @@
 """How the fused kernels are launched, under the Triton interpreter: the backward over head groups
-(kernels.dsa_backward with a bounded fp32 dK / dV scratch) against one launch over all heads, every
-gradient bit-identical; and the order in which programs take query blocks (kernels._query_block)
+(kernels.dsa_backward with a bounded scratch of ds, p and key-tile lists) against one launch over all
+heads, every gradient bit-identical (the interpreter runs programs in order, so the lists' order is fixed); and the order in which programs take query blocks (kernels._query_block)
 against the float64 reference."""
 from __future__ import annotations
 
@@ -11,18 +11,19 @@ from megaslide.attention.dsa import deformable_slide_attention
 from tests.attention.test_dsa_triton import kernels, make_inputs
 
 SHAPE, KERNEL = (2, 1, 4, 5, 3, 16), (1, 3, 3)  # B = 2, N = 20, 3 heads of d = 16
-PER_HEAD = 2 * 4 * 2 * 20 * 16  # fp32 dK + dV bytes of one head: 2 x 4 B x B x N x d
+K = 9
+PER_HEAD = 2 * 20 * (K * (8 + 4 * 8) + 8)  # scratch of one head: B x N x (K x (fp32 ds, p + 8 int32 records) + 8)
 
 
 def test_heads_per_group_rule():
-    assert kernels.heads_per_group(2, 20, 3, 16, torch.bfloat16, scratch_bytes=2 * PER_HEAD) == 2
-    assert kernels.heads_per_group(2, 20, 3, 16, torch.bfloat16, scratch_bytes=PER_HEAD - 1) == 1  # one at least
-    assert kernels.heads_per_group(2, 20, 3, 16, torch.float16, scratch_bytes=10 * PER_HEAD) == 3
-    assert kernels.heads_per_group(2, 20, 3, 16, torch.float32, scratch_bytes=1) == 3  # fp32: the outputs
-    # 2M tokens x 16 heads x 128 in bf16 within the default 1 GiB: one head (2 GiB) per launch
-    assert kernels.heads_per_group(1, 2 ** 21, 16, 128, torch.bfloat16) == 1
-    # the 262K-token benchmark shape (16 heads x 64): 128 MiB per head, 8 heads per launch
-    assert kernels.heads_per_group(1, 2 ** 18, 16, 64, torch.bfloat16) == 8
+    assert kernels.heads_per_group(2, 20, 3, K, scratch_bytes=2 * PER_HEAD) == 2
+    assert kernels.heads_per_group(2, 20, 3, K, scratch_bytes=2 * PER_HEAD - 1) == 1
+    assert kernels.heads_per_group(2, 20, 3, K, scratch_bytes=PER_HEAD - 1) == 1  # one at least
+    assert kernels.heads_per_group(2, 20, 3, K, scratch_bytes=10 * PER_HEAD) == 3
+    # the 262K-token benchmark shape (16 heads, K = 27): 285 MB per head, 3 heads per launch within 1 GiB
+    assert kernels.heads_per_group(1, 2 ** 18, 16, 27) == 3
+    # 2M tokens: 2.3 GB per head, one head per launch
+    assert kernels.heads_per_group(1, 2 ** 21, 16, 27) == 1
 
 
 @pytest.mark.parametrize("heads_per_launch,offsets_grad", [
@@ -37,7 +38,7 @@ def test_grouped_backward_equals_one_launch(heads_per_launch, offsets_grad):
     args = (q, k, v, offsets, out, lse, grad_out, KERNEL, 0.25, offsets_grad)
     whole = kernels.dsa_backward(*args)
     grouped = kernels.dsa_backward(*args, scratch_bytes=heads_per_launch * PER_HEAD)
-    assert kernels.heads_per_group(2, 20, 3, 16, torch.bfloat16, heads_per_launch * PER_HEAD) == heads_per_launch
+    assert kernels.heads_per_group(2, 20, 3, K, heads_per_launch * PER_HEAD) == heads_per_launch
     for name, a, b in zip(["dq", "dk", "dv", "doffsets"], whole, grouped):
         if not offsets_grad and name == "doffsets":
             assert a is None and b is None

@@ -18,48 +18,31 @@ in memory; it writes only out and the log-sum-exp (O(N x heads)). Every dot prod
 interpolation and softmax runs in fp32 whatever the input dtype (fp32, fp16, bf16).
 Head dims are padded to the next power of two (at least 16) with masked columns.
 
-Backward. Each query's softmax is over its own K samples, so one program recomputes
-the probabilities p_j = exp(s_j - lse) from the saved log-sum-exp and finishes dq and
-d(offsets) for its queries without any communication (dq = sum_j scale * ds_j * K_j,
-with ds_j = p_j (<dO, V_j> - <dO, out>); like flash-attention, <dO, out> uses the stored
-out, rounded to the input dtype). The offset gradient is the derivative of the
-trilinear weights: d(weight of corner c)/d(position_t) = +-w_y w_x (sign + for the
-upper neighbour), times 1 where the raw position lies inside [0, S - 1] and 0 where the
-clamp is active (torch.clamp's gradient, boundaries inclusive). Only dK and dV cross
-programs: sample j of query n adds w_c * scale * ds_j * q_n to dK and w_c * p_j * dO_n to
-dV at each of its 8 corner tokens.
+Backward (binned.py). Each query's softmax is over its own K samples, so a query pass
+recomputes the probabilities p_j = exp(s_j - lse) from the saved log-sum-exp and finishes dq
+and d(offsets) for its queries without any communication (dq = sum_j scale * ds_j * K_j, with
+ds_j = p_j (<dO, V_j> - <dO, out>); like flash-attention, <dO, out> uses the stored out, rounded
+to the input dtype). The offset gradient is the derivative of the trilinear weights:
+d(weight of corner c)/d(position_t) = +-w_y w_x (sign + for the upper neighbour), times 1 where
+the raw position lies inside [0, S - 1] and 0 where the clamp is active (torch.clamp's gradient,
+boundaries inclusive). Only dK and dV cross programs: sample j of query n adds
+w_c * scale * ds_j * q_n to dK and w_c * p_j * dO_n to dV at each of its 8 corner tokens. The
+query pass stores ds_j and p_j; the (query, sample) entries are binned by the key tiles their
+corners touch; a key pass per key tile sums its entries' contributions with tensor-core dots
+and writes dk / dv once: no float atomics (binned.py says how and what it costs).
 
-Why atomics for dK / dV. A gather formulation ("for each key token, visit every
-(query, sample) whose corners include it") needs the inverse of the sampling map. That
-map is data dependent: an offset can move a sample anywhere in the grid (positions are
-only clamped), so without a bound on the offsets every key could be touched by every
-query. Even with the module's bound (max_offset * tanh), for a 3x3x3 window and
-max_offset = 4 a key is reachable from the (2 * (1 + 4 + 1) + 1)^3 = 2197 queries around
-it, so each key would recompute and test 2197 x 27 = 59,319 (query, sample) pairs, where
-the scatter does 27 x 8 = 216 corner updates per query. Building the inverse map
-explicitly (sorting the N * heads * K * 8 corner hits by token) needs an index per hit,
-more memory than the materialised reference. So the kernel
-scatters with relaxed fp32 `tl.atomic_add` into zero-initialised fp32 buffers (one
-(BLOCK_Q, d) tile per corner and sample, masked where the weight is 0) and the wrapper
-casts them to the input dtype, as deformable-convolution and deformable-attention
-kernels do. The price: fp32 atomics traffic and a summation order that is not
-deterministic from run to run (differences at fp32 rounding level).
-
-Head groups. The fp32 dK / dV buffers of all heads would take 2 x 4 x B x N x heads x d
-bytes (34 GB for 2M tokens x 16 heads x 128), so for fp16 / bf16 inputs the backward runs
-over groups of heads: one launch per group, each accumulating into one reused fp32
-scratch of at most `SCRATCH_BYTES` (never less than one head), cast into the group's
-slice of dk / dv before the next group. A launch sees only its group: the q-like pointers
-(q, k, v, out, dout, dq, offsets, d(offsets)) start at the group's first head and keep the
-full tensors' token strides, HEADS is the group's size, the lse is the group's
-(B, group, N) and the scratch is contiguous (B, T, H, W, group, d), so its token stride is
-HEADS * D. A program does exactly the work it did in one launch over all heads, so every
-head's dK / dV sums the same terms in the same order. fp32 inputs accumulate straight
-into their fp32 dk / dv in one launch.
+Head groups. The backward's scratch (fp32 ds and p per (query, sample), the key tiles' entry
+lists: `op.backward_scratch_bytes` per token and head) of all heads could exceed memory, so the
+backward runs over groups of heads: one set of launches per group, reusing one scratch of at
+most `SCRATCH_BYTES` (never less than one head). A launch sees only its group: the q-like
+pointers (q, k, v, out, dout, dq, dk, dv, offsets, d(offsets)) start at the group's first head
+and keep the full tensors' token strides, HEADS is the group's size and the lse is the group's
+(B, group, N). A program does exactly the work it did in one launch over all heads.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +50,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from megaslide.attention.dsa.op import SCRATCH_BYTES
+from megaslide.attention.dsa.op import MAX_TILES_PER_ENTRY, SCRATCH_BYTES, backward_scratch_bytes
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -97,6 +80,13 @@ def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
     return LaunchConfig(block_q=min(32, max(8, 512 // block_d)), block_d=block_d, num_warps=4)
+
+
+@triton.jit
+def _window_start(i, kernel: tl.constexpr, size):
+    """First index of the clamped window of queries at indices i along an axis of `size`:
+    clamp(i - kernel // 2, 0, size - kernel)."""
+    return tl.minimum(tl.maximum(i - kernel // 2, 0), size - kernel)
 
 
 @triton.jit
@@ -176,9 +166,9 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
     q = q.to(tl.float32) * qk_scale  # (BQ, BD), scores come out in log2 units
     off_q = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
 
-    t_start = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)  # (BQ,)
-    y_start = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)  # (BQ,)
-    x_start = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)  # (BQ,)
+    t_start = _window_start(t, KT, T)  # (BQ,)
+    y_start = _window_start(y, KH, H)  # (BQ,)
+    x_start = _window_start(x, KW, W)  # (BQ,)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_Q], tl.float32)  # running softmax denominator
@@ -218,120 +208,6 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
         tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
 
 
-@triton.jit
-def _dsa_bwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr,
-                    dq_ptr, dk_ptr, dv_ptr, doff_ptr,
-                    T, H, W, HEADS, D, stride_tok, stride_off_tok, scale, qk_scale,
-                    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr):
-    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
-    # Claim only 4-element contiguity: the fp32 atomics then share the loads' layout
-    # (4 columns per thread) instead of converting every tile through shared memory.
-    cols = tl.max_contiguous(tl.arange(0, BLOCK_D), 4)  # (BD,)
-    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
-
-    head_off = b * N * stride_tok + h * D
-    k_bh = k_ptr + head_off
-    v_bh = v_ptr + head_off
-    stride_acc_tok = HEADS * D  # the fp32 dK / dV scratch: contiguous (B, T, H, W, HEADS, d)
-    acc_off = b * N * stride_acc_tok + h * D
-    dk_bh = dk_ptr + acc_off
-    dv_bh = dv_ptr + acc_off
-    own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-    q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-    do = tl.load(dout_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-    o = tl.load(out_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-    delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
-    lse = tl.load(lse_ptr + (b * HEADS + h) * N + n, mask=q_valid, other=0.0)  # (BQ,) log2 units
-    off_row = b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
-    off_q = off_ptr + off_row
-    doff_q = doff_ptr + off_row
-
-    t_start = tl.minimum(tl.maximum(t - KT // 2, 0), T - KT)
-    y_start = tl.minimum(tl.maximum(y - KH // 2, 0), H - KH)
-    x_start = tl.minimum(tl.maximum(x - KW // 2, 0), W - KW)
-
-    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for it in range(KT):
-        for iy in range(KH):
-            for ix in range(KW):
-                j = (it * KH + iy) * KW + ix
-                dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)
-                dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)
-                dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)
-                t0, t1, ft, in_t = _axis_sample(t_start, it, dt, T)
-                y0, y1, fy, in_y = _axis_sample(y_start, iy, dy, H)
-                x0, x1, fx, in_x = _axis_sample(x_start, ix, dx, W)
-                t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)
-                t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)
-
-                # Pass 1: sampled key, <dO, sampled value> and, for the offset gradient,
-                # the position derivatives of <q, sampled key> and <dO, sampled value>.
-                k_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-                dov = tl.zeros([BLOCK_Q], tl.float32)
-                gk_t = tl.zeros([BLOCK_Q], tl.float32)
-                gk_y = tl.zeros([BLOCK_Q], tl.float32)
-                gk_x = tl.zeros([BLOCK_Q], tl.float32)
-                gv_t = tl.zeros([BLOCK_Q], tl.float32)
-                gv_y = tl.zeros([BLOCK_Q], tl.float32)
-                gv_x = tl.zeros([BLOCK_Q], tl.float32)
-                for ct in tl.static_range(2):
-                    for cy in tl.static_range(2):
-                        for cx in tl.static_range(2):
-                            tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
-                            w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
-                            dw_t = (2 * ct - 1) * y_w[cy] * x_w[cx]  # (BQ,) d w / d pos_t
-                            dw_y = (2 * cy - 1) * t_w[ct] * x_w[cx]
-                            dw_x = (2 * cx - 1) * t_w[ct] * y_w[cy]
-                            if OFFSET_GRAD:
-                                needed = (w != 0.0) | (dw_t != 0.0) | (dw_y != 0.0) | (dw_x != 0.0)
-                            else:
-                                needed = w != 0.0
-                            row_mask = tile_mask & needed[:, None]
-                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                            k_sample += w[:, None] * k_c
-                            dov_c = tl.sum(do * v_c, axis=1)  # (BQ,)
-                            dov += w * dov_c
-                            if OFFSET_GRAD:
-                                qk_c = tl.sum(q * k_c, axis=1)  # (BQ,)
-                                gk_t += dw_t * qk_c
-                                gk_y += dw_y * qk_c
-                                gk_x += dw_x * qk_c
-                                gv_t += dw_t * dov_c
-                                gv_y += dw_y * dov_c
-                                gv_x += dw_x * dov_c
-
-                s = tl.sum(q * k_sample, axis=1) * qk_scale  # (BQ,) log2 units
-                p = tl.exp2(s - lse)  # (BQ,) softmax probability of sample j
-                ds = p * (dov - delta) * scale  # (BQ,) d loss / d <q, sampled key>
-                dq += ds[:, None] * k_sample  # (BQ, BD)
-                if OFFSET_GRAD:
-                    g_t = tl.where(in_t, ds * gk_t + p * gv_t, 0.0)  # (BQ,)
-                    g_y = tl.where(in_y, ds * gk_y + p * gv_y, 0.0)
-                    g_x = tl.where(in_x, ds * gk_x + p * gv_x, 0.0)
-                    doff_ty = doff_ptr.dtype.element_ty
-                    tl.store(doff_q + 3 * j, g_t.to(doff_ty), mask=q_valid)
-                    tl.store(doff_q + 3 * j + 1, g_y.to(doff_ty), mask=q_valid)
-                    tl.store(doff_q + 3 * j + 2, g_x.to(doff_ty), mask=q_valid)
-
-                # Pass 2: scatter the sampled key / value gradients to the 8 corners.
-                dk_sample = ds[:, None] * q  # (BQ, BD)
-                dv_sample = p[:, None] * do  # (BQ, BD)
-                for ct in tl.static_range(2):
-                    for cy in tl.static_range(2):
-                        for cx in tl.static_range(2):
-                            tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
-                            w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
-                            row_mask = tile_mask & (w != 0.0)[:, None]
-                            rows = tok.to(tl.int64)[:, None] * stride_acc_tok + cols[None, :]  # (BQ, BD)
-                            tl.atomic_add(dk_bh + rows, w[:, None] * dk_sample, mask=row_mask, sem="relaxed")
-                            tl.atomic_add(dv_bh + rows, w[:, None] * dv_sample, mask=row_mask, sem="relaxed")
-
-    tl.store(dq_ptr + head_off + own_rows, dq.to(dq_ptr.dtype.element_ty), mask=tile_mask)
-
-
 def _device_guard(t: torch.Tensor):
     """Launch on t's GPU (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -362,14 +238,11 @@ def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torc
     return out, lse
 
 
-def heads_per_group(batch: int, n_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
+def heads_per_group(batch: int, n_tokens: int, heads: int, num_samples: int,
                     scratch_bytes: int = SCRATCH_BYTES) -> int:
-    """Heads per backward launch: all of them for fp32 inputs (dk / dv are the fp32 buffers),
-    else as many as keep the fp32 dK + dV scratch (8 x B x N x d bytes per head) within
-    `scratch_bytes`, at least one."""
-    if dtype == torch.float32:
-        return heads
-    per_head = 2 * 4 * batch * n_tokens * head_dim
+    """Heads per backward group: as many as keep the scratch (`backward_scratch_bytes(K)` per token
+    and head) within `scratch_bytes`, at least one."""
+    per_head = batch * n_tokens * backward_scratch_bytes(num_samples)
     return max(1, min(heads, scratch_bytes // per_head))
 
 
@@ -377,45 +250,44 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  kernel_size: tuple[int, int, int], scale: float, offsets_grad: bool,
                  config: LaunchConfig | None = None, scratch_bytes: int = SCRATCH_BYTES,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Fused backward. Inputs as `dsa_forward` (contiguous) plus its out and lse and the
-    output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and shape
-    of q, k, v and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when
-    `offsets_grad` is False. `config` overrides the default tiles (for tuning);
-    `scratch_bytes` bounds the fp32 dK / dV scratch of fp16 / bf16 inputs (`heads_per_group`)."""
+                 key_config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fused backward (binned.py). Inputs as `dsa_forward` (contiguous) plus its out and lse and the
+    output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and shape of q, k, v
+    and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when `offsets_grad` is False.
+    `config` overrides the query pass's tiles and `key_config` (a `binned.KeyConfig`) the key tiles
+    (for tuning); `scratch_bytes` bounds the scratch (`heads_per_group`)."""
+    from megaslide.attention.dsa import binned
+
     B, T, H, W, heads, d = q.shape
     N = T * H * W
     kt, kh, kw = kernel_size
+    K = kt * kh * kw
     dout = dout.contiguous()
-    dq = torch.empty_like(q)  # (B, T, H, W, heads, d)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
-    group = heads_per_group(B, N, heads, d, k.dtype, scratch_bytes)
-    if k.dtype == torch.float32:
-        dk = torch.zeros_like(k)  # (B, T, H, W, heads, d) fp32 atomics, the outputs themselves
-        dv = torch.zeros_like(v)
-        scratch = None
-    else:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
-        scratch = torch.empty((2, B * N * group * d), dtype=torch.float32, device=q.device)  # fp32 dK, dV of a group
     cfg = config or launch_config(N, d)
+    key_cfg = key_config or binned.key_config((T, H, W))
+    group = heads_per_group(B, N, heads, K, scratch_bytes)
+    tiles = math.prod(binned.tiles_per_axis((T, H, W), key_cfg.tile))
+    records_bound = B * group * N * K * MAX_TILES_PER_ENTRY
+    if records_bound >= 2 ** 31:
+        raise ValueError(f"{records_bound} entry records of a head group overflow int32 indices; "
+                         f"lower scratch_bytes (now {scratch_bytes}) or the batch")
+    dsp = torch.empty(B * group * K * N * 2, dtype=torch.float32, device=q.device)  # fp32 ds, p of a group
+    records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
+    counts = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)
+    starts = torch.empty(B * group * tiles + 1, dtype=torch.int32, device=q.device)
     with _device_guard(q):
         for h0 in range(0, heads, group):
             g = min(group, heads - h0)
             heads_of = (slice(None),) * 4 + (slice(h0, h0 + g),)  # (B, T, H, W, this group's heads, ...)
-            if scratch is None:
-                dk_acc, dv_acc = dk, dv
-            else:
-                scratch.zero_()
-                dk_acc, dv_acc = (buf[:B * N * g * d].view(B, T, H, W, g, d) for buf in scratch)
-            lse_g = lse[:, h0:h0 + g].contiguous()  # (B, g, N)
-            _dsa_bwd_kernel[(triton.cdiv(N, cfg.block_q), B * g)](
-                q[heads_of], k[heads_of], v[heads_of], offsets[heads_of], out[heads_of], dout[heads_of], lse_g,
-                dq[heads_of], dk_acc, dv_acc, doff[heads_of],
-                T, H, W, g, d, q.stride(3), offsets.stride(3), scale, scale * LOG2E,
-                KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d,
-                OFFSET_GRAD=offsets_grad, num_warps=cfg.num_warps,
-            )
-            if scratch is not None:
-                dk[heads_of].copy_(dk_acc)  # fp32 -> the input dtype, as .to() rounds
-                dv[heads_of].copy_(dv_acc)
+            q_g, dout_g, offsets_g = q[heads_of], dout[heads_of], offsets[heads_of]
+            dsp_g = dsp[:B * g * K * N * 2]  # (B, g, K, N, 2)
+            binned.query_pass(q_g, k[heads_of], v[heads_of], offsets_g, out[heads_of], dout_g,
+                              lse[:, h0:h0 + g].contiguous(), dq[heads_of], doff[heads_of], dsp_g,
+                              kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
+            counts_g, starts_g = counts[:B * g * tiles], starts[:B * g * tiles + 1]
+            binned.bin_entries(offsets_g, kernel_size, key_cfg.tile, counts_g, starts_g, records)
+            binned.key_pass(q_g, dout_g, offsets_g, dsp_g, starts_g, records, dk[heads_of], dv[heads_of],
+                            kernel_size, cfg.block_d, key_cfg)
     return dq, dk, dv, doff if offsets_grad else None

@@ -35,8 +35,18 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TRITON_MAX_HEAD_DIM = 128
 SCRATCH_BYTES = 1 << 30
-"""Bound on the fused backward's fp32 dK + dV scratch for fp16 / bf16 inputs (kernels.py, "Head groups");
-here, not in kernels.py, so that the memory model reads it without importing Triton."""
+"""Bound on the fused backward's scratch (binned.py: fp32 ds, p and the key tiles' entry lists),
+kept through head groups (kernels.py, "Head groups"); here, not in kernels.py, so that the memory
+model reads it without importing Triton."""
+MAX_TILES_PER_ENTRY = 8
+"""Key tiles one (query, sample) can touch: one per trilinear corner (binned.py)."""
+
+
+def backward_scratch_bytes(num_samples: int) -> int:
+    """Upper bound of the fused backward's scratch per token and head for K = num_samples: fp32 ds
+    and p per sample (8 bytes), an int32 record per key tile a sample touches (at most 8), and
+    int32 counts and starts per key tile (at most one tile per token)."""
+    return num_samples * (2 * 4 + 4 * MAX_TILES_PER_ENTRY) + 2 * 4
 
 
 def _kernels():

@@ -1,0 +1,365 @@
+"""The fused 3D-DSA backward without float atomics: a query pass, key-tile binning and a key pass.
+
+Layout as kernels.py: q, k, v, out, dout and their gradients contiguous (B, T, H, W, heads, d),
+offsets and d(offsets) contiguous (B, T, H, W, heads, K, 3). Every launch sees one head group
+(`kernels.dsa_backward`): its q-like pointers start at the group's first head and keep the full
+tensors' token strides, HEADS is the group's size. An entry is one (query n, sample j) of one
+(batch, head), numbered e = j * N + n (int32, < K * N).
+
+1. Query pass (`_query_kernel`, one program per BLOCK_Q queries of a (batch, head)): recomputes
+   p_j = exp(s_j - lse) and finishes dq and d(offsets) of its queries (no other program writes
+   them), and stores each entry's fp32 ds = p (<dO, V_j> - <dO, out>) * scale and p into the
+   scratch `dsp` (B, HEADS, K, N, 2): a store coalesced over n.
+2. Binning (`_bin_kernel`, run twice): the key grid is cut into tiles of TT x TY x TX tokens
+   (a box of the (T, H, W) grid, the last ones partial). A sample's corners with nonzero weight
+   lie in the tiles of its lower corner and, along each axis where the fraction is nonzero and the
+   upper neighbour lies in the next tile, that tile too: 1 to 8 tiles. The first run counts the
+   entries per (batch, head, tile) with int32 atomics; `torch.cumsum` makes the exclusive starts;
+   the second run takes a slot per (entry, tile) from an int32 cursor (atomic) and writes e there.
+   The order inside a tile's list is the order in which programs took slots, so it varies from
+   run to run on a GPU, and with it the fp32 summation order of dK / dV (rounding-level
+   differences; the interpreter runs programs in order and is deterministic).
+3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
+   (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: recomputes each
+   entry's corners and 1D weights from the offsets (kernels._axis_sample, the forward's clamping),
+   builds the coefficients C[key, e] = w_t(key_t, e) w_y(key_y, e) w_x(key_x, e), the entry's
+   trilinear weight at that key (0 off its corners), gathers the entries' query rows q_n and dO_n
+   (BLOCK_E x d, input dtype) and accumulates dK += (C * ds) @ Q, dV += (C * p) @ dO on tensor
+   cores. fp16 / bf16 rows are exact in their dtype; the fp32 coefficients are split into hi + lo
+   parts in that dtype (two dots, fp32 accumulation, ~16 significant bits); fp32 inputs use an
+   IEEE fp32 dot. It writes dk / dv once, in the input dtype: no zero fill, no fp32 dK / dV buffer.
+
+Scratch per head group (bounded by `op.SCRATCH_BYTES` through the group size, `op.backward_scratch_bytes`):
+dsp 8 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
+worst case; about 2 on average for 4 x 4 x 4 tiles), counts and starts 4 bytes per tile each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from megaslide.attention.dsa.kernels import INTERPRETED, LaunchConfig, _axis_sample, _query_block, _window_start
+from megaslide.attention.dsa.op import MAX_TILES_PER_ENTRY
+
+KEY_TILE_KEYS = 64
+"""Keys per default key tile: the M of the key pass's dots."""
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    """Tiles of the binning and key pass: key tiles of tile = (t, y, x) tokens (powers of two),
+    BLOCK_E entries per dot, num_warps per key program."""
+
+    tile: tuple[int, int, int]
+    block_e: int
+    num_warps: int
+
+
+def key_config(grid: tuple[int, int, int]) -> KeyConfig:
+    """Default key tiles for a (T, H, W) grid: KEY_TILE_KEYS keys, grown by doubling x, y, t in
+    turn while an axis tile stays within the grid's next power of two (4 x 4 x 4 on a large grid,
+    1 x 8 x 8 on one frame); 32 entries per block and 4 warps."""
+    tile, limits = [1, 1, 1], [triton.next_power_of_2(s) for s in grid]
+    while tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS:
+        grown = False
+        for axis in (2, 1, 0):
+            if tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS and tile[axis] < limits[axis]:
+                tile[axis] *= 2
+                grown = True
+        if not grown:
+            break
+    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 32, num_warps=4)
+
+
+def tiles_per_axis(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Key tiles along t, y, x (the last ones partial)."""
+    return tuple(triton.cdiv(s, t) for s, t in zip(grid, tile))
+
+
+@triton.jit
+def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_ptr, doff_ptr, dsp_ptr,
+                  T, H, W, HEADS, D, stride_tok, stride_off_tok, scale, qk_scale,
+                  KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr):
+    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
+    cols = tl.arange(0, BLOCK_D)  # (BD,)
+    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
+
+    head_off = b * N * stride_tok + h * D
+    k_bh = k_ptr + head_off
+    v_bh = v_ptr + head_off
+    own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
+    q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    do = tl.load(dout_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    o = tl.load(out_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
+    lse = tl.load(lse_ptr + (b * HEADS + h) * N + n, mask=q_valid, other=0.0)  # (BQ,) log2 units
+    off_row = b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
+    off_q = off_ptr + off_row
+    doff_q = doff_ptr + off_row
+    dsp_q = dsp_ptr + (b * HEADS + h) * (KT * KH * KW) * N * 2 + n * 2  # (BQ,) entry (n, j = 0) of dsp
+
+    t_start = _window_start(t, KT, T)  # (BQ,)
+    y_start = _window_start(y, KH, H)
+    x_start = _window_start(x, KW, W)
+
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for it in range(KT):
+        for iy in range(KH):
+            for ix in range(KW):
+                j = (it * KH + iy) * KW + ix
+                dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)
+                dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)
+                dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)
+                t0, t1, ft, in_t = _axis_sample(t_start, it, dt, T)
+                y0, y1, fy, in_y = _axis_sample(y_start, iy, dy, H)
+                x0, x1, fx, in_x = _axis_sample(x_start, ix, dx, W)
+                t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)
+                t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)
+
+                # sampled key, <dO, sampled value> and, for the offset gradient, the position
+                # derivatives of <q, sampled key> and <dO, sampled value>
+                k_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                dov = tl.zeros([BLOCK_Q], tl.float32)
+                gk_t = tl.zeros([BLOCK_Q], tl.float32)
+                gk_y = tl.zeros([BLOCK_Q], tl.float32)
+                gk_x = tl.zeros([BLOCK_Q], tl.float32)
+                gv_t = tl.zeros([BLOCK_Q], tl.float32)
+                gv_y = tl.zeros([BLOCK_Q], tl.float32)
+                gv_x = tl.zeros([BLOCK_Q], tl.float32)
+                for ct in tl.static_range(2):
+                    for cy in tl.static_range(2):
+                        for cx in tl.static_range(2):
+                            tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
+                            w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
+                            dw_t = (2 * ct - 1) * y_w[cy] * x_w[cx]  # (BQ,) d w / d pos_t
+                            dw_y = (2 * cy - 1) * t_w[ct] * x_w[cx]
+                            dw_x = (2 * cx - 1) * t_w[ct] * y_w[cy]
+                            if OFFSET_GRAD:
+                                needed = (w != 0.0) | (dw_t != 0.0) | (dw_y != 0.0) | (dw_x != 0.0)
+                            else:
+                                needed = w != 0.0
+                            row_mask = tile_mask & needed[:, None]
+                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
+                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            k_sample += w[:, None] * k_c
+                            dov_c = tl.sum(do * v_c, axis=1)  # (BQ,)
+                            dov += w * dov_c
+                            if OFFSET_GRAD:
+                                qk_c = tl.sum(q * k_c, axis=1)  # (BQ,)
+                                gk_t += dw_t * qk_c
+                                gk_y += dw_y * qk_c
+                                gk_x += dw_x * qk_c
+                                gv_t += dw_t * dov_c
+                                gv_y += dw_y * dov_c
+                                gv_x += dw_x * dov_c
+
+                s = tl.sum(q * k_sample, axis=1) * qk_scale  # (BQ,) log2 units
+                p = tl.exp2(s - lse)  # (BQ,) softmax probability of sample j
+                ds = p * (dov - delta) * scale  # (BQ,) d loss / d <q, sampled key>
+                dq += ds[:, None] * k_sample  # (BQ, BD)
+                tl.store(dsp_q + j * N * 2, ds, mask=q_valid)  # the key pass's coefficients
+                tl.store(dsp_q + j * N * 2 + 1, p, mask=q_valid)
+                if OFFSET_GRAD:
+                    g_t = tl.where(in_t, ds * gk_t + p * gv_t, 0.0)  # (BQ,)
+                    g_y = tl.where(in_y, ds * gk_y + p * gv_y, 0.0)
+                    g_x = tl.where(in_x, ds * gk_x + p * gv_x, 0.0)
+                    doff_ty = doff_ptr.dtype.element_ty
+                    tl.store(doff_q + 3 * j, g_t.to(doff_ty), mask=q_valid)
+                    tl.store(doff_q + 3 * j + 1, g_y.to(doff_ty), mask=q_valid)
+                    tl.store(doff_q + 3 * j + 2, g_x.to(doff_ty), mask=q_valid)
+
+    tl.store(dq_ptr + head_off + own_rows, dq.to(dq_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _entry_corners(off_bh, e, valid, T, H, W, N, stride_off_tok,
+                   KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr):
+    """Corners of entries e = j * N + n (E,) int32 of one (batch, head); off_bh points at the
+    head's offsets of token 0. Returns per axis (lower, upper, frac) (E,) as `_axis_sample`."""
+    n = e % N
+    j = e // N
+    t, y, x = n // (H * W), (n // W) % H, n % W
+    off_e = off_bh + n.to(tl.int64) * stride_off_tok + 3 * j  # (E,)
+    dt = tl.load(off_e, mask=valid, other=0.0).to(tl.float32)
+    dy = tl.load(off_e + 1, mask=valid, other=0.0).to(tl.float32)
+    dx = tl.load(off_e + 2, mask=valid, other=0.0).to(tl.float32)
+    t0, t1, ft, _ = _axis_sample(_window_start(t, KT, T), j // (KH * KW), dt, T)
+    y0, y1, fy, _ = _axis_sample(_window_start(y, KH, H), (j // KW) % KH, dy, H)
+    x0, x1, fx, _ = _axis_sample(_window_start(x, KW, W), j % KW, dx, W)
+    return t0, t1, ft, y0, y1, fy, x0, x1, fx
+
+
+@triton.jit
+def _bin_kernel(off_ptr, slot_ptr, records_ptr, T, H, W, HEADS, stride_off_tok, TILES_Y, TILES_X, TILES,
+                KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr):
+    """Per (entry, touched tile): count (slot_ptr: counts (B * HEADS, TILES) int32, zeroed) or,
+    with FILL, take a slot from the cursor (slot_ptr: cursors, the starts) and write e there."""
+    bh = tl.program_id(1)
+    b = (bh // HEADS).to(tl.int64)
+    h = bh % HEADS
+    N = T * H * W
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (E,)
+    valid = e < N * (KT * KH * KW)
+    off_bh = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3)
+    t0, t1, ft, y0, y1, fy, x0, x1, fx = _entry_corners(off_bh, e, valid, T, H, W, N, stride_off_tok, KT, KH, KW)
+    # per axis the lower corner's tile and, where the upper corner has weight and lies past it, the next
+    t_tile, y_tile, x_tile = (t0 // TT, t1 // TT), (y0 // TY, y1 // TY), (x0 // TX, x1 // TX)
+    t_used = (valid, valid & (ft != 0.0) & (t_tile[1] != t_tile[0]))
+    y_used = (valid, valid & (fy != 0.0) & (y_tile[1] != y_tile[0]))
+    x_used = (valid, valid & (fx != 0.0) & (x_tile[1] != x_tile[0]))
+    slots = slot_ptr + bh * TILES
+    for ct in tl.static_range(2):
+        for cy in tl.static_range(2):
+            for cx in tl.static_range(2):
+                touched = t_used[ct] & y_used[cy] & x_used[cx]  # (E,)
+                tile = (t_tile[ct] * TILES_Y + y_tile[cy]) * TILES_X + x_tile[cx]  # (E,)
+                if FILL:
+                    slot = tl.atomic_add(slots + tile, 1, mask=touched, sem="relaxed")  # (E,) the old cursor
+                    tl.store(records_ptr + slot, e, mask=touched)
+                else:
+                    tl.atomic_add(slots + tile, 1, mask=touched, sem="relaxed")
+
+
+@triton.jit
+def _key_weights(key_pos, lower, upper, frac):
+    """(KEYS, E) 1D trilinear weight of keys at positions key_pos (KEYS,) for entries with
+    corners lower, upper (E,) and fraction frac (E,): 1 - frac at lower, frac at upper (summed
+    where they coincide), 0 elsewhere."""
+    at_lower = tl.where(key_pos[:, None] == lower[None, :], 1.0 - frac[None, :], 0.0)
+    return at_lower + tl.where(key_pos[:, None] == upper[None, :], frac[None, :], 0.0)
+
+
+@triton.jit
+def _dot_acc(acc, coef, rows, UPCAST: tl.constexpr):
+    """acc (KEYS, BD) fp32 += coef (KEYS, E) fp32 @ rows (E, BD): fp16 / bf16 rows as two dots of
+    coef's hi and lo parts in their dtype, fp32 rows as one IEEE fp32 dot. UPCAST (the interpreter,
+    whose bf16 tl.dot multiplies raw bits: numpy has no bf16) runs the two dots on the parts and
+    rows cast to fp32, which gives the same products (exact in fp32)."""
+    if rows.dtype == tl.float32:
+        return tl.dot(coef, rows, acc, input_precision="ieee")
+    hi = coef.to(rows.dtype)
+    lo = (coef - hi.to(tl.float32)).to(rows.dtype)
+    if UPCAST:
+        rows32 = rows.to(tl.float32)
+        acc = tl.dot(hi.to(tl.float32), rows32, acc, input_precision="ieee")
+        return tl.dot(lo.to(tl.float32), rows32, acc, input_precision="ieee")
+    return tl.dot(lo, rows, tl.dot(hi, rows, acc))
+
+
+@triton.jit
+def _key_kernel(q_ptr, dout_ptr, off_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_ptr,
+                T, H, W, HEADS, D, stride_tok, stride_off_tok, TILES_Y, TILES_X, TILES,
+                KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, KEYS: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HEADS).to(tl.int64)
+    h = bh % HEADS
+    N = T * H * W
+    cols = tl.arange(0, BLOCK_D)  # (BD,)
+    col_ok = cols < D
+
+    # this tile's keys (KEYS >= TT * TY * TX, padded to the dots' minimum)
+    key = tl.arange(0, KEYS)  # (KEYS,)
+    key_t = tile // (TILES_Y * TILES_X) * TT + key // (TY * TX)
+    key_y = (tile // TILES_X) % TILES_Y * TY + (key // TX) % TY
+    key_x = tile % TILES_X * TX + key % TX
+    key_ok = (key < TT * TY * TX) & (key_t < T) & (key_y < H) & (key_x < W)  # (KEYS,)
+
+    head_off = b * N * stride_tok + h * D
+    q_bh = q_ptr + head_off
+    do_bh = dout_ptr + head_off
+    off_bh = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3)
+    dsp_bh = dsp_ptr + bh.to(tl.int64) * (KT * KH * KW) * N * 2
+    start = tl.load(starts_ptr + bh * TILES + tile)
+    end = tl.load(starts_ptr + bh * TILES + tile + 1)
+
+    dk = tl.zeros([KEYS, BLOCK_D], tl.float32)
+    dv = tl.zeros([KEYS, BLOCK_D], tl.float32)
+    first = start
+    while first < end:  # not `range`: the interpreter cannot take a loaded bound as a range
+        slot = first + tl.arange(0, BLOCK_E)  # (E,)
+        valid = slot < end
+        e = tl.load(records_ptr + slot, mask=valid, other=0)  # (E,)
+        t0, t1, ft, y0, y1, fy, x0, x1, fx = _entry_corners(off_bh, e, valid, T, H, W, N, stride_off_tok,
+                                                            KT, KH, KW)
+        dsp_e = dsp_bh + 2 * e.to(tl.int64)  # (E,)
+        ds = tl.load(dsp_e, mask=valid, other=0.0)  # (E,), 0 past the list
+        p = tl.load(dsp_e + 1, mask=valid, other=0.0)  # (E,)
+        # (KEYS, E) each entry's trilinear weight at each key of the tile
+        coef = (_key_weights(key_t, t0, t1, ft) * _key_weights(key_y, y0, y1, fy)
+                * _key_weights(key_x, x0, x1, fx))
+        rows = (e % N).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (E, BD) the entries' queries
+        row_mask = valid[:, None] & col_ok[None, :]
+        q = tl.load(q_bh + rows, mask=row_mask, other=0.0)  # (E, BD) input dtype
+        do = tl.load(do_bh + rows, mask=row_mask, other=0.0)  # (E, BD)
+        dk = _dot_acc(dk, coef * ds[None, :], q, UPCAST)
+        dv = _dot_acc(dv, coef * p[None, :], do, UPCAST)
+        first += BLOCK_E
+
+    key_rows = ((key_t * H + key_y) * W + key_x).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (KEYS, BD)
+    out_mask = key_ok[:, None] & col_ok[None, :]
+    tl.store(dk_ptr + head_off + key_rows, dk.to(dk_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dv_ptr + head_off + key_rows, dv.to(dv_ptr.dtype.element_ty), mask=out_mask)
+
+
+def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, scale: float, qk_scale: float,
+               offsets_grad: bool, config: LaunchConfig) -> None:
+    """Launch the query pass over one head group: q-like tensors (B, T, H, W, g, ...) views of the
+    full ones, lse (B, g, N) contiguous; writes dq, doff (when offsets_grad) and dsp (B, g, K, N, 2)."""
+    B, T, H, W, g, d = q.shape
+    kt, kh, kw = kernel_size
+    _query_kernel[(triton.cdiv(T * H * W, config.block_q), B * g)](
+        q, k, v, offsets, out, dout, lse, dq, doff, dsp,
+        T, H, W, g, d, q.stride(3), offsets.stride(3), scale, qk_scale,
+        KT=kt, KH=kh, KW=kw, BLOCK_Q=config.block_q, BLOCK_D=config.block_d,
+        OFFSET_GRAD=offsets_grad, num_warps=config.num_warps,
+    )
+
+
+BIN_BLOCK = 1024
+"""Entries per binning program."""
+
+
+def bin_entries(offsets, kernel_size, tile, counts, starts, records) -> None:
+    """Build the per-(batch, head, key tile) entry lists of one head group: offsets (B, T, H, W, g, K, 3),
+    a view of the full tensor. counts (B * g * tiles,) int32 (overwritten, used as the cursor),
+    starts (B * g * tiles + 1,) int32 (written: list i is records[starts[i]:starts[i + 1]]),
+    records (at least the entries' tile count) int32."""
+    B, T, H, W, g = offsets.shape[:5]
+    kt, kh, kw = kernel_size
+    tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
+    tiles = tiles_t * tiles_y * tiles_x
+    grid = (triton.cdiv(T * H * W * kt * kh * kw, BIN_BLOCK), B * g)
+    args = (offsets, counts, records, T, H, W, g, offsets.stride(3), tiles_y, tiles_x, tiles)
+    constexprs = dict(KT=kt, KH=kh, KW=kw, TT=tile[0], TY=tile[1], TX=tile[2], BLOCK=BIN_BLOCK, num_warps=4)
+    counts.zero_()
+    _bin_kernel[grid](*args, FILL=False, **constexprs)
+    starts[0] = 0
+    torch.cumsum(counts, 0, out=starts[1:])
+    counts.copy_(starts[:-1])  # the cursors
+    _bin_kernel[grid](*args, FILL=True, **constexprs)
+
+
+def key_pass(q, dout, offsets, dsp, starts, records, dk, dv, kernel_size, head_dim_block: int,
+             config: KeyConfig) -> None:
+    """Launch the key pass over one head group (tensors as `query_pass`, lists from `bin_entries`):
+    writes dk, dv (B, T, H, W, g, d) views in the input dtype."""
+    B, T, H, W, g, d = q.shape
+    kt, kh, kw = kernel_size
+    tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), config.tile)
+    tiles = tiles_t * tiles_y * tiles_x
+    tt, ty, tx = config.tile
+    _key_kernel[(tiles, B * g)](
+        q, dout, offsets, dsp, starts, records, dk, dv,
+        T, H, W, g, d, q.stride(3), offsets.stride(3), tiles_y, tiles_x, tiles,
+        KT=kt, KH=kh, KW=kw, TT=tt, TY=ty, TX=tx, KEYS=max(16, tt * ty * tx),
+        BLOCK_E=config.block_e, BLOCK_D=head_dim_block, UPCAST=INTERPRETED, num_warps=config.num_warps,
+    )

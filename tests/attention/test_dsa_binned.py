@@ -1,0 +1,158 @@
+"""The binned (atomic-free) fused DSA backward (binned.py) under the Triton interpreter: dq, dk, dv and
+d(offsets) against the float64 reference at chosen key tiles and entry blocks, the binning against a
+plain PyTorch construction of the key tiles' entry lists, and the kernels' sm_90 build.
+
+Tolerances as tests/attention/test_dsa_triton.py (harness.within_tolerance: at most 2x the
+same-dtype reference's error plus a rounding floor)."""
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from experiments.harness import rounding_floor, within_tolerance
+from megaslide.attention.dsa.reference import base_positions, trilinear_corners
+from tests.attention.test_dsa_triton import FLOOR_ULPS, kernels, make_inputs, run
+from tests.helpers import builds_for_sm90
+
+from megaslide.attention.dsa import binned  # noqa: E402  (after test_dsa_triton set TRITON_INTERPRET)
+
+if not binned.INTERPRETED or binned._axis_sample is not kernels._axis_sample:  # built before the interpreter
+    binned = importlib.reload(binned)
+
+F64 = torch.float64
+
+
+def assert_backward_matches(shape, kernel_size, dtype, tile, block_e, offsets_dtype=None, half_tokens=False,
+                            **input_kw):
+    """dsa_backward with key tiles `tile` and `block_e` entries per dot: every gradient within tolerance
+    of the float64 reference. half_tokens: offsets rounded to multiples of 0.5 (zero-weight corners)."""
+    inputs = make_inputs(shape, kernel_size, dtype, **input_kw)
+    if half_tokens:
+        inputs[3] = (inputs[3] * 2).round() / 2
+    truth = run("reference", inputs, kernel_size, F64)
+    same_dtype = run("reference", inputs, kernel_size, dtype, offsets_dtype=offsets_dtype)
+    q, k, v, grad_out = (inputs[i] for i in (0, 1, 2, 4))
+    offsets = inputs[3].to(offsets_dtype or dtype)
+    scale = shape[-1] ** -0.5
+    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
+    grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, scale, offsets_grad=True,
+                                 key_config=binned.KeyConfig(tile=tile, block_e=block_e, num_warps=1))
+    for name, want, ref, got in zip(["dq", "dk", "dv", "doffsets"], truth[1:], same_dtype[1:], grads):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        err = (got.to(F64) - want).abs().max().item()
+        err_ref = (ref.to(F64) - want).abs().max().item()
+        floor = rounding_floor(got.dtype, want, FLOOR_ULPS)
+        assert within_tolerance(err, err_ref, floor), f"{name}: error {err:.3e} vs reference {err_ref:.3e}"
+
+
+def test_odd_grid_tiles_not_dividing_it_far_offsets():
+    """3 x 5 x 7 grid in 2 x 2 x 4 tiles (partial on every axis), 2 batches, 3 heads, d = 12 padded to
+    16, clamped far offsets (border tiles get long lists: many 16-entry blocks)."""
+    assert_backward_matches((2, 3, 5, 7, 3, 12), (1, 3, 3), torch.float32, (2, 2, 4), 16,
+                            far_fraction=0.3, offset_std=2.0)
+
+
+def test_one_key_tiles_bf16_d40():
+    """Tiles of one key (8 tiles for most samples, the key rows padded to 16), bf16 with fp32 offsets,
+    d = 40 padded to 64, a 1 x 3 x 5 window."""
+    assert_backward_matches((1, 2, 3, 6, 2, 40), (1, 3, 5), torch.bfloat16, (1, 1, 1), 16,
+                            offsets_dtype=torch.float32, far_fraction=0.1)
+
+
+def test_integer_offsets_zero_weight_corners_3x1x1():
+    """Offsets at whole and half tokens: corners of weight 0, whose tiles must not matter; 3 x 1 x 1 window,
+    fp16, 4 x 4 x 4 tiles over a 5 x 4 x 6 grid."""
+    assert_backward_matches((1, 5, 4, 6, 2, 16), (3, 1, 1), torch.float16, (4, 4, 4), 32, half_tokens=True,
+                            offset_std=3.0, seed=1)
+
+
+def test_axes_of_one_token():
+    """A 1-frame, 1-column grid (T = W = 1): tiles of extent 1 there, 2 x 1 x 1 windows in y."""
+    assert_backward_matches((2, 1, 7, 1, 3, 16), (1, 3, 1), torch.float32, (1, 4, 1), 16, far_fraction=0.2)
+
+
+def test_default_key_tiles_through_the_op():
+    """The op's default key tiles and entry blocks (key_config) on a multi-frame grid, bf16."""
+    assert binned.key_config((5, 6, 7)).tile == (4, 4, 4)
+    assert binned.key_config((1, 6, 300)).tile == (1, 8, 8)
+    assert binned.key_config((2, 64, 64)).tile == (2, 4, 8)
+    assert_backward_matches((1, 5, 6, 7, 1, 16), (3, 3, 3), torch.bfloat16, binned.key_config((5, 6, 7)).tile,
+                            binned.key_config((5, 6, 7)).block_e)
+
+
+def reference_lists(offsets: torch.Tensor, kernel_size, tile) -> dict[tuple[int, int], set[int]]:
+    """{(batch * heads + head, key tile): {entries e = j * N + n whose nonzero-weight corners lie in it}}
+    from the reference's positions and trilinear corners."""
+    B, T, H, W, heads, K, _ = offsets.shape
+    N = T * H * W
+    pos = base_positions((T, H, W), kernel_size)[None, :, :, :, None] + offsets.float()  # (B, T, H, W, heads, K, 3)
+    pos = torch.clamp(pos, min=torch.zeros(3), max=torch.tensor([T - 1.0, H - 1.0, W - 1.0]))
+    tiles_y, tiles_x = math.ceil(H / tile[1]), math.ceil(W / tile[2])
+    lists: dict[tuple[int, int], set[int]] = {}
+    for token, weight in trilinear_corners(pos, (T, H, W)):
+        t, y, x = token // (H * W), token // W % H, token % W
+        key_tile = (t // tile[0] * tiles_y + y // tile[1]) * tiles_x + x // tile[2]  # (B, T, H, W, heads, K)
+        for b, n_t, n_y, n_x, h, j in (weight != 0).nonzero().tolist():
+            n = (n_t * H + n_y) * W + n_x
+            lists.setdefault((b * heads + h, key_tile[b, n_t, n_y, n_x, h, j].item()), set()).add(j * N + n)
+    return lists
+
+
+@pytest.mark.parametrize("grid,kernel_size,tile", [((3, 5, 7), (3, 3, 3), (2, 2, 4)),
+                                                   ((1, 4, 6), (1, 3, 5), (1, 1, 1))])
+def test_binning_matches_plain_lists(grid, kernel_size, tile):
+    """Each (batch, head, tile)'s list holds exactly the entries with a nonzero-weight corner in the tile
+    (as a set: the order is the order programs took slots). Offsets at half tokens give zero weights."""
+    B, heads, K = 2, 3, math.prod(kernel_size)
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.randn((B, *grid, heads, K, 3), generator=g) * 2
+    offsets = torch.where(torch.rand(offsets.shape, generator=g) < 0.5, (offsets * 2).round() / 2, offsets)
+    tiles = math.prod(binned.tiles_per_axis(grid, tile))
+    counts = torch.empty(B * heads * tiles, dtype=torch.int32)
+    starts = torch.empty(B * heads * tiles + 1, dtype=torch.int32)
+    records = torch.full((B * heads * math.prod(grid) * K * 8,), -1, dtype=torch.int32)
+    binned.bin_entries(offsets, kernel_size, tile, counts, starts, records)
+    want = reference_lists(offsets, kernel_size, tile)
+    got = {}
+    for i in range(B * heads * tiles):
+        entries = records[starts[i]:starts[i + 1]].tolist()
+        assert len(entries) == len(set(entries)), f"list {i} repeats an entry"
+        if entries:
+            got[divmod(i, tiles)] = set(entries)
+    assert got == want
+    assert (records[starts[-1]:] == -1).all()  # nothing written past the lists
+
+
+def test_binned_kernels_compile_for_sm90():
+    """Build the query, binning and key kernels to sm_90 SASS (bf16 and fp32 rows, the default and
+    swept key tiles) in a process without TRITON_INTERPRET."""
+    assert builds_for_sm90("""
+        from megaslide.attention.dsa import binned, kernels
+
+        common = {"T": "i32", "H": "i32", "W": "i32", "HEADS": "i32"}
+        window = {"KT": 3, "KH": 3, "KW": 3}
+        cfg = kernels.launch_config(262144, 64)
+        query = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "off_ptr", "out_ptr", "dout_ptr"]},
+                 "lse_ptr": "*fp32", "dq_ptr": "*bf16", "doff_ptr": "*fp32", "dsp_ptr": "*fp32", **common,
+                 "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", "scale": "fp32", "qk_scale": "fp32"}
+        build(binned._query_kernel, query, {**window, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
+                                            "OFFSET_GRAD": True}, cfg.num_warps, aligned_ints=("D", "stride_tok"))
+        tiles = {"TILES_Y": "i32", "TILES_X": "i32", "TILES": "i32"}
+        bins = {"off_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", **common,
+                "stride_off_tok": "i32", **tiles}
+        for fill in (False, True):
+            build(binned._bin_kernel, bins, {**window, "TT": 4, "TY": 4, "TX": 4, "BLOCK": binned.BIN_BLOCK,
+                                             "FILL": fill}, 4)
+        for dtype, tile, block_e, block_d in [("bf16", (4, 4, 4), 32, 64), ("bf16", (2, 4, 8), 64, 128),
+                                              ("bf16", (1, 1, 1), 16, 64), ("fp32", (4, 4, 4), 32, 64)]:
+            keys = {"q_ptr": "*" + dtype, "dout_ptr": "*" + dtype, "off_ptr": "*fp32", "dsp_ptr": "*fp32",
+                    "starts_ptr": "*i32", "records_ptr": "*i32", "dk_ptr": "*" + dtype, "dv_ptr": "*" + dtype,
+                    **common, "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", **tiles}
+            const = {**window, "TT": tile[0], "TY": tile[1], "TX": tile[2],
+                     "KEYS": max(16, tile[0] * tile[1] * tile[2]), "BLOCK_E": block_e, "BLOCK_D": block_d,
+                     "UPCAST": False}
+            build(binned._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
+    """) == 7
