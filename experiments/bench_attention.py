@@ -226,12 +226,15 @@ def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: Non
     return rows
 
 
-def tile_rows(n_tokens: int, heads: int, head_dims, dtype) -> list[dict]:
-    """The fused DSA kernels' tiles at n_tokens per head dim: `kernels.launch_config` and the heads per
-    backward launch (`kernels.heads_per_group`, batch 1)."""
-    from megaslide.attention.dsa import kernels
-    return [{"head_dim": d, **asdict(kernels.launch_config(n_tokens, d)),
-             "bwd_heads_per_launch": kernels.heads_per_group(1, n_tokens, heads, d, dtype)}
+def tile_rows(grid, heads: int, head_dims) -> list[dict]:
+    """The fused DSA kernels' tiles on a (T, H, W) grid per head dim: `kernels.launch_config`, the
+    backward's key tiles (`binned.key_config`) and heads per backward launch (`kernels.heads_per_group`,
+    batch 1)."""
+    from megaslide.attention.dsa import binned, kernels
+    n_tokens, keys = math.prod(grid), binned.key_config(grid)
+    return [{"head_dim": d, **asdict(kernels.launch_config(n_tokens, d)), "bwd_key_tile": list(keys.tile),
+             "bwd_block_e": keys.block_e, "bwd_key_warps": keys.num_warps,
+             "bwd_heads_per_launch": kernels.heads_per_group(1, n_tokens, heads, math.prod(KERNEL))}
             for d in sorted(set(head_dims))]
 
 
@@ -435,7 +438,7 @@ def main(hydra_cfg: DictConfig) -> None:
     run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
     tables: dict[str, list] = {}
     if device.type == "cuda":
-        tables["tiles"] = tile_rows(math.prod(target_grid), heads, [d, *cfg.module_head_dims], dtype)
+        tables["tiles"] = tile_rows(target_grid, heads, [d, *cfg.module_head_dims])
 
     def save(key):
         def on_row(rows):

@@ -116,7 +116,7 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: 
     keeps_qk = attend.keeps != "none"
 
     def scratch(n: int) -> dict[str, int]:
-        return {f"{cfg.attention.name} attention backward: fp32 scratch": attend.scratch_bytes(n)}
+        return {f"{cfg.attention.name} attention backward: scratch": attend.scratch_bytes(n)}
 
     # token-wise work after self-attention: kept per token, and one of it for a slice when chunked
     post = {"norms 2, 3: fp32 inputs, outputs, statistics": 2 * (8 * D + 8),

@@ -168,8 +168,9 @@ def test_config_refuses_unknown_variants_and_few_repeats():
 
 
 def test_tiles_at_the_target_grid():
-    tiles = tile_rows(262144, 16, [64, 128, 64], torch.bfloat16)
+    tiles = tile_rows((16, 128, 128), 16, [64, 128, 64])
     assert [t["head_dim"] for t in tiles] == [64, 128]
-    # the fp32 dK + dV scratch within 1 GiB: 128 MiB per head at d = 64, 256 MiB at d = 128
-    assert [t["bwd_heads_per_launch"] for t in tiles] == [8, 4]
-    assert all({"block_q", "block_d", "num_warps"} <= t.keys() for t in tiles)
+    # the backward's scratch within 1 GiB: 262144 x (40 x 27 + 8) bytes = 285 MB per head, whatever d
+    assert [t["bwd_heads_per_launch"] for t in tiles] == [3, 3]
+    assert all(t["bwd_key_tile"] == [4, 4, 4] for t in tiles)
+    assert all({"block_q", "block_d", "num_warps", "bwd_block_e"} <= t.keys() for t in tiles)

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import register_attention
 from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
-from megaslide.attention.dsa.op import BACKENDS, SCRATCH_BYTES, deformable_slide_attention, neighborhood_attention
+from megaslide.attention.dsa.op import (BACKENDS, SCRATCH_BYTES, backward_scratch_bytes, deformable_slide_attention,
+                                        neighborhood_attention)
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,14 @@ class DSAAttention(SelfAttention):
         # lse; the offset net, unless chunked (then recomputed from the kept input), keeps its conv,
         # GELU and Linear inputs and tanh's fp32 output. Forward: the net's fp32 input made
         # contiguous and its Linear output before and after the cast to fp32 (chunked: the offsets of
-        # the runs before their concatenation). Backward: dq, dk, dv and fp32 d(offsets); in low
-        # precision the fp32 dK / dV atomics go to a scratch of at most SCRATCH_BYTES, head group by group
+        # the runs before their concatenation). Backward: dq, dk, dv and fp32 d(offsets), and a scratch
+        # of fp32 ds, p and the key tiles' entry lists (binned.py) of at most SCRATCH_BYTES, head group by group
         offsets = 4 * num_heads * math.prod(options.kernel_size) * 3
         saved = act * dim + 4 * num_heads + offsets
         forward = offsets if chunked else 4 * dim + offsets * (act + 4) // 4
         if not chunked:
             saved += 3 * act * dim + offsets
-        scratch = 8 * dim if act < 4 else 0
+        scratch = num_heads * backward_scratch_bytes(math.prod(options.kernel_size))
         return AttendMemory("contiguous", saved, forward, 3 * act * dim + offsets, scratch=scratch,
                             scratch_cap=SCRATCH_BYTES, heads=num_heads)
 
