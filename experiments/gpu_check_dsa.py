@@ -9,9 +9,13 @@ are bit-identical (they use no atomics). The rule (harness.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
-an offset gradient, many query blocks and (3, 5, 5) windows. `sweep=true` also times the
-kernels' launch configurations (the zero-offset kernels' too) at the 262K-token benchmark shape,
-beside a re-measured HBM copy ceiling, to pick the default tiles. Configuration:
+an offset gradient, many query blocks and (3, 5, 5) windows; the op's backward takes the key tiles
+`binned.key_config` picks for each grid (4 x 4 x 4, 2 x 4 x 8 on two frames, 1 x 8 x 8 on one), and
+every key configuration the sweep times is also checked on one case (rows named `..._keys_...`).
+`sweep=true` also times the kernels' launch configurations (the zero-offset kernels' too), the
+backward's key tiles, entries per block (BLOCK_E) and warps, and the backward's kernels one by one
+(a profiler's CUDA time per kernel name) at the 262K-token benchmark shape, beside a re-measured HBM
+copy ceiling, to pick the default tiles. Configuration:
 experiments/conf/gpu_check_dsa.yaml.
 
     python -m experiments.gpu_check_dsa               # H200: checks -> results/attention/dsa_gpu_check.json
@@ -76,7 +80,14 @@ GPU_CASES = [
     Case("d32_many_blocks_8_heads", (2, 9, 20, 20, 8, 32), (3, 3, 3), offset_std=2.0, far_fraction=0.05),
     Case("d64_8k_tokens", (1, 8, 32, 32, 4, 64), (3, 3, 3), offset_std=4.0),
     Case("d64_fp32_offsets", (1, 5, 8, 9, 2, 64), (3, 3, 3), offset_std=2.0, fp32_offsets=True),
+    Case("d64_two_frames", (2, 2, 19, 21, 3, 64), (1, 3, 3), offset_std=3.0, far_fraction=0.1, fp32_offsets=True),
 ]
+KEY_CASE = GPU_CASES[0]  # the case every swept key configuration is checked on
+KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 64, 8), ((4, 4, 4), 16, 4),
+               ((2, 4, 8), 32, 4), ((2, 4, 8), 64, 8), ((4, 4, 8), 32, 8), ((2, 8, 8), 32, 8),
+               ((2, 2, 4), 32, 4)]
+"""Key tiles (t, y, x), BLOCK_E and warps of the backward's key pass that the sweep times."""
+SMOKE_KEY_CONFIGS = [((1, 2, 4), 16, 1), ((2, 2, 2), 32, 1)]
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
 
@@ -93,10 +104,18 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int 
     return [x.to(dtype) for x in (q, k, v, offsets, grad_out)]
 
 
-def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str):
-    """Output and gradients of one backend of `op` (dsa: offsets as drawn; dsa_zero: none), inputs cast to dtype."""
+def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str, key_config=None):
+    """Output and gradients of one backend of `op` (dsa: offsets as drawn; dsa_zero: none), inputs cast to
+    dtype; `key_config` (a binned.KeyConfig): the fused kernels called directly with these key tiles."""
     q, k, v, grad_out = (x.to(dtype) for x in (inputs[0], inputs[1], inputs[2], inputs[4]))
     offsets = inputs[3].to(torch.float32 if case.fp32_offsets and dtype != F64 else dtype)
+    if key_config is not None:
+        from megaslide.attention.dsa import kernels
+        scale = case.shape[-1] ** -0.5
+        out, lse = kernels.dsa_forward(q, k, v, offsets, case.kernel_size, scale)
+        grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, case.kernel_size, scale,
+                                     case.offsets_grad, key_config=key_config)
+        return [out, *(g for g in grads if g is not None)]
     leaves = [q, k, v] + ([offsets] if case.offsets_grad and op == "dsa" else [])
     for x in leaves:
         x.requires_grad_()
@@ -107,13 +126,17 @@ def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str):
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
 
-def check_case(case: Case, dtype_name: str, device: torch.device, op: str) -> dict:
+def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_config=None) -> dict:
+    """One comparison row; with `key_config` (op dsa) the fused backward at those key tiles."""
     dtype = DTYPES[dtype_name]
     inputs = make_inputs(case, dtype, device)
     truth = run("reference", inputs, case, F64, op)
     same_dtype = run("reference", inputs, case, dtype, op)
-    fused = run("triton", inputs, case, dtype, op)
-    row = {"case": case.name, "op": op, "dtype": dtype_name, "shape": list(case.shape),
+    fused = run("triton", inputs, case, dtype, op, key_config)
+    name = case.name
+    if key_config is not None:
+        name += "_keys_{}x{}x{}_e{}_w{}".format(*key_config.tile, key_config.block_e, key_config.num_warps)
+    row = {"case": name, "op": op, "dtype": dtype_name, "shape": list(case.shape),
            "kernel_size": list(case.kernel_size), "passed": True, "errors": {}}
     for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
         err_fused = (got.to(F64) - want).abs().max().item()
@@ -136,7 +159,7 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str) -> di
 def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
     """Forward and backward times of candidate tiles, for the general kernels (bf16, offsets
     U(-4, 4)) and the zero-offset kernels (zero_fwd_ms, zero_bwd_ms)."""
-    from megaslide.attention.dsa import kernels, zero_kernels
+    from megaslide.attention.dsa import binned, kernels, zero_kernels
 
     shape = (1, 2, 3, 5, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)
     kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
@@ -164,9 +187,38 @@ def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
         rows.append({"block_q": block_q, "num_warps": num_warps, "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
                      "zero_bwd_ms": zero_bwd_s * 1e3})
+    default_keys = binned.key_config((T, H, W))
+    key_rows = []
+    for tile, block_e, num_warps in SMOKE_KEY_CONFIGS if smoke else KEY_CONFIGS:
+        keys = binned.KeyConfig(tile=tile, block_e=block_e, num_warps=num_warps)
+        out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
+
+        def backward():
+            return kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad=True,
+                                        key_config=keys)
+        key_rows.append({"tile": list(tile), "block_e": block_e, "num_warps": num_warps,
+                         "bwd_ms": timed(backward, device).median * 1e3, "kernel_ms": kernel_ms(backward, device)})
     return {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
-            "default_config": asdict(default), "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30),
-            "configs": rows}
+            "default_config": asdict(default), "default_key_config": asdict(default_keys),
+            "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
+            "key_configs": key_rows}
+
+
+def kernel_ms(fn, device: torch.device) -> dict[str, float]:
+    """Device time of one fn() call per kernel (or op) name, in ms, from torch.profiler; {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1e3
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def print_tables(rows: list[dict], sweep: dict | None) -> None:
@@ -187,6 +239,11 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
         for c in sweep["configs"]:
             print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} "
                   f"{c['fwd_bwd_ms']:11.2f} {c['zero_fwd_ms']:12.2f} {c['zero_bwd_ms']:12.2f}")
+        print(f"\nbackward key tiles (default {sweep['default_key_config']}): bwd ms, then ms per kernel")
+        for c in sweep["key_configs"]:
+            kernels = ", ".join(f"{name[:24]} {ms:.2f}" for name, ms in list(c["kernel_ms"].items())[:5])
+            print(f"tile {'x'.join(map(str, c['tile'])):7s} block_e {c['block_e']:3d} warps {c['num_warps']} "
+                  f"{c['bwd_ms']:9.2f}  {kernels}")
 
 
 def check(cfg: GpuCheckConfig) -> int:
@@ -212,6 +269,11 @@ def check(cfg: GpuCheckConfig) -> int:
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     rows = [check_case(case, dtype, device, op) for op in cfg.ops for case in cases for dtype in dtypes]
+    if "dsa" in cfg.ops:
+        from megaslide.attention.dsa import binned
+        key_case = cases[0] if cfg.smoke else KEY_CASE
+        rows += [check_case(key_case, dtype, device, "dsa", binned.KeyConfig(tile=tile, block_e=e, num_warps=w))
+                 for tile, e, w in (SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS) for dtype in dtypes]
     sweep = sweep_launch_configs(device, cfg.smoke) if cfg.sweep else None
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     passed = all(r["passed"] for r in rows) and auto_backend == expected_auto
