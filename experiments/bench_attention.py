@@ -226,6 +226,12 @@ def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: Non
     return rows
 
 
+def key_tile(grid) -> tuple[int, int, int]:
+    """The fused backward's default key tile on a (T, H, W) grid (`binned.key_config`)."""
+    from megaslide.attention.dsa import binned
+    return binned.key_config(tuple(grid)).tile
+
+
 def tile_rows(grid, heads: int, head_dims) -> list[dict]:
     """The fused DSA kernels' tiles on a (T, H, W) grid per head dim: `kernels.launch_config`, the
     backward's key tiles (`binned.key_config`) and heads per backward launch (`kernels.heads_per_group`,
@@ -282,21 +288,35 @@ def dsa_roofline(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dic
     return out
 
 
-def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dict) -> dict:
-    """A bound on fused DSA fwd+bwd as the kernels are built: every sample gathers its 8 corner rows
-    of K and V (elem B each) from L2, once in the forward and once in the backward, and scatters 8
-    corner rows of dK and dV as fp32 atomic updates (4 B each, resolved in L2).
+def tiles_touched(tile: tuple[int, int, int]) -> float:
+    """Mean key tiles a sample's 2 x 2 x 2 corners touch for key tiles of `tile` tokens, with the
+    sample's lower corner uniform over a tile: per axis the upper corner leaves the tile with
+    probability 1 / size (binned.py lists an entry once per touched tile)."""
+    return math.prod(1 + 1 / s for s in tile)
 
-    Time `ms`: the slowest of the idealised roofline's HBM bytes at the HBM rate, all L2 traffic (the
-    compulsory bytes, the gathers and the atomics) at the measured L2 copy rate, and the CUDA-core
-    FLOPs at the datasheet peak. Bytes only: the atomic units' own throughput and L1 hits between
-    neighbouring queries' corners are not modelled."""
+
+def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dict,
+                 tile: tuple[int, int, int] = (4, 4, 4)) -> dict:
+    """A bound on fused DSA fwd+bwd as the kernels are built (kernels.py forward, binned.py backward),
+    for key tiles of `tile` tokens, with r = `tiles_touched(tile)` entry records per (query, sample):
+    - gathers: every sample reads its 8 corner rows of K and V (elem B each) from L2, in the forward
+      and again in the backward's query pass;
+    - key rows: the key pass reads the query row q_n and dO_n of each record (2 d elem B);
+    - scratch: fp32 ds, p written once (8 B) and read per record; the offsets read by the two binning
+      passes and per record by the key pass (3 elem B); int32 records written, read, and counted twice
+      with atomics (4 B each).
+    Time `ms`: the slowest of the idealised roofline's HBM bytes at the HBM rate, all L2 traffic at the
+    measured L2 copy rate, and the CUDA-core FLOPs at the datasheet peak. Bytes only: the atomic
+    units' throughput, the key pass's tensor-core work and L1 hits between neighbouring queries'
+    corners are not modelled."""
     ideal = dsa_roofline(n_tokens, heads, d, K, elem, ceil)
-    qh = n_tokens * heads
-    gathers = qh * 2 * K * 8 * 2 * d * elem       # forward and backward, K and V corner rows
-    atomics = qh * K * 8 * 2 * d * 4              # dK and dV corner rows, fp32
-    out = {"hbm_bytes": ideal["hbm_bytes"], "l2_bytes": ideal["hbm_bytes"] + gathers + atomics,
-           "gather_bytes": gathers, "atomic_bytes": atomics, "flops_cuda_core": ideal["flops_cuda_core"]}
+    entries, r = n_tokens * heads * K, tiles_touched(tile)
+    gathers = entries * 2 * 8 * 2 * d * elem            # forward and query pass, K and V corner rows
+    key_rows = round(entries * r * 2 * d * elem)        # key pass: q and dO rows per record
+    scratch = round(entries * (8 + r * 8 + 2 * 3 * elem + r * 3 * elem + r * 4 * 4))
+    out = {"hbm_bytes": ideal["hbm_bytes"], "l2_bytes": ideal["hbm_bytes"] + gathers + key_rows + scratch,
+           "gather_bytes": gathers, "key_row_bytes": key_rows, "scratch_bytes": scratch,
+           "records_per_sample": r, "flops_cuda_core": ideal["flops_cuda_core"]}
     if ceil:
         out["t_hbm_ms"], out["t_flops_ms"] = ideal["t_hbm_ms"], ideal["t_flops_ms"]
         out["t_l2_ms"] = out["l2_bytes"] / (ceil["l2_gbps"] * 1e9) * 1e3
@@ -362,7 +382,7 @@ def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | 
     n_t, K, elem = math.prod(target_grid), math.prod(KERNEL), torch.finfo(dtype).bits // 8
     fused = by.get("dsa_fused")
     bounds = [{"bound": "idealised roofline", **dsa_roofline(n_t, heads, d, K, elem, ceil)},
-              {"bound": "gather bound", **gather_bound(n_t, heads, d, K, elem, ceil)}]
+              {"bound": "gather bound", **gather_bound(n_t, heads, d, K, elem, ceil, key_tile(target_grid))}]
     for b in bounds:
         if fused and "ms" in b:
             b["fused_fraction"] = b["ms"] / fused["ms"]

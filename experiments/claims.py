@@ -90,7 +90,8 @@ def c2(results_dir: Path):
 
 PLANNER_TARGET = 0.10   # C3: the planner's peak-HBM prediction counts as accurate within 10% of the measured peak
 TARGET_FRAMES = 256     # C3: the paper's clip length
-DSA_HEAD_GROUPS = "ddc31f7"  # the commit from which DSA's backward bounds its fp32 dK/dV scratch (the planner's model)
+DSA_HEAD_GROUPS = "ddc31f7"  # the commit from which DSA's backward bounds its scratch (the planner's model); the
+# binned backward (2a5644f) changed the scratch per head from 8 N d to N (40 K + 8) bytes: +0.14 GB at the headline
 VAE_TEMPORAL = 4        # a video VAE's temporal compression (e.g. Wan's): 4 video frames per latent frame
 
 

@@ -35,8 +35,9 @@ class AttendMemory:
     saved: everything else it keeps from forward to backward (output, lse, offsets, copies);
     forward, backward: what its forward (beyond `saved`) and its backward allocate at their peaks
     (intermediates, input gradients, accumulators);
-    scratch, scratch_cap, heads: fp32 accumulators that the backward keeps within `scratch_cap` bytes
-    (0: no bound) by running whole heads at a time, at least one (DSA's dK / dV over head groups)."""
+    scratch, scratch_cap, heads: buffers that the backward keeps within `scratch_cap` bytes (0: no
+    bound) by running whole heads at a time, at least one (DSA's fp32 ds, p and key-tile entry lists
+    over head groups, binned.py)."""
 
     keeps: str
     saved: int

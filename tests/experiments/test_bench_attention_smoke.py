@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from experiments.bench_attention import (QUICK, SLOPE_TOKENS, BenchAttentionConfig, dsa_roofline, gather_bound,
-                                         summarise, target_row, targets, tile_rows)
+                                         summarise, target_row, targets, tile_rows, tiles_touched)
 from experiments.results_io import RESULTS_DIR
 from tests.experiments.runner import load_result, run_script
 
@@ -74,13 +74,19 @@ def test_roofline_of_a_known_shape():
 
 
 def test_gather_bound_of_a_known_shape():
-    # per query and head, bf16, d = 16: forward and backward gather 8 corners x 27 samples of K and V rows
-    # (2 x 27 x 8 x 2 x 32 B = 27,648 B) and scatter 27 x 8 fp32 rows of dK and dV (27 x 8 x 2 x 64 B = 27,648 B)
-    b = gather_bound(1000, 2, 16, K, 2, CEIL)
-    assert b["gather_bytes"] == 2000 * 27_648 and b["atomic_bytes"] == 2000 * 27_648
-    assert b["hbm_bytes"] == 2000 * (456 + 908) and b["l2_bytes"] == 2000 * (456 + 908 + 2 * 27_648)
-    assert b["t_l2_ms"] == pytest.approx(2000 * (1364 + 55_296) / 5e12 * 1e3)
+    # per query and head, bf16, d = 16: the forward and the backward's query pass gather 8 corners x 27 samples
+    # of K and V rows (2 x 27 x 8 x 2 x 32 B = 27,648 B). 2 x 4 x 8 key tiles: each sample is listed in
+    # 1.5 x 1.25 x 1.125 = 2.109375 tiles, and the key pass reads q and dO per record (27 x 2.109375 x 64 B =
+    # 3,645 B); scratch per sample: ds, p 8 B + 8 B per record, offsets 2 x 6 B + 6 B per record, records 16 B
+    # per record (8 + 12 + 2.109375 x 30 = 83.28125 B, x 27 = 2,248.59375 B).
+    b = gather_bound(1000, 2, 16, K, 2, CEIL, tile=(2, 4, 8))
+    assert b["records_per_sample"] == 2.109375 and b["gather_bytes"] == 2000 * 27_648
+    assert b["key_row_bytes"] == 2000 * 3_645 and b["scratch_bytes"] == round(2000 * 2_248.59375)
+    assert b["hbm_bytes"] == 2000 * (456 + 908)
+    assert b["l2_bytes"] == 2000 * (456 + 908) + 2000 * 27_648 + 2000 * 3_645 + round(2000 * 2_248.59375)
+    assert b["t_l2_ms"] == pytest.approx(b["l2_bytes"] / 5e12 * 1e3)
     assert b["ms"] == b["t_l2_ms"]  # L2-bound
+    assert tiles_touched((1, 1, 1)) == 8 and tiles_touched((4, 4, 4)) == pytest.approx(1.953125)
     assert "ms" not in gather_bound(1000, 2, 16, K, 2, {})
 
 
@@ -101,7 +107,7 @@ def test_summary_of_known_rows():
     assert s["target_tokens"] == 1000
     assert ideal == {"bound": "idealised roofline", **dsa_roofline(1000, 2, 16, K, 2, CEIL),
                      "fused_fraction": pytest.approx(ideal["ms"] / 5.0)}
-    assert gathers["ms"] == gather_bound(1000, 2, 16, K, 2, CEIL)["ms"]
+    assert gathers["ms"] == gather_bound(1000, 2, 16, K, 2, CEIL, tile=(4, 4, 4))["ms"]   # 10^3 grid: 4 x 4 x 4 keys
     assert gathers["fused_fraction"] == pytest.approx(gathers["ms"] / 5.0)
     assert s["fused_speedup_vs_dsa_reference"] == 6.0 and s["fused_speedup_vs_dense"] == 8.0
     assert s["fused_speedup_vs_swin2x4x4"] == 2.0 and s["fused_memory_fraction_of_reference"] == 1 / 8
