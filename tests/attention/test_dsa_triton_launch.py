@@ -63,3 +63,15 @@ def test_block_order_covers_every_query_once(grid, kernel_size):
     want_grads = torch.autograd.grad(want, leaves, grad_out.double())
     for got, ref in zip([out, *grads], [want, *want_grads]):
         torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_clip_past_the_int32_entry_lists_is_refused_before_the_scratch(monkeypatch):
+    """The entry lists are indexed with int32: a head whose records could reach 2**31 is refused with a
+    message that names the limit and the fix, before the scratch is allocated (stand-in: 2**27 tiles per
+    entry makes this small clip's bound 2 x 20 x 9 x 2**27 > 2**31)."""
+    q, k, v, offsets, grad_out = make_inputs(SHAPE, KERNEL, torch.float32)
+    out, lse = kernels.dsa_forward(q, k, v, offsets, KERNEL, 0.25)
+    monkeypatch.setattr(kernels, "MAX_TILES_PER_ENTRY", 2 ** 27)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: pytest.fail("allocated before refusing"))
+    with pytest.raises(ValueError, match=r"int32: batch 2 x 20 tokens x K=9 .*model.slab_frames"):
+        kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, KERNEL, 0.25, offsets_grad=True)

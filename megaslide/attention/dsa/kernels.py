@@ -270,9 +270,10 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     group = heads_per_group(B, N, heads, K, scratch_bytes)
     tiles = math.prod(binned.tiles_per_axis((T, H, W), key_cfg.tile))
     records_bound = B * group * N * K * MAX_TILES_PER_ENTRY
-    if records_bound >= 2 ** 31:
-        raise ValueError(f"{records_bound} entry records of a head group overflow int32 indices; "
-                         f"lower scratch_bytes (now {scratch_bytes}) or the batch")
+    if records_bound >= 2 ** 31:  # one head (the group never exceeds the 1 GiB cap otherwise): the clip is too long
+        raise ValueError(f"DSA's backward indexes its key tiles' entry lists with int32: batch {B} x {N} tokens x "
+                         f"K={K} samples x {MAX_TILES_PER_ENTRY} tiles = {records_bound} >= 2**31 per head; attend over "
+                         f"fewer tokens per call: a smaller batch, or frame slabs (model.slab_frames)")
     dsp = torch.empty(B * group * K * N * 2, dtype=torch.float32, device=q.device)  # fp32 ds, p of a group
     records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
     counts = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)
