@@ -53,6 +53,7 @@ class GpuCheckConfig:
     name: str
     smoke: bool
     sweep: bool
+    launch_candidates: list[list[int]]
     dtypes: list[str]
     ops: list[str]
     wandb_dir: str
@@ -156,15 +157,16 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
     return row
 
 
-def sweep_launch_configs(device: torch.device, smoke: bool) -> dict:
-    """Forward and backward times of candidate tiles, for the general kernels (bf16, offsets
-    U(-4, 4)) and the zero-offset kernels (zero_fwd_ms, zero_bwd_ms)."""
+def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]]) -> dict:
+    """Forward and backward times of candidate tiles ((BLOCK_Q, warps) pairs), for the general kernels
+    (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms, zero_bwd_ms), then of the
+    backward's key configs (KEY_CONFIGS) with each kernel's profiled time."""
     from megaslide.attention.dsa import binned, kernels, zero_kernels
 
     shape = (1, 2, 3, 5, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)
     kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
     dtype = torch.float32 if smoke else torch.bfloat16
-    candidates = [(16, 1), (32, 1)] if smoke else [(8, 4), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
+    candidates = [(16, 1), (32, 1)] if smoke else [tuple(c) for c in launch_candidates]
     B, T, H, W, heads, d = shape
     K = math.prod(kernel_size)
     g = torch.Generator(device=device).manual_seed(0)
@@ -274,7 +276,7 @@ def check(cfg: GpuCheckConfig) -> int:
         key_case = cases[0] if cfg.smoke else KEY_CASE
         rows += [check_case(key_case, dtype, device, "dsa", binned.KeyConfig(tile=tile, block_e=e, num_warps=w))
                  for tile, e, w in (SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS) for dtype in dtypes]
-    sweep = sweep_launch_configs(device, cfg.smoke) if cfg.sweep else None
+    sweep = sweep_launch_configs(device, cfg.smoke, cfg.launch_candidates) if cfg.sweep else None
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     passed = all(r["passed"] for r in rows) and auto_backend == expected_auto
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
