@@ -27,6 +27,7 @@ Configuration: experiments/conf/bench_attention.yaml.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -37,7 +38,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
-from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, matmul_tflops, timed, within_tolerance
+from experiments.harness import (MIN_REPEATS, ExperimentRun, copy_gbps, deterministic_algorithms, matmul_tflops, timed,
+                                within_tolerance)
 from experiments.hydra_config import script_config, script_main
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
@@ -46,11 +48,12 @@ from megaslide.attention.dsa import deformable_slide_attention
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
 KERNEL, WINDOW = (3, 3, 3), (2, 4, 4)
 SWIN = "swin" + "x".join(map(str, WINDOW))
-VARIANTS = ("dense", SWIN, "dsa_reference", "dsa_fused", "dsa_fused_fwd", "dsa_zero_fused")
+VARIANTS = ("dense", SWIN, "dsa_reference", "dsa_fused", "dsa_fused_fwd", "dsa_fused_deterministic", "dsa_zero_fused")
 MODULES = ("dsa", "dsa_zero")
 SLOPE_TOKENS = (15_000, 1_100_000)  # the slope target's "16K to 1M tokens": 2 to 128 frames of 68 x 120
 SMOKE = {"heads": 2, "head_dim": 16, "module_head_dims": [16], "repeats": 5}
-QUICK = {"frames": [2, 8, 32, 128], "variants": ["dense", SWIN, "dsa_fused", "dsa_fused_fwd", "dsa_zero_fused"],
+QUICK = {"frames": [2, 8, 32, 128], "variants": ["dense", SWIN, "dsa_fused", "dsa_fused_fwd", "dsa_fused_deterministic",
+                                                 "dsa_zero_fused"],
          "sweep_variants": ["dsa_fused"]}
 
 
@@ -120,13 +123,14 @@ def variant_fns(grid, heads, d, dtype, device):
     swin = attend(lambda: SwinAttention(heads * d, heads, window=win, layer_idx=1))
     dsa_zero = attend(lambda: build_attention("dsa_zero", heads * d, heads, kernel_size=KERNEL, backend="triton"))
 
-    def dsa(backend, backward=True):
+    def dsa(backend, backward=True, deterministic=False):
         def setup():
             q, k, v, off = make_inputs(grid, heads, d, K, dtype, device)
 
             def step():
                 if backward:
-                    deformable_slide_attention(q, k, v, off, KERNEL, backend=backend).sum().backward()
+                    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+                        deformable_slide_attention(q, k, v, off, KERNEL, backend=backend).sum().backward()
                 else:
                     with torch.no_grad():
                         deformable_slide_attention(q, k, v, off, KERNEL, backend=backend)
@@ -135,7 +139,7 @@ def variant_fns(grid, heads, d, dtype, device):
 
     return {"dense": (dense, n), SWIN: (swin, math.prod(win)), "dsa_reference": (dsa("reference"), K),
             "dsa_fused": (dsa("triton"), K), "dsa_fused_fwd": (dsa("triton", backward=False), K),
-            "dsa_zero_fused": (dsa_zero, K)}
+            "dsa_fused_deterministic": (dsa("triton", deterministic=True), K), "dsa_zero_fused": (dsa_zero, K)}
 
 
 def module_fn(name, grid, heads, d, device, backend):
@@ -391,6 +395,8 @@ def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | 
         for other in ("dsa_reference", "dense", SWIN):
             if other in by:
                 summary[f"fused_speedup_vs_{other}"] = by[other]["ms"] / fused["ms"]
+        if "dsa_fused_deterministic" in by:  # the cost of sorting the backward's key-tile lists
+            summary["deterministic_cost"] = by["dsa_fused_deterministic"]["ms"] / fused["ms"]
         if "dsa_reference" in by and "peak_gb" in fused:
             summary["fused_memory_fraction_of_reference"] = fused["peak_gb"] / by["dsa_reference"]["peak_gb"]
         ref_t = next((r for r in target if r["variant"] == "dsa_reference"), {})

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import multiprocessing
@@ -157,6 +158,18 @@ def pcie_gbps(device: torch.device | str, nbytes: int, repeats: int = MIN_REPEAT
 
 # ----------------------------------------------------------------------------- accuracy
 TOLERANCE_RULE = "err <= 2 x same-dtype reference err + floor"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Run the block under `torch.use_deterministic_algorithms(True)`, restoring the setting after
+    (DSA's fused backward then sorts its key-tile lists: bitwise repeatable dK / dV)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def within_tolerance(err: float, ref_err: float, floor: float) -> bool:

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from experiments.harness import rounding_floor, within_tolerance
+from experiments.harness import deterministic_algorithms, rounding_floor, within_tolerance
 from megaslide.attention.dsa.reference import base_positions, trilinear_corners
 from tests.attention.test_dsa_triton import FLOOR_ULPS, kernels, make_inputs, run
 from tests.helpers import builds_for_sm90
@@ -124,6 +124,39 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile):
             got[divmod(i, tiles)] = set(entries)
     assert got == want
     assert (records[starts[-1]:] == -1).all()  # nothing written past the lists
+
+
+def test_sort_lists_orders_each_list_in_place():
+    """Shuffled lists of different lengths (one empty): each comes back ascending, in its own place, with
+    the same entries; the unused tail of the records buffer is left alone."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 0, 1, 7, 3]
+    lists = [torch.randperm(50, generator=g)[:n].to(torch.int32) for n in lengths]
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    records = torch.cat([*lists, torch.full((4,), -7, dtype=torch.int32)])
+    binned.sort_lists(starts, records)
+    for i, entries in enumerate(lists):
+        assert records[starts[i]:starts[i + 1]].tolist() == sorted(entries.tolist())
+    assert (records[-4:] == -7).all()
+
+
+def test_deterministic_algorithms_sort_the_lists(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the backward sorts its lists (a spy) and its
+    gradients equal the unsorted run's (in the interpreter both orders are fixed)."""
+    shape, kernel_size = (1, 3, 4, 5, 2, 16), (3, 3, 3)
+    q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0)
+    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, 0.25)
+    args = (q, k, v, offsets, out, lse, grad_out, kernel_size, 0.25, True)
+    plain = kernels.dsa_backward(*args)
+    calls = []
+    sort = binned.sort_lists
+    monkeypatch.setattr(binned, "sort_lists", lambda *a: (calls.append(1), sort(*a)))
+    with deterministic_algorithms():
+        sorted_run = kernels.dsa_backward(*args)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert calls, "the deterministic run did not sort its lists"
+    for a, b in zip(plain, sorted_run):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_binned_kernels_compile_for_sm90():

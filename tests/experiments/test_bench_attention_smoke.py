@@ -23,9 +23,9 @@ def test_bench_attention_smoke(tmp_path):
     data = load_result(tmp_path, "attention", "smoke")
     rows, target, modules = data["tables"]["sweep"], data["tables"]["target"], data["tables"]["module"]
     assert [r["variant"] for r in target] == ["dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_fused_fwd",
-                                              "dsa_zero_fused"]
+                                              "dsa_fused_deterministic", "dsa_zero_fused"]
     assert {r["variant"] for r in rows} == {"dense", "swin2x4x4", "dsa_reference", "dsa_fused", "dsa_zero_fused"}
-    assert [r["grid"] for r in target] == [[4, 8, 8]] * 6 and sorted({tuple(r["grid"]) for r in rows}) == [
+    assert [r["grid"] for r in target] == [[4, 8, 8]] * 7 and sorted({tuple(r["grid"]) for r in rows}) == [
         (4, 4, 8), (8, 4, 8)]
     for r in rows + target:
         assert r["tokens"] == math.prod(r["grid"])
@@ -97,7 +97,8 @@ def row(variant, tokens, ms, status="ok", **kw):
 def test_summary_of_known_rows():
     grid = (10, 10, 10)
     target = [row("dense", 1000, 40.0, peak_gb=2.0), row("swin2x4x4", 1000, 10.0),
-              row("dsa_reference", 1000, 30.0, peak_gb=8.0), row("dsa_fused", 1000, 5.0, peak_gb=1.0)]
+              row("dsa_reference", 1000, 30.0, peak_gb=8.0), row("dsa_fused", 1000, 5.0, peak_gb=1.0),
+              row("dsa_fused_deterministic", 1000, 6.0)]
     sizes = (1000, 2000, 4000)
     sweep = ([row("dsa_fused", n, 3e-3 * n) for n in sizes] + [row("dense", n, 1e-6 * n ** 2) for n in sizes]
              + [row("dsa_reference", n, 0.03 * n) for n in sizes[:2]] + [row("dsa_reference", 4000, None, "OOM")]
@@ -110,6 +111,7 @@ def test_summary_of_known_rows():
     assert gathers["ms"] == gather_bound(1000, 2, 16, K, 2, CEIL, tile=(4, 4, 4))["ms"]   # 10^3 grid: 4 x 4 x 4 keys
     assert gathers["fused_fraction"] == pytest.approx(gathers["ms"] / 5.0)
     assert s["fused_speedup_vs_dsa_reference"] == 6.0 and s["fused_speedup_vs_dense"] == 8.0
+    assert s["deterministic_cost"] == pytest.approx(1.2)
     assert s["fused_speedup_vs_swin2x4x4"] == 2.0 and s["fused_memory_fraction_of_reference"] == 1 / 8
     assert s["fused_speedup_vs_reference_at_largest_common_n"] == {"tokens": 2000, "speedup": pytest.approx(10.0)}
     assert s["fused_loglog_slope"] == pytest.approx(1.0) and s["dense_loglog_slope"] == pytest.approx(2.0)

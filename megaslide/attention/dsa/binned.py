@@ -18,7 +18,9 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    the second run takes a slot per (entry, tile) from an int32 cursor (atomic) and writes e there.
    The order inside a tile's list is the order in which programs took slots, so it varies from
    run to run on a GPU, and with it the fp32 summation order of dK / dV (rounding-level
-   differences; the interpreter runs programs in order and is deterministic).
+   differences; the interpreter runs programs in order and is deterministic). Under
+   `torch.use_deterministic_algorithms(True)` every list is then sorted (`sort_lists`), which makes
+   dK / dV the same bits from run to run.
 3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
    (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: recomputes each
    entry's corners and 1D weights from the offsets (kernels._axis_sample, the forward's clamping),
@@ -328,11 +330,27 @@ BIN_BLOCK = 1024
 """Entries per binning program."""
 
 
-def bin_entries(offsets, kernel_size, tile, counts, starts, records) -> None:
+def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
+    """Sort every list records[starts[i]:starts[i + 1]] in place (ascending entries), keeping the lists
+    where they are: one sort of (list index, entry) int64 keys, which are unique. The key pass then sums
+    each tile's entries in a fixed order, so dK / dV are the same bits from run to run. Allocates about
+    24 bytes per record for the keys and the sort, outside the scratch bound, and reads the record count
+    back to the host."""
+    lengths = starts[1:] - starts[:-1]  # (lists,)
+    total = int(starts[-1])
+    if total == 0:
+        return
+    lists = torch.repeat_interleave(torch.arange(lengths.numel(), device=records.device), lengths.long(),
+                                    output_size=total)  # (total,) each record's list
+    keys = (lists << 32) | records[:total].long()
+    records[:total] = (torch.sort(keys).values & 0xFFFFFFFF).to(torch.int32)
+
+
+def bin_entries(offsets, kernel_size, tile, counts, starts, records, deterministic: bool = False) -> None:
     """Build the per-(batch, head, key tile) entry lists of one head group: offsets (B, T, H, W, g, K, 3),
     a view of the full tensor. counts (B * g * tiles,) int32 (overwritten, used as the cursor),
     starts (B * g * tiles + 1,) int32 (written: list i is records[starts[i]:starts[i + 1]]),
-    records (at least the entries' tile count) int32."""
+    records (at least the entries' tile count) int32. `deterministic`: each list sorted (`sort_lists`)."""
     B, T, H, W, g = offsets.shape[:5]
     kt, kh, kw = kernel_size
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
@@ -346,6 +364,8 @@ def bin_entries(offsets, kernel_size, tile, counts, starts, records) -> None:
     torch.cumsum(counts, 0, out=starts[1:])
     counts.copy_(starts[:-1])  # the cursors
     _bin_kernel[grid](*args, FILL=True, **constexprs)
+    if deterministic:
+        sort_lists(starts, records)
 
 
 def key_pass(q, dout, offsets, dsp, starts, records, dk, dv, kernel_size, head_dim_block: int,

@@ -255,7 +255,9 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and shape of q, k, v
     and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when `offsets_grad` is False.
     `config` overrides the query pass's tiles and `key_config` (a `binned.KeyConfig`) the key tiles
-    (for tuning); `scratch_bytes` bounds the scratch (`heads_per_group`)."""
+    (for tuning); `scratch_bytes` bounds the scratch (`heads_per_group`). Under
+    `torch.use_deterministic_algorithms(True)` the key tiles' entry lists are sorted
+    (`binned.sort_lists`), so dk / dv are the same bits from run to run."""
     from megaslide.attention.dsa import binned
 
     B, T, H, W, heads, d = q.shape
@@ -288,7 +290,8 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
                               lse[:, h0:h0 + g].contiguous(), dq[heads_of], doff[heads_of], dsp_g,
                               kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
             counts_g, starts_g = counts[:B * g * tiles], starts[:B * g * tiles + 1]
-            binned.bin_entries(offsets_g, kernel_size, key_cfg.tile, counts_g, starts_g, records)
+            binned.bin_entries(offsets_g, kernel_size, key_cfg.tile, counts_g, starts_g, records,
+                               deterministic=torch.are_deterministic_algorithms_enabled())
             binned.key_pass(q_g, dout_g, offsets_g, dsp_g, starts_g, records, dk[heads_of], dv[heads_of],
                             kernel_size, cfg.block_d, key_cfg)
     return dq, dk, dv, doff if offsets_grad else None
