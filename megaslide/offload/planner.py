@@ -31,7 +31,7 @@ gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFL
 three terms, run one after the other on one stream:
 - attention: every block's `attend` (the variant's token mixing, DSA's offset net included) at the
   variant's own rate (`AttentionRate`), forward and backward apart: DSA's gathers and its backward's
-  atomics run far below the matmul ceiling. Its forward runs in the streamed forward and again in
+  key-tile binning run far below the matmul ceiling. Its forward runs in the streamed forward and again in
   the recompute, its backward once;
 - matmul: all other executed FLOPs at the matmul ceiling: model FLOPs (forward + 2x forward for the
   backward), the recomputed forward, and with chunking the slices' token-wise forward once more.
@@ -65,7 +65,7 @@ class AttentionRate:
     """How fast a self-attention variant's `attend` runs, in TFLOP/s of its counted FLOPs (QK^T and PV:
     4 x keys x D per query, as megaslide/perf/flops.py counts them; the backward counted as 2x the
     forward), forward and backward apart: time per counted FLOP, whatever `attend` does besides (DSA:
-    trilinear gathers, the backward's atomics). `includes_own_weights`: the rate was measured on the
+    trilinear gathers, the backward's binning). `includes_own_weights`: the rate was measured on the
     whole `attend`, the variant's own weights (DSA's offset net) included, so the matmul term leaves
     their FLOPs out."""
 
@@ -74,11 +74,12 @@ class AttentionRate:
     includes_own_weights: bool = True
 
 
-# the fused DSA op alone on an H200, bf16, 3x3x3, 16 heads x 64, 262,144 tokens (results/attention.md, the
-# dsa_gpu_check sweep's fastest forward + backward): forward 2.9e10 counted FLOPs in 27.6 ms, backward 5.8e10
-# in 122 ms. Its offset net is not in it: a rate measured on `attend` (experiments/oom_thresholds.py) is lower.
-# dsa_zero runs kernels of its own (no offsets, no atomics): no default, so it is bounded at the matmul ceiling.
-DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.05, 0.475, includes_own_weights=False)}
+# the fused DSA op alone on an H200, bf16, 3x3x3, 16 heads x 64, 262,144 tokens (results/attention/
+# h200_kernels_v3.json, the binned backward): forward 2.9e10 counted FLOPs in 26.9 ms (forward alone), backward
+# 5.8e10 in 115.9 ms (fwd+bwd 142.8 ms less the forward). Its offset net is not in it: a rate measured on `attend`
+# (experiments/oom_thresholds.py) is lower. dsa_zero runs kernels of its own (no offsets): no default, so it is
+# bounded at the matmul ceiling.
+DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.08, 0.50, includes_own_weights=False)}
 
 
 @dataclass(frozen=True)
