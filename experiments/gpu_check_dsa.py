@@ -85,9 +85,9 @@ GPU_CASES = [
     Case("d64_two_frames", (2, 2, 19, 21, 3, 64), (1, 3, 3), offset_std=3.0, far_fraction=0.1, fp32_offsets=True),
 ]
 KEY_CASE = GPU_CASES[0]  # the case every swept key configuration is checked on
-KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 64, 8), ((4, 4, 4), 16, 4),
-               ((2, 4, 8), 32, 4), ((2, 4, 8), 64, 8), ((4, 4, 8), 32, 8), ((2, 8, 8), 32, 8),
-               ((2, 2, 4), 32, 4)]
+KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 128, 4), ((4, 4, 4), 64, 2),
+               ((4, 4, 4), 128, 8), ((2, 4, 4), 64, 4), ((2, 2, 4), 64, 4), ((2, 2, 4), 128, 4),
+               ((2, 4, 8), 64, 4)]
 """Key tiles (t, y, x), BLOCK_E and warps of the backward's key pass that the sweep times."""
 SMOKE_KEY_CONFIGS = [((1, 2, 4), 16, 1), ((2, 2, 2), 32, 1)]
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
@@ -187,15 +187,18 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
         cfg = kernels.LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg)
         fwd_s = timed(lambda: kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg), device).median
-        bwd_s = timed(lambda: kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale,
-                                                   offsets_grad=True, config=cfg), device).median
+        def backward():
+            return kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad=True,
+                                        config=cfg)
+        bwd_s = timed(backward, device).median
+        bwd_kernels = kernel_ms(backward, device)
         out, lse = zero_kernels.na_forward(q, k, v, kernel_size, scale, config=cfg)
         zero_fwd_s = timed(lambda: zero_kernels.na_forward(q, k, v, kernel_size, scale, config=cfg), device).median
         zero_bwd_s = timed(lambda: zero_kernels.na_backward(q, k, v, out, lse, dout, kernel_size, scale, config=cfg),
                            device).median
         rows.append({"block_q": block_q, "num_warps": num_warps, "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
-                     "zero_bwd_ms": zero_bwd_s * 1e3})
+                     "zero_bwd_ms": zero_bwd_s * 1e3, "query_pass_ms": bwd_kernels.get("_query_kernel")})
     default_keys = binned.key_config((T, H, W))
     key_rows = []
     for tile, block_e, num_warps in SMOKE_KEY_CONFIGS if smoke else KEY_CONFIGS:
@@ -243,10 +246,11 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
     if sweep:
         print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
               f"(default {sweep['default_config']}; HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
-        print(f"{'block_q':>7s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd ms':>11s} "
+        print(f"{'block_q':>7s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'query ms':>9s} {'fwd+bwd ms':>11s} "
               f"{'zero fwd ms':>12s} {'zero bwd ms':>12s}")
         for c in sweep["configs"]:
-            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} "
+            query = f"{c['query_pass_ms']:9.2f}" if c["query_pass_ms"] is not None else f"{'-':>9s}"
+            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {query} "
                   f"{c['fwd_bwd_ms']:11.2f} {c['zero_fwd_ms']:12.2f} {c['zero_bwd_ms']:12.2f}")
         print(f"\nbackward key tiles (default {sweep['default_key_config']}): bwd ms, then ms per kernel")
         for c in sweep["key_configs"]:

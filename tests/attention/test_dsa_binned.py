@@ -185,7 +185,7 @@ def test_binned_kernels_compile_for_sm90():
                     "starts_ptr": "*i32", "records_ptr": "*i32", "dk_ptr": "*" + dtype, "dv_ptr": "*" + dtype,
                     **common, "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", **tiles}
             const = {**window, "TT": tile[0], "TY": tile[1], "TX": tile[2],
-                     "KEYS": max(16, tile[0] * tile[1] * tile[2]), "BLOCK_E": block_e, "BLOCK_D": block_d,
+                     "PX": binned.padded_x(tile), "BLOCK_E": block_e, "BLOCK_D": block_d,
                      "UPCAST": False}
             build(binned._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
     """) == 7

@@ -25,9 +25,10 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: recomputes each
    entry's corners and 1D weights from the offsets (kernels._axis_sample, the forward's clamping),
    builds the coefficients C[key, e] = w_t(key_t, e) w_y(key_y, e) w_x(key_x, e), the entry's
-   trilinear weight at that key (0 off its corners), gathers the entries' query rows q_n and dO_n
+   trilinear weight at that key (0 off its corners), as outer products of the per-axis weights (a tile
+   is a box, so each axis needs only its own extent's weights), gathers the entries' query rows q_n and dO_n
    (BLOCK_E x d, input dtype) and accumulates dK += (C * ds) @ Q, dV += (C * p) @ dO on tensor
-   cores. fp16 / bf16 rows are exact in their dtype; the fp32 coefficients are split into hi + lo
+   cores; the next block's list slots are loaded before this block's dots. fp16 / bf16 rows are exact in their dtype; the fp32 coefficients are split into hi + lo
    parts in that dtype (two dots, fp32 accumulation, ~16 significant bits); fp32 inputs use an
    IEEE fp32 dot. It writes dk / dv once, in the input dtype: no zero fill, no fp32 dK / dV buffer.
 
@@ -74,6 +75,12 @@ def key_config(grid: tuple[int, int, int]) -> KeyConfig:
         if not grown:
             break
     return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 32, num_warps=4)
+
+
+def padded_x(tile: tuple[int, int, int]) -> int:
+    """The key pass's x extent of a key tile: TX, padded so that a tile has at least the 16 key rows
+    that a tensor-core dot needs (the padding keys are computed and never stored)."""
+    return max(tile[2], triton.cdiv(16, tile[0] * tile[1]))
 
 
 def tiles_per_axis(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -258,7 +265,7 @@ def _dot_acc(acc, coef, rows, UPCAST: tl.constexpr):
 def _key_kernel(q_ptr, dout_ptr, off_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_ptr,
                 T, H, W, HEADS, D, stride_tok, stride_off_tok, TILES_Y, TILES_X, TILES,
                 KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, KEYS: tl.constexpr,
+                TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, PX: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -268,12 +275,12 @@ def _key_kernel(q_ptr, dout_ptr, off_ptr, dsp_ptr, starts_ptr, records_ptr, dk_p
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     col_ok = cols < D
 
-    # this tile's keys (KEYS >= TT * TY * TX, padded to the dots' minimum)
-    key = tl.arange(0, KEYS)  # (KEYS,)
-    key_t = tile // (TILES_Y * TILES_X) * TT + key // (TY * TX)
-    key_y = (tile // TILES_X) % TILES_Y * TY + (key // TX) % TY
-    key_x = tile % TILES_X * TX + key % TX
-    key_ok = (key < TT * TY * TX) & (key_t < T) & (key_y < H) & (key_x < W)  # (KEYS,)
+    # this tile's keys, row-major over (TT, TY, PX): PX >= TX pads the x extent so that the dots have at
+    # least 16 rows; the padding keys (and those past the grid) are computed and never stored
+    KEYS: tl.constexpr = TT * TY * PX
+    t_pos = tile // (TILES_Y * TILES_X) * TT + tl.arange(0, TT)  # (TT,) the tile's key coordinates per axis
+    y_pos = (tile // TILES_X) % TILES_Y * TY + tl.arange(0, TY)  # (TY,)
+    x_pos = tile % TILES_X * TX + tl.arange(0, PX)  # (PX,)
 
     head_off = b * N * stride_tok + h * D
     q_bh = q_ptr + head_off
@@ -286,26 +293,37 @@ def _key_kernel(q_ptr, dout_ptr, off_ptr, dsp_ptr, starts_ptr, records_ptr, dk_p
     dk = tl.zeros([KEYS, BLOCK_D], tl.float32)
     dv = tl.zeros([KEYS, BLOCK_D], tl.float32)
     first = start
+    slot = first + tl.arange(0, BLOCK_E)  # (E,)
+    e = tl.load(records_ptr + slot, mask=slot < end, other=0)  # (E,) this block's entries
     while first < end:  # not `range`: the interpreter cannot take a loaded bound as a range
-        slot = first + tl.arange(0, BLOCK_E)  # (E,)
         valid = slot < end
-        e = tl.load(records_ptr + slot, mask=valid, other=0)  # (E,)
         t0, t1, ft, y0, y1, fy, x0, x1, fx = _entry_corners(off_bh, e, valid, T, H, W, N, stride_off_tok,
                                                             KT, KH, KW)
         dsp_e = dsp_bh + 2 * e.to(tl.int64)  # (E,)
         ds = tl.load(dsp_e, mask=valid, other=0.0)  # (E,), 0 past the list
         p = tl.load(dsp_e + 1, mask=valid, other=0.0)  # (E,)
-        # (KEYS, E) each entry's trilinear weight at each key of the tile
-        coef = (_key_weights(key_t, t0, t1, ft) * _key_weights(key_y, y0, y1, fy)
-                * _key_weights(key_x, x0, x1, fx))
         rows = (e % N).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (E, BD) the entries' queries
         row_mask = valid[:, None] & col_ok[None, :]
         q = tl.load(q_bh + rows, mask=row_mask, other=0.0)  # (E, BD) input dtype
         do = tl.load(do_bh + rows, mask=row_mask, other=0.0)  # (E, BD)
-        dk = _dot_acc(dk, coef * ds[None, :], q, UPCAST)
-        dv = _dot_acc(dv, coef * p[None, :], do, UPCAST)
         first += BLOCK_E
+        slot = first + tl.arange(0, BLOCK_E)
+        e = tl.load(records_ptr + slot, mask=slot < end, other=0)  # the next block's, in flight during the dots
+        # each entry's trilinear weight at each key of the tile, separable over the axes:
+        # (TT * TY, E) from the t and y weights, times the x weights scaled by ds (dK) or p (dV)
+        w_ty = tl.reshape(_key_weights(t_pos, t0, t1, ft)[:, None, :] * _key_weights(y_pos, y0, y1, fy)[None, :, :],
+                          (TT * TY, BLOCK_E))
+        w_x = _key_weights(x_pos, x0, x1, fx)  # (PX, E)
+        coef_ds = tl.reshape(w_ty[:, None, :] * (w_x * ds[None, :])[None, :, :], (KEYS, BLOCK_E))
+        coef_p = tl.reshape(w_ty[:, None, :] * (w_x * p[None, :])[None, :, :], (KEYS, BLOCK_E))
+        dk = _dot_acc(dk, coef_ds, q, UPCAST)
+        dv = _dot_acc(dv, coef_p, do, UPCAST)
 
+    key = tl.arange(0, KEYS)  # (KEYS,) as the coefficients' rows
+    key_t = tile // (TILES_Y * TILES_X) * TT + key // (TY * PX)
+    key_y = (tile // TILES_X) % TILES_Y * TY + (key // PX) % TY
+    key_x = tile % TILES_X * TX + key % PX
+    key_ok = (key % PX < TX) & (key_t < T) & (key_y < H) & (key_x < W)  # (KEYS,) keys of this tile
     key_rows = ((key_t * H + key_y) * W + key_x).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (KEYS, BD)
     out_mask = key_ok[:, None] & col_ok[None, :]
     tl.store(dk_ptr + head_off + key_rows, dk.to(dk_ptr.dtype.element_ty), mask=out_mask)
@@ -380,6 +398,6 @@ def key_pass(q, dout, offsets, dsp, starts, records, dk, dv, kernel_size, head_d
     _key_kernel[(tiles, B * g)](
         q, dout, offsets, dsp, starts, records, dk, dv,
         T, H, W, g, d, q.stride(3), offsets.stride(3), tiles_y, tiles_x, tiles,
-        KT=kt, KH=kh, KW=kw, TT=tt, TY=ty, TX=tx, KEYS=max(16, tt * ty * tx),
+        KT=kt, KH=kh, KW=kw, TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile),
         BLOCK_E=config.block_e, BLOCK_D=head_dim_block, UPCAST=INTERPRETED, num_warps=config.num_warps,
     )
