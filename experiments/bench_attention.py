@@ -44,6 +44,7 @@ from experiments.hydra_config import script_config, script_main
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
+from megaslide.attention.dsa.op import ENTRY_FLOATS
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
 KERNEL, WINDOW = (3, 3, 3), (2, 4, 4)
@@ -306,9 +307,9 @@ def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dic
     - gathers: every sample reads its 8 corner rows of K and V (elem B each) from L2, in the forward
       and again in the backward's query pass;
     - key rows: the key pass reads the query row q_n and dO_n of each record (2 d elem B);
-    - scratch: fp32 ds, p written once (8 B) and read per record; the offsets read by the two binning
-      passes and per record by the key pass (3 elem B); int32 records written, read, and counted twice
-      with atomics (4 B each).
+    - scratch: each entry (ds, p, position: one 32-byte sector, `op.ENTRY_FLOATS`) written once, read by
+      the two binning passes and per record by the key pass; int32 records written, read, and counted
+      twice with atomics (4 B each).
     Time `ms`: the slowest of the idealised roofline's HBM bytes at the HBM rate, all L2 traffic at the
     measured L2 copy rate, and the CUDA-core FLOPs at the datasheet peak. Bytes only: the atomic
     units' throughput, the key pass's tensor-core work and L1 hits between neighbouring queries'
@@ -317,7 +318,8 @@ def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dic
     entries, r = n_tokens * heads * K, tiles_touched(tile)
     gathers = entries * 2 * 8 * 2 * d * elem            # forward and query pass, K and V corner rows
     key_rows = round(entries * r * 2 * d * elem)        # key pass: q and dO rows per record
-    scratch = round(entries * (8 + r * 8 + 2 * 3 * elem + r * 3 * elem + r * 4 * 4))
+    entry = 4 * ENTRY_FLOATS
+    scratch = round(entries * ((3 + r) * entry + r * 4 * 4))
     out = {"hbm_bytes": ideal["hbm_bytes"], "l2_bytes": ideal["hbm_bytes"] + gathers + key_rows + scratch,
            "gather_bytes": gathers, "key_row_bytes": key_rows, "scratch_bytes": scratch,
            "records_per_sample": r, "flops_cuda_core": ideal["flops_cuda_core"]}

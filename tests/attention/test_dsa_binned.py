@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from experiments.harness import deterministic_algorithms, rounding_floor, within_tolerance
+from megaslide.attention.dsa.op import ENTRY_FLOATS
 from megaslide.attention.dsa.reference import base_positions, trilinear_corners
 from tests.attention.test_dsa_triton import FLOOR_ULPS, kernels, make_inputs, run
 from tests.helpers import builds_for_sm90
@@ -83,13 +84,29 @@ def test_default_key_tiles_through_the_op():
                             binned.key_config((5, 6, 7)).block_e)
 
 
+def clamped_positions(offsets: torch.Tensor, kernel_size) -> torch.Tensor:
+    """(B, T, H, W, heads, K, 3) fp32: the reference's sample positions, clamped to the grid."""
+    T, H, W = offsets.shape[1:4]
+    pos = base_positions((T, H, W), kernel_size)[None, :, :, :, None] + offsets.float()
+    return torch.clamp(pos, min=torch.zeros(3), max=torch.tensor([T - 1.0, H - 1.0, W - 1.0]))
+
+
+def scratch_entries(offsets: torch.Tensor, kernel_size) -> torch.Tensor:
+    """The query pass's scratch (B, heads, K, N, ENTRY_FLOATS) for these offsets, as binning reads it: the
+    clamped position in words 2-4 (ds, p and the padding are arbitrary: binning must not read them)."""
+    B, T, H, W, heads, K, _ = offsets.shape
+    pos = clamped_positions(offsets, kernel_size).permute(0, 4, 5, 1, 2, 3, 6).reshape(B, heads, K, T * H * W, 3)
+    entries = torch.full((B, heads, K, T * H * W, ENTRY_FLOATS), float("nan"))
+    entries[..., 2:5] = pos
+    return entries
+
+
 def reference_lists(offsets: torch.Tensor, kernel_size, tile) -> dict[tuple[int, int], set[int]]:
     """{(batch * heads + head, key tile): {entries e = j * N + n whose nonzero-weight corners lie in it}}
     from the reference's positions and trilinear corners."""
     B, T, H, W, heads, K, _ = offsets.shape
     N = T * H * W
-    pos = base_positions((T, H, W), kernel_size)[None, :, :, :, None] + offsets.float()  # (B, T, H, W, heads, K, 3)
-    pos = torch.clamp(pos, min=torch.zeros(3), max=torch.tensor([T - 1.0, H - 1.0, W - 1.0]))
+    pos = clamped_positions(offsets, kernel_size)  # (B, T, H, W, heads, K, 3)
     tiles_y, tiles_x = math.ceil(H / tile[1]), math.ceil(W / tile[2])
     lists: dict[tuple[int, int], set[int]] = {}
     for token, weight in trilinear_corners(pos, (T, H, W)):
@@ -114,7 +131,8 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile):
     counts = torch.empty(B * heads * tiles, dtype=torch.int32)
     starts = torch.empty(B * heads * tiles + 1, dtype=torch.int32)
     records = torch.full((B * heads * math.prod(grid) * K * 8,), -1, dtype=torch.int32)
-    binned.bin_entries(offsets, kernel_size, tile, counts, starts, records)
+    binned.bin_entries(scratch_entries(offsets, kernel_size), (B, *grid, heads), kernel_size, tile, counts, starts,
+                       records)
     want = reference_lists(offsets, kernel_size, tile)
     got = {}
     for i in range(B * heads * tiles):
@@ -172,20 +190,20 @@ def test_binned_kernels_compile_for_sm90():
                  "lse_ptr": "*fp32", "dq_ptr": "*bf16", "doff_ptr": "*fp32", "dsp_ptr": "*fp32", **common,
                  "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", "scale": "fp32", "qk_scale": "fp32"}
         build(binned._query_kernel, query, {**window, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
-                                            "OFFSET_GRAD": True}, cfg.num_warps, aligned_ints=("D", "stride_tok"))
+                                            "OFFSET_GRAD": True, "ENTRY": binned.ENTRY_FLOATS}, cfg.num_warps,
+              aligned_ints=("D", "stride_tok"))
         tiles = {"TILES_Y": "i32", "TILES_X": "i32", "TILES": "i32"}
-        bins = {"off_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", **common,
-                "stride_off_tok": "i32", **tiles}
+        bins = {"dsp_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", "T": "i32", "H": "i32", "W": "i32",
+                **tiles}
         for fill in (False, True):
-            build(binned._bin_kernel, bins, {**window, "TT": 4, "TY": 4, "TX": 4, "BLOCK": binned.BIN_BLOCK,
-                                             "FILL": fill}, 4)
+            build(binned._bin_kernel, bins, {"K": 27, "TT": 4, "TY": 4, "TX": 4, "BLOCK": binned.BIN_BLOCK,
+                                             "FILL": fill, "ENTRY": binned.ENTRY_FLOATS}, 4)
         for dtype, tile, block_e, block_d in [("bf16", (4, 4, 4), 32, 64), ("bf16", (2, 4, 8), 64, 128),
                                               ("bf16", (1, 1, 1), 16, 64), ("fp32", (4, 4, 4), 32, 64)]:
-            keys = {"q_ptr": "*" + dtype, "dout_ptr": "*" + dtype, "off_ptr": "*fp32", "dsp_ptr": "*fp32",
-                    "starts_ptr": "*i32", "records_ptr": "*i32", "dk_ptr": "*" + dtype, "dv_ptr": "*" + dtype,
-                    **common, "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", **tiles}
-            const = {**window, "TT": tile[0], "TY": tile[1], "TX": tile[2],
-                     "PX": binned.padded_x(tile), "BLOCK_E": block_e, "BLOCK_D": block_d,
-                     "UPCAST": False}
+            keys = {"q_ptr": "*" + dtype, "dout_ptr": "*" + dtype, "dsp_ptr": "*fp32", "starts_ptr": "*i32",
+                    "records_ptr": "*i32", "dk_ptr": "*" + dtype, "dv_ptr": "*" + dtype, **common, "D": "i32",
+                    "stride_tok": "i32", **tiles}
+            const = {"K": 27, "TT": tile[0], "TY": tile[1], "TX": tile[2], "PX": binned.padded_x(tile),
+                     "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": binned.ENTRY_FLOATS}
             build(binned._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
     """) == 7

@@ -8,44 +8,48 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
 
 1. Query pass (`_query_kernel`, one program per BLOCK_Q queries of a (batch, head)): recomputes
    p_j = exp(s_j - lse) and finishes dq and d(offsets) of its queries (no other program writes
-   them), and stores each entry's fp32 ds = p (<dO, V_j> - <dO, out>) * scale and p into the
-   scratch `dsp` (B, HEADS, K, N, 2): a store coalesced over n.
-2. Binning (`_bin_kernel`, run twice): the key grid is cut into tiles of TT x TY x TX tokens
-   (a box of the (T, H, W) grid, the last ones partial). A sample's corners with nonzero weight
-   lie in the tiles of its lower corner and, along each axis where the fraction is nonzero and the
-   upper neighbour lies in the next tile, that tile too: 1 to 8 tiles. The first run counts the
-   entries per (batch, head, tile) with int32 atomics; `torch.cumsum` makes the exclusive starts;
-   the second run takes a slot per (entry, tile) from an int32 cursor (atomic) and writes e there.
-   The order inside a tile's list is the order in which programs took slots, so it varies from
-   run to run on a GPU, and with it the fp32 summation order of dK / dV (rounding-level
-   differences; the interpreter runs programs in order and is deterministic). Under
+   them), and stores each entry into the scratch `dsp` (B, HEADS, K, N, ENTRY_FLOATS): fp32
+   ds = p (<dO, V_j> - <dO, out>) * scale, p and the sample's clamped (t, y, x) position, padded to
+   one aligned 32-byte sector, so that the later passes read an entry with one load and never
+   recompute its position from the offsets (whose 3 words per entry lie a token row apart).
+2. Binning (`_bin_kernel`, run twice, reading the entries' positions): the key grid is cut into
+   tiles of TT x TY x TX tokens (a box of the (T, H, W) grid, the last ones partial). A sample's
+   corners with nonzero weight lie in the tiles of its lower corner and, along each axis where the
+   fraction is nonzero and the upper neighbour lies in the next tile, that tile too: 1 to 8 tiles.
+   The first run counts the entries per (batch, head, tile) with int32 atomics; `torch.cumsum` makes
+   the exclusive starts; the second run takes a slot per (entry, tile) from an int32 cursor (atomic)
+   and writes e there. The order inside a tile's list is the order in which programs took slots, so
+   it varies from run to run on a GPU, and with it the fp32 summation order of dK / dV
+   (rounding-level differences; the interpreter runs programs in order and is deterministic). Under
    `torch.use_deterministic_algorithms(True)` every list is then sorted (`sort_lists`), which makes
    dK / dV the same bits from run to run.
 3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
-   (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: recomputes each
-   entry's corners and 1D weights from the offsets (kernels._axis_sample, the forward's clamping),
+   (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: reads each entry,
+   takes its corners and 1D weights from the stored position (kernels._axis_corners, as the forward),
    builds the coefficients C[key, e] = w_t(key_t, e) w_y(key_y, e) w_x(key_x, e), the entry's
    trilinear weight at that key (0 off its corners), as outer products of the per-axis weights (a tile
-   is a box, so each axis needs only its own extent's weights), gathers the entries' query rows q_n and dO_n
-   (BLOCK_E x d, input dtype) and accumulates dK += (C * ds) @ Q, dV += (C * p) @ dO on tensor
-   cores; the next block's list slots are loaded before this block's dots. fp16 / bf16 rows are exact in their dtype; the fp32 coefficients are split into hi + lo
-   parts in that dtype (two dots, fp32 accumulation, ~16 significant bits); fp32 inputs use an
-   IEEE fp32 dot. It writes dk / dv once, in the input dtype: no zero fill, no fp32 dK / dV buffer.
+   is a box, so each axis needs only its own extent's weights), gathers the entries' query rows q_n
+   and dO_n (BLOCK_E x d, input dtype) and accumulates dK += (C * ds) @ Q, dV += (C * p) @ dO on tensor
+   cores; the next block's list slots are loaded before this block's dots. fp16 / bf16 rows are exact
+   in their dtype; the fp32 coefficients are split into hi + lo parts in that dtype (two dots, fp32
+   accumulation, ~16 significant bits); fp32 inputs use an IEEE fp32 dot. It writes dk / dv once, in
+   the input dtype: no zero fill, no fp32 dK / dV buffer.
 
 Scratch per head group (bounded by `op.SCRATCH_BYTES` through the group size, `op.backward_scratch_bytes`):
-dsp 8 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
+dsp 32 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
 worst case; about 2 on average for 4 x 4 x 4 tiles), counts and starts 4 bytes per tile each.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.kernels import INTERPRETED, LaunchConfig, _axis_sample, _query_block, _window_start
-from megaslide.attention.dsa.op import MAX_TILES_PER_ENTRY
+from megaslide.attention.dsa.kernels import INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block, _window_start
+from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
 
 KEY_TILE_KEYS = 64
 """Keys per default key tile: the M of the key pass's dots."""
@@ -92,7 +96,7 @@ def tiles_per_axis(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> tu
 def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_ptr, doff_ptr, dsp_ptr,
                   T, H, W, HEADS, D, stride_tok, stride_off_tok, scale, qk_scale,
                   KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr):
+                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr, ENTRY: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
@@ -109,7 +113,9 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
     off_row = b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
     off_q = off_ptr + off_row
     doff_q = doff_ptr + off_row
-    dsp_q = dsp_ptr + (b * HEADS + h) * (KT * KH * KW) * N * 2 + n * 2  # (BQ,) entry (n, j = 0) of dsp
+    fields = tl.arange(0, ENTRY)  # (F,) an entry's words
+    dsp_q = (dsp_ptr + (b * HEADS + h) * (KT * KH * KW) * N * ENTRY
+             + n.to(tl.int64)[:, None] * ENTRY + fields[None, :])  # (BQ, F) entry (n, j = 0) of dsp
 
     t_start = _window_start(t, KT, T)  # (BQ,)
     y_start = _window_start(y, KH, H)
@@ -123,9 +129,9 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                 dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)
                 dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)
                 dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)
-                t0, t1, ft, in_t = _axis_sample(t_start, it, dt, T)
-                y0, y1, fy, in_y = _axis_sample(y_start, iy, dy, H)
-                x0, x1, fx, in_x = _axis_sample(x_start, ix, dx, W)
+                t0, t1, ft, in_t, pos_t = _axis_sample(t_start, it, dt, T)
+                y0, y1, fy, in_y, pos_y = _axis_sample(y_start, iy, dy, H)
+                x0, x1, fx, in_x, pos_x = _axis_sample(x_start, ix, dx, W)
                 t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)
                 t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)
 
@@ -147,14 +153,9 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                             dw_t = (2 * ct - 1) * y_w[cy] * x_w[cx]  # (BQ,) d w / d pos_t
                             dw_y = (2 * cy - 1) * t_w[ct] * x_w[cx]
                             dw_x = (2 * cx - 1) * t_w[ct] * y_w[cy]
-                            if OFFSET_GRAD:
-                                needed = (w != 0.0) | (dw_t != 0.0) | (dw_y != 0.0) | (dw_x != 0.0)
-                            else:
-                                needed = w != 0.0
-                            row_mask = tile_mask & needed[:, None]
                             rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            k_c = tl.load(k_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            v_c = tl.load(v_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
                             k_sample += w[:, None] * k_c
                             dov_c = tl.sum(do * v_c, axis=1)  # (BQ,)
                             dov += w * dov_c
@@ -171,8 +172,10 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                 p = tl.exp2(s - lse)  # (BQ,) softmax probability of sample j
                 ds = p * (dov - delta) * scale  # (BQ,) d loss / d <q, sampled key>
                 dq += ds[:, None] * k_sample  # (BQ, BD)
-                tl.store(dsp_q + j * N * 2, ds, mask=q_valid)  # the key pass's coefficients
-                tl.store(dsp_q + j * N * 2 + 1, p, mask=q_valid)
+                entry = tl.where(fields == 0, ds[:, None], tl.where(fields == 1, p[:, None], tl.where(
+                    fields == 2, pos_t[:, None], tl.where(fields == 3, pos_y[:, None], tl.where(
+                        fields == 4, pos_x[:, None], 0.0)))))  # (BQ, F) what binning and the key pass read
+                tl.store(dsp_q + j * N * ENTRY, entry, mask=q_valid[:, None])
                 if OFFSET_GRAD:
                     g_t = tl.where(in_t, ds * gk_t + p * gv_t, 0.0)  # (BQ,)
                     g_y = tl.where(in_y, ds * gk_y + p * gv_y, 0.0)
@@ -186,37 +189,37 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
 
 
 @triton.jit
-def _entry_corners(off_bh, e, valid, T, H, W, N, stride_off_tok,
-                   KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr):
-    """Corners of entries e = j * N + n (E,) int32 of one (batch, head); off_bh points at the
-    head's offsets of token 0. Returns per axis (lower, upper, frac) (E,) as `_axis_sample`."""
-    n = e % N
-    j = e // N
-    t, y, x = n // (H * W), (n // W) % H, n % W
-    off_e = off_bh + n.to(tl.int64) * stride_off_tok + 3 * j  # (E,)
-    dt = tl.load(off_e, mask=valid, other=0.0).to(tl.float32)
-    dy = tl.load(off_e + 1, mask=valid, other=0.0).to(tl.float32)
-    dx = tl.load(off_e + 2, mask=valid, other=0.0).to(tl.float32)
-    t0, t1, ft, _ = _axis_sample(_window_start(t, KT, T), j // (KH * KW), dt, T)
-    y0, y1, fy, _ = _axis_sample(_window_start(y, KH, H), (j // KW) % KH, dy, H)
-    x0, x1, fx, _ = _axis_sample(_window_start(x, KW, W), j % KW, dx, W)
-    return t0, t1, ft, y0, y1, fy, x0, x1, fx
+def _entry_field(entries, fields, i: tl.constexpr):
+    """Word i (E,) of entries (E, F) whose columns are fields (F,)."""
+    return tl.sum(tl.where(fields[None, :] == i, entries, 0.0), axis=1)
 
 
 @triton.jit
-def _bin_kernel(off_ptr, slot_ptr, records_ptr, T, H, W, HEADS, stride_off_tok, TILES_Y, TILES_X, TILES,
-                KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr):
+def _entries(dsp_bh, e, valid, T, H, W, ENTRY: tl.constexpr):
+    """The scratch entries e (E,) int32 of one (batch, head), dsp_bh pointing at its first: one aligned
+    (E, ENTRY) load. Returns ds, p (E,) (0 where not valid) and per axis (lower, upper, frac) (E,) of
+    the clamped position the query pass stored (`_axis_corners`: the forward's corners)."""
+    fields = tl.arange(0, ENTRY)  # (F,)
+    entries = tl.load(dsp_bh + e.to(tl.int64)[:, None] * ENTRY + fields[None, :], mask=valid[:, None],
+                      other=0.0)  # (E, F)
+    t0, t1, ft = _axis_corners(_entry_field(entries, fields, 2), T)
+    y0, y1, fy = _axis_corners(_entry_field(entries, fields, 3), H)
+    x0, x1, fx = _axis_corners(_entry_field(entries, fields, 4), W)
+    return _entry_field(entries, fields, 0), _entry_field(entries, fields, 1), t0, t1, ft, y0, y1, fy, x0, x1, fx
+
+
+@triton.jit
+def _bin_kernel(dsp_ptr, slot_ptr, records_ptr, T, H, W, TILES_Y, TILES_X, TILES, K: tl.constexpr,
+                TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr,
+                ENTRY: tl.constexpr):
     """Per (entry, touched tile): count (slot_ptr: counts (B * HEADS, TILES) int32, zeroed) or,
     with FILL, take a slot from the cursor (slot_ptr: cursors, the starts) and write e there."""
     bh = tl.program_id(1)
-    b = (bh // HEADS).to(tl.int64)
-    h = bh % HEADS
     N = T * H * W
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (E,)
-    valid = e < N * (KT * KH * KW)
-    off_bh = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3)
-    t0, t1, ft, y0, y1, fy, x0, x1, fx = _entry_corners(off_bh, e, valid, T, H, W, N, stride_off_tok, KT, KH, KW)
+    valid = e < N * K
+    dsp_bh = dsp_ptr + bh.to(tl.int64) * K * N * ENTRY
+    _, _, t0, t1, ft, y0, y1, fy, x0, x1, fx = _entries(dsp_bh, e, valid, T, H, W, ENTRY)
     # per axis the lower corner's tile and, where the upper corner has weight and lies past it, the next
     t_tile, y_tile, x_tile = (t0 // TT, t1 // TT), (y0 // TY, y1 // TY), (x0 // TX, x1 // TX)
     t_used = (valid, valid & (ft != 0.0) & (t_tile[1] != t_tile[0]))
@@ -262,11 +265,10 @@ def _dot_acc(acc, coef, rows, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_kernel(q_ptr, dout_ptr, off_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_ptr,
-                T, H, W, HEADS, D, stride_tok, stride_off_tok, TILES_Y, TILES_X, TILES,
-                KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_ptr,
+                T, H, W, HEADS, D, stride_tok, TILES_Y, TILES_X, TILES, K: tl.constexpr,
                 TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, PX: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, ENTRY: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HEADS).to(tl.int64)
@@ -285,8 +287,7 @@ def _key_kernel(q_ptr, dout_ptr, off_ptr, dsp_ptr, starts_ptr, records_ptr, dk_p
     head_off = b * N * stride_tok + h * D
     q_bh = q_ptr + head_off
     do_bh = dout_ptr + head_off
-    off_bh = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3)
-    dsp_bh = dsp_ptr + bh.to(tl.int64) * (KT * KH * KW) * N * 2
+    dsp_bh = dsp_ptr + bh.to(tl.int64) * K * N * ENTRY
     start = tl.load(starts_ptr + bh * TILES + tile)
     end = tl.load(starts_ptr + bh * TILES + tile + 1)
 
@@ -297,11 +298,7 @@ def _key_kernel(q_ptr, dout_ptr, off_ptr, dsp_ptr, starts_ptr, records_ptr, dk_p
     e = tl.load(records_ptr + slot, mask=slot < end, other=0)  # (E,) this block's entries
     while first < end:  # not `range`: the interpreter cannot take a loaded bound as a range
         valid = slot < end
-        t0, t1, ft, y0, y1, fy, x0, x1, fx = _entry_corners(off_bh, e, valid, T, H, W, N, stride_off_tok,
-                                                            KT, KH, KW)
-        dsp_e = dsp_bh + 2 * e.to(tl.int64)  # (E,)
-        ds = tl.load(dsp_e, mask=valid, other=0.0)  # (E,), 0 past the list
-        p = tl.load(dsp_e + 1, mask=valid, other=0.0)  # (E,)
+        ds, p, t0, t1, ft, y0, y1, fy, x0, x1, fx = _entries(dsp_bh, e, valid, T, H, W, ENTRY)  # 0 past the list
         rows = (e % N).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (E, BD) the entries' queries
         row_mask = valid[:, None] & col_ok[None, :]
         q = tl.load(q_bh + rows, mask=row_mask, other=0.0)  # (E, BD) input dtype
@@ -340,12 +337,14 @@ def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, sca
         q, k, v, offsets, out, dout, lse, dq, doff, dsp,
         T, H, W, g, d, q.stride(3), offsets.stride(3), scale, qk_scale,
         KT=kt, KH=kh, KW=kw, BLOCK_Q=config.block_q, BLOCK_D=config.block_d,
-        OFFSET_GRAD=offsets_grad, num_warps=config.num_warps,
+        OFFSET_GRAD=offsets_grad, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
     )
 
 
-BIN_BLOCK = 1024
-"""Entries per binning program."""
+BIN_BLOCK = 256
+"""Entries per binning program: 2 per thread of 4 warps. Its loads of offsets and its atomics are
+latency-bound, so it pays to keep many programs resident (1024 entries took 127-143 registers a
+thread and 19-25% occupancy on the H200, by ncu)."""
 
 
 def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
@@ -364,18 +363,18 @@ def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
     records[:total] = (torch.sort(keys).values & 0xFFFFFFFF).to(torch.int32)
 
 
-def bin_entries(offsets, kernel_size, tile, counts, starts, records, deterministic: bool = False) -> None:
-    """Build the per-(batch, head, key tile) entry lists of one head group: offsets (B, T, H, W, g, K, 3),
-    a view of the full tensor. counts (B * g * tiles,) int32 (overwritten, used as the cursor),
-    starts (B * g * tiles + 1,) int32 (written: list i is records[starts[i]:starts[i + 1]]),
+def bin_entries(dsp, shape, kernel_size, tile, counts, starts, records, deterministic: bool = False) -> None:
+    """Build the per-(batch, head, key tile) entry lists of one head group of shape (B, T, H, W, g) from
+    the query pass's entries dsp (B, g, K, N, ENTRY_FLOATS). counts (B * g * tiles,) int32 (overwritten,
+    used as the cursor), starts (B * g * tiles + 1,) int32 (written: list i is records[starts[i]:starts[i + 1]]),
     records (at least the entries' tile count) int32. `deterministic`: each list sorted (`sort_lists`)."""
-    B, T, H, W, g = offsets.shape[:5]
-    kt, kh, kw = kernel_size
+    B, T, H, W, g = shape
+    K = math.prod(kernel_size)
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
     tiles = tiles_t * tiles_y * tiles_x
-    grid = (triton.cdiv(T * H * W * kt * kh * kw, BIN_BLOCK), B * g)
-    args = (offsets, counts, records, T, H, W, g, offsets.stride(3), tiles_y, tiles_x, tiles)
-    constexprs = dict(KT=kt, KH=kh, KW=kw, TT=tile[0], TY=tile[1], TX=tile[2], BLOCK=BIN_BLOCK, num_warps=4)
+    grid = (triton.cdiv(T * H * W * K, BIN_BLOCK), B * g)
+    args = (dsp, counts, records, T, H, W, tiles_y, tiles_x, tiles)
+    constexprs = dict(K=K, TT=tile[0], TY=tile[1], TX=tile[2], BLOCK=BIN_BLOCK, ENTRY=ENTRY_FLOATS, num_warps=4)
     counts.zero_()
     _bin_kernel[grid](*args, FILL=False, **constexprs)
     starts[0] = 0
@@ -386,18 +385,16 @@ def bin_entries(offsets, kernel_size, tile, counts, starts, records, determinist
         sort_lists(starts, records)
 
 
-def key_pass(q, dout, offsets, dsp, starts, records, dk, dv, kernel_size, head_dim_block: int,
-             config: KeyConfig) -> None:
+def key_pass(q, dout, dsp, starts, records, dk, dv, kernel_size, head_dim_block: int, config: KeyConfig) -> None:
     """Launch the key pass over one head group (tensors as `query_pass`, lists from `bin_entries`):
     writes dk, dv (B, T, H, W, g, d) views in the input dtype."""
     B, T, H, W, g, d = q.shape
-    kt, kh, kw = kernel_size
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), config.tile)
     tiles = tiles_t * tiles_y * tiles_x
     tt, ty, tx = config.tile
     _key_kernel[(tiles, B * g)](
-        q, dout, offsets, dsp, starts, records, dk, dv,
-        T, H, W, g, d, q.stride(3), offsets.stride(3), tiles_y, tiles_x, tiles,
-        KT=kt, KH=kh, KW=kw, TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile),
-        BLOCK_E=config.block_e, BLOCK_D=head_dim_block, UPCAST=INTERPRETED, num_warps=config.num_warps,
+        q, dout, dsp, starts, records, dk, dv,
+        T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, K=math.prod(kernel_size),
+        TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile), BLOCK_E=config.block_e, BLOCK_D=head_dim_block,
+        UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
     )

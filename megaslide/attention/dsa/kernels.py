@@ -11,7 +11,9 @@ so neighbouring queries sample overlapping tokens and share cache lines) of one
 blocks in an order that keeps the running programs' K / V rows in L2 (`_query_block`). It loops over the K
 samples of the window. For each sample it computes every query's clamped position, the 8
 surrounding tokens and their trilinear weights, gathers those 8 rows of K (a
-(BLOCK_Q, d) tile each, skipping rows whose weight is exactly 0) and combines them
+(BLOCK_Q, d) tile each; clamped indices are always in the grid, so a corner of weight 0 is read
+too: the kernel is bound by its instruction issue, and a per-corner test costs more than the
+rare load it saves) and combines them
 into the sampled key; the same corners give the sampled value. The forward runs an
 online softmax over the K samples, so the N x K x d sampled keys and values never exist
 in memory; it writes only out and the log-sum-exp (O(N x heads)). Every dot product,
@@ -50,7 +52,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from megaslide.attention.dsa.op import MAX_TILES_PER_ENTRY, SCRATCH_BYTES, backward_scratch_bytes
+from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY, SCRATCH_BYTES, backward_scratch_bytes
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -68,18 +70,20 @@ class LaunchConfig:
 
 
 def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
-    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = 512 (BLOCK_Q in
-    [8, 32]) with 4 warps. The H200 sweep of `experiments/gpu_check_dsa.py --sweep`
-    (results/attention/dsa_gpu_check.json: 262K tokens, 16 heads x 64, bf16) put BLOCK_Q = 8
-    first (150 ms fwd+bwd against 161 ms at 16 and 208 ms at 32); smaller tiles also stay
-    free of register spills on sm_90 for fp32/bf16 and d <= 128. The interpreter's cost is per
+    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = 1024 (BLOCK_Q in
+    [8, 32]) with 4 warps, so that each thread holds 8 elements of a row: one 16-byte load of a
+    bf16 row per corner, and the per-query index and weight arithmetic (which every thread of a
+    row repeats, and which bounds these kernels' instruction issue) is shared by twice the
+    elements of 512. The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`,
+    results/attention/h200_split_v4.json, 262K tokens, 16 heads x 64, bf16) chose it for the
+    forward, the query pass and the zero-offset kernels. The interpreter's cost is per
     operation, not per element, so there one program takes all of a (batch, head)'s
     tokens (up to 1024)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if INTERPRETED:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
-    return LaunchConfig(block_q=min(32, max(8, 512 // block_d)), block_d=block_d, num_warps=4)
+    return LaunchConfig(block_q=min(32, max(8, 1024 // block_d)), block_d=block_d, num_warps=4)
 
 
 @triton.jit
@@ -90,23 +94,29 @@ def _window_start(i, kernel: tl.constexpr, size):
 
 
 @triton.jit
+def _axis_corners(pos, size):
+    """The two neighbouring int32 indices of clamped positions pos (fp32, in [0, size - 1]) along
+    an axis of `size` (upper == lower at the last index) and the fp32 fraction towards upper."""
+    lower_f = tl.floor(pos)
+    lower = lower_f.to(tl.int32)
+    return lower, tl.minimum(lower + 1, size - 1), pos - lower_f
+
+
+@triton.jit
 def _axis_sample(start, j, offset, size):
     """Clamped sample position along one axis for a block of queries.
 
     start: (BLOCK_Q,) int32 window start; j: window index; offset: (BLOCK_Q,) fp32;
-    size: axis length. Returns (lower, upper, frac, inside): the two neighbouring int32
-    indices (upper == lower at the last index), the fp32 fraction towards upper and
-    whether the raw position lies inside [0, size - 1] (where the clamp passes gradient).
+    size: axis length. Returns (lower, upper, frac, inside, pos): the corners and fraction of
+    `_axis_corners`, whether the raw position lies inside [0, size - 1] (where the clamp passes
+    gradient) and the clamped fp32 position itself.
     """
     last = size * 1.0 - 1.0  # stays valid when Triton specialises size == 1 to a constant
     raw = (start + j).to(tl.float32) + offset
     pos = tl.minimum(tl.maximum(raw, 0.0), last)
-    lower_f = tl.floor(pos)
-    frac = pos - lower_f
-    lower = lower_f.to(tl.int32)
-    upper = tl.minimum(lower + 1, size - 1)
+    lower, upper, frac = _axis_corners(pos, size)
     inside = (raw >= 0.0) & (raw <= last)
-    return lower, upper, frac, inside
+    return lower, upper, frac, inside, pos
 
 
 @triton.jit
@@ -180,9 +190,9 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                 dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
                 dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
                 dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
-                t0, t1, ft, _ = _axis_sample(t_start, it, dt, T)
-                y0, y1, fy, _ = _axis_sample(y_start, iy, dy, H)
-                x0, x1, fx, _ = _axis_sample(x_start, ix, dx, W)
+                t0, t1, ft, _, _ = _axis_sample(t_start, it, dt, T)
+                y0, y1, fy, _, _ = _axis_sample(y_start, iy, dy, H)
+                x0, x1, fx, _, _ = _axis_sample(x_start, ix, dx, W)
                 t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)  # lower / upper neighbour
                 t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)  # their 1D weights
 
@@ -194,9 +204,8 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                             tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
                             w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
                             rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                            row_mask = tile_mask & (w != 0.0)[:, None]
-                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            k_c = tl.load(k_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            v_c = tl.load(v_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
                             k_sample += w[:, None] * k_c
                             v_sample += w[:, None] * v_c
                 s = tl.sum(q * k_sample, axis=1)  # (BQ,)
@@ -276,7 +285,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
         raise ValueError(f"DSA's backward indexes its key tiles' entry lists with int32: batch {B} x {N} tokens x "
                          f"K={K} samples x {MAX_TILES_PER_ENTRY} tiles = {records_bound} >= 2**31 per head; attend over "
                          f"fewer tokens per call: a smaller batch, or frame slabs (model.slab_frames)")
-    dsp = torch.empty(B * group * K * N * 2, dtype=torch.float32, device=q.device)  # fp32 ds, p of a group
+    dsp = torch.empty(B * group * K * N * ENTRY_FLOATS, dtype=torch.float32, device=q.device)  # a group's entries
     records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
     counts = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)
     starts = torch.empty(B * group * tiles + 1, dtype=torch.int32, device=q.device)
@@ -285,13 +294,13 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
             g = min(group, heads - h0)
             heads_of = (slice(None),) * 4 + (slice(h0, h0 + g),)  # (B, T, H, W, this group's heads, ...)
             q_g, dout_g, offsets_g = q[heads_of], dout[heads_of], offsets[heads_of]
-            dsp_g = dsp[:B * g * K * N * 2]  # (B, g, K, N, 2)
+            dsp_g = dsp[:B * g * K * N * ENTRY_FLOATS]  # (B, g, K, N, ENTRY_FLOATS)
             binned.query_pass(q_g, k[heads_of], v[heads_of], offsets_g, out[heads_of], dout_g,
                               lse[:, h0:h0 + g].contiguous(), dq[heads_of], doff[heads_of], dsp_g,
                               kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
             counts_g, starts_g = counts[:B * g * tiles], starts[:B * g * tiles + 1]
-            binned.bin_entries(offsets_g, kernel_size, key_cfg.tile, counts_g, starts_g, records,
+            binned.bin_entries(dsp_g, (B, T, H, W, g), kernel_size, key_cfg.tile, counts_g, starts_g, records,
                                deterministic=torch.are_deterministic_algorithms_enabled())
-            binned.key_pass(q_g, dout_g, offsets_g, dsp_g, starts_g, records, dk[heads_of], dv[heads_of],
+            binned.key_pass(q_g, dout_g, dsp_g, starts_g, records, dk[heads_of], dv[heads_of],
                             kernel_size, cfg.block_d, key_cfg)
     return dq, dk, dv, doff if offsets_grad else None

@@ -40,13 +40,16 @@ kept through head groups (kernels.py, "Head groups"); here, not in kernels.py, s
 model reads it without importing Triton."""
 MAX_TILES_PER_ENTRY = 8
 """Key tiles one (query, sample) can touch: one per trilinear corner (binned.py)."""
+ENTRY_FLOATS = 8
+"""fp32 words of a (query, sample)'s scratch entry: ds, p, the clamped (t, y, x) position and 3 words of
+padding, so that one entry is one aligned 32-byte sector (binned.py)."""
 
 
 def backward_scratch_bytes(num_samples: int) -> int:
-    """Upper bound of the fused backward's scratch per token and head for K = num_samples: fp32 ds
-    and p per sample (8 bytes), an int32 record per key tile a sample touches (at most 8), and
+    """Upper bound of the fused backward's scratch per token and head for K = num_samples: an entry of
+    ENTRY_FLOATS fp32 words per sample, an int32 record per key tile a sample touches (at most 8), and
     int32 counts and starts per key tile (at most one tile per token)."""
-    return num_samples * (2 * 4 + 4 * MAX_TILES_PER_ENTRY) + 2 * 4
+    return num_samples * (4 * ENTRY_FLOATS + 4 * MAX_TILES_PER_ENTRY) + 2 * 4
 
 
 def _kernels():
