@@ -37,7 +37,7 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
 
 Scratch per head group (bounded by `op.SCRATCH_BYTES` through the group size, `op.backward_scratch_bytes`):
 dsp 32 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
-worst case; about 2 on average for 4 x 4 x 4 tiles), counts and starts 4 bytes per tile each.
+worst case; about 2.8 on average for 2 x 2 x 4 tiles), counts and starts 4 bytes per tile each.
 """
 from __future__ import annotations
 
@@ -51,8 +51,11 @@ import triton.language as tl
 from megaslide.attention.dsa.kernels import INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block, _window_start
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
 
-KEY_TILE_KEYS = 64
-"""Keys per default key tile: the M of the key pass's dots."""
+KEY_TILE_KEYS = 16
+"""Keys per default key tile: the M of the key pass's dots. The H200 sweep (results/attention/h200_split_v4.json)
+put 2 x 2 x 4 tiles with 128 entries per block first (key pass 23 ms at 262K tokens, 16 heads x 64, against
+30 ms for 4 x 4 x 4 with 64 and 35 ms with 32): a small tile builds 16 coefficient rows per entry instead of
+64 (the pass is bound by its L1 / shared-memory traffic, ncu), though each entry is listed in more tiles."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ class KeyConfig:
 
 def key_config(grid: tuple[int, int, int]) -> KeyConfig:
     """Default key tiles for a (T, H, W) grid: KEY_TILE_KEYS keys, grown by doubling x, y, t in
-    turn while an axis tile stays within the grid's next power of two (4 x 4 x 4 on a large grid,
-    1 x 8 x 8 on one frame); 32 entries per block and 4 warps."""
+    turn while an axis tile stays within the grid's next power of two (2 x 2 x 4 on a large grid,
+    1 x 4 x 4 on one frame); 128 entries per block (64 in the interpreter) and 4 warps."""
     tile, limits = [1, 1, 1], [triton.next_power_of_2(s) for s in grid]
     while tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS:
         grown = False
@@ -78,7 +81,7 @@ def key_config(grid: tuple[int, int, int]) -> KeyConfig:
                 grown = True
         if not grown:
             break
-    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 32, num_warps=4)
+    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 128, num_warps=4)
 
 
 def padded_x(tile: tuple[int, int, int]) -> int:

@@ -11,9 +11,7 @@ so neighbouring queries sample overlapping tokens and share cache lines) of one
 blocks in an order that keeps the running programs' K / V rows in L2 (`_query_block`). It loops over the K
 samples of the window. For each sample it computes every query's clamped position, the 8
 surrounding tokens and their trilinear weights, gathers those 8 rows of K (a
-(BLOCK_Q, d) tile each; clamped indices are always in the grid, so a corner of weight 0 is read
-too: the kernel is bound by its instruction issue, and a per-corner test costs more than the
-rare load it saves) and combines them
+(BLOCK_Q, d) tile each, skipping rows whose weight is exactly 0) and combines them
 into the sampled key; the same corners give the sampled value. The forward runs an
 online softmax over the K samples, so the N x K x d sampled keys and values never exist
 in memory; it writes only out and the log-sum-exp (O(N x heads)). Every dot product,
@@ -69,21 +67,26 @@ class LaunchConfig:
     num_warps: int
 
 
-def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
-    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = 1024 (BLOCK_Q in
-    [8, 32]) with 4 warps, so that each thread holds 8 elements of a row: one 16-byte load of a
-    bf16 row per corner, and the per-query index and weight arithmetic (which every thread of a
-    row repeats, and which bounds these kernels' instruction issue) is shared by twice the
-    elements of 512. The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`,
-    results/attention/h200_split_v4.json, 262K tokens, 16 heads x 64, bf16) chose it for the
-    forward, the query pass and the zero-offset kernels. The interpreter's cost is per
-    operation, not per element, so there one program takes all of a (batch, head)'s
-    tokens (up to 1024)."""
+QUERY_PASS_ELEMENTS = 2048
+"""BLOCK_Q x block_d of the backward's query pass (binned.py), which holds more per query than the forward."""
+
+
+def launch_config(n_tokens: int, head_dim: int, elements: int = 1024) -> LaunchConfig:
+    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = `elements` (BLOCK_Q in [8, 32])
+    with 4 warps. The per-query index and weight arithmetic is repeated by every thread that holds a
+    piece of the query's row, and it bounds these kernels' instruction issue (ncu on the H200: 82% issue
+    slots busy, the integer pipe the busiest), so a thread should hold several 16-byte pieces of a row.
+    The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v4.json
+    and h200_split_v3.json, 262K tokens, 16 heads x 64, bf16) put 1024 first for the forward (16 x 64: 20
+    ms against 27 at 8 x 64) and the zero-offset kernels, and QUERY_PASS_ELEMENTS = 2048 for the query
+    pass (32 x 64: 36 ms against 44 at 16 x 64 and 61 at 8 x 64). The interpreter's cost is per
+    operation, not per element, so there one program takes all of a (batch, head)'s tokens (up to
+    1024)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if INTERPRETED:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
-    return LaunchConfig(block_q=min(32, max(8, 1024 // block_d)), block_d=block_d, num_warps=4)
+    return LaunchConfig(block_q=min(32, max(8, elements // block_d)), block_d=block_d, num_warps=4)
 
 
 @triton.jit
@@ -204,8 +207,9 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                             tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
                             w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
                             rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                            k_c = tl.load(k_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                            v_c = tl.load(v_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            row_mask = tile_mask & (w != 0.0)[:, None]
+                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
                             k_sample += w[:, None] * k_c
                             v_sample += w[:, None] * v_c
                 s = tl.sum(q * k_sample, axis=1)  # (BQ,)
@@ -276,7 +280,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     dout = dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
-    cfg = config or launch_config(N, d)
+    cfg = config or launch_config(N, d, QUERY_PASS_ELEMENTS)
     key_cfg = key_config or binned.key_config((T, H, W))
     group = heads_per_group(B, N, heads, K, scratch_bytes)
     tiles = math.prod(binned.tiles_per_axis((T, H, W), key_cfg.tile))
