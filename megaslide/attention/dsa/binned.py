@@ -31,9 +31,11 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    is a box, so each axis needs only its own extent's weights), gathers the entries' query rows q_n
    and dO_n (BLOCK_E x d, input dtype) and accumulates dK += (C * ds) @ Q, dV += (C * p) @ dO on tensor
    cores; the next block's list slots are loaded before this block's dots. fp16 / bf16 rows are exact
-   in their dtype; the fp32 coefficients are split into hi + lo parts in that dtype (two dots, fp32
-   accumulation, ~16 significant bits); fp32 inputs use an IEEE fp32 dot. It writes dk / dv once, in
-   the input dtype: no zero fill, no fp32 dK / dV buffer.
+   in their dtype; the fp32 coefficients C * ds and C * p are rounded to that dtype for the dot (fp32
+   accumulation), as flash-attention's backward rounds P and dS for its dK / dV dots: each product is
+   then good to the input dtype's precision, as dk / dv themselves are (an earlier hi + lo split, two
+   dots for ~16 significant bits, cost twice the dots); fp32 inputs use an IEEE fp32 dot. It writes
+   dk / dv once, in the input dtype: no zero fill, no fp32 dK / dV buffer.
 
 Scratch per head group (bounded by `op.SCRATCH_BYTES` through the group size, `op.backward_scratch_bytes`):
 dsp 32 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
@@ -252,19 +254,17 @@ def _key_weights(key_pos, lower, upper, frac):
 
 @triton.jit
 def _dot_acc(acc, coef, rows, UPCAST: tl.constexpr):
-    """acc (KEYS, BD) fp32 += coef (KEYS, E) fp32 @ rows (E, BD): fp16 / bf16 rows as two dots of
-    coef's hi and lo parts in their dtype, fp32 rows as one IEEE fp32 dot. UPCAST (the interpreter,
-    whose bf16 tl.dot multiplies raw bits: numpy has no bf16) runs the two dots on the parts and
-    rows cast to fp32, which gives the same products (exact in fp32)."""
+    """acc (KEYS, BD) fp32 += coef (KEYS, E) fp32 @ rows (E, BD): fp16 / bf16 rows as one dot with the
+    coefficients rounded to their dtype (fp32 accumulation), as flash-attention's backward rounds P and dS
+    before its dK / dV dots; fp32 rows as one IEEE fp32 dot. UPCAST (the interpreter, whose bf16 tl.dot
+    multiplies raw bits: numpy has no bf16) runs the dot on the rounded coefficients and rows cast to
+    fp32, which gives the same products (exact in fp32)."""
     if rows.dtype == tl.float32:
         return tl.dot(coef, rows, acc, input_precision="ieee")
-    hi = coef.to(rows.dtype)
-    lo = (coef - hi.to(tl.float32)).to(rows.dtype)
+    rounded = coef.to(rows.dtype)
     if UPCAST:
-        rows32 = rows.to(tl.float32)
-        acc = tl.dot(hi.to(tl.float32), rows32, acc, input_precision="ieee")
-        return tl.dot(lo.to(tl.float32), rows32, acc, input_precision="ieee")
-    return tl.dot(lo, rows, tl.dot(hi, rows, acc))
+        return tl.dot(rounded.to(tl.float32), rows.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(rounded, rows, acc)
 
 
 @triton.jit

@@ -88,7 +88,7 @@ class DSAAttention(SelfAttention):
         # GELU and Linear inputs and tanh's fp32 output. Forward: the net's fp32 input made
         # contiguous and its Linear output before and after the cast to fp32 (chunked: the offsets of
         # the runs before their concatenation). Backward: dq, dk, dv and fp32 d(offsets), and a scratch
-        # of fp32 ds, p and the key tiles' entry lists (binned.py) of at most SCRATCH_BYTES, head group by group
+        # of 32-byte entries and the key tiles' entry lists (binned.py) of at most SCRATCH_BYTES, head group by group
         offsets = 4 * num_heads * math.prod(options.kernel_size) * 3
         saved = act * dim + 4 * num_heads + offsets
         forward = offsets if chunked else 4 * dim + offsets * (act + 4) // 4
