@@ -75,11 +75,11 @@ class AttentionRate:
 
 
 # the fused DSA op alone on an H200, bf16, 3x3x3, 16 heads x 64, 262,144 tokens (results/attention/
-# h200_kernels_v3.json, the binned backward): forward 2.9e10 counted FLOPs in 26.9 ms (forward alone), backward
-# 5.8e10 in 115.9 ms (fwd+bwd 142.8 ms less the forward). Its offset net is not in it: a rate measured on `attend`
+# h200_kernels_v5.json): forward 2.9e10 counted FLOPs in 20.3 ms (forward alone), backward 5.8e10 in 73.2 ms
+# (fwd+bwd 93.5 ms less the forward). Its offset net is not in it: a rate measured on `attend`
 # (experiments/oom_thresholds.py) is lower. dsa_zero runs kernels of its own (no offsets): no default, so it is
 # bounded at the matmul ceiling.
-DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.08, 0.50, includes_own_weights=False)}
+DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.43, 0.79, includes_own_weights=False)}
 
 
 @dataclass(frozen=True)
