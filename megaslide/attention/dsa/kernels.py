@@ -27,11 +27,12 @@ d(weight of corner c)/d(position_t) = +-w_y w_x (sign + for the upper neighbour)
 the raw position lies inside [0, S - 1] and 0 where the clamp is active (torch.clamp's gradient,
 boundaries inclusive). Only dK and dV cross programs: sample j of query n adds
 w_c * scale * ds_j * q_n to dK and w_c * p_j * dO_n to dV at each of its 8 corner tokens. The
-query pass stores ds_j and p_j; the (query, sample) entries are binned by the key tiles their
-corners touch; a key pass per key tile sums its entries' contributions with tensor-core dots
-and writes dk / dv once: no float atomics (binned.py says how and what it costs).
+query pass stores ds_j, p_j and the sample's clamped position; the (query, sample) entries are
+binned by the key tiles their corners touch; a key pass per key tile sums its entries'
+contributions with tensor-core dots and writes dk / dv once: no float atomics (binned.py says how
+and what it costs).
 
-Head groups. The backward's scratch (fp32 ds and p per (query, sample), the key tiles' entry
+Head groups. The backward's scratch (a 32-byte entry per (query, sample), the key tiles' entry
 lists: `op.backward_scratch_bytes` per token and head) of all heads could exceed memory, so the
 backward runs over groups of heads: one set of launches per group, reusing one scratch of at
 most `SCRATCH_BYTES` (never less than one head). A launch sees only its group: the q-like
