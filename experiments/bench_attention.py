@@ -239,8 +239,8 @@ def key_tile(grid) -> tuple[int, int, int]:
 
 def tile_rows(grid, heads: int, head_dims) -> list[dict]:
     """The fused DSA kernels' tiles on a (T, H, W) grid per head dim: `kernels.launch_config` (forward
-    and query pass), the backward's key tiles (`binned.key_config`) and heads per backward launch (`kernels.heads_per_group`,
-    batch 1)."""
+    and query pass), the backward's key tiles (`binned.key_config`) and heads per backward launch
+    (`kernels.heads_per_group`, batch 1)."""
     from megaslide.attention.dsa import binned, kernels
     n_tokens, keys = math.prod(grid), binned.key_config(grid)
     return [{"head_dim": d, **asdict(kernels.launch_config(n_tokens, d)),

@@ -50,7 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.kernels import INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block, _window_start
+from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block,
+                                             _window_start)
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
 
 KEY_TILE_KEYS = 16
