@@ -102,6 +102,28 @@ def scratch_entries(offsets: torch.Tensor, kernel_size) -> torch.Tensor:
     return entries
 
 
+def test_query_pass_entries():
+    """The query pass's scratch entry of each (query, sample), read in the layout the later passes read it
+    (B, heads, K, N, ENTRY_FLOATS): words 2-4 are the reference's clamped position (exactly, fp32), p sums
+    to 1 and ds to 0 over a query's samples (sum_j p_j (<dO, V_j> - <dO, out>) = 0), the padding is 0.
+    2 batches, 3 heads, an odd 3 x 5 x 7 grid, far offsets (clamped positions on every face)."""
+    shape, kernel_size = (2, 3, 5, 7, 3, 16), (3, 3, 3)
+    B, T, H, W, heads, d = shape
+    K, N = math.prod(kernel_size), T * H * W
+    q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0, far_fraction=0.3)
+    scale = d ** -0.5
+    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
+    dsp = torch.full((B * heads * K * N * ENTRY_FLOATS,), float("nan"))
+    binned.query_pass(q, k, v, offsets, out, grad_out, lse, torch.empty_like(q), torch.empty_like(offsets), dsp,
+                      kernel_size, scale, scale * kernels.LOG2E, True, kernels.launch_config(N, d))
+    entries = dsp.view(B, heads, K, N, ENTRY_FLOATS)
+    pos = clamped_positions(offsets, kernel_size).permute(0, 4, 5, 1, 2, 3, 6).reshape(B, heads, K, N, 3)
+    assert torch.equal(entries[..., 2:5], pos)
+    torch.testing.assert_close(entries[..., 1].sum(2), torch.ones(B, heads, N), rtol=0, atol=1e-5)
+    torch.testing.assert_close(entries[..., 0].sum(2), torch.zeros(B, heads, N), rtol=0, atol=1e-5)
+    assert (entries[..., 5:] == 0).all() and (entries[..., 1] > 0).all()
+
+
 def reference_lists(offsets: torch.Tensor, kernel_size, tile) -> dict[tuple[int, int], set[int]]:
     """{(batch * heads + head, key tile): {entries e = j * N + n whose nonzero-weight corners lie in it}}
     from the reference's positions and trilinear corners."""

@@ -334,7 +334,7 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_pt
 def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, scale: float, qk_scale: float,
                offsets_grad: bool, config: LaunchConfig) -> None:
     """Launch the query pass over one head group: q-like tensors (B, T, H, W, g, ...) views of the
-    full ones, lse (B, g, N) contiguous; writes dq, doff (when offsets_grad) and dsp (B, g, K, N, 2)."""
+    full ones, lse (B, g, N) contiguous; writes dq, doff (when offsets_grad) and dsp (B, g, K, N, ENTRY_FLOATS)."""
     B, T, H, W, g, d = q.shape
     kt, kh, kw = kernel_size
     _query_kernel[(triton.cdiv(T * H * W, config.block_q), B * g)](
