@@ -1,16 +1,16 @@
 """What bounds each fused 3D-DSA kernel: Nsight Compute (ncu) on one launch of each, at the benchmark shape.
 
-The script re-runs itself under ncu (`child=true`: one forward and one backward of the general op, and of
-the zero-offset op when `ops` has it) and profiles the first `launch_count` launches of the named kernels,
-in launch order: for `dsa` the forward, the backward's query pass, the binning's two runs and the key pass
-of the first head group. It parses ncu's text report into one row per launch (duration, SM and memory
+The script re-runs itself under ncu (`child=true`: one forward and one backward of each op in `ops`, in that
+order) and profiles the first `launch_count` launches of the named kernels, in launch order: for `dsa` the
+forward, the backward's query pass, the binning's two runs and the key pass of the first head group (5);
+for `dsa_zero` its forward, dq and dk / dv kernels (3). It parses ncu's text report into one row per launch (duration, SM and memory
 throughput, issue slots busy, IPC, the busiest pipe, L1 / L2 throughput and hit rates, registers,
 theoretical and achieved occupancy) and writes results/attention/<name>.json. Clocks are left as they are
 (`--clock-control none`), so durations are the machine's own; ncu replays each kernel once per pass, so
 the script's wall time is many times the kernels'.
 
     python -m experiments.ncu_dsa name=h200_ncu          # on a GPU machine with ncu
-    python -m experiments.ncu_dsa 'ops=[dsa,dsa_zero]' launch_count=8
+    python -m experiments.ncu_dsa 'ops=[dsa_zero,dsa]' launch_count=8   # both ops' kernels
 
 Configuration: experiments/conf/ncu_dsa.yaml. Exits with status 2 when there is no GPU or no ncu.
 """
@@ -71,20 +71,22 @@ class NcuConfig:
 
 
 def run_kernels(cfg: NcuConfig) -> None:
-    """The child: one forward and one backward of each op in `ops` on bf16 inputs (offsets U(-4, 4))."""
+    """The child: one forward and one backward of each op, in the order of `ops`, on bf16 inputs (offsets
+    U(-4, 4)); ncu profiles the first `launch_count` launches in that order."""
     from megaslide.attention.dsa import kernels, zero_kernels
 
     B, T, H, W, heads, d = cfg.shape
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(cfg.shape, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     window, scale = (3, 3, 3), d ** -0.5
-    if "dsa" in cfg.ops:
-        offsets = (8 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, device="cuda") - 4).to(torch.bfloat16)
-        out, lse = kernels.dsa_forward(q, k, v, offsets, window, scale)
-        kernels.dsa_backward(q, k, v, offsets, out, lse, dout, window, scale, offsets_grad=True)
-    if "dsa_zero" in cfg.ops:
-        out, lse = zero_kernels.na_forward(q, k, v, window, scale)
-        zero_kernels.na_backward(q, k, v, out, lse, dout, window, scale)
+    for op in cfg.ops:
+        if op == "dsa":
+            offsets = (8 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, device="cuda") - 4).to(torch.bfloat16)
+            out, lse = kernels.dsa_forward(q, k, v, offsets, window, scale)
+            kernels.dsa_backward(q, k, v, offsets, out, lse, dout, window, scale, offsets_grad=True)
+        else:
+            out, lse = zero_kernels.na_forward(q, k, v, window, scale)
+            zero_kernels.na_backward(q, k, v, out, lse, dout, window, scale)
     torch.cuda.synchronize()
 
 
