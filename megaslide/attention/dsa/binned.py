@@ -284,9 +284,10 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_pt
     # this tile's keys, row-major over (TT, TY, PX): PX >= TX pads the x extent so that the dots have at
     # least 16 rows; the padding keys (and those past the grid) are computed and never stored
     KEYS: tl.constexpr = TT * TY * PX
-    t_pos = tile // (TILES_Y * TILES_X) * TT + tl.arange(0, TT)  # (TT,) the tile's key coordinates per axis
-    y_pos = (tile // TILES_X) % TILES_Y * TY + tl.arange(0, TY)  # (TY,)
-    x_pos = tile % TILES_X * TX + tl.arange(0, PX)  # (PX,)
+    t_first, y_first, x_first = tile // (TILES_Y * TILES_X) * TT, (tile // TILES_X) % TILES_Y * TY, tile % TILES_X * TX
+    t_pos = t_first + tl.arange(0, TT)  # (TT,) the tile's key coordinates per axis
+    y_pos = y_first + tl.arange(0, TY)  # (TY,)
+    x_pos = x_first + tl.arange(0, PX)  # (PX,)
 
     head_off = b * N * stride_tok + h * D
     q_bh = q_ptr + head_off
@@ -321,9 +322,9 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_pt
         dv = _dot_acc(dv, coef_p, do, UPCAST)
 
     key = tl.arange(0, KEYS)  # (KEYS,) as the coefficients' rows
-    key_t = tile // (TILES_Y * TILES_X) * TT + key // (TY * PX)
-    key_y = (tile // TILES_X) % TILES_Y * TY + (key // PX) % TY
-    key_x = tile % TILES_X * TX + key % PX
+    key_t = t_first + key // (TY * PX)
+    key_y = y_first + (key // PX) % TY
+    key_x = x_first + key % PX
     key_ok = (key % PX < TX) & (key_t < T) & (key_y < H) & (key_x < W)  # (KEYS,) keys of this tile
     key_rows = ((key_t * H + key_y) * W + key_x).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (KEYS, BD)
     out_mask = key_ok[:, None] & col_ok[None, :]
@@ -346,7 +347,7 @@ def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, sca
 
 
 BIN_BLOCK = 256
-"""Entries per binning program: 2 per thread of 4 warps. Its loads of offsets and its atomics are
+"""Entries per binning program: 2 per thread of 4 warps. Its entry loads and its atomics are
 latency-bound, so it pays to keep many programs resident (1024 entries took 127-143 registers a
 thread and 19-25% occupancy on the H200, by ncu)."""
 
