@@ -75,3 +75,30 @@ def test_a_clip_past_the_int32_entry_lists_is_refused_before_the_scratch(monkeyp
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: pytest.fail("allocated before refusing"))
     with pytest.raises(ValueError, match=r"int32: batch 2 x 20 tokens x K=9 .*model.slab_frames"):
         kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, KERNEL, 0.25, offsets_grad=True)
+
+
+def test_int64_row_offsets_give_the_same_bits(monkeypatch):
+    """A (batch, head) whose element offsets could reach 2**31 indexes its rows in int64 (`row_flags`' WIDE:
+    2M tokens at a 1024-element token stride). Forced on this small clip, every output and gradient of the
+    DSA kernels and the zero-offset kernels equals the int32 path's, bit for bit."""
+    from megaslide.attention.dsa import binned
+    from tests.attention.test_dsa_zero_triton import zero_kernels
+
+    original = kernels.row_flags
+    assert original(2 ** 21, 1024, 64, 64) == {"WIDE": True, "EVEN_D": True}
+    assert original(2 ** 21 - 1, 1024, 48, 64) == {"WIDE": False, "EVEN_D": False}
+    q, k, v, offsets, grad_out = make_inputs(SHAPE, KERNEL, torch.bfloat16, offset_std=1.5)
+    offsets = offsets.float()
+
+    def run():
+        out, lse = kernels.dsa_forward(q, k, v, offsets, KERNEL, 0.25)
+        grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, KERNEL, 0.25, offsets_grad=True)
+        z_out, z_lse = zero_kernels.na_forward(q, k, v, KERNEL, 0.25)
+        return [out, *grads, z_out, *zero_kernels.na_backward(q, k, v, z_out, z_lse, grad_out, KERNEL, 0.25)]
+
+    narrow = run()
+    for module in (kernels, binned, zero_kernels):
+        monkeypatch.setattr(module, "row_flags", lambda *a: {**original(*a), "WIDE": True})
+    for name, a, b in zip(["out", "dq", "dk", "dv", "doffsets", "zero out", "zero dq", "zero dk", "zero dv"],
+                          narrow, run()):
+        assert a.abs().sum() > 0 and torch.equal(a, b), name

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block,
-                                             _window_start)
+from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _load_rows,
+                                             _query_block, _token_rows, _window_start, row_flags)
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
 
 KEY_TILE_KEYS = 16
@@ -102,20 +102,22 @@ def tiles_per_axis(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> tu
 def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_ptr, doff_ptr, dsp_ptr,
                   T, H, W, HEADS, D, stride_tok, stride_off_tok, scale, qk_scale,
                   KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr, ENTRY: tl.constexpr):
+                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr, ENTRY: tl.constexpr,
+                  WIDE: tl.constexpr, EVEN_D: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
-    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
+    col_ok = (cols < D)[None, :]  # (1, BD)
+    tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
 
     head_off = b * N * stride_tok + h * D
     k_bh = k_ptr + head_off
     v_bh = v_ptr + head_off
-    own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-    q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-    do = tl.load(dout_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-    o = tl.load(out_ptr + head_off + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
+    q = _load_rows(q_ptr + head_off + own_rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
+    do = _load_rows(dout_ptr + head_off + own_rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
+    o = _load_rows(out_ptr + head_off + own_rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
     delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
-    lse = tl.load(lse_ptr + (b * HEADS + h) * N + n, mask=q_valid, other=0.0)  # (BQ,) log2 units
+    lse = tl.load(lse_ptr + (b * HEADS + h) * N + n)  # (BQ,) log2 units
     off_row = b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
     off_q = off_ptr + off_row
     doff_q = doff_ptr + off_row
@@ -132,9 +134,9 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
         for iy in range(KH):
             for ix in range(KW):
                 j = (it * KH + iy) * KW + ix
-                dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)
-                dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)
-                dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)
+                dt = tl.load(off_q + 3 * j).to(tl.float32)
+                dy = tl.load(off_q + 3 * j + 1).to(tl.float32)
+                dx = tl.load(off_q + 3 * j + 2).to(tl.float32)
                 t0, t1, ft, in_t, pos_t = _axis_sample(t_start, it, dt, T)
                 y0, y1, fy, in_y, pos_y = _axis_sample(y_start, iy, dy, H)
                 x0, x1, fx, in_x, pos_x = _axis_sample(x_start, ix, dx, W)
@@ -159,9 +161,9 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                             dw_t = (2 * ct - 1) * y_w[cy] * x_w[cx]  # (BQ,) d w / d pos_t
                             dw_y = (2 * cy - 1) * t_w[ct] * x_w[cx]
                             dw_x = (2 * cx - 1) * t_w[ct] * y_w[cy]
-                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                            k_c = tl.load(k_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                            v_c = tl.load(v_bh + rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            rows = _token_rows(tok, stride_tok, cols, WIDE)  # (BQ, BD)
+                            k_c = _load_rows(k_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
+                            v_c = _load_rows(v_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
                             k_sample += w[:, None] * k_c
                             dov_c = tl.sum(do * v_c, axis=1)  # (BQ,)
                             dov += w * dov_c
@@ -272,14 +274,15 @@ def _dot_acc(acc, coef, rows, UPCAST: tl.constexpr):
 def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_ptr,
                 T, H, W, HEADS, D, stride_tok, TILES_Y, TILES_X, TILES, K: tl.constexpr,
                 TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, PX: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, ENTRY: tl.constexpr):
+                BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, ENTRY: tl.constexpr,
+                WIDE: tl.constexpr, EVEN_D: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HEADS).to(tl.int64)
     h = bh % HEADS
     N = T * H * W
     cols = tl.arange(0, BLOCK_D)  # (BD,)
-    col_ok = cols < D
+    col_ok = (cols < D)[None, :]  # (1, BD)
 
     # this tile's keys, row-major over (TT, TY, PX): PX >= TX pads the x extent so that the dots have at
     # least 16 rows; the padding keys (and those past the grid) are computed and never stored
@@ -304,10 +307,10 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_pt
     while first < end:  # not `range`: the interpreter cannot take a loaded bound as a range
         valid = slot < end
         ds, p, t0, t1, ft, y0, y1, fy, x0, x1, fx = _entries(dsp_bh, e, valid, T, H, W, ENTRY)  # 0 past the list
-        rows = (e % N).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (E, BD) the entries' queries
-        row_mask = valid[:, None] & col_ok[None, :]
-        q = tl.load(q_bh + rows, mask=row_mask, other=0.0)  # (E, BD) input dtype
-        do = tl.load(do_bh + rows, mask=row_mask, other=0.0)  # (E, BD)
+        # the entries' queries (E, BD), input dtype; past the list e = 0, a valid row, and ds = p = 0
+        rows = _token_rows(e % N, stride_tok, cols, WIDE)
+        q = _load_rows(q_bh + rows, col_ok, EVEN_D)
+        do = _load_rows(do_bh + rows, col_ok, EVEN_D)
         first += BLOCK_E
         slot = first + tl.arange(0, BLOCK_E)
         e = tl.load(records_ptr + slot, mask=slot < end, other=0)  # the next block's, in flight during the dots
@@ -326,8 +329,8 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_pt
     key_y = y_first + (key // PX) % TY
     key_x = x_first + key % PX
     key_ok = (key % PX < TX) & (key_t < T) & (key_y < H) & (key_x < W)  # (KEYS,) keys of this tile
-    key_rows = ((key_t * H + key_y) * W + key_x).to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (KEYS, BD)
-    out_mask = key_ok[:, None] & col_ok[None, :]
+    key_rows = _token_rows((key_t * H + key_y) * W + key_x, stride_tok, cols, WIDE)  # (KEYS, BD)
+    out_mask = key_ok[:, None] & col_ok
     tl.store(dk_ptr + head_off + key_rows, dk.to(dk_ptr.dtype.element_ty), mask=out_mask)
     tl.store(dv_ptr + head_off + key_rows, dv.to(dv_ptr.dtype.element_ty), mask=out_mask)
 
@@ -343,6 +346,7 @@ def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, sca
         T, H, W, g, d, q.stride(3), offsets.stride(3), scale, qk_scale,
         KT=kt, KH=kh, KW=kw, BLOCK_Q=config.block_q, BLOCK_D=config.block_d,
         OFFSET_GRAD=offsets_grad, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
+        **row_flags(T * H * W, q.stride(3), d, config.block_d),
     )
 
 
@@ -402,4 +406,5 @@ def key_pass(q, dout, dsp, starts, records, dk, dv, kernel_size, head_dim_block:
         T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, K=math.prod(kernel_size),
         TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile), BLOCK_E=config.block_e, BLOCK_D=head_dim_block,
         UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
+        **row_flags(T * H * W, q.stride(3), d, head_dim_block),
     )

@@ -11,8 +11,11 @@ so neighbouring queries sample overlapping tokens and share cache lines) of one
 blocks in an order that keeps the running programs' K / V rows in L2 (`_query_block`). It loops over the K
 samples of the window. For each sample it computes every query's clamped position, the 8
 surrounding tokens and their trilinear weights, gathers those 8 rows of K (a
-(BLOCK_Q, d) tile each, skipping rows whose weight is exactly 0) and combines them
-into the sampled key; the same corners give the sampled value. The forward runs an
+(BLOCK_Q, d) tile each; a corner of weight 0 is loaded too, which costs less than the
+per-element mask that would skip it) and combines them into the sampled key; the same
+corners give the sampled value. Every gathered row is a valid token (clamped positions,
+clamped query rows: `_query_block`), so the gathers need no mask unless the head dim is
+padded, and their offsets are int32 while a (batch, head)'s span fits (`row_flags`). The forward runs an
 online softmax over the K samples, so the N x K x d sampled keys and values never exist
 in memory; it writes only out and the log-sum-exp (O(N x heads)). Every dot product,
 interpolation and softmax runs in fp32 whatever the input dtype (fp32, fp16, bf16).
@@ -146,8 +149,10 @@ def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr):
     across all frames (T x W tokens per row) instead of a few whole frames (H x W per frame): the
     smaller working set stays in L2. Either order is a bijection over blocks.
 
-    Returns b (int64), h, N = T*H*W, n (BQ,) token indices, q_valid (BQ,) n < N, and the
-    queries' grid coordinates t, y, x (BQ,)."""
+    Returns b (int64), h, N = T*H*W, n (BQ,) token indices, q_valid (BQ,), and the queries' grid
+    coordinates t, y, x (BQ,). The rows of the last block that lie past the end (q_valid False) repeat
+    the last token, so that every load a kernel derives from them is in bounds and needs no mask; only
+    stores are masked with q_valid."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS).to(tl.int64)
     h = pid_bh % HEADS
@@ -157,26 +162,51 @@ def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr):
     swept = ((p // row_blocks) % T * H + p // (row_blocks * T)) * row_blocks + p % row_blocks
     block = tl.where((W % BLOCK_Q == 0) & (H > T), swept, p)
     n = block * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
+    q_valid = n < N
+    n = tl.minimum(n, N - 1)
     t = n // (H * W)
     y = (n // W) % H
     x = n % W
-    return b, h, N, n, n < N, t, y, x
+    return b, h, N, n, q_valid, t, y, x
+
+
+@triton.jit
+def _token_rows(tok, stride_tok, cols, WIDE: tl.constexpr):
+    """(BQ, BD) element offsets of the head vectors of tokens tok (BQ,) from their (batch, head)'s first
+    token's: int32, so that an address costs one wide multiply-add, unless WIDE (N * stride_tok >= 2**31)."""
+    if WIDE:
+        tok = tok.to(tl.int64)
+    return tok[:, None] * stride_tok + cols[None, :]
+
+
+@triton.jit
+def _load_rows(ptrs, col_ok, EVEN_D: tl.constexpr):
+    """The (BQ, BD) tile at ptrs, in its dtype, from rows that are all valid tokens (clamped queries and
+    corners): no mask at all when the head dim fills BLOCK_D (EVEN_D), else the padded columns (col_ok
+    (1, BD)) read as 0."""
+    if EVEN_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=col_ok, other=0.0)
+    return tile
 
 
 @triton.jit
 def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                     T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+                    WIDE: tl.constexpr, EVEN_D: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
-    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
+    col_ok = (cols < D)[None, :]  # (1, BD)
+    tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
 
     head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
     k_bh = k_ptr + head_off
     v_bh = v_ptr + head_off
-    own_rows = n.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD) this block's queries
-    q = tl.load(q_ptr + head_off + own_rows, mask=tile_mask, other=0.0)
+    own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD) this block's queries
+    q = _load_rows(q_ptr + head_off + own_rows, col_ok, EVEN_D)
     q = q.to(tl.float32) * qk_scale  # (BQ, BD), scores come out in log2 units
     off_q = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
 
@@ -191,9 +221,9 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
         for iy in range(KH):
             for ix in range(KW):
                 j = (it * KH + iy) * KW + ix
-                dt = tl.load(off_q + 3 * j, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
-                dy = tl.load(off_q + 3 * j + 1, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
-                dx = tl.load(off_q + 3 * j + 2, mask=q_valid, other=0.0).to(tl.float32)  # (BQ,)
+                dt = tl.load(off_q + 3 * j).to(tl.float32)  # (BQ,)
+                dy = tl.load(off_q + 3 * j + 1).to(tl.float32)  # (BQ,)
+                dx = tl.load(off_q + 3 * j + 2).to(tl.float32)  # (BQ,)
                 t0, t1, ft, _, _ = _axis_sample(t_start, it, dt, T)
                 y0, y1, fy, _, _ = _axis_sample(y_start, iy, dy, H)
                 x0, x1, fx, _, _ = _axis_sample(x_start, ix, dx, W)
@@ -207,10 +237,9 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                         for cx in tl.static_range(2):
                             tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
                             w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
-                            rows = tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]  # (BQ, BD)
-                            row_mask = tile_mask & (w != 0.0)[:, None]
-                            k_c = tl.load(k_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
-                            v_c = tl.load(v_bh + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                            rows = _token_rows(tok, stride_tok, cols, WIDE)  # (BQ, BD)
+                            k_c = _load_rows(k_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
+                            v_c = _load_rows(v_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
                             k_sample += w[:, None] * k_c
                             v_sample += w[:, None] * v_c
                 s = tl.sum(q * k_sample, axis=1)  # (BQ,)
@@ -220,6 +249,13 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
     tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
     if STORE_LSE:
         tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
+
+
+def row_flags(n_tokens: int, stride_tok: int, head_dim: int, block_d: int) -> dict:
+    """The constexprs of `_token_rows` and `_load_rows` for a launch over N tokens with token stride
+    `stride_tok`: WIDE when a (batch, head)'s element offsets can reach 2**31, EVEN_D when the head dim
+    needs no padding."""
+    return dict(WIDE=n_tokens * stride_tok >= 2 ** 31, EVEN_D=head_dim == block_d)
 
 
 def _device_guard(t: torch.Tensor):
@@ -247,7 +283,7 @@ def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torc
             q, k, v, offsets, out, lse if store_lse else out,  # never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
             KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse,
-            num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, cfg.block_d),
         )
     return out, lse
 

@@ -10,6 +10,8 @@ Layout (as kernels.py). q, k, v, out and their gradients are contiguous
 fp32 (B, heads, N) with N = T * H * W, in log2 units; the backward's delta = <dO, out> has
 the same layout. Dot products, softmax and accumulators are fp32 whatever the input dtype
 (fp32, fp16, bf16); head dims are padded to a power of two (at least 16) with masked columns.
+Rows and their offsets as kernels.py (`_token_rows`, `_load_rows`): clamped query rows, int32 offsets
+within a (batch, head) while they fit, no load mask where the rows are valid tokens and d fills BLOCK_D.
 
 Work split. Every kernel's program owns BLOCK_Q consecutive tokens (row-major over (t, y, x))
 of one (batch, head); the launch grid is (cdiv(N, BLOCK_Q), B * heads).
@@ -39,8 +41,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from megaslide.attention.dsa.kernels import (LOG2E, LaunchConfig, _device_guard, _query_block, _softmax_step,
-                                            launch_config)
+from megaslide.attention.dsa.kernels import (LOG2E, LaunchConfig, _device_guard, _load_rows, _query_block,
+                                             _softmax_step, _token_rows, launch_config, row_flags)
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -55,17 +57,10 @@ def _window_starts(t, y, x, T, H, W, KT: tl.constexpr, KH: tl.constexpr, KW: tl.
 
 
 @triton.jit
-def _rows(tok, head_off, stride_tok, cols):
-    """(BLOCK_Q, BLOCK_D) element offsets of the head vectors of tokens tok (BLOCK_Q,) of one (batch, head)."""
-    return head_off + tok.to(tl.int64)[:, None] * stride_tok + cols[None, :]
-
-
-@triton.jit
-def _load_pair(a_ptr, b_ptr, rows, mask):
-    """The tiles at `rows` of two tensors, fp32 (masked elements 0)."""
-    a = tl.load(a_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    return a, b
+def _load_pair(a_ptr, b_ptr, rows, col_ok, EVEN_D: tl.constexpr):
+    """The tiles at `rows` (valid tokens: `kernels._load_rows`) of two tensors, fp32."""
+    return (_load_rows(a_ptr + rows, col_ok, EVEN_D).to(tl.float32),
+            _load_rows(b_ptr + rows, col_ok, EVEN_D).to(tl.float32))
 
 
 @triton.jit
@@ -81,15 +76,17 @@ def _inverse_range(j, k: tl.constexpr, size):
 def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                    T, H, W, HEADS, D, stride_tok, qk_scale,
                    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                   BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr):
+                   BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+                   WIDE: tl.constexpr, EVEN_D: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
-    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
+    col_ok = (cols < D)[None, :]  # (1, BD)
+    tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
 
     head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
-    own_rows = _rows(n, head_off, stride_tok, cols)  # (BQ, BD)
-    q = tl.load(q_ptr + own_rows, mask=tile_mask, other=0.0)
-    q = q.to(tl.float32) * qk_scale  # (BQ, BD), scores come out in log2 units
+    q_ptr, k_ptr, v_ptr, out_ptr = q_ptr + head_off, k_ptr + head_off, v_ptr + head_off, out_ptr + head_off
+    own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
+    q = _load_rows(q_ptr + own_rows, col_ok, EVEN_D).to(tl.float32) * qk_scale  # (BQ, BD), log2 units
     t_start, y_start, x_start = _window_starts(t, y, x, T, H, W, KT, KH, KW)  # (BQ,) each
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running max (log2 units)
@@ -99,7 +96,7 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         for iy in range(KH):
             for ix in range(KW):
                 tok = ((t_start + it) * H + y_start + iy) * W + x_start + ix  # (BQ,) key token
-                k_j, v_j = _load_pair(k_ptr, v_ptr, _rows(tok, head_off, stride_tok, cols), tile_mask)  # (BQ, BD)
+                k_j, v_j = _load_pair(k_ptr, v_ptr, _token_rows(tok, stride_tok, cols, WIDE), col_ok, EVEN_D)
                 s = tl.sum(q * k_j, axis=1)  # (BQ,)
                 m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_j)
 
@@ -113,19 +110,22 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
 def _na_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, out_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
                       T, H, W, HEADS, D, stride_tok, scale, qk_scale,
                       KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                      BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+                      BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
-    tile_mask = q_valid[:, None] & (cols < D)[None, :]  # (BQ, BD)
+    col_ok = (cols < D)[None, :]  # (1, BD)
+    tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
 
     head_off = b * N * stride_tok + h * D
-    own_rows = _rows(n, head_off, stride_tok, cols)  # (BQ, BD)
-    q, do = _load_pair(q_ptr, dout_ptr, own_rows, tile_mask)  # (BQ, BD) each
-    o = tl.load(out_ptr + own_rows, mask=tile_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+    q_ptr, k_ptr, v_ptr, out_ptr = q_ptr + head_off, k_ptr + head_off, v_ptr + head_off, out_ptr + head_off
+    dout_ptr, dq_ptr = dout_ptr + head_off, dq_ptr + head_off
+    own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
+    q, do = _load_pair(q_ptr, dout_ptr, own_rows, col_ok, EVEN_D)  # (BQ, BD) each
+    o = _load_rows(out_ptr + own_rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
     delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
     stat = (b * HEADS + h) * N + n  # (BQ,) index into (B, heads, N)
     tl.store(delta_ptr + stat, delta, mask=q_valid)
-    lse = tl.load(lse_ptr + stat, mask=q_valid, other=0.0)  # (BQ,) log2 units
+    lse = tl.load(lse_ptr + stat)  # (BQ,) log2 units
     t_start, y_start, x_start = _window_starts(t, y, x, T, H, W, KT, KH, KW)  # (BQ,) each
 
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
@@ -133,7 +133,7 @@ def _na_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, out_ptr, dout_ptr, lse_ptr, delta_ptr
         for iy in range(KH):
             for ix in range(KW):
                 tok = ((t_start + it) * H + y_start + iy) * W + x_start + ix  # (BQ,) key token
-                k_j, v_j = _load_pair(k_ptr, v_ptr, _rows(tok, head_off, stride_tok, cols), tile_mask)  # (BQ, BD)
+                k_j, v_j = _load_pair(k_ptr, v_ptr, _token_rows(tok, stride_tok, cols, WIDE), col_ok, EVEN_D)
                 p = tl.exp2(tl.sum(q * k_j, axis=1) * qk_scale - lse)  # (BQ,) softmax probability
                 ds = p * (tl.sum(do * v_j, axis=1) - delta)  # (BQ,) d loss / d score, over scale
                 dq += ds[:, None] * k_j  # (BQ, BD)
@@ -145,16 +145,18 @@ def _na_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, out_ptr, dout_ptr, lse_ptr, delta_ptr
 def _na_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                         T, H, W, HEADS, D, stride_tok, scale, qk_scale,
                         KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                        BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr):
     # this program's tokens are KEYS: n, t, y, x below are key indices and coordinates
     b, h, N, n, k_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     col_mask = (cols < D)[None, :]  # (1, BD)
-    tile_mask = k_valid[:, None] & col_mask  # (BQ, BD)
+    tile_mask = k_valid[:, None] & col_mask  # (BQ, BD) the stores
 
     head_off = b * N * stride_tok + h * D
-    own_rows = _rows(n, head_off, stride_tok, cols)  # (BQ, BD)
-    k_j, v_j = _load_pair(k_ptr, v_ptr, own_rows, tile_mask)  # (BQ, BD) each
+    q_ptr, k_ptr, v_ptr, dout_ptr = q_ptr + head_off, k_ptr + head_off, v_ptr + head_off, dout_ptr + head_off
+    dk_ptr, dv_ptr = dk_ptr + head_off, dv_ptr + head_off
+    own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
+    k_j, v_j = _load_pair(k_ptr, v_ptr, own_rows, col_mask, EVEN_D)  # (BQ, BD) each
     stat_bh = (b * HEADS + h) * N  # offset of (b, h) in the (B, heads, N) statistics
 
     t_lo, t_count = _inverse_range(t, KT, T)  # (BQ,) each
@@ -176,8 +178,10 @@ def _na_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_pt
             while e < x_steps:
                 hit = k_valid & (a < t_count) & (c < y_count) & (e < x_count)  # (BQ,)
                 qn = ((t_lo + a) * H + y_lo + c) * W + x_lo + e  # (BQ,) query token
+                rows = _token_rows(qn, stride_tok, cols, WIDE)  # (BQ, BD); qn may lie off the grid where not hit
                 row_mask = hit[:, None] & col_mask  # (BQ, BD)
-                q_n, do_n = _load_pair(q_ptr, dout_ptr, _rows(qn, head_off, stride_tok, cols), row_mask)  # (BQ, BD)
+                q_n = tl.load(q_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
+                do_n = tl.load(dout_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)  # (BQ, BD)
                 lse = tl.load(lse_ptr + stat_bh + qn, mask=hit, other=0.0)  # (BQ,)
                 delta = tl.load(delta_ptr + stat_bh + qn, mask=hit, other=0.0)  # (BQ,)
                 p = tl.where(hit, tl.exp2(tl.sum(q_n * k_j, axis=1) * qk_scale - lse), 0.0)  # (BQ,)
@@ -216,6 +220,7 @@ def na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: t
             *q.shape[1:4], heads, q.shape[-1], q.stride(3), scale * LOG2E,
             KT=kernel_size[0], KH=kernel_size[1], KW=kernel_size[2],
             BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse, num_warps=cfg.num_warps,
+            **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d),
         )
     return out, lse
 
@@ -235,7 +240,8 @@ def na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     grid = (triton.cdiv(N, cfg.block_q), B * heads)
     sizes = (*q.shape[1:4], heads, q.shape[-1], q.stride(3), scale, scale * LOG2E)
     tiles = dict(KT=kernel_size[0], KH=kernel_size[1], KW=kernel_size[2],
-                 BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps)
+                 BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+                 **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d))
     with _device_guard(q):
         _na_bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, *sizes, **tiles)
         _na_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, *sizes, **tiles)
