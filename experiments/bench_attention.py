@@ -244,7 +244,6 @@ def tile_rows(grid, heads: int, head_dims) -> list[dict]:
     from megaslide.attention.dsa import binned, kernels
     n_tokens, keys = math.prod(grid), binned.key_config(grid)
     return [{"head_dim": d, **asdict(kernels.launch_config(n_tokens, d)),
-             "bwd_block_q": kernels.launch_config(n_tokens, d, kernels.QUERY_PASS_ELEMENTS).block_q,
              "bwd_key_tile": list(keys.tile),
              "bwd_block_e": keys.block_e, "bwd_key_warps": keys.num_warps,
              "bwd_heads_per_launch": kernels.heads_per_group(1, n_tokens, heads, math.prod(KERNEL))}

@@ -10,7 +10,7 @@ the kernel's max error may be at most 2x the error of the same-dtype PyTorch ref
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
 an offset gradient, many query blocks and (3, 5, 5) windows; the op's backward takes the key tiles
-`binned.key_config` picks for each grid (2 x 2 x 4, 1 x 4 x 4 on one frame), and
+`binned.key_config` picks for each grid (4 x 4 x 4, 1 x 8 x 8 on one frame), and
 every key configuration the sweep times is also checked on one case (rows named `..._keys_...`).
 `sweep=true` also times the kernels' launch configurations (the zero-offset kernels' too), the
 backward's key tiles, entries per block (BLOCK_E) and warps, and the backward's kernels one by one

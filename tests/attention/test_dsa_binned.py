@@ -77,9 +77,10 @@ def test_axes_of_one_token():
 
 def test_default_key_tiles_through_the_op():
     """The op's default key tiles and entry blocks (key_config) on a multi-frame grid, bf16."""
-    assert binned.key_config((5, 6, 7)).tile == (2, 2, 4)
-    assert binned.key_config((1, 6, 300)).tile == (1, 4, 4)
-    assert binned.key_config((2, 64, 64)).tile == (2, 2, 4)
+    assert binned.key_config((5, 6, 7)).tile == (4, 4, 4)
+    assert binned.key_config((16, 128, 128)).tile == (4, 4, 4)
+    assert binned.key_config((1, 6, 300)).tile == (1, 8, 8)
+    assert binned.key_config((2, 64, 64)).tile == (2, 4, 8)
     assert binned.key_config((1, 1, 5)).tile == (1, 1, 8)
     assert_backward_matches((1, 5, 6, 7, 1, 16), (3, 3, 3), torch.bfloat16, binned.key_config((5, 6, 7)).tile,
                             binned.key_config((5, 6, 7)).block_e)
@@ -213,7 +214,8 @@ def test_binned_kernels_compile_for_sm90():
                  "lse_ptr": "*fp32", "dq_ptr": "*bf16", "doff_ptr": "*fp32", "dsp_ptr": "*fp32", **common,
                  "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", "scale": "fp32", "qk_scale": "fp32"}
         build(binned._query_kernel, query, {**window, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
-                                            "OFFSET_GRAD": True, "ENTRY": binned.ENTRY_FLOATS}, cfg.num_warps,
+                                            "OFFSET_GRAD": True, "ENTRY": binned.ENTRY_FLOATS,
+                                            "WIDE": False, "EVEN_D": True}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
         tiles = {"TILES_Y": "i32", "TILES_X": "i32", "TILES": "i32"}
         bins = {"dsp_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", "T": "i32", "H": "i32", "W": "i32",
@@ -227,6 +229,7 @@ def test_binned_kernels_compile_for_sm90():
                     "records_ptr": "*i32", "dk_ptr": "*" + dtype, "dv_ptr": "*" + dtype, **common, "D": "i32",
                     "stride_tok": "i32", **tiles}
             const = {"K": 27, "TT": tile[0], "TY": tile[1], "TX": tile[2], "PX": binned.padded_x(tile),
-                     "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": binned.ENTRY_FLOATS}
+                     "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": binned.ENTRY_FLOATS,
+                     "WIDE": False, "EVEN_D": True}
             build(binned._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
     """) == 7

@@ -108,7 +108,7 @@ def test_summary_of_known_rows():
     assert s["target_tokens"] == 1000
     assert ideal == {"bound": "idealised roofline", **dsa_roofline(1000, 2, 16, K, 2, CEIL),
                      "fused_fraction": pytest.approx(ideal["ms"] / 5.0)}
-    assert gathers["ms"] == gather_bound(1000, 2, 16, K, 2, CEIL, tile=(2, 2, 4))["ms"]   # 10^3 grid: 2 x 2 x 4 keys
+    assert gathers["ms"] == gather_bound(1000, 2, 16, K, 2, CEIL, tile=(4, 4, 4))["ms"]   # 10^3 grid: 4 x 4 x 4 keys
     assert gathers["fused_fraction"] == pytest.approx(gathers["ms"] / 5.0)
     assert s["fused_speedup_vs_dsa_reference"] == 6.0 and s["fused_speedup_vs_dense"] == 8.0
     assert s["deterministic_cost"] == pytest.approx(1.2)
@@ -180,5 +180,5 @@ def test_tiles_at_the_target_grid():
     assert [t["head_dim"] for t in tiles] == [64, 128]
     # the backward's scratch within 1 GiB: 262144 x (64 x 27 + 8) bytes = 455 MB per head, whatever d
     assert [t["bwd_heads_per_launch"] for t in tiles] == [2, 2]
-    assert all(t["bwd_key_tile"] == [2, 2, 4] for t in tiles)
-    assert all({"block_q", "block_d", "num_warps", "bwd_block_q", "bwd_block_e"} <= t.keys() for t in tiles)
+    assert all(t["bwd_key_tile"] == [4, 4, 4] for t in tiles)
+    assert all({"block_q", "block_d", "num_warps", "bwd_block_e"} <= t.keys() for t in tiles)

@@ -39,7 +39,7 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
 
 Scratch per head group (bounded by `op.SCRATCH_BYTES` through the group size, `op.backward_scratch_bytes`):
 dsp 32 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
-worst case; about 2.8 on average for 2 x 2 x 4 tiles), counts and starts 4 bytes per tile each.
+worst case; about 1.95 on average for 4 x 4 x 4 tiles, 2.8 for 2 x 2 x 4), counts and starts 4 bytes per tile each.
 """
 from __future__ import annotations
 
@@ -54,11 +54,12 @@ from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_co
                                              _query_block, _token_rows, _window_start, row_flags)
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
 
-KEY_TILE_KEYS = 16
-"""Keys per default key tile: the M of the key pass's dots. The H200 sweep (results/attention/h200_split_v4.json)
-put 2 x 2 x 4 tiles with 128 entries per block first (key pass 23 ms at 262K tokens, 16 heads x 64, against
-30 ms for 4 x 4 x 4 with 64 and 35 ms with 32): a small tile builds 16 coefficient rows per entry instead of
-64 (the pass is bound by its L1 / shared-memory traffic, ncu), though each entry is listed in more tiles."""
+KEY_TILE_KEYS = 64
+"""Keys per default key tile: the M of the key pass's dots. The H200 sweep of today's kernels
+(results/attention/h200_split_v6.json, 262K tokens, 16 heads x 64, bf16) put 4 x 4 x 4 tiles with 128 entries
+per block first: key pass 17.6 ms + binning 10.7 against 18.9 + 11.7 for 2 x 2 x 4 (the default before the
+key pass took one dot per accumulator: h200_split_v4.json). A larger tile builds more coefficient rows per
+entry (the pass is bound by its L1 / shared-memory traffic, ncu), but each entry is listed in fewer tiles."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class KeyConfig:
 
 def key_config(grid: tuple[int, int, int]) -> KeyConfig:
     """Default key tiles for a (T, H, W) grid: KEY_TILE_KEYS keys, grown by doubling x, y, t in
-    turn while an axis tile stays within the grid's next power of two (2 x 2 x 4 on a large grid,
-    1 x 4 x 4 on one frame); 128 entries per block (64 in the interpreter) and 4 warps."""
+    turn while an axis tile stays within the grid's next power of two (4 x 4 x 4 on a large grid,
+    1 x 8 x 8 on one frame); 128 entries per block (64 in the interpreter) and 4 warps."""
     tile, limits = [1, 1, 1], [triton.next_power_of_2(s) for s in grid]
     while tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS:
         grown = False

@@ -71,26 +71,26 @@ class LaunchConfig:
     num_warps: int
 
 
-QUERY_PASS_ELEMENTS = 2048
-"""BLOCK_Q x block_d of the backward's query pass (binned.py), which holds more per query than the forward."""
+LAUNCH_ELEMENTS = 1024
+"""BLOCK_Q x block_d of every query-block kernel's program (`launch_config`)."""
 
 
-def launch_config(n_tokens: int, head_dim: int, elements: int = 1024) -> LaunchConfig:
-    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = `elements` (BLOCK_Q in [8, 32])
+def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
+    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = LAUNCH_ELEMENTS (BLOCK_Q in [8, 32])
     with 4 warps. The per-query index and weight arithmetic is repeated by every thread that holds a
     piece of the query's row, and it bounds these kernels' instruction issue (ncu on the H200: 82% issue
     slots busy, the integer pipe the busiest), so a thread should hold several 16-byte pieces of a row.
-    The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v4.json
-    and h200_split_v3.json, 262K tokens, 16 heads x 64, bf16) put 1024 first for the forward (16 x 64: 20
-    ms against 27 at 8 x 64) and the zero-offset kernels, and QUERY_PASS_ELEMENTS = 2048 for the query
-    pass (32 x 64: 36 ms against 44 at 16 x 64 and 61 at 8 x 64). The interpreter's cost is per
-    operation, not per element, so there one program takes all of a (batch, head)'s tokens (up to
-    1024)."""
+    The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v6.json,
+    262K tokens, 16 heads x 64, bf16) puts 1024 first for the forward, the backward's query pass and the
+    zero-offset kernels: 16 x 64 (forward 19.5 ms, query pass 30.4) against 32 x 64 with 4 warps (21.0,
+    46.3; the query pass then holds 168 registers a thread, 19% occupancy by ncu) or 8 warps (19.9, 32.0).
+    The interpreter's cost is per operation, not per element, so there one program takes all of a
+    (batch, head)'s tokens (up to 1024)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if INTERPRETED:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
-    return LaunchConfig(block_q=min(32, max(8, elements // block_d)), block_d=block_d, num_warps=4)
+    return LaunchConfig(block_q=min(32, max(8, LAUNCH_ELEMENTS // block_d)), block_d=block_d, num_warps=4)
 
 
 @triton.jit
@@ -317,7 +317,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     dout = dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
-    cfg = config or launch_config(N, d, QUERY_PASS_ELEMENTS)
+    cfg = config or launch_config(N, d)
     key_cfg = key_config or binned.key_config((T, H, W))
     group = heads_per_group(B, N, heads, K, scratch_bytes)
     tiles = math.prod(binned.tiles_per_axis((T, H, W), key_cfg.tile))
