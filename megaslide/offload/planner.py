@@ -75,11 +75,11 @@ class AttentionRate:
 
 
 # the fused DSA op alone on an H200, bf16, 3x3x3, 16 heads x 64, 262,144 tokens (results/attention/
-# h200_kernels_v5.json): forward 2.9e10 counted FLOPs in 20.3 ms (forward alone), backward 5.8e10 in 73.2 ms
-# (fwd+bwd 93.5 ms less the forward). Its offset net is not in it: a rate measured on `attend`
+# h200_kernels_v7.json): forward 2.9e10 counted FLOPs in 19.7 ms (forward alone), backward 5.8e10 in 62.4 ms
+# (fwd+bwd 82.1 ms less the forward). Its offset net is not in it: a rate measured on `attend`
 # (experiments/oom_thresholds.py) is lower. dsa_zero runs kernels of its own (no offsets): no default, so it is
 # bounded at the matmul ceiling.
-DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.43, 0.79, includes_own_weights=False)}
+DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.47, 0.93, includes_own_weights=False)}
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     assert tail["attention"] == pytest.approx(1.5 * counted / 2e12 + 2 * counted / 0.5e12)
     # the default DSA rate (the op alone, no offset net): the offset net stays in the matmul term
     _, default = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=Ceilings(tflops=500.0))
-    assert default["attention"] == pytest.approx(2 * counted / 1.43e12 + 2 * counted / 0.79e12)
+    assert default["attention"] == pytest.approx(2 * counted / 1.47e12 + 2 * counted / 0.93e12)
     assert default["matmul"] == pytest.approx((executed - 4 * counted) / 500e12)
     # slabs of 4 frames, each padded by DSA's reach of 3 + 4 frames: frames [0, 11), [0, 15), [1, 16), [5, 16)
     # read, 52 for 16 kept; every block's backward re-runs its slabs (a third forward) and its slices
