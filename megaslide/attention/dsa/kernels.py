@@ -11,8 +11,8 @@ so neighbouring queries sample overlapping tokens and share cache lines) of one
 blocks in an order that keeps the running programs' K / V rows in L2 (`_query_block`). It loops over the K
 samples of the window. For each sample it computes every query's clamped position, the 8
 surrounding tokens and their trilinear weights, gathers those 8 rows of K (a
-(BLOCK_Q, d) tile each; a corner of weight 0 is loaded too, which costs less than the
-per-element mask that would skip it) and combines them into the sampled key; the same
+(BLOCK_Q, d) tile each; a corner of weight 0 is loaded too: a per-element mask to skip
+it skips nothing on non-integer offsets) and combines them into the sampled key; the same
 corners give the sampled value. Every gathered row is a valid token (clamped positions,
 clamped query rows: `_query_block`), so the gathers need no mask unless the head dim is
 padded, and their offsets are int32 while a (batch, head)'s span fits (`row_flags`). The forward runs an
@@ -78,9 +78,8 @@ LAUNCH_ELEMENTS = 1024
 def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
     """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = LAUNCH_ELEMENTS (BLOCK_Q in [8, 32])
     with 4 warps. The per-query index and weight arithmetic is repeated by every thread that holds a
-    piece of the query's row, and it bounds these kernels' instruction issue (ncu on the H200: 82% issue
-    slots busy, the integer pipe the busiest), so a thread should hold several 16-byte pieces of a row.
-    The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v6.json,
+    piece of the query's row, so a thread should hold several 16-byte pieces of a row; more pieces cost
+    registers and occupancy. The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v6.json,
     262K tokens, 16 heads x 64, bf16) puts 1024 first for the forward, the backward's query pass and the
     zero-offset kernels: 16 x 64 (forward 19.5 ms, query pass 30.4) against 32 x 64 with 4 warps (21.0,
     46.3; the query pass then holds 168 registers a thread, 19% occupancy by ncu) or 8 warps (19.9, 32.0).
