@@ -127,7 +127,8 @@ def test_kernels_compile_for_sm90():
         fwd = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "off_ptr", "out_ptr"]},
                "lse_ptr": "*fp32", **common, "qk_scale": "fp32"}
         cfg = kernels.launch_config(262144, 64)
-        tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d, "WIDE": False, "EVEN_D": True}
+        tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
+                 "WIDE": False, "EVEN_D": True}
         build(kernels._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
     """) == 1

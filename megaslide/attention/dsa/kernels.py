@@ -79,10 +79,10 @@ def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
     """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = LAUNCH_ELEMENTS (BLOCK_Q in [8, 32])
     with 4 warps. The per-query index and weight arithmetic is repeated by every thread that holds a
     piece of the query's row, so a thread should hold several 16-byte pieces of a row; more pieces cost
-    registers and occupancy. The H200 sweep (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v6.json,
-    262K tokens, 16 heads x 64, bf16) puts 1024 first for the forward, the backward's query pass and the
-    zero-offset kernels: 16 x 64 (forward 19.5 ms, query pass 30.4) against 32 x 64 with 4 warps (21.0,
-    46.3; the query pass then holds 168 registers a thread, 19% occupancy by ncu) or 8 warps (19.9, 32.0).
+    registers and occupancy. The H200 sweep at the benchmark shape (`python -m experiments.gpu_check_dsa
+    sweep=true`, results/attention/h200_split_v6.json) puts 1024 first for the forward, the backward's
+    query pass and the zero-offset kernels; at 2048 the query pass holds twice the registers and loses
+    occupancy (ncu, h200_ncu_v6.json).
     The interpreter's cost is per operation, not per element, so there one program takes all of a
     (batch, head)'s tokens (up to 1024)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
