@@ -11,7 +11,8 @@ floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
 an offset gradient, many query blocks and (3, 5, 5) windows; the op's backward takes the key tiles
 `binned.key_config` picks for each grid (4 x 4 x 4, 1 x 8 x 8 on one frame), and
-every key configuration the sweep times is also checked on one case (rows named `..._keys_...`).
+every key configuration the sweep times is also checked on one case (rows named `..._keys_...`), and
+with `sweep=true` every query block it times, on one case of each op (rows `..._launch_...`).
 `sweep=true` also times the kernels' launch configurations (the zero-offset kernels' too), the
 backward's key tiles, entries per block (BLOCK_E) and warps, and the backward's kernels one by one
 (a profiler's CUDA time per kernel name) at the 262K-token benchmark shape, beside a re-measured HBM
@@ -90,6 +91,7 @@ KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 128, 4), ((4,
                ((2, 4, 8), 64, 4)]
 """Key tiles (t, y, x), BLOCK_E and warps of the backward's key pass that the sweep times."""
 SMOKE_KEY_CONFIGS = [((1, 2, 4), 16, 1), ((2, 2, 2), 32, 1)]
+SMOKE_LAUNCHES = [(16, 1), (32, 1), (16, 1, 4)]  # the last: 4 x 4 query patches
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
 
@@ -106,17 +108,22 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int 
     return [x.to(dtype) for x in (q, k, v, offsets, grad_out)]
 
 
-def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str, key_config=None):
+def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str, key_config=None, launch=None):
     """Output and gradients of one backend of `op` (dsa: offsets as drawn; dsa_zero: none), inputs cast to
-    dtype; `key_config` (a binned.KeyConfig): the fused kernels called directly with these key tiles."""
+    dtype; `key_config` (a binned.KeyConfig) or `launch` (a kernels.LaunchConfig): the fused kernels called
+    directly with these key tiles or query blocks."""
     q, k, v, grad_out = (x.to(dtype) for x in (inputs[0], inputs[1], inputs[2], inputs[4]))
     offsets = inputs[3].to(torch.float32 if case.fp32_offsets and dtype != F64 else dtype)
-    if key_config is not None:
-        from megaslide.attention.dsa import kernels
+    if key_config is not None or launch is not None:
+        from megaslide.attention.dsa import kernels, zero_kernels
         scale = case.shape[-1] ** -0.5
-        out, lse = kernels.dsa_forward(q, k, v, offsets, case.kernel_size, scale)
+        if op == "dsa_zero":
+            out, lse = zero_kernels.na_forward(q, k, v, case.kernel_size, scale, config=launch)
+            return [out, *zero_kernels.na_backward(q, k, v, out, lse, grad_out, case.kernel_size, scale,
+                                                   config=launch)]
+        out, lse = kernels.dsa_forward(q, k, v, offsets, case.kernel_size, scale, config=launch)
         grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, case.kernel_size, scale,
-                                     case.offsets_grad, key_config=key_config)
+                                     case.offsets_grad, config=launch, key_config=key_config)
         return [out, *(g for g in grads if g is not None)]
     leaves = [q, k, v] + ([offsets] if case.offsets_grad and op == "dsa" else [])
     for x in leaves:
@@ -128,16 +135,19 @@ def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str, key_confi
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
 
 
-def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_config=None) -> dict:
-    """One comparison row; with `key_config` (op dsa) the fused backward at those key tiles."""
+def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_config=None, launch=None) -> dict:
+    """One comparison row; with `key_config` (op dsa) the fused backward at those key tiles, with `launch`
+    the fused kernels at those query blocks."""
     dtype = DTYPES[dtype_name]
     inputs = make_inputs(case, dtype, device)
     truth = run("reference", inputs, case, F64, op)
     same_dtype = run("reference", inputs, case, dtype, op)
-    fused = run("triton", inputs, case, dtype, op, key_config)
+    fused = run("triton", inputs, case, dtype, op, key_config, launch)
     name = case.name
     if key_config is not None:
         name += "_keys_{}x{}x{}_e{}_w{}".format(*key_config.tile, key_config.block_e, key_config.num_warps)
+    if launch is not None:
+        name += f"_launch_q{launch.block_q}_y{launch.block_y}_w{launch.num_warps}"
     row = {"case": name, "op": op, "dtype": dtype_name, "shape": list(case.shape),
            "kernel_size": list(case.kernel_size), "passed": True, "errors": {}}
     for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
@@ -147,12 +157,12 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
         ok = within_tolerance(err_fused, err_ref, floor)
         row["errors"][name] = {"triton": err_fused, "reference_same_dtype": err_ref, "floor": floor, "ok": ok}
         row["passed"] &= ok
-    if op == "dsa_zero":  # no atomics: a second run gives the same bits
+    if op == "dsa_zero" and launch is None:  # no atomics: a second run gives the same bits
         again = run("triton", inputs, case, dtype, op)
         row["deterministic"] = all(torch.equal(a, b) for a, b in zip(fused, again))
         row["passed"] &= row["deterministic"]
         del again
-    elif key_config is None:  # under deterministic algorithms the key-tile lists are sorted: the same bits twice
+    elif op == "dsa" and key_config is None and launch is None:  # sorted key-tile lists: the same bits twice
         with deterministic_algorithms():
             first, again = (run("triton", inputs, case, dtype, op) for _ in range(2))
         row["deterministic"] = all(torch.equal(a, b) for a, b in zip(first, again))
@@ -165,7 +175,8 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
 
 
 def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]]) -> dict:
-    """Forward and backward times of candidate tiles ((BLOCK_Q, warps) pairs), for the general kernels
+    """Forward and backward times of candidate tiles ((BLOCK_Q, warps) or (BLOCK_Q, warps, block_y):
+    `launch_of`), for the general kernels
     (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms, zero_bwd_ms), then of the
     backward's key configs (KEY_CONFIGS) with each kernel's profiled time."""
     from megaslide.attention.dsa import binned, kernels, zero_kernels
@@ -173,18 +184,17 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     shape = (1, 2, 3, 5, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)
     kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
     dtype = torch.float32 if smoke else torch.bfloat16
-    candidates = [(16, 1), (32, 1)] if smoke else [tuple(c) for c in launch_candidates]
+    candidates = SMOKE_LAUNCHES if smoke else launch_candidates
     B, T, H, W, heads, d = shape
     K = math.prod(kernel_size)
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
     offsets = (8 * torch.rand((B, T, H, W, heads, K, 3), generator=g, device=device) - 4).to(dtype)
     scale = d ** -0.5
-    block_d = max(16, 1 << (d - 1).bit_length())
     default = kernels.launch_config(T * H * W, d)
     rows = []
-    for block_q, num_warps in candidates:
-        cfg = kernels.LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
+    for candidate in candidates:
+        cfg = launch_of(candidate, d)
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg)
         fwd_s = timed(lambda: kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg), device).median
         def backward():
@@ -196,7 +206,8 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
         zero_fwd_s = timed(lambda: zero_kernels.na_forward(q, k, v, kernel_size, scale, config=cfg), device).median
         zero_bwd_s = timed(lambda: zero_kernels.na_backward(q, k, v, out, lse, dout, kernel_size, scale, config=cfg),
                            device).median
-        rows.append({"block_q": block_q, "num_warps": num_warps, "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
+        rows.append({"block_q": cfg.block_q, "num_warps": cfg.num_warps, "block_y": cfg.block_y,
+                     "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
                      "zero_bwd_ms": zero_bwd_s * 1e3, "query_pass_ms": bwd_kernels.get("_query_kernel")})
     default_keys = binned.key_config((T, H, W))
@@ -214,6 +225,15 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
             "default_config": asdict(default), "default_key_config": asdict(default_keys),
             "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
             "key_configs": key_rows}
+
+
+def launch_of(candidate, head_dim: int):
+    """The kernels.LaunchConfig of a sweep candidate [BLOCK_Q, warps] or [BLOCK_Q, warps, block_y] (query
+    patches of block_y rows; 1 when left out) at head dim d."""
+    from megaslide.attention.dsa import kernels
+    block_q, num_warps, block_y = (*candidate, 1)[:3]
+    return kernels.LaunchConfig(block_q=block_q, block_d=max(16, 1 << (head_dim - 1).bit_length()),
+                                num_warps=num_warps, block_y=block_y)
 
 
 def kernel_ms(fn, device: torch.device) -> dict[str, float]:
@@ -246,12 +266,13 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
     if sweep:
         print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
               f"(default {sweep['default_config']}; HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
-        print(f"{'block_q':>7s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'query ms':>9s} {'fwd+bwd ms':>11s} "
-              f"{'zero fwd ms':>12s} {'zero bwd ms':>12s}")
+        print(f"{'block_q':>7s} {'y':>2s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'query ms':>9s} "
+              f"{'fwd+bwd ms':>11s} {'zero fwd ms':>12s} {'zero bwd ms':>12s}")
         for c in sweep["configs"]:
             query = f"{c['query_pass_ms']:9.2f}" if c["query_pass_ms"] is not None else f"{'-':>9s}"
-            print(f"{c['block_q']:7d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} {c['bwd_ms']:9.2f} {query} "
-                  f"{c['fwd_bwd_ms']:11.2f} {c['zero_fwd_ms']:12.2f} {c['zero_bwd_ms']:12.2f}")
+            print(f"{c['block_q']:7d} {c.get('block_y', 1):2d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} "
+                  f"{c['bwd_ms']:9.2f} {query} {c['fwd_bwd_ms']:11.2f} {c['zero_fwd_ms']:12.2f} "
+                  f"{c['zero_bwd_ms']:12.2f}")
         print(f"\nbackward key tiles (default {sweep['default_key_config']}): bwd ms, then ms per kernel")
         for c in sweep["key_configs"]:
             kernels = ", ".join(f"{name[:24]} {ms:.2f}" for name, ms in list(c["kernel_ms"].items())[:5])
@@ -287,6 +308,11 @@ def check(cfg: GpuCheckConfig) -> int:
         key_case = cases[0] if cfg.smoke else KEY_CASE
         rows += [check_case(key_case, dtype, device, "dsa", binned.KeyConfig(tile=tile, block_e=e, num_warps=w))
                  for tile, e, w in (SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS) for dtype in dtypes]
+    if cfg.sweep:  # every query block the sweep times, checked on one case of each op
+        key_case = cases[0] if cfg.smoke else KEY_CASE
+        rows += [check_case(key_case, dtype, device, op, launch=launch_of(c, key_case.shape[-1]))
+                 for c in (SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates) for op in cfg.ops
+                 for dtype in dtypes]
     sweep = sweep_launch_configs(device, cfg.smoke, cfg.launch_candidates) if cfg.sweep else None
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     passed = all(r["passed"] for r in rows) and auto_backend == expected_auto

@@ -215,7 +215,7 @@ def test_binned_kernels_compile_for_sm90():
                  "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", "scale": "fp32", "qk_scale": "fp32"}
         build(binned._query_kernel, query, {**window, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
                                             "OFFSET_GRAD": True, "ENTRY": binned.ENTRY_FLOATS,
-                                            "WIDE": False, "EVEN_D": True}, cfg.num_warps,
+                                            "WIDE": False, "EVEN_D": True, "BLOCK_Y": 1}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
         tiles = {"TILES_Y": "i32", "TILES_X": "i32", "TILES": "i32"}
         bins = {"dsp_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", "T": "i32", "H": "i32", "W": "i32",

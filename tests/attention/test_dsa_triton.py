@@ -128,7 +128,7 @@ def test_kernels_compile_for_sm90():
                "lse_ptr": "*fp32", **common, "qk_scale": "fp32"}
         cfg = kernels.launch_config(262144, 64)
         tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
-                 "WIDE": False, "EVEN_D": True}
+                 "WIDE": False, "EVEN_D": True, "BLOCK_Y": 1}
         build(kernels._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
     """) == 1

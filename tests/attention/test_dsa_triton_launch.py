@@ -47,14 +47,20 @@ def test_grouped_backward_equals_one_launch(heads_per_launch, offsets_grad):
     assert whole[1].dtype == torch.bfloat16 and whole[1].abs().sum() > 0
 
 
-@pytest.mark.parametrize("grid,kernel_size", [((2, 3, 8), (1, 3, 3)),   # swept: H > T, W % BLOCK_Q = 0
-                                              ((3, 2, 8), (1, 1, 3))])  # in order: H <= T
-def test_block_order_covers_every_query_once(grid, kernel_size):
-    """With 8-query blocks, (2, 3, 8) takes the swept order (y slowest): a block left out would leave
-    its output unwritten, one taken twice would add its dK / dV twice."""
+@pytest.mark.parametrize("grid,kernel_size,block_y", [
+    ((2, 3, 8), (1, 3, 3), 1),   # runs, swept: H > T, W % BLOCK_Q = 0
+    ((3, 2, 8), (1, 1, 3), 1),   # runs in order: H <= T
+    ((3, 5, 7), (3, 3, 3), 2),   # 2 x 4 patches, partial at the bottom and the right edge
+    ((2, 6, 3), (1, 3, 3), 4),   # 4 x 2 patches, a band and a column block partial
+    ((2, 3, 2), (1, 3, 1), 8),   # 8 x 1 patches taller than the frame
+])
+def test_block_order_covers_every_query_once(grid, kernel_size, block_y):
+    """With 8-query blocks, (2, 3, 8) takes the swept order (y slowest), and patches (block_y > 1) their
+    band order: a block left out would leave its output unwritten, one taken twice would add its dK / dV
+    twice, and a patch row past the grid must neither load out of bounds nor store."""
     shape = (1, *grid, 1, 16)
     q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0)
-    config = kernels.LaunchConfig(block_q=8, block_d=16, num_warps=1)
+    config = kernels.LaunchConfig(block_q=8, block_d=16, num_warps=1, block_y=block_y)
     out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, 0.25, config=config)
     grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, 0.25,
                                  offsets_grad=True, config=config)
@@ -102,3 +108,31 @@ def test_int64_row_offsets_give_the_same_bits(monkeypatch):
     for name, a, b in zip(["out", "dq", "dk", "dv", "doffsets", "zero out", "zero dq", "zero dk", "zero dv"],
                           narrow, run()):
         assert a.abs().sum() > 0 and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("block_y", [2, 4])
+def test_zero_offset_kernels_on_patches(block_y):
+    """The zero-offset kernels (forward, dq, dk/dv over each key's inverse window) on patch blocks of a
+    grid that no patch tiles evenly, against the float64 reference with zero offsets."""
+    from tests.attention.test_dsa_zero_triton import zero_kernels
+
+    kernel_size = (3, 3, 3)
+    q, k, v, offsets, grad_out = make_inputs((2, 3, 5, 7, 2, 16), kernel_size, torch.float32)
+    config = kernels.LaunchConfig(block_q=8, block_d=16, num_warps=1, block_y=block_y)
+    out, lse = zero_kernels.na_forward(q, k, v, kernel_size, 0.25, config=config)
+    grads = zero_kernels.na_backward(q, k, v, out, lse, grad_out, kernel_size, 0.25, config=config)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    want = deformable_slide_attention(*leaves, torch.zeros_like(offsets, dtype=torch.float64), kernel_size,
+                                      scale=0.25, backend="reference")
+    want_grads = torch.autograd.grad(want, leaves, grad_out.double())
+    for got, ref in zip([out, *grads], [want, *want_grads]):
+        torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_patch_shape_is_checked():
+    with pytest.raises(ValueError, match="block_y=3 must be a power of two dividing block_q=8"):
+        kernels.LaunchConfig(block_q=8, block_d=16, num_warps=1, block_y=3)
+    with pytest.raises(ValueError, match="block_y=16 must be a power of two dividing block_q=8"):
+        kernels.LaunchConfig(block_q=8, block_d=16, num_warps=1, block_y=16)
+    assert kernels.query_programs((2, 5, 7), kernels.LaunchConfig(8, 16, 1, block_y=2)) == 2 * 3 * 2
+    assert kernels.query_programs((2, 5, 7), kernels.LaunchConfig(8, 16, 1)) == 9

@@ -5,9 +5,15 @@ def test_gpu_check_dsa_smoke(tmp_path):
     run_script(["-m", "experiments.gpu_check_dsa", "smoke=true", "sweep=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
     data = load_result(tmp_path, "attention", "dsa_gpu_check_smoke")
     assert data["passed"] is True and data["rows"]
-    zero = [r for r in data["rows"] if r["op"] == "dsa_zero"]
+    zero = [r for r in data["rows"] if r["op"] == "dsa_zero" and "_launch_" not in r["case"]]
     assert zero and all(r["deterministic"] and "doffsets" not in r["errors"] for r in zero)
-    general = [r for r in data["rows"] if r["op"] == "dsa" and "_keys_" not in r["case"]]
+    # every query block the sweep times is checked for both ops and both dtypes, the 4 x 4 patches included
+    launches = {(r["op"], r["dtype"], r["case"].split("_launch_")[1]) for r in data["rows"] if "_launch_" in r["case"]}
+    assert launches == {(op, dtype, block) for op in ("dsa", "dsa_zero") for dtype in ("fp32", "bf16")
+                        for block in ("q16_y1_w1", "q32_y1_w1", "q16_y4_w1")}
+    assert {c["block_y"] for c in data["sweep"]["configs"]} == {1, 4}
+    general = [r for r in data["rows"]
+               if r["op"] == "dsa" and "_keys_" not in r["case"] and "_launch_" not in r["case"]]
     assert general and all(r["deterministic"] for r in general)  # sorted key-tile lists, run twice
     assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 and c["zero_fwd_ms"] > 0 and c["zero_bwd_ms"] > 0
                for c in data["sweep"]["configs"])

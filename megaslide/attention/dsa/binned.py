@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _load_rows,
-                                             _query_block, _token_rows, _window_start, row_flags)
+                                             _query_block, _token_rows, _window_start, query_programs, row_flags)
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
 
 KEY_TILE_KEYS = 64
@@ -103,8 +103,8 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                   T, H, W, HEADS, D, stride_tok, stride_off_tok, scale, qk_scale,
                   KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr, ENTRY: tl.constexpr,
-                  WIDE: tl.constexpr, EVEN_D: tl.constexpr):
-    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
+                  WIDE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_Y: tl.constexpr):
+    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     col_ok = (cols < D)[None, :]  # (1, BD)
     tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
@@ -341,10 +341,10 @@ def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, sca
     full ones, lse (B, g, N) contiguous; writes dq, doff (when offsets_grad) and dsp (B, g, K, N, ENTRY_FLOATS)."""
     B, T, H, W, g, d = q.shape
     kt, kh, kw = kernel_size
-    _query_kernel[(triton.cdiv(T * H * W, config.block_q), B * g)](
+    _query_kernel[(query_programs((T, H, W), config), B * g)](
         q, k, v, offsets, out, dout, lse, dq, doff, dsp,
         T, H, W, g, d, q.stride(3), offsets.stride(3), scale, qk_scale,
-        KT=kt, KH=kh, KW=kw, BLOCK_Q=config.block_q, BLOCK_D=config.block_d,
+        KT=kt, KH=kh, KW=kw, BLOCK_Q=config.block_q, BLOCK_D=config.block_d, BLOCK_Y=config.block_y,
         OFFSET_GRAD=offsets_grad, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
         **row_flags(T * H * W, q.stride(3), d, config.block_d),
     )

@@ -64,11 +64,29 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes of one launch: BLOCK_Q queries per program, d padded to block_d."""
+    """Tile sizes of one launch: BLOCK_Q queries per program, d padded to block_d. block_y > 1 makes a
+    program's queries a block_y x (block_q / block_y) patch of one frame (rows y, columns x) instead of
+    block_q consecutive tokens, so that more of their windows' corner rows coincide (a candidate of the
+    sweep, `experiments/gpu_check_dsa.py`; the default stays 1)."""
 
     block_q: int
     block_d: int
     num_warps: int
+    block_y: int = 1
+
+    def __post_init__(self):
+        if self.block_y < 1 or self.block_q % self.block_y or self.block_y & (self.block_y - 1):
+            raise ValueError(f"LaunchConfig: block_y={self.block_y} must be a power of two dividing "
+                             f"block_q={self.block_q}")
+
+
+def query_programs(grid: tuple[int, int, int], config: LaunchConfig) -> int:
+    """Programs per (batch, head) of a launch over the queries (or keys) of a (T, H, W) grid, as
+    `_query_block` numbers them."""
+    T, H, W = grid
+    if config.block_y == 1:
+        return triton.cdiv(T * H * W, config.block_q)
+    return T * triton.cdiv(H, config.block_y) * triton.cdiv(W, config.block_q // config.block_y)
 
 
 LAUNCH_ELEMENTS = 1024
@@ -136,36 +154,51 @@ def _softmax_step(m_i, l_i, acc, s, v):
 
 
 @triton.jit
-def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr):
-    """This program's (batch, head) and its BLOCK_Q query tokens (row-major over (t, y, x)).
+def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr, BLOCK_Y: tl.constexpr):
+    """This program's (batch, head) and its BLOCK_Q query tokens: with BLOCK_Y = 1 a run of
+    consecutive tokens (row-major over (t, y, x)), else a BLOCK_Y x BX patch (BX = BLOCK_Q // BLOCK_Y)
+    of rows y and columns x of one frame.
 
-    Block order. Block i holds tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q); program p of the launch
+    Block order. Runs: block i holds tokens [i * BLOCK_Q, (i + 1) * BLOCK_Q); program p of the launch
     grid's first axis takes block p, except when every (t, y) row is whole blocks
     (W % BLOCK_Q == 0) and H > T: then consecutive programs sweep all T frames of one y row
     before the next row (p -> (y, t, x block), y slowest). Programs run roughly in launch order,
     and a query's samples lie within a few tokens of it along each axis, so the K / V rows (and
     the backward's dK / dV scratch) that the running programs share span a slab of a few y rows
     across all frames (T x W tokens per row) instead of a few whole frames (H x W per frame): the
-    smaller working set stays in L2. Either order is a bijection over blocks.
+    smaller working set stays in L2. Patches take the same order, a band of BLOCK_Y rows in place of
+    a row: p -> (y band, t, x block). Either order is a bijection over the queries.
 
     Returns b (int64), h, N = T*H*W, n (BQ,) token indices, q_valid (BQ,), and the queries' grid
-    coordinates t, y, x (BQ,). The rows of the last block that lie past the end (q_valid False) repeat
-    the last token, so that every load a kernel derives from them is in bounds and needs no mask; only
-    stores are masked with q_valid."""
+    coordinates t, y, x (BQ,). Rows past the grid (q_valid False: past the end of the last run, or
+    past the bottom or right edge of a patch) repeat a token of the grid's last one or its edge, so
+    that every load a kernel derives from them is in bounds and needs no mask; only stores are
+    masked with q_valid."""
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS).to(tl.int64)
     h = pid_bh % HEADS
     N = T * H * W
     p = tl.program_id(0)
-    row_blocks = tl.maximum(W // BLOCK_Q, 1)  # blocks per (t, y) row when rows are whole blocks
-    swept = ((p // row_blocks) % T * H + p // (row_blocks * T)) * row_blocks + p % row_blocks
-    block = tl.where((W % BLOCK_Q == 0) & (H > T), swept, p)
-    n = block * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BQ,) query tokens
-    q_valid = n < N
-    n = tl.minimum(n, N - 1)
-    t = n // (H * W)
-    y = (n // W) % H
-    x = n % W
+    i = tl.arange(0, BLOCK_Q)  # (BQ,)
+    if BLOCK_Y == 1:
+        row_blocks = tl.maximum(W // BLOCK_Q, 1)  # blocks per (t, y) row when rows are whole blocks
+        swept = ((p // row_blocks) % T * H + p // (row_blocks * T)) * row_blocks + p % row_blocks
+        block = tl.where((W % BLOCK_Q == 0) & (H > T), swept, p)
+        n = block * BLOCK_Q + i  # (BQ,) query tokens
+        q_valid = n < N
+        n = tl.minimum(n, N - 1)
+        t = n // (H * W)
+        y = (n // W) % H
+        x = n % W
+    else:
+        x_blocks = tl.cdiv(W, BLOCK_Q // BLOCK_Y)
+        y = p // (x_blocks * T) * BLOCK_Y + i // (BLOCK_Q // BLOCK_Y)  # (BQ,)
+        x = p % x_blocks * (BLOCK_Q // BLOCK_Y) + i % (BLOCK_Q // BLOCK_Y)  # (BQ,)
+        q_valid = (y < H) & (x < W)
+        y = tl.minimum(y, H - 1)
+        x = tl.minimum(x, W - 1)
+        t = i * 0 + (p // x_blocks) % T  # (BQ,)
+        n = (t * H + y) * W + x
     return b, h, N, n, q_valid, t, y, x
 
 
@@ -195,8 +228,8 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                     T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
-                    WIDE: tl.constexpr, EVEN_D: tl.constexpr):
-    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
+                    WIDE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_Y: tl.constexpr):
+    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     col_ok = (cols < D)[None, :]  # (1, BD)
     tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
@@ -276,13 +309,13 @@ def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torc
     out = torch.empty_like(q)  # (B, T, H, W, heads, d)
     lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None  # (B, heads, N)
     cfg = config or launch_config(N, d)
-    grid = (triton.cdiv(N, cfg.block_q), B * heads)
+    grid = (query_programs((T, H, W), cfg), B * heads)
     with _device_guard(q):
         _dsa_fwd_kernel[grid](
             q, k, v, offsets, out, lse if store_lse else out,  # never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
             KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse,
-            num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, cfg.block_d),
+            BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, cfg.block_d),
         )
     return out, lse
 

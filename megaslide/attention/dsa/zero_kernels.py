@@ -42,7 +42,7 @@ import triton.language as tl
 from triton import knobs
 
 from megaslide.attention.dsa.kernels import (LOG2E, LaunchConfig, _device_guard, _load_rows, _query_block,
-                                             _softmax_step, _token_rows, launch_config, row_flags)
+                                             _softmax_step, _token_rows, launch_config, query_programs, row_flags)
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -77,8 +77,8 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                    T, H, W, HEADS, D, stride_tok, qk_scale,
                    KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
-                   WIDE: tl.constexpr, EVEN_D: tl.constexpr):
-    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
+                   WIDE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_Y: tl.constexpr):
+    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     col_ok = (cols < D)[None, :]  # (1, BD)
     tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
@@ -110,8 +110,9 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
 def _na_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, out_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
                       T, H, W, HEADS, D, stride_tok, scale, qk_scale,
                       KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                      BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr):
-    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
+                      BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_Y: tl.constexpr):
+    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     col_ok = (cols < D)[None, :]  # (1, BD)
     tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
@@ -145,9 +146,10 @@ def _na_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, out_ptr, dout_ptr, lse_ptr, delta_ptr
 def _na_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                         T, H, W, HEADS, D, stride_tok, scale, qk_scale,
                         KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                        BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr):
+                        BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_Y: tl.constexpr):
     # this program's tokens are KEYS: n, t, y, x below are key indices and coordinates
-    b, h, N, n, k_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q)
+    b, h, N, n, k_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
     cols = tl.arange(0, BLOCK_D)  # (BD,)
     col_mask = (cols < D)[None, :]  # (1, BD)
     tile_mask = k_valid[:, None] & col_mask  # (BQ, BD) the stores
@@ -213,13 +215,13 @@ def na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: t
     out = torch.empty_like(q)  # (B, T, H, W, heads, d)
     lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None
     cfg = config or launch_config(N, q.shape[-1])
-    grid = (triton.cdiv(N, cfg.block_q), B * heads)
+    grid = (query_programs(q.shape[1:4], cfg), B * heads)
     with _device_guard(q):
         _na_fwd_kernel[grid](
             q, k, v, out, lse if store_lse else out,  # never written without STORE_LSE
             *q.shape[1:4], heads, q.shape[-1], q.stride(3), scale * LOG2E,
             KT=kernel_size[0], KH=kernel_size[1], KW=kernel_size[2],
-            BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse, num_warps=cfg.num_warps,
+            BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse, BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps,
             **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d),
         )
     return out, lse
@@ -237,10 +239,10 @@ def na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     delta = torch.empty((B, heads, N), dtype=torch.float32, device=q.device)  # (B, heads, N)
     cfg = config or launch_config(N, q.shape[-1])
-    grid = (triton.cdiv(N, cfg.block_q), B * heads)
+    grid = (query_programs(q.shape[1:4], cfg), B * heads)
     sizes = (*q.shape[1:4], heads, q.shape[-1], q.stride(3), scale, scale * LOG2E)
     tiles = dict(KT=kernel_size[0], KH=kernel_size[1], KW=kernel_size[2],
-                 BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+                 BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps,
                  **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d))
     with _device_guard(q):
         _na_bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, *sizes, **tiles)
