@@ -131,7 +131,10 @@ def test_kernels_compile_for_sm90():
                  "WIDE": False, "EVEN_D": True, "BLOCK_Y": 1}
         build(kernels._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
-    """) == 1
+        # the patch candidate of the sweep (4 x 4 queries), int64 rows, a padded head dim
+        build(kernels._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True, "BLOCK_Y": 4, "WIDE": True,
+                                             "EVEN_D": False}, cfg.num_warps, aligned_ints=("D", "stride_tok"))
+    """) == 2
 
 
 @pytest.mark.slow
