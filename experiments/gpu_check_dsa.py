@@ -232,7 +232,7 @@ def launch_of(candidate, head_dim: int):
     patches of block_y rows; 1 when left out) at head dim d."""
     from megaslide.attention.dsa import kernels
     block_q, num_warps, block_y = (*candidate, 1)[:3]
-    return kernels.LaunchConfig(block_q=block_q, block_d=max(16, 1 << (head_dim - 1).bit_length()),
+    return kernels.LaunchConfig(block_q=block_q, block_d=kernels.head_dim_block(head_dim),
                                 num_warps=num_warps, block_y=block_y)
 
 

@@ -93,6 +93,11 @@ LAUNCH_ELEMENTS = 1024
 """BLOCK_Q x block_d of every query-block kernel's program (`launch_config`)."""
 
 
+def head_dim_block(head_dim: int) -> int:
+    """block_d of a head dim: the next power of two, at least 16 (padded columns are masked)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
     """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = LAUNCH_ELEMENTS (BLOCK_Q in [8, 32])
     with 4 warps. The per-query index and weight arithmetic is repeated by every thread that holds a
@@ -103,7 +108,7 @@ def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
     occupancy (ncu, h200_ncu_v6.json).
     The interpreter's cost is per operation, not per element, so there one program takes all of a
     (batch, head)'s tokens (up to 1024)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = head_dim_block(head_dim)
     if INTERPRETED:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
