@@ -27,7 +27,7 @@ import torch
 
 from experiments.report import render
 from experiments.results_io import write_result
-from megaslide.checkpoint import checkpoint_path
+from megaslide.checkpoint import checkpoint_path, step_checkpoints
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
 from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
@@ -122,7 +122,7 @@ def load_samples(path: str | Path) -> tuple[torch.Tensor, list[str], list]:
 
 def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, *, n_eval: int,
                 eval_seed: int, sample_batch: int, out_dir: Path, project: str, tag: str,
-                save_mp4: bool = True) -> dict:
+                save_mp4: bool = True, continue_own: bool = False) -> dict:
     """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row.
 
     A run whose `train.resume` names a checkpoint continues that run (weights, EMA, optimizer
@@ -130,12 +130,25 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     long-clip runs. The row says what the run started from (`init_from`: the checkpoint,
     relative to out_dir, or "scratch"; `init_step`), its total `steps`, the weights_digest
     at its start and end, and `samples_file`: every sampled clip (save_samples), relative to
-    out_dir. `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary)."""
+    out_dir. `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary).
+
+    `continue_own=True` continues a run that an earlier invocation left unfinished (cut by a time
+    limit or a crash): when the run's folder holds its own checkpoints, training resumes from the
+    newest of them instead of from `train.resume`, and the row says so (`restarted_from`; then
+    `init_step` and `init_weights` are those of that checkpoint). A finished run re-samples and
+    re-scores its final weights without training."""
     model = dataclasses.replace(model, attention=model.attention.for_variant(attention))
     run_dir = out_dir / run_name(tag, attention, train.seed)
     source = Path(train.resume) if train.resume else None
     row = {"variant": attention, "frames": data.frames, "seed": train.seed, "params": count_params(model),
            "steps": train.steps, "init_from": "scratch" if source is None else _relative(source, out_dir)}
+    own = step_checkpoints(run_dir / "checkpoints") if continue_own else {}
+    if own:
+        if max(own) > train.steps:
+            raise ValueError(f"{run_dir} holds a checkpoint at step {max(own)}, past this run's {train.steps} steps: "
+                             f"it belongs to another study; use another out_dir")
+        train = dataclasses.replace(train, resume=str(own[max(own)]))
+        row["restarted_from"] = _relative(own[max(own)], out_dir)
     logger = RunLogger(run_dir, project=project, name=f"{tag}-{attention}-s{train.seed}",
                        config={"model": dataclasses.asdict(model), "data": dataclasses.asdict(data),
                                "train": dataclasses.asdict(train)})
@@ -319,7 +332,7 @@ def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: Tra
     """run_variant's keyword arguments for one (variant, clip, seed) of a study config `cfg`."""
     return dict(attention=attention, model=model, data=data, train=train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
                 sample_batch=cfg.sample_batch, out_dir=Path(cfg.out_dir), project=cfg.wandb_project, tag=tag,
-                save_mp4=cfg.save_mp4)
+                save_mp4=cfg.save_mp4, continue_own=bool(cfg.get("continue_runs", False)))
 
 
 def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config: dict,

@@ -96,16 +96,35 @@ def read_state(path: str | Path) -> dict:
     return state
 
 
-def latest_checkpoint(folder: str | Path, *, sharded: bool = False) -> Path | None:
-    """The newest `step_N.pt` in `folder`, or with `sharded` the newest complete `step_N/`; None if none.
-    Other names (step_best.pt, notes) are not training checkpoints and are skipped."""
+def step_checkpoints(folder: str | Path, *, sharded: bool = False) -> dict[int, Path]:
+    """step -> the complete `step_N.pt` in `folder` (with `sharded`: `step_N/` folder). Other names
+    (step_best.pt, notes) are not training checkpoints and are skipped."""
     found = {}
     for p in Path(folder).glob("step_*"):
         match = _STEP_NAME.fullmatch(p.name)
         complete = (p / SHARDED_STATE).is_file() if sharded else p.is_file()
         if match and complete and bool(match.group(2)) != sharded:
             found[int(match.group(1))] = p
+    return found
+
+
+def latest_checkpoint(folder: str | Path, *, sharded: bool = False) -> Path | None:
+    """The newest `step_N.pt` in `folder`, or with `sharded` the newest complete `step_N/`; None if none."""
+    found = step_checkpoints(folder, sharded=sharded)
     return found[max(found)] if found else None
+
+
+def prune_checkpoints(folder: str | Path, keep: int, *, sharded: bool = False) -> list[Path]:
+    """Delete all but the newest `keep` training checkpoints of `folder` (keep >= 1); returns the deleted.
+    Only complete checkpoints are counted, so a crash mid-save never leaves fewer than `keep` to resume."""
+    found = step_checkpoints(folder, sharded=sharded)
+    old = [found[step] for step in sorted(found)[:-keep]]
+    for path in old:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return old
 
 
 def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, sharded: bool) -> tuple[Path, int] | None:

@@ -207,6 +207,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 100
+    keep_checkpoints: int = 0      # after each save, delete all but the newest k checkpoints; 0 keeps all
     sample_steps: int = 20
     cfg_scale: float = 3.0
     resume: str = ""               # checkpoint path to resume from ("" = fresh, "auto" = latest in out dir)
@@ -217,7 +218,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         _require_at_least(self, "train", 1, "steps", "batch_size", "log_every", "ckpt_every", "sample_steps")
-        _require_at_least(self, "train", 0, "warmup_steps", "weight_decay", "cfg_scale")
+        _require_at_least(self, "train", 0, "warmup_steps", "weight_decay", "cfg_scale", "keep_checkpoints")
         if self.grad_clip < 0:
             raise ValueError(f"train.grad_clip={self.grad_clip} must be >= 0: the global-norm bound, or 0 to "
                              f"turn clipping off")

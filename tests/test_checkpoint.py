@@ -4,8 +4,8 @@ import re
 import pytest
 import torch
 
-from megaslide.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_state, resume_point,
-                                  save_checkpoint, save_sharded_checkpoint)
+from megaslide.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state,
+                                  resume_point, save_checkpoint, save_sharded_checkpoint)
 from megaslide.inference.weights import sampling_weights
 
 
@@ -19,6 +19,21 @@ def test_latest_checkpoint_is_the_newest_complete_one_of_its_format(tmp_path):
     assert latest_checkpoint(tmp_path, sharded=True) == tmp_path / "step_5"
     assert load_checkpoint(tmp_path / "step_5" / "block_0000.pt") == {"x": 1}
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_of_one_format(tmp_path):
+    for step in (3, 20, 100):
+        save_checkpoint(checkpoint_path(tmp_path, step, sharded=False), {"step": step})
+    for step in (1, 50):
+        save_sharded_checkpoint(checkpoint_path(tmp_path, step, sharded=True), [("block_0000", {"x": 1})],
+                                {"step": step})
+    (tmp_path / "step_200").mkdir()      # incomplete (no state.pt): neither counted nor deleted
+    (tmp_path / "step_best.pt").write_bytes(b"")
+    assert prune_checkpoints(tmp_path, 2) == [tmp_path / "step_3.pt"]
+    assert prune_checkpoints(tmp_path, 1, sharded=True) == [tmp_path / "step_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_100.pt", "step_20.pt", "step_200", "step_50",
+                                                         "step_best.pt"]
+    assert prune_checkpoints(tmp_path, 2) == []
 
 
 def test_a_failed_sharded_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):

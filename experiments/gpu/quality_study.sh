@@ -26,6 +26,13 @@
 # and the budget ones above (BUDGET_S, SHORT_MAX, LONG_MAX, CONTENTION, ...).
 # Stages 1 and 2 run under `timeout`: the result JSON is rewritten after every finished run, so a
 # stage cut short leaves an honest partial result (jobs_done < jobs_total).
+# A study longer than one call: PLAN="SHORT LONG" fixes the steps (no probe, no planning) and every
+# run checkpoints each CKPT_EVERY (200) steps, keeping its newest; RESUME=1 then runs the same study
+# again over the RUNS of the cut one (on the same machine): finished runs re-score their final
+# weights, cut ones continue from their newest checkpoint (quality.py continue_runs=true).
+# MPS=1 runs the study's processes under CUDA MPS, where nvidia-cuda-mps-control exists and a CUDA
+# client starts under it (their small kernels then share the GPU instead of time-slicing it); the
+# daemon is stopped when the script ends, and the log says whether MPS was used.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$SECONDS
@@ -47,8 +54,12 @@ fi
 : "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.29}" "${MARGIN:=0.95}"
 RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
 RUNS=${RUNS:-/tmp/quality_study/runs}    # out_dir: checkpoints, W&B runs, samples, logs
-if [ -n "$(ls -A "$RUNS" 2>/dev/null)" ]; then
-  echo "RUNS=$RUNS holds an earlier study (its files would go into the tars): remove it or set RUNS" >&2; exit 2
+if [ "${RESUME:-0}" != 1 ] && [ -n "$(ls -A "$RUNS" 2>/dev/null)" ]; then
+  echo "RUNS=$RUNS holds an earlier study (its files would go into the tars): remove it, set RUNS, or" \
+       "continue it with RESUME=1 and the same PLAN" >&2; exit 2
+fi
+if [ "${RESUME:-0}" = 1 ] && [ -z "${PLAN:-}" ]; then
+  echo "RESUME=1 needs PLAN=\"SHORT LONG\", the steps of the study it continues" >&2; exit 2
 fi
 mkdir -p "$RESULTS" "$RUNS/logs"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 WANDB_MODE=${WANDB_MODE:-offline}
@@ -70,7 +81,25 @@ if [ "$WANDB_MODE" != disabled ] && ! python3 -c "import wandb" 2>/dev/null; the
 fi
 [ -f .provenance.json ] && export MEGASLIDE_PROVENANCE=${MEGASLIDE_PROVENANCE:-stamp}
 COMMON="$SIZE out_dir=$RUNS results_dir=$RESULTS results_name=$NAME"
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/quality_study/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/quality_study/mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d &&
+     timeout 60 python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    say "MPS: on"
+  else
+    echo quit | nvidia-cuda-mps-control 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    say "MPS: not available here, the processes time-slice the GPU"
+  fi
+fi
 
+if [ -n "${PLAN:-}" ]; then
+  read -r SHORT LONG <<< "$PLAN"; COMPILE=false
+  COMMON="$COMMON train.ckpt_every=${CKPT_EVERY:-200} train.keep_checkpoints=1 continue_runs=true"
+  say "plan (PLAN): ${CLIPS[0]} frames $SHORT steps, ${CLIPS[1]} frames $LONG more steps; RESUME=${RESUME:-0}"
+else
 # ---- 1. compile probe
 say "compile probe, at most $PROBE_S s"
 # shellcheck disable=SC2086
@@ -100,6 +129,7 @@ PY
 )
 say "plan: train.compile=$COMPILE, ${CLIPS[0]} frames $SHORT steps, ${CLIPS[1]} frames $LONG more steps" \
     "(0: skipped); estimated $EST; $(left) s left"
+fi
 
 # ---- 2. the study
 STUDY_S=$(( $(left) - TAR_S ))
@@ -113,7 +143,7 @@ if [ "${SHORT:-0}" -gt 0 ] && [ "$STUDY_S" -gt 0 ]; then
   say "study, at most $STUDY_S s"
   # shellcheck disable=SC2086
   TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 "$STUDY_S" python3 experiments/quality.py $COMMON $STUDY \
-    "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE 2>&1 | tee "$RUNS/logs/study.log"
+    "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE 2>&1 | tee -a "$RUNS/logs/study.log"
   STATUS=${PIPESTATUS[0]}
   say "study exit status $STATUS (124: cut at $STUDY_S s; its JSON holds the runs that finished)"
 else

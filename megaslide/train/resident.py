@@ -66,9 +66,9 @@ class ResidentEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
         if self.ema is not None:
-            with torch.no_grad():
-                for pe, p in zip(self.ema.parameters(), self.model.parameters()):
-                    pe.lerp_(p, 1 - self.cfg.ema_decay)
+            with torch.no_grad():   # one fused update over all parameters, not one launch per tensor
+                torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()),
+                                     1 - self.cfg.ema_decay)
         self.step += 1
         return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
 

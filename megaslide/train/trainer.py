@@ -24,7 +24,7 @@ from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.dit import VideoDiT
 from megaslide.offload.engine import OffloadEngine
 from megaslide.diffusion.batches import make_batch
-from megaslide.checkpoint import checkpoint_path, resume_point, save_checkpoint
+from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine
@@ -84,8 +84,12 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def save(self) -> Path:
-        path = checkpoint_path(self.checkpoints, self.step, sharded=self.engine.sharded_checkpoints)
-        return self.engine.save(path, self._configs())
+        """A checkpoint at this step; then, with train.keep_checkpoints = k > 0, all but the newest k go."""
+        sharded = self.engine.sharded_checkpoints
+        path = self.engine.save(checkpoint_path(self.checkpoints, self.step, sharded=sharded), self._configs())
+        if self.cfg.keep_checkpoints:
+            prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, sharded=sharded)
+        return path
 
     def load(self, path: str | Path) -> None:
         self.engine.load(Path(path))

@@ -3,6 +3,7 @@ study script at its DRY size."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 import experiments.quality as quality
 import experiments.quality_protocol as protocol
 from experiments.quality_protocol import eval_set, load_samples, run_jobs, save_samples, score
+from megaslide.checkpoint import save_checkpoint
 from megaslide.config import DataConfig, TrainConfig
 from tests.experiments.runner import REPO_ROOT, run_script
 from tests.helpers import needs_inductor, tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
@@ -56,6 +58,47 @@ def test_progressive_long_runs_start_from_the_short_runs(tmp_path):
             assert videos.shape == (2, 3, frames, 8, 8)
             assert captions == eval_set(DataConfig(frames=frames, height=8, width=8, shape_size=4, speed=2), 2,
                                         10007)[0]
+
+
+def test_a_cut_study_run_again_ends_with_the_weights_of_an_uncut_one(tmp_path):
+    """continue_runs=true: a study whose long run was cut after a checkpoint (its newest checkpoint and
+    samples gone, as if the process died mid-step) is finished by the same command: the short run
+    re-scores its final weights without training, the long run restarts from its own newest
+    checkpoint, and both end with exactly the weights and scores of the uncut study. keep_checkpoints
+    leaves two checkpoints per run."""
+    uncut, cut = tmp_path / "uncut", tmp_path / "cut"
+    args = [*TINY, "clip_frames=[4,8]", "clip_steps=[3,2]", "progressive=true", "variants=[dsa]", "save_mp4=false",
+            "train.ckpt_every=1", "train.keep_checkpoints=2", "continue_runs=true"]
+    run_script(["experiments/quality.py", f"out_dir={uncut}", *args])
+    expected = json.loads((uncut / "results" / "quality" / "cpu_tiny.json").read_text())["tables"]["per seed"]
+    shutil.copytree(uncut, cut)
+    long_run = cut / "quality8f_dsa_seed0"
+    assert sorted(p.name for p in (long_run / "checkpoints").iterdir()) == ["step_4.pt", "step_5.pt"]
+    (long_run / "checkpoints" / "step_5.pt").unlink()
+    shutil.rmtree(long_run / "samples")
+    shutil.rmtree(cut / "results")
+    run_script(["experiments/quality.py", f"out_dir={cut}", *args])
+    rows = json.loads((cut / "results" / "quality" / "cpu_tiny.json").read_text())["tables"]["per seed"]
+    assert len(rows) == len(expected) == 4                         # ground truth at 4 and 8 frames, the runs
+    for before, after in zip(expected, rows):
+        if before["variant"] == "ground_truth":
+            continue
+        assert after["final_weights"] == before["final_weights"] and after["steps"] == before["steps"]
+        assert {k: after[k] for k in protocol.SCORE_KEYS} == {k: before[k] for k in protocol.SCORE_KEYS}
+        assert after["init_from"] == before["init_from"] and "restarted_from" not in before
+    short, long = (r for r in rows if r["variant"] != "ground_truth")
+    assert short["restarted_from"] == "quality4f_dsa_seed0/checkpoints/step_3.pt" and short["init_step"] == 3
+    assert long["restarted_from"] == "quality8f_dsa_seed0/checkpoints/step_4.pt" and long["init_step"] == 4
+    assert (long_run / "samples" / "eval.npz").is_file()
+
+
+def test_a_checkpoint_past_the_plan_is_refused(tmp_path):
+    """continue_runs finds a run folder of a longer study: refused before a model is built."""
+    save_checkpoint(tmp_path / "q4f_dense_seed0" / "checkpoints" / "step_9.pt", {"step": 9})
+    with pytest.raises(ValueError, match="step 9, past this run's 2 steps: it belongs to another study"):
+        protocol.run_variant("dense", tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=2), n_eval=1,
+                             eval_seed=0, sample_batch=1, out_dir=tmp_path, project="p", tag="q4f",
+                             continue_own=True)
 
 
 def test_sample_files_rescore_like_the_clips(tmp_path):
@@ -177,3 +220,36 @@ def test_gpu_study_script_dry_run(tmp_path):
     assert {f"./{r['samples_file']}" for r in rows} == names["samples"]
     assert {"./logs/probe.log", "./logs/study.log"} <= names["logs"]
     assert {f"./{Path(r['samples_file']).parts[0]}/metrics.jsonl" for r in rows} <= names["logs"]
+
+
+def test_gpu_study_script_finishes_a_study_with_resume(tmp_path):
+    """PLAN fixes the steps (no probe); RESUME=1 runs the same study again over its RUNS: every run
+    restarts from its own final checkpoint, trains no further and scores the same. RESUME without
+    PLAN, and a second study over the same RUNS without RESUME, are refused."""
+    env = {**os.environ, "DRY": "1", "RESULTS": str(tmp_path / "results"), "RUNS": str(tmp_path / "runs"),
+           "WANDB_MODE": "disabled", "PLAN": "3 2"}
+
+    def study(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "experiments/gpu/quality_study.sh"], cwd=REPO_ROOT, env={**env, **extra},
+                              capture_output=True, text=True, timeout=300)
+
+    def rows() -> list[dict]:
+        result = json.loads((tmp_path / "results" / "quality" / "cpu_dry.json").read_text())
+        assert result["jobs_done"] == result["jobs_total"] == 8 and result["config"]["clip_steps"] == [3, 2]
+        return [r for r in result["tables"]["per seed"] if r["variant"] != "ground_truth"]
+
+    first = study()
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "compile probe" not in first.stdout and not (tmp_path / "results" / "quality_compile").exists()
+    before = rows()
+    assert not any("restarted_from" in r for r in before)
+    again = study(PLAN="")
+    assert again.returncode == 2 and "holds an earlier study" in again.stderr
+    again = study(RESUME="1", PLAN="")
+    assert again.returncode == 2 and "RESUME=1 needs PLAN" in again.stderr
+    again = study(RESUME="1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    after = rows()
+    for b, a in zip(before, after):
+        assert a["restarted_from"].endswith(f"checkpoints/step_{b['steps']}.pt") and a["init_step"] == b["steps"]
+        assert (a["final_weights"], a["text_alignment"]) == (b["final_weights"], b["text_alignment"])

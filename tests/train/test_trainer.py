@@ -1,3 +1,4 @@
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -104,6 +105,23 @@ def test_fit_logs_and_checkpoints_with_either_engine(tmp_path, offload):
     written = tmp_path / "checkpoints" / ("step_3/state.pt" if offload else "step_3.pt")
     assert written.is_file()
     trainer.close()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_keep_checkpoints_leaves_the_newest(tmp_path, offload):
+    """train.keep_checkpoints=2 with a checkpoint every step: the two newest stay, in either format, and a
+    run resumed from the newest trains on."""
+    cfg = tiny_train_cfg(steps=4, ckpt_every=1, keep_checkpoints=2)
+    trainer = Trainer(tiny_model_cfg(), tiny_data_cfg(), cfg, tmp_path, offload_cfg=OffloadConfig(enabled=offload))
+    trainer.fit()
+    trainer.close()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == (["step_3", "step_4"] if offload else
+                                                                           ["step_3.pt", "step_4.pt"])
+    resumed = Trainer(tiny_model_cfg(), tiny_data_cfg(), dataclasses.replace(cfg, steps=5, resume="auto"), tmp_path,
+                      offload_cfg=OffloadConfig(enabled=offload))
+    resumed.fit()
+    assert resumed.step == 5
+    resumed.close()
 
 
 def test_step_time_is_divided_by_the_steps_since_the_last_log(tmp_path, monkeypatch):
