@@ -510,13 +510,19 @@ def config_key(result: dict) -> str | None:
 @dataclass
 class Pooled:
     rows: dict          # (variant, frames) -> mean / sample-std row over the pooled seeds (ground truth included)
-    per_seed: list      # every per-seed row of the pooled files (no ground truth)
+    per_seed: list      # the row of each pooled run (seed_runs; no ground truth)
     settings: dict      # run_settings shared by the pooled files
     links: list[str]
 
     @property
-    def steps(self) -> int:
-        return self.settings["steps"]
+    def training(self) -> str:
+        """The training of one run: "N steps", or per clip with each clip's batch ("2800 + 1400 steps
+        (batch 8, 8)" for a progressive study)."""
+        clip_steps, batch = self.settings.get("clip_steps"), self.settings.get("batch")
+        if not clip_steps or len(clip_steps) < 2:
+            return f"{self.settings['steps']} steps"
+        shown = f" (batch {', '.join(str(b) for b in batch)})" if isinstance(batch, list) else ""
+        return " + ".join(str(s) for s in clip_steps) + " steps" + shown
 
     def eval_error(self, variant: str, frames: int, key: str) -> float:
         """A run's sampling error of `key` from scoring n_eval clips: the mean of its per-seed standard
@@ -530,26 +536,51 @@ class Pooled:
         return math.sqrt(p * (1 - p) / n) if n else math.nan
 
 
+def seed_runs(group: list[tuple[str, dict]]) -> dict[tuple, tuple[str, dict]]:
+    """(variant, frames, seed) -> (file name, per-seed row) over the files of one pool. A run that several
+    files hold (a seed run again, e.g. a pilot and the study that repeated it) counts once: its
+    finished row before one that did not finish, then the newest file's (by date, then name)."""
+    runs: dict[tuple, tuple[str, dict]] = {}
+    for name, r in sorted(group, key=lambda nr: (nr[1].get("date", ""), nr[0])):
+        for row in r["tables"]["per seed"]:
+            key = (row["variant"], row["frames"], row.get("seed"))
+            if row["variant"] != "ground_truth" and (row.get("status") == "ok" or key not in runs
+                                                     or runs[key][1].get("status") != "ok"):
+                runs[key] = (name, row)
+    return runs
+
+
+def training_clips(settings: dict) -> int:
+    """Clips one run of a recipe trains on: steps x batch, summed over its clip lengths."""
+    batches, steps = settings.get("batch") or 0, settings.get("clip_steps") or [settings.get("steps") or 0]
+    batches = batches if isinstance(batches, list) else [batches] * len(steps)
+    return sum(int(s) * int(b) for s, b in zip(steps, batches))
+
+
 def pooled(results_dir: Path, experiment: str) -> Pooled | None:
-    """The GPU results of `experiment` pooled over their per-seed rows: of the files that share one
-    run_settings key, the group of the newest scorer with the most finished runs (e.g. a run cut short
-    and the run that added its missing seeds). None if there is no GPU result."""
+    """The GPU results of `experiment` pooled over their per-seed rows (seed_runs): of the files that
+    share one run_settings key, the group of the newest scorer, then of the recipe that trains each
+    run on the most clips (training_clips: the claims are about trained models, and a recipe is
+    chosen by its design, never by its scores), then with the most finished runs (e.g. a run cut
+    short and the run that added its missing seeds). None if there is no GPU result."""
     groups: dict[str, list] = {}
     for name, r in read_results(results_dir, experiment):
         if r.get("hardware", {}).get("gpus") and "config" in r:
             groups.setdefault(config_key(r), []).append((name, r))
 
     def rank(group):
-        finished = sum(row.get("status") == "ok" and row["variant"] != "ground_truth"
-                       for _, r in group for row in r["tables"]["per seed"])
-        return scorer_version(group[0][1]), finished
+        finished = sum(row.get("status") == "ok" for _, row in seed_runs(group).values())
+        return scorer_version(group[0][1]), training_clips(run_settings(group[0][1])), finished
     if not groups:
         return None
     group = max(groups.values(), key=rank)
-    per_seed = [row for _, r in group for row in r["tables"]["per seed"] if row["variant"] != "ground_truth"]
+    runs = seed_runs(group)
+    per_seed = [row for _, row in runs.values()]
     truth = [row for row in group[0][1]["tables"]["per seed"] if row["variant"] == "ground_truth"]
     rows = {(r["variant"], r["frames"]): r for r in aggregate(per_seed + truth, ddof=1)}
-    return Pooled(rows, per_seed, run_settings(group[0][1]), [link(results_dir, experiment, n) for n, _ in group])
+    used = {name for name, _ in runs.values()}
+    return Pooled(rows, per_seed, run_settings(group[0][1]),
+                  [link(results_dir, experiment, n) for n, _ in group if n in used])
 
 
 def _scores(r: dict) -> str:
@@ -619,19 +650,24 @@ class QualityClaim:
             return "not measured at GPU scale", "open"
         ours, parts = [], []
         for experiment, p in found:
-            for frames in sorted({fr for v, fr in p.rows if v == self.variant} & {fr for v, fr in p.rows
-                                                                                  if v == self.baseline}):
+            for frames in sorted({fr for v, fr in p.rows if v == "ground_truth"}):   # every clip of the study
+                where = f"{experiment}, {frames} frames"
+                missing = [v for v in (self.variant, self.baseline) if (v, frames) not in p.rows]
+                if missing:
+                    ours.append(f"{where}: no finished run of {' or '.join(missing)}")
+                    parts.append(("inconclusive", f"{where}: inconclusive, not measured (no finished run of "
+                                                  f"{' or '.join(missing)})"))
+                    continue
                 a, b = p.rows[(self.variant, frames)], p.rows[(self.baseline, frames)]
                 gaps = [gap(p, self.variant, self.baseline, frames, k) for k in VERDICT_KEYS]
                 word, why = decide([g for g in gaps if g.key in self.keys], self.claimed, undertrained(p, frames))
-                where = f"{experiment}, {frames} frames"
                 ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}")
                 measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
                 parts.append((word, f"{where}: {word}, {why}; {self.variant} minus {self.baseline} {measured}"))
             truth = max(fr for v, fr in p.rows if v == "ground_truth")
             gt = p.rows[("ground_truth", truth)]
             ours.append(f"{experiment} ground truth TC {gt['temporal_consistency_mean']:.2f}, TA "
-                        f"{gt['text_alignment_mean']:.2f}; {p.steps} steps, n_eval {p.settings['n_eval']}, scorer "
+                        f"{gt['text_alignment_mean']:.2f}; {p.training}, n_eval {p.settings['n_eval']}, scorer "
                         f"v{p.settings['scorer_version']}, H200 ({', '.join(p.links)})")
         words = {w for w, _ in parts}
         overall = "contradicted" if "contradicted" in words else "supported" if words == {"supported"} else \
@@ -872,7 +908,7 @@ def pooled_table(experiment: str, p: Pooled) -> list[str]:
     parts = ["color_match", "shape_match", "direction_match"]   # older result files lack them
     if all(not math.isnan(r.get(f"{k}_mean", math.nan)) for r in p.rows.values() for k in parts):
         keys[1:1] = parts
-    out = [f"### {experiment} ({p.steps} steps, n_eval {p.settings['n_eval']}, scorer v{p.settings['scorer_version']}; "
+    out = [f"### {experiment} ({p.training}, n_eval {p.settings['n_eval']}, scorer v{p.settings['scorer_version']}; "
            f"{', '.join(p.links)})", "",
            "| variant | frames | seeds | " + " | ".join(k.replace("_", " ") for k in keys) + " |",
            "|---|---|---|" + "---|" * len(keys)]

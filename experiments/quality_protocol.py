@@ -135,8 +135,9 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     `continue_own=True` continues a run that an earlier invocation left unfinished (cut by a time
     limit or a crash): when the run's folder holds its own checkpoints, training resumes from the
     newest of them instead of from `train.resume`, and the row says so (`restarted_from`; then
-    `init_step` and `init_weights` are those of that checkpoint). A finished run re-samples and
-    re-scores its final weights without training."""
+    `init_step`, `init_weights` and `train_s` are those of this invocation). Its metrics.jsonl keeps
+    the rows up to that checkpoint. A finished run re-samples and re-scores its final weights
+    without training."""
     model = dataclasses.replace(model, attention=model.attention.for_variant(attention))
     run_dir = out_dir / run_name(tag, attention, train.seed)
     source = Path(train.resume) if train.resume else None
@@ -151,7 +152,7 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         row["restarted_from"] = _relative(own[max(own)], out_dir)
     logger = RunLogger(run_dir, project=project, name=f"{tag}-{attention}-s{train.seed}",
                        config={"model": dataclasses.asdict(model), "data": dataclasses.asdict(data),
-                               "train": dataclasses.asdict(train)})
+                               "train": dataclasses.asdict(train)}, resume_step=max(own) if own else None)
     try:
         trainer = Trainer(model, data, train, run_dir, logger=logger)
         trainer.maybe_resume()

@@ -3,8 +3,8 @@
 Training logs scalars per step (`log`) and sample videos; a benchmark or table script logs its
 result tables (`log_table`), its headline numbers (`summary`) and its plots (`log_image`).
 Only rank 0 logs. metrics.jsonl holds one run: a fresh run empties it, a resumed run keeps the
-rows up to the step it resumed from (those after it are logged again). The W&B mode comes from `WANDB_MODE` when set, else `offline`, so runs
-never need a network; upload them later with `wandb sync <run folder>/wandb/offline-run-*`.
+rows up to the checkpoint it resumed from (those after it are logged again). The W&B mode comes
+from `WANDB_MODE` when set, else `offline`, so runs never need a network; upload them later with `wandb sync <run folder>/wandb/offline-run-*`.
 """
 from __future__ import annotations
 
@@ -79,16 +79,21 @@ class RunLogger:
 
 
 def _open_metrics(path: Path, resume_step: int | None):
-    """`path` opened for writing, holding the rows of steps <= resume_step (none for a fresh run); a
-    line cut off by a crash is dropped."""
+    """`path` opened for writing, holding the rows of steps < resume_step and the first row of
+    resume_step (none for a fresh run): training logs a step's row just before it checkpoints that
+    step, and rows logged after the checkpoint (a finished run's evaluation) are logged again by the
+    resumed run. A line cut off by a crash is dropped."""
     kept = []
     if resume_step is not None and path.is_file():
+        at_resume = False                    # whether the first row of resume_step is kept already
         for line in path.read_text().splitlines():
             try:
-                if json.loads(line)["step"] <= resume_step:
-                    kept.append(line + "\n")
+                step = json.loads(line)["step"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
+            if step < resume_step or (step == resume_step and not at_resume):
+                kept.append(line + "\n")
+                at_resume = at_resume or step == resume_step
     f = open(path, "w")
     f.writelines(kept)
     return f

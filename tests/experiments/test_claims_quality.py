@@ -48,7 +48,7 @@ def test_seeds_pool_across_files_of_one_config(results):
            + _rows(2, {"dsa": (0.71, 0.8), "dsa_zero": (0.51, 0.2)}))
     _write(results, "short", 100, [0], _rows(0, {"dsa": (0.1, 0.0), "dsa_zero": (0.9, 0.9)}))  # fewer runs
     pooled = claims.pooled(results, "ablate_offsets")
-    assert pooled.steps == 1500 and len(pooled.links) == 2
+    assert pooled.training == "1500 steps" and len(pooled.links) == 2
     row = pooled.rows[("dsa", 16)]
     assert row["seeds"] == 3 and row["temporal_consistency_mean"] == pytest.approx(0.71)
     assert row["temporal_consistency_std"] == pytest.approx(np.std([0.70, 0.72, 0.71], ddof=1))   # sample std
@@ -116,9 +116,9 @@ def test_margin_counts_seed_spread_and_sampling_error(results):
     assert tc.margin == pytest.approx(2 * math.sqrt(np.std([0.60, 0.62], ddof=1) ** 2 + 2 * SE ** 2))
 
 
-def _quality(results, per_frames: dict[int, list[dict]]):
+def _quality(results, per_frames: dict[int, list[dict]], **config):
     rows = [r for frames, seeds in per_frames.items() for r in _seeds(seeds, frames)]
-    _write(results, "q", 1500, [0, 1, 2], rows, experiment="quality", clip_frames=sorted(per_frames))
+    _write(results, "q", 1500, [0, 1, 2], rows, experiment="quality", clip_frames=sorted(per_frames), **config)
 
 
 def _four(dsa, dense, swin, zero):
@@ -151,6 +151,46 @@ def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(resul
     assert verdict.startswith("inconclusive")                       # 64 frames: inside the margin
     assert "ablate_offsets, 16 frames: supported" in verdict and "quality, 64 frames: inconclusive" in verdict
     assert "TA -0.10" in verdict                                     # TA reverses at 64 frames and is reported
+
+
+def test_the_most_trained_recipe_is_pooled(results):
+    """Of two recipes, the one that trains each run on more clips decides, though it finished fewer runs."""
+    _write(results, "long", 1500, [0], _rows(0, {"dsa": (0.9, 0.9)}), clip_steps=[1500, 900], batch_sizes=[8, 8])
+    _write(results, "short", 1500, [0, 1], _rows(0, {"dsa": (0.1, 0.1), "dsa_zero": (0.1, 0.1)})[:-1]
+           + _rows(1, {"dsa": (0.1, 0.1), "dsa_zero": (0.1, 0.1)}), clip_steps=[1500, 900], batch_sizes=[8, 2])
+    assert claims.training_clips(claims.pooled(results, "ablate_offsets").settings) == 1500 * 8 + 900 * 8
+    assert claims.pooled(results, "ablate_offsets").links == [claims.link(results, "ablate_offsets", "long")]
+
+
+def test_a_run_in_two_files_counts_once(results):
+    """A pilot's seed 0 and the study that ran seed 0 again pool as one run: the study's (newer) row; a
+    row that did not finish never hides a finished one; a file whose runs all lost is not linked."""
+    pilot = _rows(0, {"dsa": (0.10, 0.1), "dsa_zero": (0.50, 0.2)})
+    pilot.insert(0, {**pilot[0], "variant": "dense", "status": "ok", "temporal_consistency": 0.9})
+    _write(results, "pilot", 1500, [0], pilot)
+    study = _rows(0, {"dsa": (0.70, 0.8), "dsa_zero": (0.52, 0.2)})[:-1] + _rows(1, {"dsa": (0.72, 0.8),
+                                                                                      "dsa_zero": (0.52, 0.2)})
+    study.insert(0, {**study[0], "variant": "dense", "status": "failed: RuntimeError"})
+    _write(results, "study", 1500, [0, 1], study)
+    _write(results, "again", 1500, [1], [{**r, "status": "not run"} for r in _rows(1, {"dsa": (0.0, 0.0)})])
+    for name, date in (("pilot", "2026-01-01"), ("study", "2026-02-01"), ("again", "2026-03-01")):
+        path = results / "ablate_offsets" / f"{name}.json"
+        path.write_text(claims.json.dumps({**claims.json.loads(path.read_text()), "date": date}))
+    p = claims.pooled(results, "ablate_offsets")
+    assert p.rows[("dsa", 16)]["seeds"] == 2 and p.rows[("dsa", 16)]["temporal_consistency_mean"] == pytest.approx(0.71)
+    assert p.rows[("dense", 16)]["seeds"] == 1 and p.rows[("dense", 16)]["temporal_consistency_mean"] == 0.9
+    assert sorted(link.split("/")[1].split(".")[0] for link in p.links) == ["pilot", "study"]
+
+
+def test_a_clip_without_a_finished_run_is_not_measured(results):
+    strong = [_four((0.80, 0.80), (0.60, 0.60), (0.60, 0.50), (0.60, 0.40)) for _ in range(3)]
+    _quality(results, {16: strong, 64: [{k: v for k, v in s.items() if k != "dsa"} for s in strong]},
+             clip_steps=[2800, 1400], batch_sizes=[8, 2])
+    assert claims.pooled(results, "quality").training == "2800 + 1400 steps (batch 8, 2)"
+    for claim in ("C6", "C7", "C8"):
+        verdict = _verdict(results, claim)
+        assert verdict.startswith("inconclusive") and "quality, 16 frames: supported" in verdict
+        assert "quality, 64 frames: inconclusive, not measured (no finished run of dsa)" in verdict
 
 
 def test_under_training_is_judged_at_each_clip_length(results):

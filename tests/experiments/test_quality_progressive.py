@@ -68,7 +68,7 @@ def test_a_cut_study_run_again_ends_with_the_weights_of_an_uncut_one(tmp_path):
     leaves two checkpoints per run."""
     uncut, cut = tmp_path / "uncut", tmp_path / "cut"
     args = [*TINY, "clip_frames=[4,8]", "clip_steps=[3,2]", "progressive=true", "variants=[dsa]", "save_mp4=false",
-            "train.ckpt_every=1", "train.keep_checkpoints=2", "continue_runs=true"]
+            "train.ckpt_every=1", "train.keep_checkpoints=2", "continue_runs=true", "train.log_every=1"]
     run_script(["experiments/quality.py", f"out_dir={uncut}", *args])
     expected = json.loads((uncut / "results" / "quality" / "cpu_tiny.json").read_text())["tables"]["per seed"]
     shutil.copytree(uncut, cut)
@@ -90,6 +90,10 @@ def test_a_cut_study_run_again_ends_with_the_weights_of_an_uncut_one(tmp_path):
     assert short["restarted_from"] == "quality4f_dsa_seed0/checkpoints/step_3.pt" and short["init_step"] == 3
     assert long["restarted_from"] == "quality8f_dsa_seed0/checkpoints/step_4.pt" and long["init_step"] == 4
     assert (long_run / "samples" / "eval.npz").is_file()
+    for run in ("quality4f_dsa_seed0", "quality8f_dsa_seed0"):               # the log of every step, once
+        logged = [[json.loads(line)["step"] for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+                  for root in (uncut, cut)]
+        assert logged[0] == logged[1] and len(logged[0]) == (4 if run.startswith("quality4f") else 3)
 
 
 def test_a_checkpoint_past_the_plan_is_refused(tmp_path):

@@ -56,12 +56,19 @@ def _steps(path):
 
 
 def test_metrics_hold_one_run_fresh_or_resumed(tmp_path):
-    """A fresh run empties metrics.jsonl; a resumed run keeps the rows up to its resume step, so the
-    steps it trains again are not listed twice (a line cut off by a crash goes too)."""
+    """A fresh run empties metrics.jsonl; a resumed run keeps the rows up to its resume checkpoint (the
+    first row of that step), so the steps it trains again and a re-run evaluation are not listed twice
+    (a line cut off by a crash goes too)."""
     first = RunLogger(tmp_path, mode="disabled")
     for step in (1, 2, 3, 4):
         first.log({"loss": 1.0}, step)
+    first.log({"eval/score": 1.0}, 4)           # logged after the checkpoint of step 4
     first.finish()
+    finished = RunLogger(tmp_path, mode="disabled", resume_step=4)   # a finished run, evaluated again
+    finished.log({"eval/score": 1.0}, 4)
+    finished.finish()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][3:] == [
+        {"step": 4, "loss": 1.0}, {"step": 4, "eval/score": 1.0}]
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "lo')
     resumed = RunLogger(tmp_path, mode="disabled", resume_step=2)
