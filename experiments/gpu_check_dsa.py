@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -174,11 +175,13 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
     return row
 
 
-def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]]) -> dict:
+def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]],
+                         on_row: Callable[[dict], None] = lambda sweep: None) -> dict:
     """Forward and backward times of candidate tiles ((BLOCK_Q, warps) or (BLOCK_Q, warps, block_y):
     `launch_of`), for the general kernels
     (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms, zero_bwd_ms), then of the
-    backward's key configs (KEY_CONFIGS) with each kernel's profiled time."""
+    backward's key configs (KEY_CONFIGS) with each kernel's profiled time. `on_row(sweep)` gets the
+    sweep so far after each timed row, so a run cut short keeps what it timed."""
     from megaslide.attention.dsa import binned, kernels, zero_kernels
 
     shape = (1, 2, 3, 5, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)
@@ -192,7 +195,11 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     offsets = (8 * torch.rand((B, T, H, W, heads, K, 3), generator=g, device=device) - 4).to(dtype)
     scale = d ** -0.5
     default = kernels.launch_config(T * H * W, d)
-    rows = []
+    rows, key_rows = [], []
+    sweep = {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
+             "default_config": asdict(default), "default_key_config": asdict(binned.key_config((T, H, W))),
+             "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
+             "key_configs": key_rows}
     for candidate in candidates:
         cfg = launch_of(candidate, d)
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg)
@@ -210,8 +217,7 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                      "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
                      "zero_bwd_ms": zero_bwd_s * 1e3, "query_pass_ms": bwd_kernels.get("_query_kernel")})
-    default_keys = binned.key_config((T, H, W))
-    key_rows = []
+        on_row(sweep)
     for tile, block_e, num_warps in SMOKE_KEY_CONFIGS if smoke else KEY_CONFIGS:
         keys = binned.KeyConfig(tile=tile, block_e=block_e, num_warps=num_warps)
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
@@ -221,10 +227,8 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                                         key_config=keys)
         key_rows.append({"tile": list(tile), "block_e": block_e, "num_warps": num_warps,
                          "bwd_ms": timed(backward, device).median * 1e3, "kernel_ms": kernel_ms(backward, device)})
-    return {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
-            "default_config": asdict(default), "default_key_config": asdict(default_keys),
-            "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
-            "key_configs": key_rows}
+        on_row(sweep)
+    return sweep
 
 
 def launch_of(candidate, head_dim: int):
@@ -302,26 +306,40 @@ def check(cfg: GpuCheckConfig) -> int:
 
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
-    rows = [check_case(case, dtype, device, op) for op in cfg.ops for case in cases for dtype in dtypes]
+    key_case = cases[0] if cfg.smoke else KEY_CASE
+    jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops for case in cases
+            for dtype in dtypes]
     if "dsa" in cfg.ops:
         from megaslide.attention.dsa import binned
-        key_case = cases[0] if cfg.smoke else KEY_CASE
-        rows += [check_case(key_case, dtype, device, "dsa", binned.KeyConfig(tile=tile, block_e=e, num_warps=w))
+        jobs += [lambda k=binned.KeyConfig(tile=tile, block_e=e, num_warps=w), d=dtype:
+                 check_case(key_case, d, device, "dsa", k)
                  for tile, e, w in (SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS) for dtype in dtypes]
+    candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
     if cfg.sweep:  # every query block the sweep times, checked on one case of each op
-        key_case = cases[0] if cfg.smoke else KEY_CASE
-        rows += [check_case(key_case, dtype, device, op, launch=launch_of(c, key_case.shape[-1]))
-                 for c in (SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates) for op in cfg.ops
-                 for dtype in dtypes]
-    sweep = sweep_launch_configs(device, cfg.smoke, cfg.launch_candidates) if cfg.sweep else None
+        jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o,
+                                                       launch=launch_of(c, key_case.shape[-1]))
+                 for c in candidates for op in cfg.ops for dtype in dtypes]
+    timings = len(candidates) + len(SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS) if cfg.sweep else 0
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
-    passed = all(r["passed"] for r in rows) and auto_backend == expected_auto
-    payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
-               "auto_backend": auto_backend, "passed": passed,
-               "tolerance": f"{TOLERANCE_RULE}, floor {FLOOR_ULPS} eps x max(1, max|value|)", "rows": rows,
-               "sweep": sweep}
-    path = run.finish(payload, {"passed": passed, "checks_passed": sum(r["passed"] for r in rows),
-                                "checks": len(rows), "auto_backend": auto_backend})
+    rows: list[dict] = []
+
+    def payload(sweep: dict | None) -> dict:
+        """The result so far: jobs_done of jobs_total (checks, then sweep rows), rewritten after each."""
+        done = len(rows) + (len(sweep["configs"]) + len(sweep["key_configs"]) if sweep else 0)
+        return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
+                "auto_backend": auto_backend,
+                "passed": all(r["passed"] for r in rows) and auto_backend == expected_auto,
+                "tolerance": f"{TOLERANCE_RULE}, floor {FLOOR_ULPS} eps x max(1, max|value|)", "rows": rows,
+                "sweep": sweep, "jobs_done": done, "jobs_total": len(jobs) + timings}
+    for job in jobs:
+        rows.append(job())
+        run.save(payload(None))
+    sweep = sweep_launch_configs(device, cfg.smoke, cfg.launch_candidates,
+                                 on_row=lambda partial: run.save(payload(partial))) if cfg.sweep else None
+    result = payload(sweep)
+    passed = result["passed"]
+    path = run.finish(result, {"passed": passed, "checks_passed": sum(r["passed"] for r in rows),
+                               "checks": len(rows), "auto_backend": auto_backend})
     print_tables(rows, sweep)
     print(f"\n{'PASS' if passed else 'FAIL'}: {sum(r['passed'] for r in rows)}/{len(rows)} checks; "
           f"auto backend = {auto_backend} (expected {expected_auto}); wrote {path}")

@@ -1,10 +1,12 @@
+import pytest
+
 from tests.experiments.runner import load_result, run_script
 
 
 def test_gpu_check_dsa_smoke(tmp_path):
     run_script(["-m", "experiments.gpu_check_dsa", "smoke=true", "sweep=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
     data = load_result(tmp_path, "attention", "dsa_gpu_check_smoke")
-    assert data["passed"] is True and data["rows"]
+    assert data["passed"] is True and data["rows"] and data["jobs_done"] == data["jobs_total"]
     zero = [r for r in data["rows"] if r["op"] == "dsa_zero" and "_launch_" not in r["case"]]
     assert zero and all(r["deterministic"] and "doffsets" not in r["errors"] for r in zero)
     # every query block the sweep times is checked for both ops and both dtypes, the 4 x 4 patches included
@@ -17,3 +19,27 @@ def test_gpu_check_dsa_smoke(tmp_path):
     assert general and all(r["deterministic"] for r in general)  # sorted key-tile lists, run twice
     assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 and c["zero_fwd_ms"] > 0 and c["zero_bwd_ms"] > 0
                for c in data["sweep"]["configs"])
+
+
+def test_a_check_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """The result is rewritten after every check: a run killed at its time limit leaves the rows done so
+    far, marked partial (jobs_done < jobs_total)."""
+    import experiments.gpu_check_dsa as gpu_check
+    monkeypatch.setenv("MEGASLIDE_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")     # check() sets it for smoke; restored after the test
+    calls = []
+
+    def check_case(case, dtype, device, op, key_config=None, launch=None):
+        calls.append(case.name)
+        if len(calls) == 3:
+            raise TimeoutError("cut")
+        return {"case": case.name, "op": op, "dtype": dtype, "passed": True, "errors": {}}
+
+    monkeypatch.setattr(gpu_check, "check_case", check_case)
+    cfg = gpu_check.GpuCheckConfig(name="cut", smoke=True, sweep=False, launch_candidates=[], dtypes=["fp32", "bf16"],
+                                   ops=["dsa"], wandb_dir=str(tmp_path / "runs"), wandb_project="p")
+    with pytest.raises(TimeoutError):
+        gpu_check.check(cfg)
+    data = load_result(tmp_path, "attention", "cut")
+    assert data["jobs_done"] == 2 and data["jobs_total"] > 3 and len(data["rows"]) == 2 and data["passed"] is True
