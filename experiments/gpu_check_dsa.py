@@ -307,19 +307,20 @@ def check(cfg: GpuCheckConfig) -> int:
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     key_case = cases[0] if cfg.smoke else KEY_CASE
+    key_configs = SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS
     jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops for case in cases
             for dtype in dtypes]
     if "dsa" in cfg.ops:
         from megaslide.attention.dsa import binned
         jobs += [lambda k=binned.KeyConfig(tile=tile, block_e=e, num_warps=w), d=dtype:
                  check_case(key_case, d, device, "dsa", k)
-                 for tile, e, w in (SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS) for dtype in dtypes]
+                 for tile, e, w in key_configs for dtype in dtypes]
     candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
     if cfg.sweep:  # every query block the sweep times, checked on one case of each op
         jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o,
                                                        launch=launch_of(c, key_case.shape[-1]))
                  for c in candidates for op in cfg.ops for dtype in dtypes]
-    timings = len(candidates) + len(SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS) if cfg.sweep else 0
+    timings = len(candidates) + len(key_configs) if cfg.sweep else 0   # the rows the sweep will time
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     rows: list[dict] = []
 

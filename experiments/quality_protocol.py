@@ -144,15 +144,16 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     row = {"variant": attention, "frames": data.frames, "seed": train.seed, "params": count_params(model),
            "steps": train.steps, "init_from": "scratch" if source is None else _relative(source, out_dir)}
     own = step_checkpoints(run_dir / "checkpoints") if continue_own else {}
-    if own:
-        if max(own) > train.steps:
-            raise ValueError(f"{run_dir} holds a checkpoint at step {max(own)}, past this run's {train.steps} steps: "
+    restart = max(own) if own else None      # the step of the run's own newest checkpoint
+    if restart is not None:
+        if restart > train.steps:
+            raise ValueError(f"{run_dir} holds a checkpoint at step {restart}, past this run's {train.steps} steps: "
                              f"it belongs to another study; use another out_dir")
-        train = dataclasses.replace(train, resume=str(own[max(own)]))
-        row["restarted_from"] = _relative(own[max(own)], out_dir)
+        train = dataclasses.replace(train, resume=str(own[restart]))
+        row["restarted_from"] = _relative(own[restart], out_dir)
     logger = RunLogger(run_dir, project=project, name=f"{tag}-{attention}-s{train.seed}",
                        config={"model": dataclasses.asdict(model), "data": dataclasses.asdict(data),
-                               "train": dataclasses.asdict(train)}, resume_step=max(own) if own else None)
+                               "train": dataclasses.asdict(train)}, resume_step=restart)
     try:
         trainer = Trainer(model, data, train, run_dir, logger=logger)
         trainer.maybe_resume()

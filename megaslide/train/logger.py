@@ -4,7 +4,8 @@ Training logs scalars per step (`log`) and sample videos; a benchmark or table s
 result tables (`log_table`), its headline numbers (`summary`) and its plots (`log_image`).
 Only rank 0 logs. metrics.jsonl holds one run: a fresh run empties it, a resumed run keeps the
 rows up to the checkpoint it resumed from (those after it are logged again). The W&B mode comes
-from `WANDB_MODE` when set, else `offline`, so runs never need a network; upload them later with `wandb sync <run folder>/wandb/offline-run-*`.
+from `WANDB_MODE` when set, else `offline`, so runs never need a network; upload them later with
+`wandb sync <run folder>/wandb/offline-run-*`.
 """
 from __future__ import annotations
 
