@@ -238,12 +238,14 @@ def key_tile(grid) -> tuple[int, int, int]:
 
 
 def tile_rows(grid, heads: int, head_dims) -> list[dict]:
-    """The fused DSA kernels' tiles on a (T, H, W) grid per head dim: `kernels.launch_config` (forward
-    and query pass), the backward's key tiles (`binned.key_config`) and heads per backward launch
-    (`kernels.heads_per_group`, batch 1)."""
+    """The fused DSA kernels' tiles on a (T, H, W) grid per head dim: `kernels.launch_config` (query
+    pass and zero-offset kernels) and the forward's patch rows (`kernels.forward_launch_config`), the
+    backward's key tiles (`binned.key_config`) and heads per backward launch (`kernels.heads_per_group`,
+    batch 1)."""
     from megaslide.attention.dsa import binned, kernels
     n_tokens, keys = math.prod(grid), binned.key_config(grid)
     return [{"head_dim": d, **asdict(kernels.launch_config(n_tokens, d)),
+             "forward_block_y": kernels.forward_launch_config(n_tokens, d).block_y,
              "bwd_key_tile": list(keys.tile),
              "bwd_block_e": keys.block_e, "bwd_key_warps": keys.num_warps,
              "bwd_heads_per_launch": kernels.heads_per_group(1, n_tokens, heads, math.prod(KERNEL))}

@@ -110,6 +110,17 @@ def test_int64_row_offsets_give_the_same_bits(monkeypatch):
         assert a.abs().sum() > 0 and torch.equal(a, b), name
 
 
+def test_forward_default_takes_patches_on_the_gpu_only(monkeypatch):
+    """The forward's default launch (`forward_launch_config`): on a GPU, a 4-row patch where BLOCK_Q leaves it
+    at least 4 wide (d <= 64), rows otherwise and under the interpreter; the other kernels keep rows."""
+    assert kernels.forward_launch_config(262144, 64) == kernels.launch_config(262144, 64)   # interpreted here
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    got = {d: kernels.forward_launch_config(262144, d) for d in (16, 64, 80, 128)}
+    assert {d: (c.block_q, c.block_y) for d, c in got.items()} == {16: (32, 4), 64: (16, 4), 80: (8, 1),
+                                                                  128: (8, 1)}
+    assert all(kernels.launch_config(262144, d).block_y == 1 for d in got)
+
+
 @pytest.mark.parametrize("block_y", [2, 4])
 def test_zero_offset_kernels_on_patches(block_y):
     """The zero-offset kernels (forward, dq, dk/dv over each key's inverse window) on patch blocks of a

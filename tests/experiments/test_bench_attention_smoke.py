@@ -181,4 +181,4 @@ def test_tiles_at_the_target_grid():
     # the backward's scratch within 1 GiB: 262144 x (64 x 27 + 8) bytes = 455 MB per head, whatever d
     assert [t["bwd_heads_per_launch"] for t in tiles] == [2, 2]
     assert all(t["bwd_key_tile"] == [4, 4, 4] for t in tiles)
-    assert all({"block_q", "block_d", "num_warps", "bwd_block_e"} <= t.keys() for t in tiles)
+    assert all({"block_q", "block_d", "num_warps", "forward_block_y", "bwd_block_e"} <= t.keys() for t in tiles)

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -67,7 +67,7 @@ class LaunchConfig:
     """Tile sizes of one launch: BLOCK_Q queries per program, d padded to block_d. block_y > 1 makes a
     program's queries a block_y x (block_q / block_y) patch of one frame (rows y, columns x) instead of
     block_q consecutive tokens, so that more of their windows' corner rows coincide (a candidate of the
-    sweep, `experiments/gpu_check_dsa.py`; the default stays 1)."""
+    sweep, `experiments/gpu_check_dsa.py`; the forward's default, `forward_launch_config`)."""
 
     block_q: int
     block_d: int
@@ -113,6 +113,23 @@ def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
     return LaunchConfig(block_q=min(32, max(8, LAUNCH_ELEMENTS // block_d)), block_d=block_d, num_warps=4)
+
+
+FORWARD_BLOCK_Y = 4
+"""Rows of the query patch of the fused forward's default launch (`forward_launch_config`)."""
+
+
+def forward_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
+    """The fused forward's default tiles: `launch_config`'s, its BLOCK_Q queries taken as a patch of
+    FORWARD_BLOCK_Y rows of one frame where that leaves the patch at least as wide (d <= 64). Neighbouring
+    rows' windows share corner rows that a run of consecutive tokens does not. The H200 sweep at the
+    benchmark shape (results/attention/h200_split_v7.json) put the 4 x 4 patch first for the forward
+    alone; the backward's query pass and the zero-offset kernels ran best on rows, so they keep
+    `launch_config`. The interpreter keeps its one program per (batch, head)."""
+    config = launch_config(n_tokens, head_dim)
+    if INTERPRETED or config.block_q < FORWARD_BLOCK_Y ** 2:
+        return config
+    return replace(config, block_y=FORWARD_BLOCK_Y)
 
 
 @triton.jit
@@ -307,13 +324,13 @@ def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torc
     (B, T, H, W, heads, K, 3). Returns out (B, T, H, W, heads, d) in q's dtype and, if
     `store_lse`, the fp32 log-sum-exp (B, heads, T*H*W) in log2 units, both for `dsa_backward`
     (else None: the forward-only path allocates and writes none). `config` overrides the default
-    tiles (for tuning)."""
+    tiles (`forward_launch_config`; for tuning)."""
     B, T, H, W, heads, d = q.shape
     N = T * H * W
     kt, kh, kw = kernel_size
     out = torch.empty_like(q)  # (B, T, H, W, heads, d)
     lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None  # (B, heads, N)
-    cfg = config or launch_config(N, d)
+    cfg = config or forward_launch_config(N, d)
     grid = (query_programs((T, H, W), cfg), B * heads)
     with _device_guard(q):
         _dsa_fwd_kernel[grid](
