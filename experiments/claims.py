@@ -635,9 +635,14 @@ def decide(gaps: list[Gap], claimed: float, weak: str | None) -> tuple[str, str]
 ABBREV = {"text_alignment": "TA", "temporal_consistency": "TC"}
 
 
+SUPERSEDED = "not counted"
+
+
 @dataclass(frozen=True)
 class QualityClaim:
-    """Paper: `variant` - `baseline` > `claimed` on each of `keys`, tested at every clip length of each study."""
+    """Paper: `variant` - `baseline` > `claimed` on each of `keys`, tested at every clip length of each study.
+    Only the studies scored by the newest scorer among them vote, as within one study's pool (`pooled`):
+    the older scorer's scores are reported, but v1 let a frozen clip score full consistency."""
     variant: str
     baseline: str
     keys: tuple[str, ...]
@@ -649,27 +654,31 @@ class QualityClaim:
         if not found:
             return "not measured at GPU scale", "open"
         ours, parts = [], []
+        newest = max(p.settings["scorer_version"] for _, p in found)
         for experiment, p in found:
+            version = p.settings["scorer_version"]
             for frames in sorted({fr for v, fr in p.rows if v == "ground_truth"}):   # every clip of the study
                 where = f"{experiment}, {frames} frames"
                 missing = [v for v in (self.variant, self.baseline) if (v, frames) not in p.rows]
                 if missing:
                     ours.append(f"{where}: no finished run of {' or '.join(missing)}")
-                    parts.append(("inconclusive", f"{where}: inconclusive, not measured (no finished run of "
-                                                  f"{' or '.join(missing)})"))
-                    continue
-                a, b = p.rows[(self.variant, frames)], p.rows[(self.baseline, frames)]
-                gaps = [gap(p, self.variant, self.baseline, frames, k) for k in VERDICT_KEYS]
-                word, why = decide([g for g in gaps if g.key in self.keys], self.claimed, undertrained(p, frames))
-                ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}")
-                measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
-                parts.append((word, f"{where}: {word}, {why}; {self.variant} minus {self.baseline} {measured}"))
+                    word, text = "inconclusive", f"not measured (no finished run of {' or '.join(missing)})"
+                else:
+                    a, b = p.rows[(self.variant, frames)], p.rows[(self.baseline, frames)]
+                    gaps = [gap(p, self.variant, self.baseline, frames, k) for k in VERDICT_KEYS]
+                    word, why = decide([g for g in gaps if g.key in self.keys], self.claimed, undertrained(p, frames))
+                    ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}")
+                    measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
+                    text = f"{why}; {self.variant} minus {self.baseline} {measured}"
+                if version < newest:
+                    word, text = SUPERSEDED, f"scorer v{version}, the verdict uses v{newest} ({word}, {text})"
+                parts.append((word, f"{where}: {word}, {text}"))
             truth = max(fr for v, fr in p.rows if v == "ground_truth")
             gt = p.rows[("ground_truth", truth)]
             ours.append(f"{experiment} ground truth TC {gt['temporal_consistency_mean']:.2f}, TA "
                         f"{gt['text_alignment_mean']:.2f}; {p.training}, n_eval {p.settings['n_eval']}, scorer "
                         f"v{p.settings['scorer_version']}, H200 ({', '.join(p.links)})")
-        words = {w for w, _ in parts}
+        words = {w for w, _ in parts} - {SUPERSEDED}
         overall = "contradicted" if "contradicted" in words else "supported" if words == {"supported"} else \
             "inconclusive"
         return "; ".join(ours), f"{overall}: " + "; ".join(text for _, text in parts)
@@ -927,7 +936,8 @@ QUALITY_NOTE = (
     "n_eval clips); supported if every difference clears it in the claimed direction, contradicted if any "
     "clears it the other way, inconclusive otherwise. Scorer v1 (rows without a version) let a frozen clip "
     "score full temporal consistency; v2 multiplies it by how well the object moves with the caption's "
-    "velocity.")
+    "velocity. Of a claim's studies only those of the newest scorer vote; the others are shown, marked "
+    "'not counted'.")
 
 
 def readme(results_dir: Path) -> str:

@@ -153,6 +153,22 @@ def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(resul
     assert "TA -0.10" in verdict                                     # TA reverses at 64 frames and is reported
 
 
+def test_only_the_newest_scorer_among_a_claims_studies_votes(results):
+    """C8's ablation scored by v1 (under-trained) beside a v2 four-way study that supports it: the v1 study is
+    reported, marked not counted, and the verdict follows the v2 study; with both at v2 it votes again."""
+    weak = [{"dsa": (0.80, 0.1), "dsa_zero": (0.60, 0.05)} for _ in range(3)]
+    _write(results, "abl", 1500, [0, 1, 2], _seeds(weak, version=None))
+    strong = [_four((0.8, 0.8), (0.8, 0.8), (0.8, 0.8), (0.6, 0.5))] * 3
+    _quality(results, {16: strong, 64: strong})
+    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours(results)
+    assert "ablate_offsets, 16 frames: dsa TC 0.80" in ours and verdict.startswith("supported")
+    assert "ablate_offsets, 16 frames: not counted, scorer v1, the verdict uses v2 (inconclusive, under-trained" \
+        in verdict
+    _write(results, "abl", 1500, [0, 1, 2], _seeds(weak))
+    assert claims.CLAIMS["MegaSlide-DiT"][7].ours(results)[1].startswith("inconclusive: ablate_offsets, 16 frames: "
+                                                                         "inconclusive, under-trained")
+
+
 def test_the_most_trained_recipe_is_pooled(results):
     """Of two recipes, the one that trains each run on more clips decides, though it finished fewer runs."""
     _write(results, "long", 1500, [0], _rows(0, {"dsa": (0.9, 0.9)}), clip_steps=[1500, 900], batch_sizes=[8, 8])
