@@ -677,7 +677,7 @@ class QualityClaim:
             gt = p.rows[("ground_truth", truth)]
             ours.append(f"{experiment} ground truth TC {gt['temporal_consistency_mean']:.2f}, TA "
                         f"{gt['text_alignment_mean']:.2f}; {p.training}, n_eval {p.settings['n_eval']}, scorer "
-                        f"v{p.settings['scorer_version']}, H200 ({', '.join(p.links)})")
+                        f"v{version}, H200 ({', '.join(p.links)})")
         words = {w for w, _ in parts} - {SUPERSEDED}
         overall = "contradicted" if "contradicted" in words else "supported" if words == {"supported"} else \
             "inconclusive"

@@ -197,7 +197,9 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     default = kernels.launch_config(T * H * W, d)
     rows, key_rows = [], []
     sweep = {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
-             "default_config": asdict(default), "default_key_config": asdict(binned.key_config((T, H, W))),
+             "default_config": asdict(default),
+             "forward_default_config": asdict(kernels.forward_launch_config(T * H * W, d)),
+             "default_key_config": asdict(binned.key_config((T, H, W))),
              "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
              "key_configs": key_rows}
     for candidate in candidates:
@@ -269,7 +271,8 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
         print(f"{r['case']:34s} {r['op']:8s} {r['dtype']:5s} {cells}  {verdict}{deterministic}")
     if sweep:
         print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
-              f"(default {sweep['default_config']}; HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
+              f"(default {sweep['default_config']}, forward {sweep['forward_default_config']}; "
+              f"HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
         print(f"{'block_q':>7s} {'y':>2s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'query ms':>9s} "
               f"{'fwd+bwd ms':>11s} {'zero fwd ms':>12s} {'zero bwd ms':>12s}")
         for c in sweep["configs"]:

@@ -14,6 +14,7 @@ def test_gpu_check_dsa_smoke(tmp_path):
     assert launches == {(op, dtype, block) for op in ("dsa", "dsa_zero") for dtype in ("fp32", "bf16")
                         for block in ("q16_y1_w1", "q32_y1_w1", "q16_y4_w1")}
     assert {c["block_y"] for c in data["sweep"]["configs"]} == {1, 4}
+    assert data["sweep"]["forward_default_config"] == data["sweep"]["default_config"]   # the interpreter: rows
     general = [r for r in data["rows"]
                if r["op"] == "dsa" and "_keys_" not in r["case"] and "_launch_" not in r["case"]]
     assert general and all(r["deterministic"] for r in general)  # sorted key-tile lists, run twice
