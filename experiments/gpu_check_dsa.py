@@ -28,7 +28,6 @@ Exits with status 1 when any comparison fails.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,8 +35,8 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import (TOLERANCE_RULE, ExperimentRun, copy_gbps, deterministic_algorithms, rounding_floor, timed,
-                                within_tolerance)
+from experiments.harness import (TOLERANCE_RULE, ExperimentRun, copy_gbps, deterministic_algorithms,
+                                kernel_check_device, rounding_floor, timed, within_tolerance)
 from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
 from megaslide.attention.dsa.op import select_backend
@@ -288,14 +287,8 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
 
 
 def check(cfg: GpuCheckConfig) -> int:
-    if torch.cuda.is_available():
-        device = torch.device("cuda")
-        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
-    elif cfg.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is first imported
-        device = torch.device("cpu")
-    else:
-        print("gpu_check_dsa needs a CUDA GPU (use smoke=true for the CPU interpreter run)", file=sys.stderr)
+    device = kernel_check_device(cfg.smoke, "gpu_check_dsa")
+    if device is None:
         return 2
     cases = SMOKE_CASES if cfg.smoke else GPU_CASES
     dtypes = cfg.dtypes

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import socket
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,21 @@ def timed(fn, device: torch.device | str, repeats: int = MIN_REPEATS, warmup: in
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # per call, the slowest rank
         times = t.tolist()
     return Timing(tuple(times))
+
+
+def kernel_check_device(smoke: bool, script: str) -> torch.device | None:
+    """The device of a Triton kernel check: CUDA where there is a GPU (with TF32 off, so that fp32
+    references are true fp32); with `smoke` and no GPU, the CPU through the Triton interpreter
+    (TRITON_INTERPRET=1, set before any kernels module is first imported); else None, said on stderr."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return torch.device("cuda")
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return torch.device("cpu")
+    print(f"{script} needs a CUDA GPU (use smoke=true for the CPU interpreter run)", file=sys.stderr)
+    return None
 
 
 # ----------------------------------------------------------------------------- ceilings

@@ -6,6 +6,7 @@ when none can, raises a ValueError that gives every backend's reason.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,3 +55,8 @@ def triton_device_check(device: torch.device, explicit: bool, interpreted: bool,
             return True, "Triton interpreter on CPU (slow; for tests)"
         return False, "CPU tensors need TRITON_INTERPRET=1 set before the kernels are first used"
     return False, f"needs CUDA tensors (got device {device}; 'auto' uses triton only on CUDA)"
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on t's GPU: Triton launches on the current device, which may not be t's."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

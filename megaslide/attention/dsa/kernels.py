@@ -45,7 +45,6 @@ and keep the full tensors' token strides, HEADS is the group's size and the lse 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -55,6 +54,7 @@ import triton.language as tl
 from triton import knobs
 
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY, SCRATCH_BYTES, backward_scratch_bytes
+from megaslide.backends import device_guard
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -312,11 +312,6 @@ def row_flags(n_tokens: int, stride_tok: int, head_dim: int, block_d: int) -> di
     return dict(WIDE=n_tokens * stride_tok >= 2 ** 31, EVEN_D=head_dim == block_d)
 
 
-def _device_guard(t: torch.Tensor):
-    """Launch on t's GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                 kernel_size: tuple[int, int, int], scale: float, store_lse: bool = True,
                 config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -332,7 +327,7 @@ def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torc
     lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None  # (B, heads, N)
     cfg = config or forward_launch_config(N, d)
     grid = (query_programs((T, H, W), cfg), B * heads)
-    with _device_guard(q):
+    with device_guard(q):
         _dsa_fwd_kernel[grid](
             q, k, v, offsets, out, lse if store_lse else out,  # never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
@@ -384,7 +379,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
     counts = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)
     starts = torch.empty(B * group * tiles + 1, dtype=torch.int32, device=q.device)
-    with _device_guard(q):
+    with device_guard(q):
         for h0 in range(0, heads, group):
             g = min(group, heads - h0)
             heads_of = (slice(None),) * 4 + (slice(h0, h0 + g),)  # (B, T, H, W, this group's heads, ...)

@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from megaslide.attention.dsa.kernels import (LOG2E, LaunchConfig, _device_guard, _load_rows, _query_block,
+from megaslide.attention.dsa.kernels import (LOG2E, LaunchConfig, _load_rows, _query_block,
                                              _softmax_step, _token_rows, launch_config, query_programs, row_flags)
+from megaslide.backends import device_guard
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 """True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -216,7 +217,7 @@ def na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: t
     lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None
     cfg = config or launch_config(N, q.shape[-1])
     grid = (query_programs(q.shape[1:4], cfg), B * heads)
-    with _device_guard(q):
+    with device_guard(q):
         _na_fwd_kernel[grid](
             q, k, v, out, lse if store_lse else out,  # never written without STORE_LSE
             *q.shape[1:4], heads, q.shape[-1], q.stride(3), scale * LOG2E,
@@ -244,7 +245,7 @@ def na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     tiles = dict(KT=kernel_size[0], KH=kernel_size[1], KW=kernel_size[2],
                  BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps,
                  **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d))
-    with _device_guard(q):
+    with device_guard(q):
         _na_bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, *sizes, **tiles)
         _na_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, *sizes, **tiles)
     return dq, dk, dv

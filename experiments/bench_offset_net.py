@@ -1,0 +1,188 @@
+"""Offset-net benchmark: the `dsa` module's offset net (depthwise Conv3d, GELU, Linear, max_offset * tanh)
+fwd+bwd with its conv on each backend of megaslide/attention/dsa/depthwise.py: `triton` (channels-last
+kernels) and `torch` (F.conv3d: cuDNN on an NCDHW copy on CUDA), after a correctness check.
+
+Tables of results/attention/<name>.json (rendered by experiments/report.py):
+- check: the Triton conv's output and x / weight / bias gradients against F.conv3d in float64 on the same
+  rounded inputs, beside F.conv3d in the tested dtype (harness.within_tolerance), at an odd grid, a frame
+  slab with its halo, for fp32 and bf16; `passed` is all of them;
+- conv: the conv alone fwd+bwd at the target grid for each model width (heads x head_dim), each backend,
+  beside `hbm_ms`: the HBM time of its compulsory traffic (read x, write y; read dy and x for the input
+  and weight gradients, write dx), from the copy ceiling re-measured in the same run;
+- offset_net: the whole net fwd+bwd, each backend, as `DSAAttention.offsets` runs it in training (bf16
+  autocast over fp32 weights, x in bf16 as bench_attention's module rows give it).
+Every cell is `repeats` (at least 5) calls after a warm-up: median and min / max / std, and peak memory.
+Configuration: experiments/conf/bench_offset_net.yaml.
+
+    python -m experiments.bench_offset_net name=h200_offset_net   # GPU
+    python -m experiments.bench_offset_net smoke=true             # tiny, CPU via TRITON_INTERPRET=1
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from experiments.harness import (MIN_REPEATS, ExperimentRun, copy_gbps, kernel_check_device, rounding_floor,
+                                within_tolerance)
+from experiments.hydra_config import script_config, script_main
+
+F64 = torch.float64
+BACKENDS = ("triton", "torch")
+CHECK_CASES = [((2, 5, 9, 13, 96), (1, 4)), ((1, 3, 8, 8, 64), (0, 3))]   # (B, T, H, W, C), output frames
+SMOKE_CHECK_CASES = [((1, 4, 3, 5, 6), (1, 3))]
+SMOKE = {"heads": 2, "head_dims": [8], "grid": [3, 4, 4], "repeats": 5}
+
+
+@dataclass(frozen=True)
+class BenchOffsetNetConfig:
+    """The keys of experiments/conf/bench_offset_net.yaml (their meaning is documented there)."""
+
+    name: str
+    smoke: bool
+    heads: int
+    head_dims: list[int]
+    grid: list[int]
+    repeats: int
+    wandb_dir: str
+    wandb_project: str
+
+    def validate(self) -> None:
+        if self.repeats < MIN_REPEATS:
+            raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
+        if len(self.grid) != 3 or min(self.grid) < 1:
+            raise ValueError(f"grid={list(self.grid)}: give the token grid as [T, H, W], each >= 1")
+
+
+def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype):
+    """The conv's output and its x, weight and bias gradients on one backend, x in `dtype`; the weights
+    stay fp32 on the Triton path (as the module keeps them) and take `dtype` for F.conv3d (as autocast
+    casts them)."""
+    from megaslide.attention.dsa.depthwise import depthwise_conv3d
+    wdtype = dtype if backend == "torch" else weight.dtype
+    leaves = [x.to(dtype), weight.to(wdtype), bias.to(wdtype)]
+    for t in leaves:
+        t.requires_grad_()
+    y = depthwise_conv3d(*leaves, frames, backend=backend)
+    return [y.detach(), *torch.autograd.grad(y, leaves, grad.to(y.dtype))]
+
+
+def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
+    """The Triton conv against F.conv3d in float64 (the truth) and in `dtype`: per output, both max errors,
+    the rounding floor and whether `within_tolerance` holds."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, T, H, W, C = shape
+    lo, hi = frames
+    x = torch.randn(shape, generator=g, device=device, dtype=F64).to(dtype)
+    weight = torch.randn((C, 1, *kernel), generator=g, device=device, dtype=F64).float()
+    bias = torch.randn(C, generator=g, device=device, dtype=F64).float()
+    grad = torch.randn((B, hi - lo, H, W, C), generator=g, device=device, dtype=F64).to(dtype)
+    truth = conv_and_grads("torch", x, weight, bias, grad, frames, F64)
+    same = conv_and_grads("torch", x, weight, bias, grad, frames, dtype)
+    fused = conv_and_grads("triton", x, weight, bias, grad, frames, dtype)
+    errors = {}
+    for name, want, ref, got in zip(("y", "dx", "dweight", "dbias"), truth, same, fused):
+        err = (got.to(F64) - want).abs().max().item()
+        ref_err = (ref.to(F64) - want).abs().max().item()
+        floor = rounding_floor(got.dtype if name in ("y", "dx") else torch.float32, want)
+        ok = got.shape == want.shape and within_tolerance(err, ref_err, floor)
+        errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
+    return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."),
+            "passed": all(e["ok"] for e in errors.values()), "errors": errors}
+
+
+def conv_hbm_bytes(tokens: int, channels: int, x_elem: int, y_elem: int) -> int:
+    """Compulsory traffic of the conv fwd+bwd: forward reads x, writes y; backward reads dy twice (input
+    and weight gradients) and x once, writes dx (the weights are negligible)."""
+    return tokens * channels * (x_elem + y_elem + 2 * y_elem + x_elem + x_elem)
+
+
+def timed_cell(step, repeats: int, device) -> dict:
+    from experiments.bench_attention import measure
+    return measure(lambda: step, repeats, device)
+
+
+def offset_net_cells(grid, heads: int, d: int, device, repeats: int, ceiling_gbps: float) -> tuple[list, list]:
+    """(conv rows, offset_net rows) at one width, each backend."""
+    from megaslide.attention import build_attention
+    from megaslide.attention.dsa.depthwise import depthwise_conv3d
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    n, dim = math.prod(grid), heads * d
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, n, dim, generator=g, device=device, dtype=dtype).requires_grad_()   # (1, N, D)
+    attn = build_attention("dsa", dim, heads).to(device)
+    base = {"grid": list(grid), "tokens": n, "heads": heads, "head_dim": d, "channels": dim}
+    hbm_ms = conv_hbm_bytes(n, dim, x.element_size(), 2 if cuda else 4) / (ceiling_gbps * 1e9) * 1e3
+    conv_rows, net_rows = [], []
+    for backend in BACKENDS:
+        attn.conv_backend = backend
+
+        def conv_step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                y = depthwise_conv3d(x.view(1, *grid, dim), attn.offset_conv.weight, attn.offset_conv.bias,
+                                     backend=backend)
+            y.float().sum().backward()
+
+        def net_step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                o = attn.offsets(x, grid)   # (1, T, H, W, heads, K, 3)
+            o.sum().backward()
+
+        conv = {**base, "backend": backend, **timed_cell(conv_step, repeats, device), "hbm_ms": hbm_ms}
+        if "ms" in conv:
+            conv["hbm_fraction"] = hbm_ms / conv["ms"]
+        conv_rows.append(conv)
+        net_rows.append({**base, "backend": backend, **timed_cell(net_step, repeats, device)})
+        for kind, row in (("conv", conv), ("offset_net", net_rows[-1])):
+            print(f"  {kind:10s} d={d:4d} {backend:6s} {row.get('ms', float('nan')):9.2f} ms "
+                  f"[{row.get('ms_min', float('nan')):.2f}, {row.get('ms_max', float('nan')):.2f}]", flush=True)
+    return conv_rows, net_rows
+
+
+def bench(cfg: BenchOffsetNetConfig) -> int:
+    device = kernel_check_device(cfg.smoke, "bench_offset_net")
+    if device is None:
+        return 2
+    name = cfg.name or ("offset_net_smoke" if cfg.smoke else "offset_net")
+    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    ceiling = {"hbm_gbps": copy_gbps(device, 2 ** 20 if cfg.smoke else 2 ** 30)}
+    checks = [check_conv(shape, frames, dtype, device) for shape, frames in
+              (SMOKE_CHECK_CASES if cfg.smoke else CHECK_CASES) for dtype in (torch.float32, torch.bfloat16)]
+    passed = all(c["passed"] for c in checks)
+    payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
+               "ceilings": ceiling, "passed": passed, "checks": checks, "tables": {}}
+    run.save({**payload, "partial": True})
+    conv_rows, net_rows = [], []
+    if passed:
+        for d in cfg.head_dims:
+            conv, net = offset_net_cells(tuple(cfg.grid), cfg.heads, d, device, cfg.repeats, ceiling["hbm_gbps"])
+            conv_rows += conv
+            net_rows += net
+            run.save({**payload, "partial": True, "tables": {"conv": conv_rows, "offset_net": net_rows}})
+    payload["tables"] = {"conv": conv_rows, "offset_net": net_rows}
+    speedups = {}
+    for d in cfg.head_dims:
+        by = {r["backend"]: r.get("ms") for r in net_rows if r["head_dim"] == d}
+        if by.get("triton") and by.get("torch"):
+            speedups[f"offset_net_speedup_d{d}"] = by["torch"] / by["triton"]
+    payload["summary"] = speedups
+    path = run.finish(payload, {"passed": passed, **speedups})
+    for c in checks:
+        print(f"check {c['dtype']:8s} {c['shape']} frames {c['frames']}: {'ok' if c['passed'] else 'FAIL'} "
+              + " ".join(f"{k} {e['err']:.2e}/{e['ref_err']:.2e}" for k, e in c["errors"].items()))
+    print(f"{'PASS' if passed else 'FAIL'}; {speedups}; wrote {path}")
+    return 0 if passed else 1
+
+
+@script_main("bench_offset_net")
+def main(hydra_cfg: DictConfig) -> None:
+    """Exit status 0: the check passed and the cells ran; 1: the check failed (nothing timed); 2: no GPU."""
+    sys.exit(bench(script_config(BenchOffsetNetConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)))
+
+
+if __name__ == "__main__":
+    main()

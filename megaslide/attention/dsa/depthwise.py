@@ -1,0 +1,184 @@
+"""The offset net's depthwise Conv3d on channels-last tokens, with a Triton backend and PyTorch's.
+
+`depthwise_conv3d(x, weight, bias, frames)` is Conv3d(C, C, kernel, padding=kernel // 2, groups=C)
+over x (B, T, H, W, C), returning output frames [lo, hi) as (B, hi - lo, H, W, C): zero padding only
+at x's own edges, so a slab of frames with a halo of kernel // 2 frames on each side gives the same
+output frames as the whole clip.
+
+Why a kernel of its own: the block input is channels-last (tokens, then channels), and cuDNN's
+depthwise Conv3d is slow on that layout for bf16 (its weight gradient) and needs a transposed
+contiguous copy for NCDHW, whose backward is still the module's largest cost after the attention op
+(experiments/bench_attention.py, table offset_net). The Triton kernels (depthwise_kernels.py) read the
+tokens in place, accumulate in fp32 and compute the weight gradient without atomics.
+
+Backends: "torch" (F.conv3d, the reference; CPU's default, where oneDNN runs the channels-last view
+well) and "triton" (CUDA, or the CPU interpreter when asked for by name); "auto" takes triton on
+CUDA. Under autocast the output has autocast's dtype, as F.conv3d's would.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from megaslide.backends import Backend, device_guard, select_backend, triton_device_check, triton_interpreted
+
+CONV_BLOCK = (32, 64)
+"""(BLOCK_X tokens, BLOCK_C channels) of a forward / input-gradient program on the GPU."""
+WGRAD_BLOCK = (16, 64)
+"""(BLOCK_X, BLOCK_C) of a weight-gradient program on the GPU."""
+WGRAD_PROGRAMS = 256
+"""Row chunks of the weight gradient (at most): each writes its own (taps, C) fp32 partial sum."""
+
+
+def _kernels():
+    from megaslide.attention.dsa import depthwise_kernels
+    return depthwise_kernels
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """F.conv3d's output dtype for x: autocast's where it is enabled on x's device, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _blocks(W: int, C: int, gpu_blocks: tuple[int, int]) -> tuple[int, int]:
+    """(BLOCK_X, BLOCK_C): the GPU tiles, or in the interpreter (cost per operation) whole rows."""
+    import triton
+    if _kernels().INTERPRETED:
+        return triton.next_power_of_2(W), triton.next_power_of_2(C)
+    return gpu_blocks
+
+
+# The launches are custom ops so that torch.compile (train.compile) treats them as opaque calls, as
+# dsa/op.py's; the fake functions give compile the output shapes.
+@torch.library.custom_op("megaslide::depthwise_conv", mutates_args=())
+def _launch_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None, shift: int, frames: int,
+                 kernel: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """`frames` output frames of the conv of x (B, TX, H, W, C) with taps (KT*KH*KW, C) fp32 read at
+    frame offset `shift` (depthwise_kernels._conv_kernel); y (B, frames, H, W, C) in `dtype`."""
+    import triton
+    B, TX, H, W, C = x.shape
+    y = torch.empty((B, frames, H, W, C), dtype=dtype, device=x.device)
+    bx, bc = _blocks(W, C, CONV_BLOCK)
+    grid = (frames * H * triton.cdiv(W, bx), B, triton.cdiv(C, bc))
+    with device_guard(x):
+        _kernels()._conv_kernel[grid](x, taps, bias if bias is not None else taps, y, TX, frames, H, W, C, shift,
+                                      x.stride(0), y.stride(0), KT=kernel[0], KH=kernel[1], KW=kernel[2],
+                                      HAS_BIAS=bias is not None, BLOCK_X=bx, BLOCK_C=bc, num_warps=4)
+    return y
+
+
+@_launch_conv.register_fake
+def _(x, taps, bias, shift, frames, kernel, dtype):
+    B, _, H, W, C = x.shape
+    return x.new_empty((B, frames, H, W, C), dtype=dtype)
+
+
+@torch.library.custom_op("megaslide::depthwise_wgrad", mutates_args=())
+def _launch_wgrad(x: torch.Tensor, dy: torch.Tensor, shift: int, kernel: list[int]) -> torch.Tensor:
+    """The weight gradient (KT*KH*KW, C) fp32 of y = conv(x) at frame offset `shift` given dy."""
+    import triton
+    B, TX, H, W, C = x.shape
+    TY = dy.shape[1]
+    bx, bc = _blocks(W, C, WGRAD_BLOCK)
+    taps = math.prod(kernel)
+    rows = B * TY * H
+    per_program = triton.cdiv(rows, WGRAD_PROGRAMS)
+    programs = triton.cdiv(rows, per_program)
+    part = torch.empty((programs, taps, C), dtype=torch.float32, device=x.device)
+    with device_guard(x):
+        _kernels()._wgrad_kernel[(programs, triton.cdiv(C, bc))](
+            x, dy, part, B, TX, TY, H, W, C, shift, x.stride(0), dy.stride(0), per_program,
+            KT=kernel[0], KH=kernel[1], KW=kernel[2], TAPS=triton.next_power_of_2(taps),
+            BLOCK_X=bx, BLOCK_C=bc, num_warps=4)
+    return part.sum(0)  # (taps, C)
+
+
+@_launch_wgrad.register_fake
+def _(x, dy, shift, kernel):
+    return x.new_empty((math.prod(kernel), x.shape[-1]), dtype=torch.float32)
+
+
+def _tokens_in_place(x: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, W, C) with tokens contiguous within a batch (the kernels' layout), copied if not."""
+    B, T, H, W, C = x.shape
+    if x.stride()[1:] == (H * W * C, W * C, C, 1):
+        return x
+    return x.contiguous()
+
+
+class _DepthwiseConv3dTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lo: int, hi: int):
+        C = x.shape[-1]
+        kernel = list(weight.shape[2:])
+        x = _tokens_in_place(x)
+        taps = weight.detach().reshape(C, -1).t().float().contiguous()  # (taps, C)
+        b = bias.detach().float() if bias is not None else None
+        ctx.save_for_backward(x, taps)
+        ctx.meta = (lo, kernel, bias is not None, weight.dtype)
+        return _launch_conv(x, taps, b, lo, hi - lo, kernel, _out_dtype(x))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, taps = ctx.saved_tensors
+        lo, kernel, has_bias, w_dtype = ctx.meta
+        dy = dy.contiguous()
+        C = x.shape[-1]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # the transposed conv: taps reversed, dy read at frame offset -lo
+            dx = _launch_conv(dy, taps.flip(0).contiguous(), None, -lo, x.shape[1], kernel, x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _launch_wgrad(x, dy, lo, kernel).t().reshape(C, 1, *kernel).to(w_dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy.float().sum((0, 1, 2, 3)).to(w_dtype)
+        return dx, dw, db, None, None
+
+
+def _conv_torch(x, weight, bias, lo, hi):
+    h = x.permute(0, 4, 1, 2, 3)                                   # (B, C, T, H, W), a channels-last view
+    if x.is_cuda:
+        # cuDNN's bf16 depthwise weight gradient is far slower on the channels-last view than on NCDHW
+        h = h.contiguous()
+    pad = tuple(k // 2 for k in weight.shape[2:])
+    y = F.conv3d(h, weight, bias, padding=pad, groups=weight.shape[0])[:, :, lo:hi]   # (B, C, hi-lo, H, W)
+    return y.permute(0, 2, 3, 4, 1)                                # (B, hi-lo, H, W, C)
+
+
+def _conv_triton(x, weight, bias, lo, hi):
+    return _DepthwiseConv3dTriton.apply(x, weight, bias, lo, hi)
+
+
+def _can_run_torch(x: torch.Tensor, explicit: bool) -> tuple[bool, str]:
+    return True, "F.conv3d"
+
+
+def _can_run_triton(x: torch.Tensor, explicit: bool) -> tuple[bool, str]:
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    loaded = sys.modules.get("megaslide.attention.dsa.depthwise_kernels")
+    interpreted = loaded.INTERPRETED if loaded is not None else triton_interpreted()
+    return triton_device_check(x.device, explicit, interpreted, "Triton depthwise conv")
+
+
+BACKENDS: tuple[Backend, ...] = (Backend("triton", _can_run_triton, _conv_triton),
+                                 Backend("torch", _can_run_torch, _conv_torch))
+
+
+def depthwise_conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     frames: tuple[int, int] | None = None, backend: str = "auto") -> torch.Tensor:
+    """Depthwise Conv3d of x (B, T, H, W, C) with weight (C, 1, kt, kh, kw) (odd sizes) and bias (C,),
+    padding kernel // 2; output frames [lo, hi) (default all) as (B, hi - lo, H, W, C)."""
+    B, T, H, W, C = x.shape
+    lo, hi = frames if frames is not None else (0, T)
+    if weight.dim() != 5 or weight.shape[:2] != (C, 1) or any(k % 2 == 0 for k in weight.shape[2:]):
+        raise ValueError(f"depthwise_conv3d: weight {tuple(weight.shape)} must be (C={C}, 1, kt, kh, kw) with odd "
+                         f"kernel sizes (a depthwise Conv3d over x's last dim)")
+    if not 0 <= lo < hi <= T:
+        raise ValueError(f"depthwise_conv3d: frames=({lo}, {hi}) must satisfy 0 <= lo < hi <= T={T}")
+    return select_backend(backend, BACKENDS, x).run(x, weight, bias, lo, hi)

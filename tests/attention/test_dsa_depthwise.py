@@ -1,0 +1,106 @@
+"""The offset net's Triton depthwise Conv3d (channels-last) against F.conv3d, on CPU through the Triton
+interpreter, for the output and the gradients of x, weight and bias.
+
+Truth: F.conv3d in float64 on the inputs rounded to the tested dtype; the kernel may be at most 2x as
+wrong as F.conv3d in the tested dtype, plus a rounding floor (experiments.harness.within_tolerance).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
+pytest.importorskip("triton")
+
+from experiments.bench_offset_net import check_conv  # noqa: E402
+from megaslide.attention import build_attention  # noqa: E402
+from megaslide.attention.dsa import depthwise, depthwise_kernels  # noqa: E402
+from megaslide.attention.dsa.depthwise import depthwise_conv3d  # noqa: E402
+from tests.helpers import builds_for_sm90  # noqa: E402
+
+if not depthwise_kernels.INTERPRETED:  # built earlier in this process without the interpreter
+    importlib.reload(depthwise_kernels)
+
+
+def assert_matches_conv3d(shape, kernel, frames, dtype=torch.float32):
+    result = check_conv(shape, frames, dtype, torch.device("cpu"), kernel)
+    assert result["passed"], result["errors"]
+
+
+def test_whole_clip_odd_grid():
+    assert_matches_conv3d((2, 3, 4, 5, 3), (3, 3, 3), (0, 3))
+
+
+def test_frame_slab_reads_its_halo_and_pads_only_at_clip_ends():
+    """Output frames [1, 4) of 5: frames 0 and 4 are read as the halo, not zero-padded."""
+    assert_matches_conv3d((1, 5, 4, 5, 3), (3, 3, 3), (1, 4))
+
+
+def test_slab_at_the_clip_start_and_a_non_cube_kernel():
+    assert_matches_conv3d((1, 4, 3, 6, 5), (1, 3, 5), (0, 2))
+
+
+def test_bf16_input():
+    assert_matches_conv3d((1, 3, 4, 5, 4), (3, 3, 3), (0, 3), dtype=torch.bfloat16)
+
+
+def test_gpu_tiles_partial_blocks_and_several_rows_per_weight_program(monkeypatch):
+    """The GPU's tiling: x and channel blocks smaller than the row (partial last blocks), and weight
+    programs that each sum several rows, the last one partial (interpreter tiles are whole rows)."""
+    monkeypatch.setattr(depthwise, "_blocks", lambda W, C, gpu: (4, 4))
+    monkeypatch.setattr(depthwise, "WGRAD_PROGRAMS", 4)
+    assert_matches_conv3d((2, 3, 2, 5, 6), (3, 3, 3), (1, 3))
+
+
+def test_output_dtype_follows_autocast_as_conv3d():
+    x = torch.randn(1, 3, 3, 4, 2)
+    weight, bias = torch.randn(2, 1, 3, 3, 3), torch.randn(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert depthwise_conv3d(x, weight, bias, backend="triton").dtype == torch.bfloat16
+        assert depthwise_conv3d(x, weight, bias, backend="torch").dtype == torch.bfloat16
+    assert depthwise_conv3d(x, weight, bias, backend="triton").dtype == torch.float32
+
+
+def test_dsa_offset_net_same_with_either_conv():
+    """The `dsa` module's offsets, chunked into frame runs or not, with the Triton conv and with F.conv3d."""
+    torch.manual_seed(0)
+    grid, dim, heads = (4, 3, 4), 8, 2
+    x = torch.randn(1, 48, dim)
+    attn = build_attention("dsa", dim, heads, kernel_size=(3, 3, 3))
+    torch.nn.init.normal_(attn.offset_proj.weight)  # not the zero init: offsets that depend on the conv
+    offsets = {}
+    for backend in ("torch", "triton"):
+        for chunk in (0, 24):  # 0: the whole grid; 24 tokens: runs of two frames
+            attn.conv_backend, attn.chunk_tokens = backend, chunk
+            offsets[backend, chunk] = attn.offsets(x, grid)
+    for key, got in offsets.items():
+        torch.testing.assert_close(got, offsets["torch", 0], rtol=1e-5, atol=1e-5, msg=str(key))
+
+
+def test_bad_weight_and_frames_are_refused():
+    x = torch.randn(1, 3, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"weight \(4, 1, 2, 3, 3\).*odd"):
+        depthwise_conv3d(x, torch.randn(4, 1, 2, 3, 3), None)
+    with pytest.raises(ValueError, match=r"frames=\(2, 5\).*T=3"):
+        depthwise_conv3d(x, torch.randn(4, 1, 3, 3, 3), None, frames=(2, 5))
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter cannot catch GPU lowering errors (the while loops, the tap tile): build both kernels."""
+    assert builds_for_sm90("""
+        from megaslide.attention.dsa import depthwise as dw, depthwise_kernels as dk
+
+        sizes = {n: "i32" for n in ("TX", "TY", "H", "W", "C", "shift", "stride_xb", "stride_yb")}
+        taps = {"KT": 3, "KH": 3, "KW": 3}
+        bx, bc = dw.CONV_BLOCK
+        build(dk._conv_kernel, {"x_ptr": "*fp32", "taps_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16", **sizes},
+              {**taps, "HAS_BIAS": True, "BLOCK_X": bx, "BLOCK_C": bc}, 4, aligned_ints=("C",))
+        bx, bc = dw.WGRAD_BLOCK
+        build(dk._wgrad_kernel, {"x_ptr": "*fp32", "dy_ptr": "*bf16", "part_ptr": "*fp32", "B": "i32", **sizes,
+                                 "ROWS": "i32"},
+              {**taps, "TAPS": 32, "BLOCK_X": bx, "BLOCK_C": bc}, 4, aligned_ints=("C",))
+    """) == 2

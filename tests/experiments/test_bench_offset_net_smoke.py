@@ -1,0 +1,16 @@
+"""experiments/bench_offset_net.py: the smoke run on CPU (the Triton interpreter) checks the Triton conv
+and times both conv backends inside the offset net."""
+from tests.experiments.runner import load_result, run_script
+
+
+def test_bench_offset_net_smoke(tmp_path):
+    run_script(["-m", "experiments.bench_offset_net", "smoke=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    data = load_result(tmp_path, "attention", "offset_net_smoke")
+    assert data["passed"] is True and {c["dtype"] for c in data["checks"]} == {"float32", "bfloat16"}
+    assert all(e["ok"] and e["err"] >= 0 for c in data["checks"] for e in c["errors"].values())
+    for table in ("conv", "offset_net"):
+        rows = data["tables"][table]
+        assert [(r["backend"], r["head_dim"], r["channels"]) for r in rows] == [("triton", 8, 16), ("torch", 8, 16)]
+        assert all(r["status"] == "ok" and 0 < r["ms_min"] <= r["ms"] <= r["ms_max"] for r in rows)
+    assert all(r["hbm_ms"] > 0 and r["hbm_fraction"] > 0 for r in data["tables"]["conv"])
+    assert data["summary"]["offset_net_speedup_d8"] > 0
