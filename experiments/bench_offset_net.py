@@ -10,7 +10,9 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   beside `hbm_ms`: the HBM time of its compulsory traffic (read x, write y; read dy and x for the input
   and weight gradients, write dx), from the copy ceiling re-measured in the same run;
 - offset_net: the whole net fwd+bwd, each backend, as `DSAAttention.offsets` runs it in training (bf16
-  autocast over fp32 weights, x in bf16 as bench_attention's module rows give it).
+  autocast over fp32 weights, x in bf16 as bench_attention's module rows give it);
+- tiles (with `sweep=true`): each Triton launch alone (forward, input gradient, weight gradient) at the
+  first width for each candidate tiling, to pick depthwise.CONV_BLOCK, WGRAD_BLOCK and WGRAD_PROGRAMS.
 Every cell is `repeats` (at least 5) calls after a warm-up: median and min / max / std, and peak memory.
 Configuration: experiments/conf/bench_offset_net.yaml.
 
@@ -43,6 +45,7 @@ class BenchOffsetNetConfig:
 
     name: str
     smoke: bool
+    sweep: bool
     heads: int
     head_dims: list[int]
     grid: list[int]
@@ -143,6 +146,46 @@ def offset_net_cells(grid, heads: int, d: int, device, repeats: int, ceiling_gbp
     return conv_rows, net_rows
 
 
+CONV_CANDIDATES = [(32, 64, 4), (16, 64, 4), (64, 64, 8), (32, 128, 8), (16, 128, 4), (64, 32, 4), (8, 128, 4)]
+WGRAD_CANDIDATES = [(8, 64, 4, 256), (8, 64, 4, 1024), (4, 64, 4, 256), (16, 64, 8, 256), (4, 128, 4, 256),
+                    (8, 32, 2, 256), (16, 32, 4, 256)]   # (BLOCK_X, BLOCK_C, warps, WGRAD_PROGRAMS)
+SMOKE_CANDIDATES = ([(4, 8, 1)], [(4, 8, 1, 4)])
+
+
+def sweep_tiles(grid, channels: int, device, repeats: int, smoke: bool) -> list[dict]:
+    """Each Triton launch alone per candidate tiling: forward and input gradient (CONV_BLOCK), weight
+    gradient (WGRAD_BLOCK, WGRAD_PROGRAMS), bf16 activations on the GPU."""
+    from experiments.harness import timed
+    from megaslide.attention.dsa import depthwise as dw
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    x, dy = (torch.randn(1, *grid, channels, generator=g, device=device, dtype=dtype) for _ in range(2))
+    taps = torch.randn(27, channels, generator=g, device=device)
+    bias = torch.randn(channels, generator=g, device=device)
+    conv_candidates, wgrad_candidates = SMOKE_CANDIDATES if smoke else (CONV_CANDIDATES, WGRAD_CANDIDATES)
+    saved = dw.CONV_BLOCK, dw.WGRAD_BLOCK, dw.WGRAD_PROGRAMS
+    rows = []
+    try:
+        for block in conv_candidates:
+            dw.CONV_BLOCK = block
+            for launch, fn in (("forward", lambda: dw._launch_conv(x, taps, bias, 0, grid[0], [3, 3, 3], dtype)),
+                               ("input_grad", lambda: dw._launch_conv(dy, taps, None, 0, grid[0], [3, 3, 3], dtype))):
+                rows.append({"launch": launch, "block_x": block[0], "block_c": block[1], "num_warps": block[2],
+                             **timed(fn, device, repeats).ms(), "default": block == saved[0]})
+        for *block, programs in wgrad_candidates:
+            dw.WGRAD_BLOCK, dw.WGRAD_PROGRAMS = tuple(block), programs
+            rows.append({"launch": "weight_grad", "block_x": block[0], "block_c": block[1], "num_warps": block[2],
+                         "programs": programs, **timed(lambda: dw._launch_wgrad(x, dy, 0, [3, 3, 3]), device,
+                                                       repeats).ms(),
+                         "default": (tuple(block), programs) == saved[1:]})
+    finally:
+        dw.CONV_BLOCK, dw.WGRAD_BLOCK, dw.WGRAD_PROGRAMS = saved
+    for r in rows:
+        print(f"  tiles {r['launch']:11s} {r['block_x']:3d} x {r['block_c']:3d} w{r['num_warps']} "
+              f"{r.get('programs', '')!s:5s} {r['ms']:7.2f} ms{' (default)' if r['default'] else ''}", flush=True)
+    return rows
+
+
 def bench(cfg: BenchOffsetNetConfig) -> int:
     device = kernel_check_device(cfg.smoke, "bench_offset_net")
     if device is None:
@@ -164,6 +207,9 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
             net_rows += net
             run.save({**payload, "partial": True, "tables": {"conv": conv_rows, "offset_net": net_rows}})
     payload["tables"] = {"conv": conv_rows, "offset_net": net_rows}
+    if passed and cfg.sweep:
+        payload["tables"]["tiles"] = sweep_tiles(tuple(cfg.grid), cfg.heads * cfg.head_dims[0], device, cfg.repeats,
+                                                 cfg.smoke)
     speedups = {}
     for d in cfg.head_dims:
         by = {r["backend"]: r.get("ms") for r in net_rows if r["head_dim"] == d}

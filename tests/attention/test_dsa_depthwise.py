@@ -51,7 +51,7 @@ def test_bf16_input():
 def test_gpu_tiles_partial_blocks_and_several_rows_per_weight_program(monkeypatch):
     """The GPU's tiling: x and channel blocks smaller than the row (partial last blocks), and weight
     programs that each sum several rows, the last one partial (interpreter tiles are whole rows)."""
-    monkeypatch.setattr(depthwise, "_blocks", lambda W, C, gpu: (4, 4))
+    monkeypatch.setattr(depthwise, "_blocks", lambda W, C, gpu: (4, 4, 1))
     monkeypatch.setattr(depthwise, "WGRAD_PROGRAMS", 4)
     assert_matches_conv3d((2, 3, 2, 5, 6), (3, 3, 3), (1, 3))
 
@@ -90,17 +90,17 @@ def test_bad_weight_and_frames_are_refused():
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter cannot catch GPU lowering errors (the while loops, the tap tile): build both kernels."""
+    """The interpreter cannot catch GPU lowering errors (the while loops, the tuple of tap tiles): build both."""
     assert builds_for_sm90("""
         from megaslide.attention.dsa import depthwise as dw, depthwise_kernels as dk
 
         sizes = {n: "i32" for n in ("TX", "TY", "H", "W", "C", "shift", "stride_xb", "stride_yb")}
         taps = {"KT": 3, "KH": 3, "KW": 3}
-        bx, bc = dw.CONV_BLOCK
+        bx, bc, warps = dw.CONV_BLOCK
         build(dk._conv_kernel, {"x_ptr": "*fp32", "taps_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16", **sizes},
-              {**taps, "HAS_BIAS": True, "BLOCK_X": bx, "BLOCK_C": bc}, 4, aligned_ints=("C",))
-        bx, bc = dw.WGRAD_BLOCK
+              {**taps, "HAS_BIAS": True, "BLOCK_X": bx, "BLOCK_C": bc}, warps, aligned_ints=("C",))
+        bx, bc, warps = dw.WGRAD_BLOCK
         build(dk._wgrad_kernel, {"x_ptr": "*fp32", "dy_ptr": "*bf16", "part_ptr": "*fp32", "B": "i32", **sizes,
                                  "ROWS": "i32"},
-              {**taps, "TAPS": 32, "BLOCK_X": bx, "BLOCK_C": bc}, 4, aligned_ints=("C",))
+              {**taps, "BLOCK_X": bx, "BLOCK_C": bc}, warps, aligned_ints=("C",))
     """) == 2

@@ -4,7 +4,8 @@ from tests.experiments.runner import load_result, run_script
 
 
 def test_bench_offset_net_smoke(tmp_path):
-    run_script(["-m", "experiments.bench_offset_net", "smoke=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    run_script(["-m", "experiments.bench_offset_net", "smoke=true", "sweep=true", f"wandb.dir={tmp_path}/runs"],
+               tmp_path)
     data = load_result(tmp_path, "attention", "offset_net_smoke")
     assert data["passed"] is True and {c["dtype"] for c in data["checks"]} == {"float32", "bfloat16"}
     assert all(e["ok"] and e["err"] >= 0 for c in data["checks"] for e in c["errors"].values())
@@ -14,3 +15,6 @@ def test_bench_offset_net_smoke(tmp_path):
         assert all(r["status"] == "ok" and 0 < r["ms_min"] <= r["ms"] <= r["ms_max"] for r in rows)
     assert all(r["hbm_ms"] > 0 and r["hbm_fraction"] > 0 for r in data["tables"]["conv"])
     assert data["summary"]["offset_net_speedup_d8"] > 0
+    tiles = data["tables"]["tiles"]   # sweep=true: each launch once per (smoke) candidate, none the default
+    assert [r["launch"] for r in tiles] == ["forward", "input_grad", "weight_grad"]
+    assert all(r["ms"] > 0 and r["default"] is False for r in tiles)

@@ -26,12 +26,14 @@ import torch.nn.functional as F
 
 from megaslide.backends import Backend, device_guard, select_backend, triton_device_check, triton_interpreted
 
-CONV_BLOCK = (32, 64)
-"""(BLOCK_X tokens, BLOCK_C channels) of a forward / input-gradient program on the GPU."""
-WGRAD_BLOCK = (16, 64)
-"""(BLOCK_X, BLOCK_C) of a weight-gradient program on the GPU."""
+CONV_BLOCK = (16, 128, 4)
+"""(BLOCK_X tokens, BLOCK_C channels, warps) of a forward / input-gradient program on the GPU: the first of
+the tilings `python -m experiments.bench_offset_net sweep=true` times (results/attention/h200_offset_net_v2.json)."""
+WGRAD_BLOCK = (8, 64, 4)
+"""(BLOCK_X, BLOCK_C, warps) of a weight-gradient program on the GPU (the sweep's first; its 27
+tap tiles of 8 x 64 fp32 take about 108 registers a thread)."""
 WGRAD_PROGRAMS = 256
-"""Row chunks of the weight gradient (at most): each writes its own (taps, C) fp32 partial sum."""
+"""Row chunks of the weight gradient (at most): each writes its own (taps, C) fp32 partial sum (the sweep's first)."""
 
 
 def _kernels():
@@ -46,11 +48,11 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _blocks(W: int, C: int, gpu_blocks: tuple[int, int]) -> tuple[int, int]:
-    """(BLOCK_X, BLOCK_C): the GPU tiles, or in the interpreter (cost per operation) whole rows."""
+def _blocks(W: int, C: int, gpu_blocks: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(BLOCK_X, BLOCK_C, warps): the GPU tiles, or in the interpreter (cost per operation) whole rows."""
     import triton
     if _kernels().INTERPRETED:
-        return triton.next_power_of_2(W), triton.next_power_of_2(C)
+        return triton.next_power_of_2(W), triton.next_power_of_2(C), 1
     return gpu_blocks
 
 
@@ -64,12 +66,12 @@ def _launch_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
     import triton
     B, TX, H, W, C = x.shape
     y = torch.empty((B, frames, H, W, C), dtype=dtype, device=x.device)
-    bx, bc = _blocks(W, C, CONV_BLOCK)
+    bx, bc, warps = _blocks(W, C, CONV_BLOCK)
     grid = (frames * H * triton.cdiv(W, bx), B, triton.cdiv(C, bc))
     with device_guard(x):
         _kernels()._conv_kernel[grid](x, taps, bias if bias is not None else taps, y, TX, frames, H, W, C, shift,
                                       x.stride(0), y.stride(0), KT=kernel[0], KH=kernel[1], KW=kernel[2],
-                                      HAS_BIAS=bias is not None, BLOCK_X=bx, BLOCK_C=bc, num_warps=4)
+                                      HAS_BIAS=bias is not None, BLOCK_X=bx, BLOCK_C=bc, num_warps=warps)
     return y
 
 
@@ -85,7 +87,7 @@ def _launch_wgrad(x: torch.Tensor, dy: torch.Tensor, shift: int, kernel: list[in
     import triton
     B, TX, H, W, C = x.shape
     TY = dy.shape[1]
-    bx, bc = _blocks(W, C, WGRAD_BLOCK)
+    bx, bc, warps = _blocks(W, C, WGRAD_BLOCK)
     taps = math.prod(kernel)
     rows = B * TY * H
     per_program = triton.cdiv(rows, WGRAD_PROGRAMS)
@@ -94,8 +96,7 @@ def _launch_wgrad(x: torch.Tensor, dy: torch.Tensor, shift: int, kernel: list[in
     with device_guard(x):
         _kernels()._wgrad_kernel[(programs, triton.cdiv(C, bc))](
             x, dy, part, B, TX, TY, H, W, C, shift, x.stride(0), dy.stride(0), per_program,
-            KT=kernel[0], KH=kernel[1], KW=kernel[2], TAPS=triton.next_power_of_2(taps),
-            BLOCK_X=bx, BLOCK_C=bc, num_warps=4)
+            KT=kernel[0], KH=kernel[1], KW=kernel[2], BLOCK_X=bx, BLOCK_C=bc, num_warps=warps)
     return part.sum(0)  # (taps, C)
 
 

@@ -12,9 +12,10 @@ taps reversed and shift = -lo it is the input gradient (the transposed conv of t
 One program owns BLOCK_X tokens of one (b, t, yy) row and BLOCK_C channels, and accumulates in fp32.
 
 `_wgrad_kernel` computes the weight gradient: per tap, the sum over output tokens of dy * (shifted
-x). One program owns ROWS consecutive (b, t, yy) rows and BLOCK_C channels, keeps every tap's partial
-sum in a (TAPS, BLOCK_C) fp32 tile and writes it once to its own slice of `part` (programs x taps x
-C); the op sums the programs' slices: no atomics, the same bits every run.
+x). One program owns ROWS consecutive (b, t, yy) rows and BLOCK_C channels; it reads each dy tile once,
+adds its product with every tap's shifted x tile to that tap's own (BLOCK_X, BLOCK_C) fp32 register
+tile, and at the end reduces each over the tokens and writes it once to its own slice of `part`
+(programs x taps x C); the op sums the programs' slices: no atomics, the same bits every run.
 """
 from __future__ import annotations
 
@@ -67,13 +68,14 @@ def _conv_kernel(x_ptr, taps_ptr, bias_ptr, y_ptr, TX, TY, H, W, C, shift, strid
 
 @triton.jit
 def _wgrad_kernel(x_ptr, dy_ptr, part_ptr, B, TX, TY, H, W, C, shift, stride_xb, stride_yb, ROWS,
-                  KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, TAPS: tl.constexpr,
+                  KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                   BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr):
     p = tl.program_id(0)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BC,)
     c_ok = cs < C
-    tap_ids = tl.arange(0, TAPS)  # (TAPS,) padded to a power of two
-    acc = tl.zeros([TAPS, BLOCK_C], tl.float32)  # per tap, the partial sum of dy * x
+    acc = ()  # per tap, the (BX, BC) fp32 running sum of dy * shifted x (a tuple: one register tile each)
+    for tap in tl.static_range(KT * KH * KW):
+        acc = acc + (tl.zeros([BLOCK_X, BLOCK_C], tl.float32),)
     r = 0
     while r < ROWS:  # while loops: the interpreter cannot range() over a runtime int
         row = p * ROWS + r  # a (b, t, yy) row of the output
@@ -89,14 +91,16 @@ def _wgrad_kernel(x_ptr, dy_ptr, part_ptr, B, TX, TY, H, W, C, shift, stride_xb,
             mask = row_ok & (xs < W)[:, None] & c_ok[None, :]
             dy = tl.load(dy_ptr + b * stride_yb + tok[:, None] * C + cs[None, :], mask=mask,
                          other=0.0).to(tl.float32)  # (BX, BC)
+            summed = ()
             for i in tl.static_range(KT):
                 for j in tl.static_range(KH):
                     for k in tl.static_range(KW):
                         tile = _shifted_tile(x_ptr, b * stride_xb, t + shift, yy, xs, cs, c_ok, TX, H, W, C,
                                              i - KT // 2, j - KH // 2, k - KW // 2)
-                        partial = tl.sum(dy * tile, axis=0)  # (BC,)
-                        acc += tl.where(tap_ids[:, None] == (i * KH + j) * KW + k, partial[None, :], 0.0)
+                        summed = summed + (acc[(i * KH + j) * KW + k] + dy * tile,)
+            acc = summed
             x0 += BLOCK_X
         r += 1
-    out = part_ptr + (p * (KT * KH * KW) + tap_ids[:, None]).to(tl.int64) * C + cs[None, :]
-    tl.store(out, acc, mask=(tap_ids < KT * KH * KW)[:, None] & c_ok[None, :])
+    for tap in tl.static_range(KT * KH * KW):
+        out = part_ptr + (p * (KT * KH * KW) + tap).to(tl.int64) * C + cs
+        tl.store(out, tl.sum(acc[tap], axis=0), mask=c_ok)
