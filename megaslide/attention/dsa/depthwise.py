@@ -137,7 +137,7 @@ class _DepthwiseConv3dTriton(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _launch_wgrad(x, dy, lo, kernel).t().reshape(C, 1, *kernel).to(w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
-            db = dy.float().sum((0, 1, 2, 3)).to(w_dtype)
+            db = dy.sum((0, 1, 2, 3), dtype=torch.float32).to(w_dtype)  # no fp32 copy of dy
         return dx, dw, db, None, None
 
 
