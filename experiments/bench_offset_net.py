@@ -1,6 +1,7 @@
 """Offset-net benchmark: the `dsa` module's offset net (depthwise Conv3d, GELU, Linear, max_offset * tanh)
-fwd+bwd with its conv on each backend of megaslide/attention/dsa/depthwise.py: `triton` (channels-last
-kernels) and `torch` (F.conv3d: cuDNN on an NCDHW copy on CUDA), after a correctness check.
+fwd+bwd on each backend of its kernels (the module's `net_backend`): `triton` (depthwise.py's channels-last
+conv and bounded.py's one-pass bound) and `torch` (F.conv3d, cuDNN on an NCDHW copy on CUDA, and
+torch.tanh), after a correctness check of the conv.
 
 Tables of results/attention/<name>.json (rendered by experiments/report.py):
 - check: the Triton conv's output and x / weight / bias gradients against F.conv3d in float64 on the same
@@ -122,7 +123,7 @@ def offset_net_cells(grid, heads: int, d: int, device, repeats: int, ceiling_gbp
     hbm_ms = conv_hbm_bytes(n, dim, x.element_size(), 2 if cuda else 4) / (ceiling_gbps * 1e9) * 1e3
     conv_rows, net_rows = [], []
     for backend in BACKENDS:
-        attn.conv_backend = backend
+        attn.net_backend = backend
 
         def conv_step():
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):

@@ -7,6 +7,8 @@ when none can, raises a ValueError that gives every backend's reason.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,3 +62,13 @@ def triton_device_check(device: torch.device, explicit: bool, interpreted: bool,
 def device_guard(t: torch.Tensor):
     """Launch on t's GPU: Triton launches on the current device, which may not be t's."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def triton_kernels_check(module: str, device: torch.device, explicit: bool, what: str) -> tuple[bool, str]:
+    """`triton_device_check` for the kernels of `module` (a module path, imported on first use): they
+    run in the interpreter if they were built for it or, not yet imported, will be."""
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed"
+    loaded = sys.modules.get(module)
+    interpreted = loaded.INTERPRETED if loaded is not None else triton_interpreted()
+    return triton_device_check(device, explicit, interpreted, what)

@@ -65,8 +65,9 @@ def test_output_dtype_follows_autocast_as_conv3d():
     assert depthwise_conv3d(x, weight, bias, backend="triton").dtype == torch.float32
 
 
-def test_dsa_offset_net_same_with_either_conv():
-    """The `dsa` module's offsets, chunked into frame runs or not, with the Triton conv and with F.conv3d."""
+def test_dsa_offset_net_same_with_either_backend():
+    """The `dsa` module's offsets, chunked into frame runs or not, with the Triton conv and bound and with
+    PyTorch's (F.conv3d, torch.tanh)."""
     torch.manual_seed(0)
     grid, dim, heads = (4, 3, 4), 8, 2
     x = torch.randn(1, 48, dim)
@@ -75,7 +76,7 @@ def test_dsa_offset_net_same_with_either_conv():
     offsets = {}
     for backend in ("torch", "triton"):
         for chunk in (0, 24):  # 0: the whole grid; 24 tokens: runs of two frames
-            attn.conv_backend, attn.chunk_tokens = backend, chunk
+            attn.net_backend, attn.chunk_tokens = backend, chunk
             offsets[backend, chunk] = attn.offsets(x, grid)
     for key, got in offsets.items():
         torch.testing.assert_close(got, offsets["torch", 0], rtol=1e-5, atol=1e-5, msg=str(key))

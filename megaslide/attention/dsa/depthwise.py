@@ -17,14 +17,12 @@ CUDA. Under autocast the output has autocast's dtype, as F.conv3d's would.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 
-from megaslide.backends import Backend, device_guard, select_backend, triton_device_check, triton_interpreted
+from megaslide.backends import Backend, device_guard, select_backend, triton_kernels_check
 
 CONV_BLOCK = (16, 128, 4)
 """(BLOCK_X tokens, BLOCK_C channels, warps) of a forward / input-gradient program on the GPU: the first of
@@ -160,11 +158,8 @@ def _can_run_torch(x: torch.Tensor, explicit: bool) -> tuple[bool, str]:
 
 
 def _can_run_triton(x: torch.Tensor, explicit: bool) -> tuple[bool, str]:
-    if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed"
-    loaded = sys.modules.get("megaslide.attention.dsa.depthwise_kernels")
-    interpreted = loaded.INTERPRETED if loaded is not None else triton_interpreted()
-    return triton_device_check(x.device, explicit, interpreted, "Triton depthwise conv")
+    return triton_kernels_check("megaslide.attention.dsa.depthwise_kernels", x.device, explicit,
+                                "Triton depthwise conv")
 
 
 BACKENDS: tuple[Backend, ...] = (Backend("triton", _can_run_triton, _conv_triton),

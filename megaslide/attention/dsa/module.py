@@ -1,7 +1,7 @@
 """The DSA self-attention module (`dsa`, `dsa_zero` in the registry).
 
 Offsets are predicted from the block input: a depthwise Conv3d over the token grid (depthwise.py), GELU,
-and a Linear to heads * K * 3, bounded by `max_offset * tanh`. The Linear starts at zero,
+and a Linear to heads * K * 3, bounded by `max_offset * tanh` (bounded.py). The Linear starts at zero,
 so a fresh `dsa` layer is exactly 3D neighbourhood attention and learns to move its
 samples. `dsa_zero` is the ablation: offsets fixed at exactly zero, run as 3D neighbourhood
 attention (`neighborhood_attention`: no offsets tensor, no offset gradient). It keeps the
@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import register_attention
 from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
+from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
 from megaslide.attention.dsa.op import (BACKENDS, SCRATCH_BYTES, backward_scratch_bytes, deformable_slide_attention,
                                         neighborhood_attention)
@@ -52,8 +53,9 @@ class DSAAttention(SelfAttention):
         self.num_samples = math.prod(self.options.kernel_size)
         self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)  # depthwise
         self.offset_proj = nn.Linear(dim, num_heads * self.num_samples * 3)
-        # the conv follows the op: Triton kernels where the op may take its own (auto, triton), else F.conv3d
-        self.conv_backend = self.options.backend if self.options.backend in ("auto", "triton") else "torch"
+        # the offset net's conv and bound follow the op: Triton kernels where the op may take its own
+        # (auto, triton), else PyTorch's
+        self.net_backend = self.options.backend if self.options.backend in ("auto", "triton") else "torch"
 
     def initialize_weights(self) -> None:
         nn.init.zeros_(self.offset_proj.weight)
@@ -87,16 +89,16 @@ class DSAAttention(SelfAttention):
     @classmethod
     def attend_memory(cls, options: DSAOptions, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
         # the fused kernels (the CUDA path) keep contiguous q, k, v, offsets (fp32), the output and
-        # lse; the offset net, unless chunked (then recomputed from the kept input), keeps its conv,
-        # GELU and Linear inputs and tanh's fp32 output. Forward: the net's Linear output before and
-        # after the cast to fp32 (the conv reads its input in place, depthwise.py; chunked: the offsets
+        # lse; the offset net, unless chunked (then recomputed from the kept input), keeps the conv's
+        # fp32 input (read in place, depthwise.py) and the GELU and Linear inputs; its bound keeps
+        # only the offsets the op keeps (bounded.py). Forward: the Linear output (chunked: the offsets
         # of the runs before their concatenation). Backward: dq, dk, dv and fp32 d(offsets), and a scratch
         # of 32-byte entries and the key tiles' entry lists (binned.py) of at most SCRATCH_BYTES, head group by group
         offsets = 4 * num_heads * math.prod(options.kernel_size) * 3
         saved = act * dim + 4 * num_heads + offsets
-        forward = offsets if chunked else offsets * (act + 4) // 4
+        forward = offsets if chunked else offsets * act // 4
         if not chunked:
-            saved += 3 * act * dim + offsets
+            saved += 4 * dim + 2 * act * dim
         scratch = num_heads * backward_scratch_bytes(math.prod(options.kernel_size))
         return AttendMemory("contiguous", saved, forward, 3 * act * dim + offsets, scratch=scratch,
                             scratch_cap=SCRATCH_BYTES, heads=num_heads)
@@ -124,11 +126,11 @@ class DSAAttention(SelfAttention):
         a, b = max(t0 - 1, 0), min(t1 + 1, T)
         h = x[:, a * H * W:b * H * W].reshape(B, b - a, H, W, D)    # (B, b-a, H, W, D), in place
         h = depthwise_conv3d(h, self.offset_conv.weight, self.offset_conv.bias, (t0 - a, t1 - a),
-                             backend=self.conv_backend)              # (B, t1-t0, H, W, D)
+                             backend=self.net_backend)              # (B, t1-t0, H, W, D)
         h = F.gelu(h)
         o = self.offset_proj(h)                                      # (B, t1-t0, H, W, heads*K*3)
         o = o.view(B, t1 - t0, H, W, self.num_heads, self.num_samples, 3)  # (B, t1-t0, H, W, heads, K, 3)
-        return self.options.max_offset * torch.tanh(o.float())
+        return bounded_offsets(o, self.options.max_offset, backend=self.net_backend)  # fp32
 
     def attend(self, q, k, v, x, grid):
         B, N, h, d = q.shape
