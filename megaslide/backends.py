@@ -67,6 +67,8 @@ def device_guard(t: torch.Tensor):
 def triton_kernels_check(module: str, device: torch.device, explicit: bool, what: str) -> tuple[bool, str]:
     """`triton_device_check` for the kernels of `module` (a module path, imported on first use): they
     run in the interpreter if they were built for it or, not yet imported, will be."""
+    if device.type != "cuda" and not explicit:  # decided without importing triton (seconds, on CPU runs)
+        return triton_device_check(device, explicit, False, what)
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed"
     loaded = sys.modules.get(module)
