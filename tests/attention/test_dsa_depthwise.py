@@ -95,13 +95,14 @@ def test_kernels_compile_for_sm90():
     assert builds_for_sm90("""
         from megaslide.attention.dsa import depthwise as dw, depthwise_kernels as dk
 
-        sizes = {n: "i32" for n in ("TX", "TY", "H", "W", "C", "shift", "stride_xb", "stride_yb")}
+        sizes = {n: "i32" for n in ("H", "W", "C", "shift", "stride_xb", "stride_yb")}
         taps = {"KT": 3, "KH": 3, "KW": 3}
         bx, bc, warps = dw.CONV_BLOCK
-        build(dk._conv_kernel, {"x_ptr": "*fp32", "taps_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16", **sizes},
+        build(dk._conv_kernel, {"x_ptr": "*fp32", "taps_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",
+                                "TX": "i32", **sizes},
               {**taps, "HAS_BIAS": True, "BLOCK_X": bx, "BLOCK_C": bc}, warps, aligned_ints=("C",))
         bx, bc, warps = dw.WGRAD_BLOCK
-        build(dk._wgrad_kernel, {"x_ptr": "*fp32", "dy_ptr": "*bf16", "part_ptr": "*fp32", "B": "i32", **sizes,
-                                 "ROWS": "i32"},
+        build(dk._wgrad_kernel, {"x_ptr": "*fp32", "dy_ptr": "*bf16", "part_ptr": "*fp32", "B": "i32", "TX": "i32",
+                                 "TY": "i32", **sizes, "ROWS": "i32"},
               {**taps, "BLOCK_X": bx, "BLOCK_C": bc}, warps, aligned_ints=("C",))
     """) == 2

@@ -67,7 +67,7 @@ def _launch_conv(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
     bx, bc, warps = _blocks(W, C, CONV_BLOCK)
     grid = (frames * H * triton.cdiv(W, bx), B, triton.cdiv(C, bc))
     with device_guard(x):
-        _kernels()._conv_kernel[grid](x, taps, bias if bias is not None else taps, y, TX, frames, H, W, C, shift,
+        _kernels()._conv_kernel[grid](x, taps, bias if bias is not None else taps, y, TX, H, W, C, shift,
                                       x.stride(0), y.stride(0), KT=kernel[0], KH=kernel[1], KW=kernel[2],
                                       HAS_BIAS=bias is not None, BLOCK_X=bx, BLOCK_C=bc, num_warps=warps)
     return y

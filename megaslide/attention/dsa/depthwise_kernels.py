@@ -7,7 +7,7 @@ place. taps is the fp32 weight as (KT * KH * KW, C): a tap's C weights are conti
 
 `_conv_kernel` computes y[b, t, yy, xx, c] = bias[c] + sum over taps (i, j, k) of
 taps[(i, j, k), c] * x[b, t + shift + i - KT // 2, yy + j - KH // 2, xx + k - KW // 2, c], reading 0
-outside x (zero padding). With shift = lo it is the forward of output frames [lo, lo + TY); with the
+outside x (zero padding). With shift = lo it is the forward of output frames [lo, lo + frames); with the
 taps reversed and shift = -lo it is the input gradient (the transposed conv of the output gradient).
 One program owns BLOCK_X tokens of one (b, t, yy) row and BLOCK_C channels, and accumulates in fp32.
 
@@ -40,7 +40,7 @@ def _shifted_tile(x_ptr, row_base, t, yy, xs, cs, c_ok, TX, H, W, C,
 
 
 @triton.jit
-def _conv_kernel(x_ptr, taps_ptr, bias_ptr, y_ptr, TX, TY, H, W, C, shift, stride_xb, stride_yb,
+def _conv_kernel(x_ptr, taps_ptr, bias_ptr, y_ptr, TX, H, W, C, shift, stride_xb, stride_yb,
                  KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr):
     x_blocks = tl.cdiv(W, BLOCK_X)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from typing import Sequence
 
 import torch
@@ -27,7 +26,7 @@ from megaslide.attention.dsa.gather import deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
                                              neighborhood_attention_scores, score_elements)
-from megaslide.backends import Backend, triton_device_check, triton_interpreted
+from megaslide.backends import Backend, triton_kernels_check
 from megaslide.backends import select_backend as choose_backend
 
 KernelSize = tuple[int, int, int]
@@ -60,13 +59,6 @@ def _kernels():
 def _zero_kernels():
     from megaslide.attention.dsa import zero_kernels
     return zero_kernels
-
-
-def _triton_interpreted(module: str) -> bool:
-    """Whether the kernels of `module` (kernels or zero_kernels) run (or, once imported, will
-    run) in the CPU interpreter."""
-    loaded = sys.modules.get(f"megaslide.attention.dsa.{module}")
-    return loaded.INTERPRETED if loaded is not None else triton_interpreted()
 
 
 def _needs_grad(*inputs: torch.Tensor) -> bool:
@@ -251,7 +243,7 @@ def _can_run_kernels(q: torch.Tensor, offsets: torch.Tensor, explicit: bool, mod
         return False, f"head dim d={d} exceeds {TRITON_MAX_HEAD_DIM}"
     if B * heads > 65535 or T * H * W >= 2**31:
         return False, f"B * heads = {B * heads} > 65535 or T * H * W = {T * H * W} >= 2**31"
-    return triton_device_check(q.device, explicit, _triton_interpreted(module), "fused kernels")
+    return triton_kernels_check(f"megaslide.attention.dsa.{module}", q.device, explicit, "fused kernels")
 
 
 BACKENDS: tuple[Backend, ...] = (
