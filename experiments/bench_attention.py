@@ -11,6 +11,9 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   each head dim of `module_head_dims` (`heads` heads), bf16 autocast over fp32 weights as training
   runs them; the offset net keeps PyTorch's default init (not the zero init), so samples fall
   between tokens as in a trained layer;
+- offsets: dsa_fused fwd+bwd and forward at the target grid with offsets uniform in +-b for each b of
+  `offset_bounds` (the targets' rows use +-4, the widest the module allows): the cost's dependence on
+  how far samples spread;
 - sweep: `sweep_variants` on 1080p latents (8x VAE, patch 2: 68 x 120 tokens per latent frame) at
   `frames` latent frames, for the log-log slope of time against tokens;
 - tiles: the fused kernels' launch configuration per head dim at the target grid;
@@ -68,6 +71,7 @@ class BenchAttentionConfig:
     heads: int
     head_dim: int
     module_head_dims: list[int]
+    offset_bounds: list[float]
     frames: list[int]
     variants: list[str]
     sweep_variants: list[str]
@@ -81,6 +85,9 @@ class BenchAttentionConfig:
             unknown = [v for v in getattr(self, key) if v not in VARIANTS]
             if unknown:
                 raise ValueError(f"{key}={unknown} unknown; choose from {list(VARIANTS)}")
+        if any(not b > 0 for b in self.offset_bounds):
+            raise ValueError(f"offset_bounds={list(self.offset_bounds)}: each bound must be > 0 "
+                             "(offsets uniform in +-b)")
         if self.repeats < MIN_REPEATS:
             raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
 
@@ -96,8 +103,9 @@ def make_inputs(grid, heads, d, K, dtype, device, max_offset=4.0):
     return q, k, v, off.requires_grad_()
 
 
-def variant_fns(grid, heads, d, dtype, device):
-    """name -> (setup() -> step closure, keys per query) for every op variant at one grid."""
+def variant_fns(grid, heads, d, dtype, device, max_offset=4.0):
+    """name -> (setup() -> step closure, keys per query) for every op variant at one grid (the DSA
+    variants' offsets uniform in +-max_offset)."""
     K = math.prod(KERNEL)
     n = math.prod(grid)
 
@@ -126,7 +134,7 @@ def variant_fns(grid, heads, d, dtype, device):
 
     def dsa(backend, backward=True, deterministic=False):
         def setup():
-            q, k, v, off = make_inputs(grid, heads, d, K, dtype, device)
+            q, k, v, off = make_inputs(grid, heads, d, K, dtype, device, max_offset)
 
             def step():
                 if backward:
@@ -231,6 +239,25 @@ def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: Non
     return rows
 
 
+def offset_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda rows: None):
+    """dsa_fused fwd+bwd and its forward alone at `grid` with offsets uniform in +-b for each b of
+    `bounds`: how the kernels' cost depends on how far samples spread (the targets' +-4 is the widest
+    the module allows, whose tanh bound is 4 by default). Skipped on CPU, as the other fused rows."""
+    rows = []
+    for bound in bounds:
+        fns = variant_fns(grid, heads, d, dtype, device, max_offset=bound)
+        for name in ("dsa_fused", "dsa_fused_fwd"):
+            row = {"variant": name, "max_offset": bound, "grid": list(grid), "tokens": math.prod(grid)}
+            if device.type != "cuda":
+                row["status"] = "skipped: Triton kernels need CUDA"
+            else:
+                row.update(measure(fns[name][0], repeats, device))
+            rows.append(row)
+            on_row(rows)
+            _print_row(row)
+    return rows
+
+
 def key_tile(grid) -> tuple[int, int, int]:
     """The fused backward's default key tile on a (T, H, W) grid (`binned.key_config`)."""
     from megaslide.attention.dsa import binned
@@ -311,8 +338,8 @@ def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dic
       and again in the backward's query pass;
     - key rows: the key pass reads the query row q_n and dO_n of each record (2 d elem B);
     - scratch: each entry (ds, p, position: one 32-byte sector, `op.ENTRY_FLOATS`) written once, read by
-      the two binning passes and per record by the key pass; int32 records written, read, and counted
-      twice with atomics (4 B each).
+      the binning pass (the capped lists; the exact passes, for overflowing lists, are not counted) and per
+      record by the key pass; int32 records written, read, and a slot taken with an atomic (4 B each).
     Time `ms`: the slowest of the idealised roofline's HBM bytes at the HBM rate, all L2 traffic at the
     measured L2 copy rate, and the CUDA-core FLOPs at the datasheet peak. Bytes only: the atomic
     units' throughput, the key pass's tensor-core work and L1 hits between neighbouring queries'
@@ -322,7 +349,7 @@ def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dic
     gathers = entries * 2 * 8 * 2 * d * elem            # forward and query pass, K and V corner rows
     key_rows = round(entries * r * 2 * d * elem)        # key pass: q and dO rows per record
     entry = 4 * ENTRY_FLOATS
-    scratch = round(entries * ((3 + r) * entry + r * 4 * 4))
+    scratch = round(entries * ((2 + r) * entry + r * 3 * 4))
     out = {"hbm_bytes": ideal["hbm_bytes"], "l2_bytes": ideal["hbm_bytes"] + gathers + key_rows + scratch,
            "gather_bytes": gathers, "key_row_bytes": key_rows, "scratch_bytes": scratch,
            "records_per_sample": r, "flops_cuda_core": ideal["flops_cuda_core"]}
@@ -482,6 +509,8 @@ def main(hydra_cfg: DictConfig) -> None:
                    dense_limit=10 ** 9, ref_limit=10 ** 9, on_row=save("target"))
     print("modules", flush=True)
     modules = module_rows(target_grid, heads, cfg.module_head_dims, device, repeats, on_row=save("module"))
+    print("offset spread", flush=True)
+    spread = offset_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, on_row=save("offsets"))
     print("sweep", flush=True)
     rows = sweep(sweep_grids, cfg.sweep_variants, heads, d, dtype, device, repeats,
                  dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
@@ -490,7 +519,7 @@ def main(hydra_cfg: DictConfig) -> None:
                         load_baseline(cfg.baseline))
 
     payload = {"config": config, "ceilings": ceil, "summary": summary,
-               "tables": {**tables, "target": target, "module": modules, "sweep": rows}}
+               "tables": {**tables, "target": target, "module": modules, "offsets": spread, "sweep": rows}}
     images = {}
     if not cfg.smoke:
         images["time and memory vs tokens"] = plot(rows, str(run.result_path.parent / name))

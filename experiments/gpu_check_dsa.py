@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from omegaconf import DictConfig
@@ -91,6 +91,9 @@ KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 128, 4), ((4,
                ((2, 4, 8), 64, 4)]
 """Key tiles (t, y, x), BLOCK_E and warps of the backward's key pass that the sweep times."""
 SMOKE_KEY_CONFIGS = [((1, 2, 4), 16, 1), ((2, 2, 2), 32, 1)]
+OVERFLOW_CAPACITY = 8
+"""Records per capped key-tile list in one more check of each dtype: far fewer than a list holds, so the
+backward falls back to its exact lists (binned.py), as it does where offsets pile samples onto a tile."""
 SMOKE_LAUNCHES = [(16, 1), (32, 1), (16, 1, 4)]  # the last: 4 x 4 query patches
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
@@ -146,6 +149,7 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
     name = case.name
     if key_config is not None:
         name += "_keys_{}x{}x{}_e{}_w{}".format(*key_config.tile, key_config.block_e, key_config.num_warps)
+        name += f"_cap{key_config.capacity}" if key_config.capacity is not None else ""
     if launch is not None:
         name += f"_launch_q{launch.block_q}_y{launch.block_y}_w{launch.num_warps}"
     row = {"case": name, "op": op, "dtype": dtype_name, "shape": list(case.shape),
@@ -311,6 +315,8 @@ def check(cfg: GpuCheckConfig) -> int:
         jobs += [lambda k=binned.KeyConfig(tile=tile, block_e=e, num_warps=w), d=dtype:
                  check_case(key_case, d, device, "dsa", k)
                  for tile, e, w in key_configs for dtype in dtypes]
+        overflow = replace(binned.key_config(key_case.shape[1:4]), capacity=OVERFLOW_CAPACITY)
+        jobs += [lambda d=dtype: check_case(key_case, d, device, "dsa", overflow) for dtype in dtypes]
     candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
     if cfg.sweep:  # every query block the sweep times, checked on one case of each op
         jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from experiments.harness import deterministic_algorithms, rounding_floor, within_tolerance
-from megaslide.attention.dsa.op import ENTRY_FLOATS
+from megaslide.attention.dsa.op import ENTRY_FLOATS, backward_scratch_bytes
 from megaslide.attention.dsa.reference import base_positions, trilinear_corners
 from tests.attention.test_dsa_triton import FLOOR_ULPS, kernels, make_inputs, run
 from tests.helpers import builds_for_sm90
@@ -27,9 +27,10 @@ F64 = torch.float64
 
 
 def assert_backward_matches(shape, kernel_size, dtype, tile, block_e, offsets_dtype=None, half_tokens=False,
-                            **input_kw):
-    """dsa_backward with key tiles `tile` and `block_e` entries per dot: every gradient within tolerance
-    of the float64 reference. half_tokens: offsets rounded to multiples of 0.5 (zero-weight corners)."""
+                            capacity=None, scratch_bytes=kernels.SCRATCH_BYTES, **input_kw):
+    """dsa_backward with key tiles `tile`, `block_e` entries per dot and `capacity` records per capped list:
+    every gradient within tolerance of the float64 reference. half_tokens: offsets rounded to multiples of
+    0.5 (zero-weight corners); scratch_bytes: the head groups' scratch bound."""
     inputs = make_inputs(shape, kernel_size, dtype, **input_kw)
     if half_tokens:
         inputs[3] = (inputs[3] * 2).round() / 2
@@ -40,7 +41,8 @@ def assert_backward_matches(shape, kernel_size, dtype, tile, block_e, offsets_dt
     scale = shape[-1] ** -0.5
     out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
     grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, scale, offsets_grad=True,
-                                 key_config=binned.KeyConfig(tile=tile, block_e=block_e, num_warps=1))
+                                 key_config=binned.KeyConfig(tile, block_e, num_warps=1, capacity=capacity),
+                                 scratch_bytes=scratch_bytes)
     for name, want, ref, got in zip(["dq", "dk", "dv", "doffsets"], truth[1:], same_dtype[1:], grads):
         assert got.dtype == ref.dtype and got.shape == ref.shape, name
         err = (got.to(F64) - want).abs().max().item()
@@ -54,6 +56,27 @@ def test_odd_grid_tiles_not_dividing_it_far_offsets():
     16, clamped far offsets (border tiles get long lists: many 16-entry blocks)."""
     assert_backward_matches((2, 3, 5, 7, 3, 12), (1, 3, 3), torch.float32, (2, 2, 4), 16,
                             far_fraction=0.3, offset_std=2.0)
+
+
+def test_overflowing_lists_fall_back_to_exact_ones(monkeypatch):
+    """Capped lists of 5 records overflow in both head groups (scratch for one of 2 heads; a spy reads the
+    device flag after each binning); the backward then reads the exact lists, and every gradient still
+    matches: odd 3 x 4 x 5 grid, bf16, far offsets."""
+    flags = []
+    bin_entries = binned.bin_entries
+    monkeypatch.setattr(binned, "bin_entries", lambda *a, **kw: (bin_entries(*a, **kw), flags.append(int(a[8]))))
+    assert_backward_matches((1, 3, 4, 5, 2, 16), (1, 3, 3), torch.bfloat16, (2, 2, 4), 16, capacity=5,
+                            scratch_bytes=60 * backward_scratch_bytes(9), far_fraction=0.3, offset_std=2.0)
+    assert flags == [1, 1]
+
+
+def test_a_capacity_past_the_records_buffer_is_refused():
+    q, k, v, offsets, grad_out = make_inputs((1, 2, 3, 4, 1, 16), (1, 3, 3), torch.float32)
+    out, lse = kernels.dsa_forward(q, k, v, offsets, (1, 3, 3), 0.25)
+    for capacity in (0, 2 * 24 * 9 * 8):
+        with pytest.raises(ValueError, match="key_config.capacity"):
+            kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, (1, 3, 3), 0.25, True,
+                                 key_config=binned.KeyConfig((1, 2, 4), 16, 1, capacity=capacity))
 
 
 def test_one_key_tiles_bf16_d40():
@@ -142,30 +165,44 @@ def reference_lists(offsets: torch.Tensor, kernel_size, tile) -> dict[tuple[int,
     return lists
 
 
-@pytest.mark.parametrize("grid,kernel_size,tile", [((3, 5, 7), (3, 3, 3), (2, 2, 4)),
-                                                   ((1, 4, 6), (1, 3, 5), (1, 1, 1))])
-def test_binning_matches_plain_lists(grid, kernel_size, tile):
+@pytest.mark.parametrize("grid,kernel_size,tile,capacity", [((3, 5, 7), (3, 3, 3), (2, 2, 4), None),
+                                                            ((1, 4, 6), (1, 3, 5), (1, 1, 1), None),
+                                                            ((1, 4, 6), (1, 3, 5), (1, 1, 1), 6)])
+def test_binning_matches_plain_lists(grid, kernel_size, tile, capacity):
     """Each (batch, head, tile)'s list holds exactly the entries with a nonzero-weight corner in the tile
-    (as a set: the order is the order programs took slots). Offsets at half tokens give zero weights."""
+    (as a set: the order is the order programs took slots). Offsets at half tokens give zero weights.
+    The default capacity gives the capped lists (flag clear, nothing written outside their rooms); 6
+    records overflow, and the exact lists (flag set) hold the same sets."""
     B, heads, K = 2, 3, math.prod(kernel_size)
     g = torch.Generator().manual_seed(0)
     offsets = torch.randn((B, *grid, heads, K, 3), generator=g) * 2
     offsets = torch.where(torch.rand(offsets.shape, generator=g) < 0.5, (offsets * 2).round() / 2, offsets)
     tiles = math.prod(binned.tiles_per_axis(grid, tile))
-    counts = torch.empty(B * heads * tiles, dtype=torch.int32)
-    starts = torch.empty(B * heads * tiles + 1, dtype=torch.int32)
+    lists = B * heads * tiles
+    capacity = capacity or binned.list_capacity(math.prod(grid), K, tiles)
+    cursors = torch.empty(lists, dtype=torch.int32)
+    starts = torch.empty(2 * lists + 1, dtype=torch.int32)
     records = torch.full((B * heads * math.prod(grid) * K * 8,), -1, dtype=torch.int32)
-    binned.bin_entries(scratch_entries(offsets, kernel_size), (B, *grid, heads), kernel_size, tile, counts, starts,
-                       records)
+    flag = torch.empty(1, dtype=torch.int32)
+    binned.bin_entries(scratch_entries(offsets, kernel_size), (B, *grid, heads), kernel_size, tile, capacity,
+                       cursors, starts, records, flag)
+    exact = bool(flag)
+    assert exact == (capacity == 6)
+    bounds = [(starts[i], starts[i + 1]) if exact else (i * capacity, i * capacity + min(cursors[i], capacity))
+              for i in range(lists)]
     want = reference_lists(offsets, kernel_size, tile)
     got = {}
-    for i in range(B * heads * tiles):
-        entries = records[starts[i]:starts[i + 1]].tolist()
+    for i, (start, end) in enumerate(bounds):
+        entries = records[start:end].tolist()
         assert len(entries) == len(set(entries)), f"list {i} repeats an entry"
         if entries:
             got[divmod(i, tiles)] = set(entries)
     assert got == want
-    assert (records[starts[-1]:] == -1).all()  # nothing written past the lists
+    if not exact:
+        unused = torch.ones_like(records, dtype=torch.bool)
+        for start, end in bounds:
+            unused[start:end] = False
+        assert (records[unused] == -1).all()  # nothing written outside the lists
 
 
 def test_sort_lists_orders_each_list_in_place():
@@ -202,7 +239,7 @@ def test_deterministic_algorithms_sort_the_lists(monkeypatch):
 
 
 def test_binned_kernels_compile_for_sm90():
-    """Build the query, binning and key kernels to sm_90 SASS (bf16 and fp32 rows, the default and
+    """Build the query, both binning and the key kernels to sm_90 SASS (bf16 and fp32 rows, the default and
     swept key tiles) in a process without TRITON_INTERPRET."""
     assert builds_for_sm90("""
         from megaslide.attention.dsa import binned, kernels
@@ -218,18 +255,20 @@ def test_binned_kernels_compile_for_sm90():
                                             "WIDE": False, "EVEN_D": True, "BLOCK_Y": 1}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
         tiles = {"TILES_Y": "i32", "TILES_X": "i32", "TILES": "i32"}
-        bins = {"dsp_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", "T": "i32", "H": "i32", "W": "i32",
-                **tiles}
+        bins = {"dsp_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", "flag_ptr": "*i32", "T": "i32",
+                "H": "i32", "W": "i32", **tiles}
+        bin_const = {"K": 27, "TT": 4, "TY": 4, "TX": 4, "BLOCK": binned.BIN_BLOCK, "ENTRY": binned.ENTRY_FLOATS}
+        capped = {("cursor_ptr" if n == "slot_ptr" else n): t for n, t in bins.items()}
+        build(binned._bin_capped_kernel, {**capped, "CAP": "i32"}, bin_const, 4)
         for fill in (False, True):
-            build(binned._bin_kernel, bins, {"K": 27, "TT": 4, "TY": 4, "TX": 4, "BLOCK": binned.BIN_BLOCK,
-                                             "FILL": fill, "ENTRY": binned.ENTRY_FLOATS}, 4)
+            build(binned._bin_kernel, {**bins, "BLOCKS": "i32"}, {**bin_const, "FILL": fill}, 4)
         for dtype, tile, block_e, block_d in [("bf16", (4, 4, 4), 32, 64), ("bf16", (2, 4, 8), 64, 128),
                                               ("bf16", (1, 1, 1), 16, 64), ("fp32", (4, 4, 4), 32, 64)]:
-            keys = {"q_ptr": "*" + dtype, "dout_ptr": "*" + dtype, "dsp_ptr": "*fp32", "starts_ptr": "*i32",
-                    "records_ptr": "*i32", "dk_ptr": "*" + dtype, "dv_ptr": "*" + dtype, **common, "D": "i32",
-                    "stride_tok": "i32", **tiles}
+            keys = {"q_ptr": "*" + dtype, "dout_ptr": "*" + dtype, "dsp_ptr": "*fp32", "cursor_ptr": "*i32",
+                    "starts_ptr": "*i32", "flag_ptr": "*i32", "records_ptr": "*i32", "dk_ptr": "*" + dtype,
+                    "dv_ptr": "*" + dtype, **common, "D": "i32", "stride_tok": "i32", **tiles, "CAP": "i32"}
             const = {"K": 27, "TT": tile[0], "TY": tile[1], "TX": tile[2], "PX": binned.padded_x(tile),
                      "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": binned.ENTRY_FLOATS,
                      "WIDE": False, "EVEN_D": True}
             build(binned._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
-    """) == 7
+    """) == 8

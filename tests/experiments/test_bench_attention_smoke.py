@@ -35,6 +35,9 @@ def test_bench_attention_smoke(tmp_path):
             assert r["status"] == "skipped: Triton kernels need CUDA"
         else:
             assert r["status"] == "ok" and 0 < r["ms_min"] <= r["ms"] <= r["ms_max"] and r["ms_std"] >= 0
+    # the offset-spread rows: both fused variants at each bound of the config, skipped on CPU
+    assert [(r["variant"], r["max_offset"], r["status"]) for r in data["tables"]["offsets"]] == [
+        (v, b, "skipped: Triton kernels need CUDA") for b in (0.5, 1.0, 2.0) for v in ("dsa_fused", "dsa_fused_fwd")]
     # the modules' attend (offset net + op) at the target grid, CPU backends
     assert [(r["variant"], r["head_dim"], r["heads"], r["backend"]) for r in modules] == [
         ("dsa", 16, 2, "auto"), ("dsa_zero", 16, 2, "auto")]
@@ -77,13 +80,13 @@ def test_gather_bound_of_a_known_shape():
     # per query and head, bf16, d = 16: the forward and the backward's query pass gather 8 corners x 27 samples
     # of K and V rows (2 x 27 x 8 x 2 x 32 B = 27,648 B). 2 x 4 x 8 key tiles: each sample is listed in
     # 1.5 x 1.25 x 1.125 = 2.109375 tiles, and the key pass reads q and dO per record (27 x 2.109375 x 64 B =
-    # 3,645 B); scratch per sample: a 32-byte entry written once, read by 2 binning passes and per record, and
-    # records 16 B per record (3 x 32 + 2.109375 x 48 = 197.25 B, x 27 = 5,325.75 B).
+    # 3,645 B); scratch per sample: a 32-byte entry written once, read by the binning pass and per record, and
+    # records 12 B per record (2 x 32 + 2.109375 x 44 = 156.8125 B, x 27 = 4,233.9375 B).
     b = gather_bound(1000, 2, 16, K, 2, CEIL, tile=(2, 4, 8))
     assert b["records_per_sample"] == 2.109375 and b["gather_bytes"] == 2000 * 27_648
-    assert b["key_row_bytes"] == 2000 * 3_645 and b["scratch_bytes"] == round(2000 * 5_325.75)
+    assert b["key_row_bytes"] == 2000 * 3_645 and b["scratch_bytes"] == round(2000 * 4_233.9375)
     assert b["hbm_bytes"] == 2000 * (456 + 908)
-    assert b["l2_bytes"] == 2000 * (456 + 908) + 2000 * 27_648 + 2000 * 3_645 + round(2000 * 5_325.75)
+    assert b["l2_bytes"] == 2000 * (456 + 908) + 2000 * 27_648 + 2000 * 3_645 + round(2000 * 4_233.9375)
     assert b["t_l2_ms"] == pytest.approx(b["l2_bytes"] / 5e12 * 1e3)
     assert b["ms"] == b["t_l2_ms"]  # L2-bound
     assert tiles_touched((1, 1, 1)) == 8 and tiles_touched((4, 4, 4)) == pytest.approx(1.953125)
@@ -165,7 +168,8 @@ def test_quick_preset_sweeps_dsa_fused_over_the_slope_range():
 
 
 def test_config_refuses_unknown_variants_and_few_repeats():
-    ok = dict(name="", smoke=False, quick=False, heads=16, head_dim=64, module_head_dims=[64], frames=[1],
+    ok = dict(name="", smoke=False, quick=False, heads=16, head_dim=64, module_head_dims=[64], offset_bounds=[1.0],
+              frames=[1],
               variants=["dsa_fused"], sweep_variants=["dense"], repeats=5, baseline="", wandb_dir="runs",
               wandb_project="p")
     BenchAttentionConfig(**ok).validate()
@@ -173,12 +177,14 @@ def test_config_refuses_unknown_variants_and_few_repeats():
         BenchAttentionConfig(**{**ok, "sweep_variants": ["flash"]}).validate()
     with pytest.raises(ValueError, match="repeats=4"):
         BenchAttentionConfig(**{**ok, "repeats": 4}).validate()
+    with pytest.raises(ValueError, match="offset_bounds=\\[0.0\\]"):
+        BenchAttentionConfig(**{**ok, "offset_bounds": [0.0]}).validate()
 
 
 def test_tiles_at_the_target_grid():
     tiles = tile_rows((16, 128, 128), 16, [64, 128, 64])
     assert [t["head_dim"] for t in tiles] == [64, 128]
-    # the backward's scratch within 1 GiB: 262144 x (64 x 27 + 8) bytes = 455 MB per head, whatever d
+    # the backward's scratch within 1 GiB: 262144 x (64 x 27 + 12) bytes = 456 MB per head, whatever d
     assert [t["bwd_heads_per_launch"] for t in tiles] == [2, 2]
     assert all(t["bwd_key_tile"] == [4, 4, 4] for t in tiles)
     assert all({"block_q", "block_d", "num_warps", "forward_block_y", "bwd_block_e"} <= t.keys() for t in tiles)

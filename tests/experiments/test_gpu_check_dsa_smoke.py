@@ -18,6 +18,7 @@ def test_gpu_check_dsa_smoke(tmp_path):
     general = [r for r in data["rows"]
                if r["op"] == "dsa" and "_keys_" not in r["case"] and "_launch_" not in r["case"]]
     assert general and all(r["deterministic"] for r in general)  # sorted key-tile lists, run twice
+    assert {r["dtype"] for r in data["rows"] if r["case"].endswith("_cap8")} == {"fp32", "bf16"}  # exact lists
     assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 and c["zero_fwd_ms"] > 0 and c["zero_bwd_ms"] > 0
                for c in data["sweep"]["configs"])
 

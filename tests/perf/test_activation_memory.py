@@ -53,11 +53,11 @@ def test_chunked_bf16_block_by_hand():
     # DSA also keeps its fp32 input (the offset net's runs are checkpointed on it) and the offsets;
     # its backward makes dq, dk, dv (6D), fp32 d(offsets) and a scratch, head group by group within 1 GiB:
     # per (query, sample) an entry of 8 fp32 words (ds, p, position, padding) and room for 8 int32 key-tile
-    # records, per key tile an int32 count and start (at most one tile per token): one head's is
-    # tokens x (64 x 27 + 8) bytes = 907 MB, so 1 at a time
+    # records, per key tile an int32 cursor, start and fill cursor (at most one tile per token): one head's is
+    # tokens x (64 x 27 + 12) bytes = 908 MB, so 1 at a time
     dsa = block_memory(_seven_b("dsa", chunk_tokens=chunk), tokens, BF16_SHELLS)
     assert dsa.kept_total == tokens * (10 * D + 4 * H + 4 * D + 4 * H * K3)
-    scratch = tokens * (64 * 27 + 8)
+    scratch = tokens * (64 * 27 + 12)
     assert scratch <= 2 ** 30 < 2 * scratch
     assert dsa.peak_total == tokens * (10 * D + 4 * H + 4 * D + 4 * H * K3 + 6 * D + 4 * H * K3 + 4 * D) + scratch
     unchunked = block_memory(_seven_b("dsa"), tokens, BF16_SHELLS)

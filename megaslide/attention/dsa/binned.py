@@ -12,17 +12,21 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    ds = p (<dO, V_j> - <dO, out>) * scale, p and the sample's clamped (t, y, x) position, padded to
    one aligned 32-byte sector, so that the later passes read an entry with one load and never
    recompute its position from the offsets (whose 3 words per entry lie a token row apart).
-2. Binning (`_bin_kernel`, run twice, reading the entries' positions): the key grid is cut into
-   tiles of TT x TY x TX tokens (a box of the (T, H, W) grid, the last ones partial). A sample's
-   corners with nonzero weight lie in the tiles of its lower corner and, along each axis where the
-   fraction is nonzero and the upper neighbour lies in the next tile, that tile too: 1 to 8 tiles.
-   The first run counts the entries per (batch, head, tile) with int32 atomics; `torch.cumsum` makes
-   the exclusive starts; the second run takes a slot per (entry, tile) from an int32 cursor (atomic)
-   and writes e there. The order inside a tile's list is the order in which programs took slots, so
+2. Binning (`bin_entries`, reading the entries' positions): the key grid is cut into tiles of
+   TT x TY x TX tokens (a box of the (T, H, W) grid, the last ones partial). A sample's corners with
+   nonzero weight lie in the tiles of its lower corner and, along each axis where the fraction is
+   nonzero and the upper neighbour lies in the next tile, that tile too: 1 to 8 tiles. One pass
+   (`_bin_capped_kernel`) takes a slot per (entry, tile) from the list's int32 cursor (atomic) and writes
+   e there, each list in a fixed room of `capacity` records (by default the records buffer split evenly,
+   about 4x a mean list). Offsets that pile samples onto a few tiles (far, clamped ones, say) can overflow
+   a room; the pass then sets a flag on the device, and two more passes (`_bin_kernel`, which return at
+   once when the flag is clear: no host sync) build exact lists: the first counts the entries per
+   (batch, head, tile), `torch.cumsum` makes the exclusive starts, the second takes slots from cursors
+   at the starts. The order inside a list is the order in which programs took slots, so
    it varies from run to run on a GPU, and with it the fp32 summation order of dK / dV
    (rounding-level differences; the interpreter runs programs in order and is deterministic). Under
-   `torch.use_deterministic_algorithms(True)` every list is then sorted (`sort_lists`), which makes
-   dK / dV the same bits from run to run.
+   `torch.use_deterministic_algorithms(True)` the exact lists are built and sorted (`sort_lists`), which
+   makes dK / dV the same bits from run to run.
 3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
    (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: reads each entry,
    takes its corners and 1D weights from the stored position (kernels._axis_corners, as the forward),
@@ -39,7 +43,8 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
 
 Scratch per head group (bounded by `op.SCRATCH_BYTES` through the group size, `op.backward_scratch_bytes`):
 dsp 32 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
-worst case; about 1.95 on average for 4 x 4 x 4 tiles, 2.8 for 2 x 2 x 4), counts and starts 4 bytes per tile each.
+worst case; about 1.95 on average for 4 x 4 x 4 tiles, 2.8 for 2 x 2 x 4), the capped lists' cursors, the
+exact lists' starts and their cursors 4 bytes per tile each.
 """
 from __future__ import annotations
 
@@ -64,11 +69,13 @@ shared-memory traffic, ncu), but each entry is listed in fewer tiles (about 1.95
 @dataclass(frozen=True)
 class KeyConfig:
     """Tiles of the binning and key pass: key tiles of tile = (t, y, x) tokens (powers of two),
-    BLOCK_E entries per dot, num_warps per key program."""
+    BLOCK_E entries per dot, num_warps per key program; `capacity` records per capped list (None:
+    `list_capacity`, the records buffer split evenly; a small one forces the exact lists, for tests)."""
 
     tile: tuple[int, int, int]
     block_e: int
     num_warps: int
+    capacity: int | None = None
 
 
 def key_config(grid: tuple[int, int, int]) -> KeyConfig:
@@ -217,33 +224,70 @@ def _entries(dsp_bh, e, valid, T, H, W, ENTRY: tl.constexpr):
 
 
 @triton.jit
-def _bin_kernel(dsp_ptr, slot_ptr, records_ptr, T, H, W, TILES_Y, TILES_X, TILES, K: tl.constexpr,
-                TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr,
-                ENTRY: tl.constexpr):
-    """Per (entry, touched tile): count (slot_ptr: counts (B * HEADS, TILES) int32, zeroed) or,
-    with FILL, take a slot from the cursor (slot_ptr: cursors, the starts) and write e there."""
-    bh = tl.program_id(1)
-    N = T * H * W
-    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (E,)
-    valid = e < N * K
-    dsp_bh = dsp_ptr + bh.to(tl.int64) * K * N * ENTRY
+def _touched_tiles(dsp_bh, block, T, H, W, K: tl.constexpr, TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr,
+                   BLOCK: tl.constexpr, ENTRY: tl.constexpr):
+    """Entries e (E,) of entry block `block` of one (batch, head) (dsp_bh: its first entry) and, per axis,
+    the key tiles (lower, upper) (E,) of their corners and whether each is used (lower, upper) (E,): the
+    lower corner's tile always, the next where the upper corner has weight and lies past it."""
+    e = block * BLOCK + tl.arange(0, BLOCK)  # (E,)
+    valid = e < T * H * W * K
     _, _, t0, t1, ft, y0, y1, fy, x0, x1, fx = _entries(dsp_bh, e, valid, T, H, W, ENTRY)
-    # per axis the lower corner's tile and, where the upper corner has weight and lies past it, the next
     t_tile, y_tile, x_tile = (t0 // TT, t1 // TT), (y0 // TY, y1 // TY), (x0 // TX, x1 // TX)
     t_used = (valid, valid & (ft != 0.0) & (t_tile[1] != t_tile[0]))
     y_used = (valid, valid & (fy != 0.0) & (y_tile[1] != y_tile[0]))
     x_used = (valid, valid & (fx != 0.0) & (x_tile[1] != x_tile[0]))
-    slots = slot_ptr + bh * TILES
+    return e, (t_tile, y_tile, x_tile), (t_used, y_used, x_used)
+
+
+@triton.jit
+def _corner_tile(tiles, used, ct: tl.constexpr, cy: tl.constexpr, cx: tl.constexpr, TILES_Y, TILES_X):
+    """Whether corner (ct, cy, cx) of each entry touches a tile of its own (E,), and that tile's index (E,)."""
+    touched = used[0][ct] & used[1][cy] & used[2][cx]
+    return touched, (tiles[0][ct] * TILES_Y + tiles[1][cy]) * TILES_X + tiles[2][cx]
+
+
+@triton.jit
+def _bin_capped_kernel(dsp_ptr, cursor_ptr, records_ptr, flag_ptr, T, H, W, TILES_Y, TILES_X, TILES, CAP,
+                       K: tl.constexpr, TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr,
+                       ENTRY: tl.constexpr):
+    """Per (entry, touched tile): take a slot from the list's cursor (cursor_ptr: (B * HEADS, TILES) int32,
+    zeroed) and, while the list has room (slot < CAP), write e at records[list * CAP + slot]. A slot past
+    the room sets flag_ptr[0] to 1: the lists overflowed, and `bin_entries` builds the exact ones."""
+    bh = tl.program_id(1)
+    e, tiles, used = _touched_tiles(dsp_ptr + bh.to(tl.int64) * K * T * H * W * ENTRY, tl.program_id(0),
+                                    T, H, W, K, TT, TY, TX, BLOCK, ENTRY)
     for ct in tl.static_range(2):
         for cy in tl.static_range(2):
             for cx in tl.static_range(2):
-                touched = t_used[ct] & y_used[cy] & x_used[cx]  # (E,)
-                tile = (t_tile[ct] * TILES_Y + y_tile[cy]) * TILES_X + x_tile[cx]  # (E,)
-                if FILL:
-                    slot = tl.atomic_add(slots + tile, 1, mask=touched, sem="relaxed")  # (E,) the old cursor
-                    tl.store(records_ptr + slot, e, mask=touched)
-                else:
-                    tl.atomic_add(slots + tile, 1, mask=touched, sem="relaxed")
+                touched, tile = _corner_tile(tiles, used, ct, cy, cx, TILES_Y, TILES_X)
+                lst = bh * TILES + tile  # (E,)
+                slot = tl.atomic_add(cursor_ptr + lst, 1, mask=touched, sem="relaxed")  # (E,) the old cursor
+                tl.store(records_ptr + lst * CAP + slot, e, mask=touched & (slot < CAP))
+                tl.atomic_max(flag_ptr + tl.zeros_like(slot), 1, mask=touched & (slot >= CAP), sem="relaxed")
+
+
+@triton.jit
+def _bin_kernel(dsp_ptr, slot_ptr, records_ptr, flag_ptr, T, H, W, TILES_Y, TILES_X, TILES, BLOCKS,
+                K: tl.constexpr, TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr,
+                FILL: tl.constexpr, ENTRY: tl.constexpr):
+    """The exact lists, built only where flag_ptr[0] is set: per (entry, touched tile) count (slot_ptr:
+    counts (B * HEADS, TILES) int32, zeroed) or, with FILL, take a slot from the cursor (slot_ptr: cursors,
+    the starts) and write e there. Programs walk the BLOCKS entry blocks at a stride of the grid's size,
+    so that a launch with nothing to do costs only a few programs."""
+    bh = tl.program_id(1)
+    if tl.load(flag_ptr) != 0:
+        dsp_bh = dsp_ptr + bh.to(tl.int64) * K * T * H * W * ENTRY
+        block = tl.program_id(0)
+        while block < BLOCKS:
+            e, tiles, used = _touched_tiles(dsp_bh, block, T, H, W, K, TT, TY, TX, BLOCK, ENTRY)
+            for ct in tl.static_range(2):
+                for cy in tl.static_range(2):
+                    for cx in tl.static_range(2):
+                        touched, tile = _corner_tile(tiles, used, ct, cy, cx, TILES_Y, TILES_X)
+                        slot = tl.atomic_add(slot_ptr + bh * TILES + tile, 1, mask=touched, sem="relaxed")
+                        if FILL:
+                            tl.store(records_ptr + slot, e, mask=touched)
+            block += tl.num_programs(0)
 
 
 @triton.jit
@@ -271,8 +315,8 @@ def _dot_acc(acc, coef, rows, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_ptr,
-                T, H, W, HEADS, D, stride_tok, TILES_Y, TILES_X, TILES, K: tl.constexpr,
+def _key_kernel(q_ptr, dout_ptr, dsp_ptr, cursor_ptr, starts_ptr, flag_ptr, records_ptr, dk_ptr, dv_ptr,
+                T, H, W, HEADS, D, stride_tok, TILES_Y, TILES_X, TILES, CAP, K: tl.constexpr,
                 TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, PX: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, ENTRY: tl.constexpr,
                 WIDE: tl.constexpr, EVEN_D: tl.constexpr):
@@ -296,8 +340,10 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, starts_ptr, records_ptr, dk_ptr, dv_pt
     q_bh = q_ptr + head_off
     do_bh = dout_ptr + head_off
     dsp_bh = dsp_ptr + bh.to(tl.int64) * K * N * ENTRY
-    start = tl.load(starts_ptr + bh * TILES + tile)
-    end = tl.load(starts_ptr + bh * TILES + tile + 1)
+    lst = bh * TILES + tile  # this tile's list: the capped one, or the exact one where the capped lists overflowed
+    exact = tl.load(flag_ptr) != 0
+    start = tl.where(exact, tl.load(starts_ptr + lst), lst * CAP)
+    end = tl.where(exact, tl.load(starts_ptr + lst + 1), lst * CAP + tl.minimum(tl.load(cursor_ptr + lst), CAP))
 
     dk = tl.zeros([KEYS, BLOCK_D], tl.float32)
     dv = tl.zeros([KEYS, BLOCK_D], tl.float32)
@@ -354,6 +400,8 @@ BIN_BLOCK = 256
 """Entries per binning program: 2 per thread of 4 warps. Its entry loads and its atomics are
 latency-bound, so it pays to keep many programs resident (1024 entries took 127-143 registers a
 thread and 19-25% occupancy on the H200, by ncu)."""
+EXACT_PROGRAMS_PER_SM = 16
+"""Programs per SM of an exact binning launch (`exact_programs`): 64 warps of 4, as many as an SM holds."""
 
 
 def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
@@ -372,29 +420,59 @@ def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
     records[:total] = (torch.sort(keys).values & 0xFFFFFFFF).to(torch.int32)
 
 
-def bin_entries(dsp, shape, kernel_size, tile, counts, starts, records, deterministic: bool = False) -> None:
+def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
+    """Programs along the entry blocks of an exact binning launch: EXACT_PROGRAMS_PER_SM per SM over all
+    (batch, head)s on a GPU (each walks blocks at the grid's stride), 2 in the interpreter (to walk the loop)."""
+    if device.type != "cuda":
+        return min(blocks, 2)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(blocks, EXACT_PROGRAMS_PER_SM * sms // lists_groups))
+
+
+def list_capacity(n_tokens: int, num_samples: int, tiles: int) -> int:
+    """Records per capped list when the records buffer (MAX_TILES_PER_ENTRY per entry) is split evenly over a
+    (batch, head)'s key tiles: K x 8 x the keys of a tile on average, about 4x the mean list on 4 x 4 x 4 tiles."""
+    return n_tokens * num_samples * MAX_TILES_PER_ENTRY // tiles
+
+
+def bin_entries(dsp, shape, kernel_size, tile, capacity: int, cursors, starts, records, flag,
+                deterministic: bool = False) -> None:
     """Build the per-(batch, head, key tile) entry lists of one head group of shape (B, T, H, W, g) from
-    the query pass's entries dsp (B, g, K, N, ENTRY_FLOATS). counts (B * g * tiles,) int32 (overwritten,
-    used as the cursor), starts (B * g * tiles + 1,) int32 (written: list i is records[starts[i]:starts[i + 1]]),
-    records (at least the entries' tile count) int32. `deterministic`: each list sorted (`sort_lists`)."""
+    the query pass's entries dsp (B, g, K, N, ENTRY_FLOATS), without a host sync.
+    First the capped lists, one pass: list i is records[i * capacity:][:min(cursors[i], capacity)]
+    (cursors (B * g * tiles,) int32, overwritten; records at least B * g * tiles * capacity int32). If a
+    list overflows, flag (1,) int32 is set on the device, and two more passes, which do nothing otherwise,
+    build the exact lists: list i is records[starts[i]:starts[i + 1]] (starts (2 * B * g * tiles + 1,)
+    int32: the starts, then the fill's cursors). `deterministic`: the exact lists only, each sorted
+    (`sort_lists`). The key pass reads flag to know which lists it has."""
     B, T, H, W, g = shape
     K = math.prod(kernel_size)
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
     tiles = tiles_t * tiles_y * tiles_x
-    grid = (triton.cdiv(T * H * W * K, BIN_BLOCK), B * g)
-    args = (dsp, counts, records, T, H, W, tiles_y, tiles_x, tiles)
+    lists = B * g * tiles
+    blocks = triton.cdiv(T * H * W * K, BIN_BLOCK)
+    geometry = (T, H, W, tiles_y, tiles_x, tiles)
     constexprs = dict(K=K, TT=tile[0], TY=tile[1], TX=tile[2], BLOCK=BIN_BLOCK, ENTRY=ENTRY_FLOATS, num_warps=4)
-    counts.zero_()
-    _bin_kernel[grid](*args, FILL=False, **constexprs)
-    starts[0] = 0
-    torch.cumsum(counts, 0, out=starts[1:])
-    counts.copy_(starts[:-1])  # the cursors
-    _bin_kernel[grid](*args, FILL=True, **constexprs)
     if deterministic:
-        sort_lists(starts, records)
+        flag.fill_(1)
+    else:
+        flag.zero_()
+        cursors.zero_()
+        _bin_capped_kernel[(blocks, B * g)](dsp, cursors, records, flag, *geometry, capacity, **constexprs)
+    exact_starts, fill_cursors = starts[:lists + 1], starts[lists + 1:]
+    exact_grid = (exact_programs(dsp.device, blocks, B * g), B * g)
+    exact_starts.zero_()
+    _bin_kernel[exact_grid](dsp, exact_starts[1:], records, flag, *geometry, blocks, FILL=False, **constexprs)
+    torch.cumsum(exact_starts[1:], 0, out=fill_cursors)
+    exact_starts[1:].copy_(fill_cursors)
+    fill_cursors.copy_(exact_starts[:-1])
+    _bin_kernel[exact_grid](dsp, fill_cursors, records, flag, *geometry, blocks, FILL=True, **constexprs)
+    if deterministic:
+        sort_lists(exact_starts, records)
 
 
-def key_pass(q, dout, dsp, starts, records, dk, dv, kernel_size, head_dim_block: int, config: KeyConfig) -> None:
+def key_pass(q, dout, dsp, capacity: int, cursors, starts, flag, records, dk, dv, kernel_size, head_dim_block: int,
+             config: KeyConfig) -> None:
     """Launch the key pass over one head group (tensors as `query_pass`, lists from `bin_entries`):
     writes dk, dv (B, T, H, W, g, d) views in the input dtype."""
     B, T, H, W, g, d = q.shape
@@ -402,8 +480,8 @@ def key_pass(q, dout, dsp, starts, records, dk, dv, kernel_size, head_dim_block:
     tiles = tiles_t * tiles_y * tiles_x
     tt, ty, tx = config.tile
     _key_kernel[(tiles, B * g)](
-        q, dout, dsp, starts, records, dk, dv,
-        T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, K=math.prod(kernel_size),
+        q, dout, dsp, cursors, starts, flag, records, dk, dv,
+        T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, capacity, K=math.prod(kernel_size),
         TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile), BLOCK_E=config.block_e, BLOCK_D=head_dim_block,
         UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
         **row_flags(T * H * W, q.stride(3), d, head_dim_block),

@@ -376,9 +376,15 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
                          f"K={K} samples x {MAX_TILES_PER_ENTRY} tiles = {records_bound} >= 2**31 per head; attend over "
                          f"fewer tokens per call: a smaller batch, or frame slabs (model.slab_frames)")
     dsp = torch.empty(B * group * K * N * ENTRY_FLOATS, dtype=torch.float32, device=q.device)  # a group's entries
+    capacity = binned.list_capacity(N, K, tiles) if key_cfg.capacity is None else key_cfg.capacity
+    room = records_bound // (B * group * tiles)
+    if not 1 <= capacity <= room:
+        raise ValueError(f"key_config.capacity={capacity}: a capped list holds 1 to {room} records here (the "
+                         f"records buffer split over {B * group * tiles} key tiles); use None for that default")
     records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
-    counts = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)
-    starts = torch.empty(B * group * tiles + 1, dtype=torch.int32, device=q.device)
+    cursors = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)  # the capped lists' lengths
+    starts = torch.empty(2 * B * group * tiles + 1, dtype=torch.int32, device=q.device)  # the exact lists'
+    flag = torch.empty(1, dtype=torch.int32, device=q.device)  # set where the capped lists overflowed
     with device_guard(q):
         for h0 in range(0, heads, group):
             g = min(group, heads - h0)
@@ -388,9 +394,9 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
             binned.query_pass(q_g, k[heads_of], v[heads_of], offsets_g, out[heads_of], dout_g,
                               lse[:, h0:h0 + g].contiguous(), dq[heads_of], doff[heads_of], dsp_g,
                               kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
-            counts_g, starts_g = counts[:B * g * tiles], starts[:B * g * tiles + 1]
-            binned.bin_entries(dsp_g, (B, T, H, W, g), kernel_size, key_cfg.tile, counts_g, starts_g, records,
-                               deterministic=torch.are_deterministic_algorithms_enabled())
-            binned.key_pass(q_g, dout_g, dsp_g, starts_g, records, dk[heads_of], dv[heads_of],
-                            kernel_size, cfg.block_d, key_cfg)
+            cursors_g, starts_g = cursors[:B * g * tiles], starts[:2 * B * g * tiles + 1]
+            binned.bin_entries(dsp_g, (B, T, H, W, g), kernel_size, key_cfg.tile, capacity, cursors_g, starts_g,
+                               records, flag, deterministic=torch.are_deterministic_algorithms_enabled())
+            binned.key_pass(q_g, dout_g, dsp_g, capacity, cursors_g, starts_g, flag, records, dk[heads_of],
+                            dv[heads_of], kernel_size, cfg.block_d, key_cfg)
     return dq, dk, dv, doff if offsets_grad else None

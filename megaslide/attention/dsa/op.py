@@ -47,8 +47,8 @@ padding, so that one entry is one aligned 32-byte sector (binned.py)."""
 def backward_scratch_bytes(num_samples: int) -> int:
     """Upper bound of the fused backward's scratch per token and head for K = num_samples: an entry of
     ENTRY_FLOATS fp32 words per sample, an int32 record per key tile a sample touches (at most 8), and
-    int32 counts and starts per key tile (at most one tile per token)."""
-    return num_samples * (4 * ENTRY_FLOATS + 4 * MAX_TILES_PER_ENTRY) + 2 * 4
+    three int32 per key tile (at most one tile per token): a cursor, a start and a fill cursor (binned.py)."""
+    return num_samples * (4 * ENTRY_FLOATS + 4 * MAX_TILES_PER_ENTRY) + 3 * 4
 
 
 def _kernels():
