@@ -91,10 +91,12 @@ KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 128, 4), ((4,
                ((2, 4, 8), 64, 4)]
 """Key tiles (t, y, x), BLOCK_E and warps of the backward's key pass that the sweep times."""
 SMOKE_KEY_CONFIGS = [((1, 2, 4), 16, 1), ((2, 2, 2), 32, 1)]
+SMOKE_SWEEP_KEY_CONFIGS = SMOKE_KEY_CONFIGS[:1]
+"""The one the smoke sweep times (interpreter times only test the plumbing); the checks take them all."""
 OVERFLOW_CAPACITY = 8
 """Records per capped key-tile list in one more check of each dtype: far fewer than a list holds, so the
 backward falls back to its exact lists (binned.py), as it does where offsets pile samples onto a tile."""
-SMOKE_LAUNCHES = [(16, 1), (32, 1), (16, 1, 4)]  # the last: 4 x 4 query patches
+SMOKE_LAUNCHES = [(16, 1), (16, 1, 4)]  # rows of queries; 4 x 4 query patches
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
 
@@ -181,13 +183,13 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
 def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]],
                          on_row: Callable[[dict], None] = lambda sweep: None) -> dict:
     """Forward and backward times of candidate tiles ((BLOCK_Q, warps) or (BLOCK_Q, warps, block_y):
-    `launch_of`), for the general kernels
-    (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms, zero_bwd_ms), then of the
-    backward's key configs (KEY_CONFIGS) with each kernel's profiled time. `on_row(sweep)` gets the
-    sweep so far after each timed row, so a run cut short keeps what it timed."""
+    `launch_of`), for the general kernels (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms,
+    zero_bwd_ms), then of the backward's key configs (KEY_CONFIGS; smoke: SMOKE_SWEEP_KEY_CONFIGS) with each
+    kernel's profiled time. `on_row(sweep)` gets the sweep so far after each timed row, so a run cut short
+    keeps what it timed."""
     from megaslide.attention.dsa import binned, kernels, zero_kernels
 
-    shape = (1, 2, 3, 5, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)
+    shape = (1, 1, 4, 4, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)  # smoke: one program per query block
     kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
     dtype = torch.float32 if smoke else torch.bfloat16
     candidates = SMOKE_LAUNCHES if smoke else launch_candidates
@@ -223,7 +225,7 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
                      "zero_bwd_ms": zero_bwd_s * 1e3, "query_pass_ms": bwd_kernels.get("_query_kernel")})
         on_row(sweep)
-    for tile, block_e, num_warps in SMOKE_KEY_CONFIGS if smoke else KEY_CONFIGS:
+    for tile, block_e, num_warps in SMOKE_SWEEP_KEY_CONFIGS if smoke else KEY_CONFIGS:
         keys = binned.KeyConfig(tile=tile, block_e=block_e, num_warps=num_warps)
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
 
@@ -322,7 +324,8 @@ def check(cfg: GpuCheckConfig) -> int:
         jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o,
                                                        launch=launch_of(c, key_case.shape[-1]))
                  for c in candidates for op in cfg.ops for dtype in dtypes]
-    timings = len(candidates) + len(key_configs) if cfg.sweep else 0   # the rows the sweep will time
+    swept_keys = SMOKE_SWEEP_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS
+    timings = len(candidates) + len(swept_keys) if cfg.sweep else 0   # the rows the sweep will time
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     rows: list[dict] = []
 

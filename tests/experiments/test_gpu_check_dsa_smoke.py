@@ -12,7 +12,7 @@ def test_gpu_check_dsa_smoke(tmp_path):
     # every query block the sweep times is checked for both ops and both dtypes, the 4 x 4 patches included
     launches = {(r["op"], r["dtype"], r["case"].split("_launch_")[1]) for r in data["rows"] if "_launch_" in r["case"]}
     assert launches == {(op, dtype, block) for op in ("dsa", "dsa_zero") for dtype in ("fp32", "bf16")
-                        for block in ("q16_y1_w1", "q32_y1_w1", "q16_y4_w1")}
+                        for block in ("q16_y1_w1", "q16_y4_w1")}
     assert {c["block_y"] for c in data["sweep"]["configs"]} == {1, 4}
     assert data["sweep"]["forward_default_config"] == data["sweep"]["default_config"]   # the interpreter: rows
     general = [r for r in data["rows"]
@@ -21,6 +21,7 @@ def test_gpu_check_dsa_smoke(tmp_path):
     assert {r["dtype"] for r in data["rows"] if r["case"].endswith("_cap8")} == {"fp32", "bf16"}  # exact lists
     assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 and c["zero_fwd_ms"] > 0 and c["zero_bwd_ms"] > 0
                for c in data["sweep"]["configs"])
+    assert data["sweep"]["key_configs"] and all(c["bwd_ms"] > 0 for c in data["sweep"]["key_configs"])
 
 
 def test_a_check_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
