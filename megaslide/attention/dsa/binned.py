@@ -402,8 +402,7 @@ latency-bound, so it pays to keep many programs resident (1024 entries took 127-
 thread and 19-25% occupancy on the H200, by ncu)."""
 EXACT_PROGRAMS_PER_SM = 16
 """Programs per SM of an exact binning launch that may have nothing to do (`exact_programs`): 64 warps of
-4, as many as an SM holds. (Walking the blocks this way made the deterministic mode's passes, which always
-work, 1.7 ms slower than a program per block at the benchmark shape: h200_kernels_v11.)"""
+4, as many as an SM holds, so that a launch with no overflowed list costs a wave of programs that return."""
 
 
 def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
