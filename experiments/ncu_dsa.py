@@ -2,15 +2,16 @@
 
 The script re-runs itself under ncu (`child=true`: one forward and one backward of each op in `ops`, in that
 order) and profiles the first `launch_count` launches of the named kernels, in launch order: for `dsa` the
-forward, the backward's query pass, the binning's two runs and the key pass of the first head group (5);
-for `dsa_zero` its forward, dq and dk / dv kernels (3). It parses ncu's text report into one row per launch (duration, SM and memory
-throughput, issue slots busy, IPC, the busiest pipe, L1 / L2 throughput and hit rates, registers,
-theoretical and achieved occupancy) and writes results/attention/<name>.json. Clocks are left as they are
+forward, the backward's query pass, the binning's capped pass and its two exact passes (no-ops unless a
+list overflowed) and the key pass of the first head group (6); for `dsa_zero` its forward, dq and dk / dv
+kernels (3). It parses ncu's text report into one row per launch (duration, SM and memory throughput,
+issue slots busy, IPC, the busiest pipe, L1 / L2 throughput and hit rates, registers, theoretical and
+achieved occupancy) and writes results/attention/<name>.json. Clocks are left as they are
 (`--clock-control none`), so durations are the machine's own; ncu replays each kernel once per pass, so
 the script's wall time is many times the kernels'.
 
     python -m experiments.ncu_dsa name=h200_ncu          # on a GPU machine with ncu
-    python -m experiments.ncu_dsa 'ops=[dsa_zero,dsa]' launch_count=8   # both ops' kernels
+    python -m experiments.ncu_dsa 'ops=[dsa_zero,dsa]' launch_count=9   # both ops' kernels
 
 Configuration: experiments/conf/ncu_dsa.yaml. Exits with status 2 when there is no GPU or no ncu.
 """
@@ -31,7 +32,7 @@ from experiments.harness import ExperimentRun
 from experiments.hydra_config import script_config, script_main
 from experiments.results_io import REPO_ROOT
 
-KERNELS = {"dsa": ["_dsa_fwd_kernel", "_query_kernel", "_bin_kernel", "_key_kernel"],
+KERNELS = {"dsa": ["_dsa_fwd_kernel", "_query_kernel", "_bin_capped_kernel", "_bin_kernel", "_key_kernel"],
            "dsa_zero": ["_na_fwd_kernel", "_na_bwd_dq_kernel", "_na_bwd_dkdv_kernel"]}
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy",
             "WarpStateStats"]
