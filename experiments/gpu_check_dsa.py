@@ -91,13 +91,17 @@ KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 128, 4), ((4,
                ((2, 4, 8), 64, 4)]
 """Key tiles (t, y, x), BLOCK_E and warps of the backward's key pass that the sweep times."""
 SMOKE_KEY_CONFIGS = [((1, 2, 4), 16, 1), ((2, 2, 2), 32, 1)]
-SMOKE_SWEEP_KEY_CONFIGS = SMOKE_KEY_CONFIGS[:1]
-"""The one the smoke sweep times (interpreter times only test the plumbing); the checks take them all."""
 OVERFLOW_CAPACITY = 8
 """Records per capped key-tile list in one more check of each dtype: far fewer than a list holds, so the
 backward falls back to its exact lists (binned.py), as it does where offsets pile samples onto a tile."""
 SMOKE_LAUNCHES = [(16, 1), (16, 1, 4)]  # rows of queries; 4 x 4 query patches
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
+
+
+def swept_key_configs(smoke: bool) -> list:
+    """The key configs the sweep times: KEY_CONFIGS, or in smoke the first of SMOKE_KEY_CONFIGS (interpreter
+    times only test the plumbing; the checks take them all)."""
+    return SMOKE_KEY_CONFIGS[:1] if smoke else KEY_CONFIGS
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -184,7 +188,7 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                          on_row: Callable[[dict], None] = lambda sweep: None) -> dict:
     """Forward and backward times of candidate tiles ((BLOCK_Q, warps) or (BLOCK_Q, warps, block_y):
     `launch_of`), for the general kernels (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms,
-    zero_bwd_ms), then of the backward's key configs (KEY_CONFIGS; smoke: SMOKE_SWEEP_KEY_CONFIGS) with each
+    zero_bwd_ms), then of the backward's key configs (`swept_key_configs`) with each
     kernel's profiled time. `on_row(sweep)` gets the sweep so far after each timed row, so a run cut short
     keeps what it timed."""
     from megaslide.attention.dsa import binned, kernels, zero_kernels
@@ -225,7 +229,7 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
                      "zero_bwd_ms": zero_bwd_s * 1e3, "query_pass_ms": bwd_kernels.get("_query_kernel")})
         on_row(sweep)
-    for tile, block_e, num_warps in SMOKE_SWEEP_KEY_CONFIGS if smoke else KEY_CONFIGS:
+    for tile, block_e, num_warps in swept_key_configs(smoke):
         keys = binned.KeyConfig(tile=tile, block_e=block_e, num_warps=num_warps)
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
 
@@ -324,8 +328,7 @@ def check(cfg: GpuCheckConfig) -> int:
         jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o,
                                                        launch=launch_of(c, key_case.shape[-1]))
                  for c in candidates for op in cfg.ops for dtype in dtypes]
-    swept_keys = SMOKE_SWEEP_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS
-    timings = len(candidates) + len(swept_keys) if cfg.sweep else 0   # the rows the sweep will time
+    timings = len(candidates) + len(swept_key_configs(cfg.smoke)) if cfg.sweep else 0   # the rows the sweep will time
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     rows: list[dict] = []
 

@@ -401,8 +401,8 @@ BIN_BLOCK = 256
 latency-bound, so it pays to keep many programs resident (1024 entries took 127-143 registers a
 thread and 19-25% occupancy on the H200, by ncu)."""
 EXACT_PROGRAMS_PER_SM = 16
-"""Programs per SM of an exact binning launch that may have nothing to do (`exact_programs`): 64 warps of
-4, as many as an SM holds, so that a launch with no overflowed list costs a wave of programs that return."""
+"""Programs per SM of an exact binning launch (`exact_programs`): 64 warps of 4, as many as an SM holds, so
+that a launch with no overflowed list costs one wave of programs that return."""
 
 
 def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
@@ -421,13 +421,9 @@ def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
     records[:total] = (torch.sort(keys).values & 0xFFFFFFFF).to(torch.int32)
 
 
-def exact_programs(device: torch.device, blocks: int, lists_groups: int, certain: bool) -> int:
-    """Programs along the entry blocks of an exact binning launch: one per block where the lists are
-    `certain` to be built (deterministic mode: the flag set on the host), else EXACT_PROGRAMS_PER_SM per SM
-    over all (batch, head)s on a GPU (each walks blocks at the grid's stride), 2 in the interpreter (to walk
-    the loop)."""
-    if certain:
-        return blocks
+def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
+    """Programs along the entry blocks of an exact binning launch: EXACT_PROGRAMS_PER_SM per SM over all
+    (batch, head)s on a GPU (each walks blocks at the grid's stride), 2 in the interpreter (to walk the loop)."""
     if device.type != "cuda":
         return min(blocks, 2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -465,7 +461,7 @@ def bin_entries(dsp, shape, kernel_size, tile, capacity: int, cursors, starts, r
         cursors.zero_()
         _bin_capped_kernel[(blocks, B * g)](dsp, cursors, records, flag, *geometry, capacity, **constexprs)
     exact_starts, fill_cursors = starts[:lists + 1], starts[lists + 1:]
-    exact_grid = (exact_programs(dsp.device, blocks, B * g, certain=deterministic), B * g)
+    exact_grid = (exact_programs(dsp.device, blocks, B * g), B * g)
     exact_starts.zero_()
     _bin_kernel[exact_grid](dsp, exact_starts[1:], records, flag, *geometry, blocks, FILL=False, **constexprs)
     torch.cumsum(exact_starts[1:], 0, out=fill_cursors)
