@@ -111,14 +111,21 @@ def test_int64_row_offsets_give_the_same_bits(monkeypatch):
 
 
 def test_forward_default_takes_patches_on_the_gpu_only(monkeypatch):
-    """The forward's default launch (`forward_launch_config`): on a GPU, a 4-row patch where BLOCK_Q leaves it
-    at least 4 wide (d <= 64), rows otherwise and under the interpreter; the other kernels keep rows."""
+    """The forward's default launch (`forward_launch_config`): on a GPU, a 4-row patch of the split-row
+    kernels' SPLIT_ELEMENTS where BLOCK_Q leaves it at least 4 wide, rows under the interpreter; the query
+    pass (`split_launch_config`) and the zero-offset kernels (`launch_config`, LAUNCH_ELEMENTS) keep rows."""
     assert kernels.forward_launch_config(262144, 64) == kernels.launch_config(262144, 64)   # interpreted here
     monkeypatch.setattr(kernels, "INTERPRETED", False)
-    got = {d: kernels.forward_launch_config(262144, d) for d in (16, 64, 80, 128)}
-    assert {d: (c.block_q, c.block_y) for d, c in got.items()} == {16: (32, 4), 64: (16, 4), 80: (8, 1),
-                                                                  128: (8, 1)}
-    assert all(kernels.launch_config(262144, d).block_y == 1 for d in got)
+    dims = (8, 16, 64, 80, 128, 256)
+    got = {d: kernels.forward_launch_config(262144, d) for d in dims}
+    assert {d: (c.block_q, c.block_y) for d, c in got.items()} == {8: (64, 4), 16: (64, 4), 64: (32, 4),
+                                                                  80: (16, 4), 128: (16, 4), 256: (8, 1)}
+    split = {d: kernels.split_launch_config(262144, d) for d in dims}
+    assert {d: c.block_q for d, c in split.items()} == {d: c.block_q for d, c in got.items()}
+    assert {d: kernels.launch_config(262144, d).block_q for d in dims} == {8: 32, 16: 32, 64: 16, 80: 8, 128: 8,
+                                                                          256: 8}
+    assert all(c.block_y == 1 for c in split.values()) and all(kernels.launch_config(262144, d).block_y == 1
+                                                                for d in dims)
 
 
 @pytest.mark.parametrize("block_y", [2, 4])

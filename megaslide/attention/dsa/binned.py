@@ -6,7 +6,8 @@ offsets and d(offsets) contiguous (B, T, H, W, heads, K, 3). Every launch sees o
 tensors' token strides, HEADS is the group's size. An entry is one (query n, sample j) of one
 (batch, head), numbered e = j * N + n (int32, < K * N).
 
-1. Query pass (`_query_kernel`, one program per BLOCK_Q queries of a (batch, head)): recomputes
+1. Query pass (`_query_kernel`, one program per BLOCK_Q queries of a (batch, head), their head vectors and
+   the gathered corners held as split rows: rows.py): recomputes
    p_j = exp(s_j - lse) and finishes dq and d(offsets) of its queries (no other program writes
    them), and stores each entry into the scratch `dsp` (B, HEADS, K, N, ENTRY_FLOATS): fp32
    ds = p (<dO, V_j> - <dO, out>) * scale, p and the sample's clamped (t, y, x) position, padded to
@@ -55,8 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _load_rows,
-                                             _query_block, _token_rows, _window_start, query_programs, row_flags)
+from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block,
+                                             _window_start, query_programs)
+from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_dot, _split_zeros, _store_split,
+                                          _token_rows, row_flags)
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
 
 KEY_TILE_KEYS = 64
@@ -112,18 +115,12 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                   BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_GRAD: tl.constexpr, ENTRY: tl.constexpr,
                   WIDE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_Y: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
-    cols = tl.arange(0, BLOCK_D)  # (BD,)
-    col_ok = (cols < D)[None, :]  # (1, BD)
-    tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
-
     head_off = b * N * stride_tok + h * D
     k_bh = k_ptr + head_off
     v_bh = v_ptr + head_off
-    own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
-    q = _load_rows(q_ptr + head_off + own_rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
-    do = _load_rows(dout_ptr + head_off + own_rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
-    o = _load_rows(out_ptr + head_off + own_rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
-    delta = tl.sum(do * o, axis=1)  # (BQ,) <dO, out>
+    q = _load_split(q_ptr + head_off, n, stride_tok, D, BLOCK_D, WIDE, EVEN_D)  # split rows (rows.py)
+    do = _load_split(dout_ptr + head_off, n, stride_tok, D, BLOCK_D, WIDE, EVEN_D)
+    delta = _split_dot(do, _load_split(out_ptr + head_off, n, stride_tok, D, BLOCK_D, WIDE, EVEN_D))  # (BQ,) <dO, out>
     lse = tl.load(lse_ptr + (b * HEADS + h) * N + n)  # (BQ,) log2 units
     off_row = b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
     off_q = off_ptr + off_row
@@ -136,7 +133,7 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
     y_start = _window_start(y, KH, H)
     x_start = _window_start(x, KW, W)
 
-    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    dq = _split_zeros(BLOCK_Q, BLOCK_D)
     for it in range(KT):
         for iy in range(KH):
             for ix in range(KW):
@@ -152,7 +149,7 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
 
                 # sampled key, <dO, sampled value> and, for the offset gradient, the position
                 # derivatives of <q, sampled key> and <dO, sampled value>
-                k_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                k_sample = _split_zeros(BLOCK_Q, BLOCK_D)
                 dov = tl.zeros([BLOCK_Q], tl.float32)
                 gk_t = tl.zeros([BLOCK_Q], tl.float32)
                 gk_y = tl.zeros([BLOCK_Q], tl.float32)
@@ -168,14 +165,13 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                             dw_t = (2 * ct - 1) * y_w[cy] * x_w[cx]  # (BQ,) d w / d pos_t
                             dw_y = (2 * cy - 1) * t_w[ct] * x_w[cx]
                             dw_x = (2 * cx - 1) * t_w[ct] * y_w[cy]
-                            rows = _token_rows(tok, stride_tok, cols, WIDE)  # (BQ, BD)
-                            k_c = _load_rows(k_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
-                            v_c = _load_rows(v_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
-                            k_sample += w[:, None] * k_c
-                            dov_c = tl.sum(do * v_c, axis=1)  # (BQ,)
+                            k_c = _load_split(k_bh, tok, stride_tok, D, BLOCK_D, WIDE, EVEN_D)
+                            v_c = _load_split(v_bh, tok, stride_tok, D, BLOCK_D, WIDE, EVEN_D)
+                            k_sample = _split_axpy(k_sample, w, k_c)
+                            dov_c = _split_dot(do, v_c)  # (BQ,)
                             dov += w * dov_c
                             if OFFSET_GRAD:
-                                qk_c = tl.sum(q * k_c, axis=1)  # (BQ,)
+                                qk_c = _split_dot(q, k_c)  # (BQ,)
                                 gk_t += dw_t * qk_c
                                 gk_y += dw_y * qk_c
                                 gk_x += dw_x * qk_c
@@ -183,10 +179,10 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                                 gv_y += dw_y * dov_c
                                 gv_x += dw_x * dov_c
 
-                s = tl.sum(q * k_sample, axis=1) * qk_scale  # (BQ,) log2 units
+                s = _split_dot(q, k_sample) * qk_scale  # (BQ,) log2 units
                 p = tl.exp2(s - lse)  # (BQ,) softmax probability of sample j
                 ds = p * (dov - delta) * scale  # (BQ,) d loss / d <q, sampled key>
-                dq += ds[:, None] * k_sample  # (BQ, BD)
+                dq = _split_axpy(dq, ds, k_sample)
                 entry = tl.where(fields == 0, ds[:, None], tl.where(fields == 1, p[:, None], tl.where(
                     fields == 2, pos_t[:, None], tl.where(fields == 3, pos_y[:, None], tl.where(
                         fields == 4, pos_x[:, None], 0.0)))))  # (BQ, F) what binning and the key pass read
@@ -200,7 +196,7 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
                     tl.store(doff_q + 3 * j + 1, g_y.to(doff_ty), mask=q_valid)
                     tl.store(doff_q + 3 * j + 2, g_x.to(doff_ty), mask=q_valid)
 
-    tl.store(dq_ptr + head_off + own_rows, dq.to(dq_ptr.dtype.element_ty), mask=tile_mask)
+    _store_split(dq_ptr + head_off, n, stride_tok, D, dq, q_valid, BLOCK_D, WIDE)
 
 
 @triton.jit

@@ -11,11 +11,11 @@ so neighbouring queries sample overlapping tokens and share cache lines) of one
 blocks in an order that keeps the running programs' K / V rows in L2 (`_query_block`). It loops over the K
 samples of the window. For each sample it computes every query's clamped position, the 8
 surrounding tokens and their trilinear weights, gathers those 8 rows of K (a
-(BLOCK_Q, d) tile each; a corner of weight 0 is loaded too: a per-element mask to skip
-it skips nothing on non-integer offsets) and combines them into the sampled key; the same
+split row of BLOCK_Q tokens each: rows.py; a corner of weight 0 is loaded too: a per-element mask
+to skip it skips nothing on non-integer offsets) and combines them into the sampled key; the same
 corners give the sampled value. Every gathered row is a valid token (clamped positions,
 clamped query rows: `_query_block`), so the gathers need no mask unless the head dim is
-padded, and their offsets are int32 while a (batch, head)'s span fits (`row_flags`). The forward runs an
+padded, and their offsets are int32 while a (batch, head)'s span fits (`rows.row_flags`). The forward runs an
 online softmax over the K samples, so the N x K x d sampled keys and values never exist
 in memory; it writes only out and the log-sum-exp (O(N x heads)). Every dot product,
 interpolation and softmax runs in fp32 whatever the input dtype (fp32, fp16, bf16).
@@ -54,6 +54,7 @@ import triton.language as tl
 from triton import knobs
 
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY, SCRATCH_BYTES, backward_scratch_bytes
+from megaslide.attention.dsa.rows import _load_split, _split_axpy, _split_dot, _split_scale, _split_zeros, _store_split, row_flags
 from megaslide.backends import device_guard
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
@@ -90,7 +91,10 @@ def query_programs(grid: tuple[int, int, int], config: LaunchConfig) -> int:
 
 
 LAUNCH_ELEMENTS = 1024
-"""BLOCK_Q x block_d of every query-block kernel's program (`launch_config`)."""
+"""BLOCK_Q x block_d of the zero-offset kernels' programs (`launch_config`)."""
+SPLIT_ELEMENTS = 2048
+"""BLOCK_Q x block_d of the fused forward's and query pass's programs (`split_launch_config`): with 4 warps,
+16 elements of one token's split row (rows.py) per thread."""
 
 
 def head_dim_block(head_dim: int) -> int:
@@ -98,21 +102,27 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
-    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = LAUNCH_ELEMENTS (BLOCK_Q in [8, 32])
-    with 4 warps. The per-query index and weight arithmetic is repeated by every thread that holds a
-    piece of the query's row, so a thread should hold several 16-byte pieces of a row; more pieces cost
-    registers and occupancy. The H200 sweep at the benchmark shape (`python -m experiments.gpu_check_dsa
-    sweep=true`, results/attention/h200_split_v6.json) puts 1024 first for the forward, the backward's
-    query pass and the zero-offset kernels; at 2048 the query pass holds twice the registers and loses
-    occupancy (ncu, h200_ncu_v6.json).
+def launch_config(n_tokens: int, head_dim: int, elements: int = LAUNCH_ELEMENTS) -> LaunchConfig:
+    """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = `elements` (BLOCK_Q in
+    [8, elements / 32]) with 4 warps. The per-query index and weight arithmetic is repeated by every
+    thread that holds a piece of the query's row, so a thread should hold several 16-byte pieces of a
+    row; more pieces cost registers and occupancy. The H200 sweep at the benchmark shape
+    (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v6.json) puts 1024
+    first for the zero-offset kernels, whose (BQ, block_d) tiles put 8 threads on a row of 64.
     The interpreter's cost is per operation, not per element, so there one program takes all of a
     (batch, head)'s tokens (up to 1024)."""
     block_d = head_dim_block(head_dim)
     if INTERPRETED:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
-    return LaunchConfig(block_q=min(32, max(8, LAUNCH_ELEMENTS // block_d)), block_d=block_d, num_warps=4)
+    return LaunchConfig(block_q=min(elements // 32, max(8, elements // block_d)), block_d=block_d, num_warps=4)
+
+
+def split_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
+    """Default tiles of the kernels on split rows (the query pass; the forward takes them as patches:
+    `forward_launch_config`): `launch_config` at SPLIT_ELEMENTS, so that each of 4 warps' threads holds 16
+    elements of one query (4 threads on a row of 64)."""
+    return launch_config(n_tokens, head_dim, SPLIT_ELEMENTS)
 
 
 FORWARD_BLOCK_Y = 4
@@ -120,13 +130,12 @@ FORWARD_BLOCK_Y = 4
 
 
 def forward_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
-    """The fused forward's default tiles: `launch_config`'s, its BLOCK_Q queries taken as a patch of
-    FORWARD_BLOCK_Y rows of one frame where that leaves the patch at least as wide (d <= 64). Neighbouring
-    rows' windows share corner rows that a run of consecutive tokens does not. The H200 sweep at the
-    benchmark shape (results/attention/h200_split_v7.json) put the 4 x 4 patch first for the forward
-    alone; the backward's query pass and the zero-offset kernels ran best on rows, so they keep
-    `launch_config`. The interpreter keeps its one program per (batch, head)."""
-    config = launch_config(n_tokens, head_dim)
+    """The fused forward's default tiles: `split_launch_config`'s, its BLOCK_Q queries taken as a patch of
+    FORWARD_BLOCK_Y rows of one frame where that leaves the patch at least as wide. Neighbouring rows'
+    windows share corner rows that a run of consecutive tokens does not: the H200 sweep at the benchmark
+    shape (results/attention/h200_split_v7.json) put a 4 x 4 patch first for the forward alone, and the
+    query pass on rows. The interpreter keeps its one program per (batch, head)."""
+    config = split_launch_config(n_tokens, head_dim)
     if INTERPRETED or config.block_q < FORWARD_BLOCK_Y ** 2:
         return config
     return replace(config, block_y=FORWARD_BLOCK_Y)
@@ -166,13 +175,14 @@ def _axis_sample(start, j, offset, size):
 
 
 @triton.jit
-def _softmax_step(m_i, l_i, acc, s, v):
-    """One key of an online softmax: running max m_i, denominator l_i (BQ,) and numerator acc
-    (BQ, BD) updated with scores s (BQ,) in log2 units and values v (BQ, BD)."""
+def _softmax_step(m_i, l_i, s):
+    """One key of an online softmax: running max m_i and denominator l_i (BQ,) updated with scores s
+    (BQ,) in log2 units. Returns the new max and denominator, the factor alpha (BQ,) that rescales the
+    running numerator and the key's weight p (BQ,): numerator <- alpha * numerator + p * value."""
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)  # (BQ,)
-    return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v
+    return m_new, l_i * alpha + p, alpha, p
 
 
 @triton.jit
@@ -225,43 +235,16 @@ def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr, BLOCK_Y: tl.constexpr):
 
 
 @triton.jit
-def _token_rows(tok, stride_tok, cols, WIDE: tl.constexpr):
-    """(BQ, BD) element offsets of the head vectors of tokens tok (BQ,) from their (batch, head)'s first
-    token's: int32, so that an address costs one wide multiply-add, unless WIDE (N * stride_tok >= 2**31)."""
-    if WIDE:
-        tok = tok.to(tl.int64)
-    return tok[:, None] * stride_tok + cols[None, :]
-
-
-@triton.jit
-def _load_rows(ptrs, col_ok, EVEN_D: tl.constexpr):
-    """The (BQ, BD) tile at ptrs, in its dtype, from rows that are all valid tokens (clamped queries and
-    corners): no mask at all when the head dim fills BLOCK_D (EVEN_D), else the padded columns (col_ok
-    (1, BD)) read as 0."""
-    if EVEN_D:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=col_ok, other=0.0)
-    return tile
-
-
-@triton.jit
 def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                     T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
                     WIDE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_Y: tl.constexpr):
     b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
-    cols = tl.arange(0, BLOCK_D)  # (BD,)
-    col_ok = (cols < D)[None, :]  # (1, BD)
-    tile_mask = q_valid[:, None] & col_ok  # (BQ, BD) the stores
-
     head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
     k_bh = k_ptr + head_off
     v_bh = v_ptr + head_off
-    own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD) this block's queries
-    q = _load_rows(q_ptr + head_off + own_rows, col_ok, EVEN_D)
-    q = q.to(tl.float32) * qk_scale  # (BQ, BD), scores come out in log2 units
+    q = _load_split(q_ptr + head_off, n, stride_tok, D, BLOCK_D, WIDE, EVEN_D)  # split row of this block's queries
     off_q = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
 
     t_start = _window_start(t, KT, T)  # (BQ,)
@@ -270,7 +253,7 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
 
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_Q], tl.float32)  # running softmax denominator
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # running numerator
+    acc = _split_zeros(BLOCK_Q, BLOCK_D)  # running numerator
     for it in range(KT):
         for iy in range(KH):
             for ix in range(KW):
@@ -284,32 +267,24 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                 t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)  # lower / upper neighbour
                 t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)  # their 1D weights
 
-                k_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-                v_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                k_sample = _split_zeros(BLOCK_Q, BLOCK_D)
+                v_sample = _split_zeros(BLOCK_Q, BLOCK_D)
                 for ct in tl.static_range(2):
                     for cy in tl.static_range(2):
                         for cx in tl.static_range(2):
                             tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
                             w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
-                            rows = _token_rows(tok, stride_tok, cols, WIDE)  # (BQ, BD)
-                            k_c = _load_rows(k_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
-                            v_c = _load_rows(v_bh + rows, col_ok, EVEN_D).to(tl.float32)  # (BQ, BD)
-                            k_sample += w[:, None] * k_c
-                            v_sample += w[:, None] * v_c
-                s = tl.sum(q * k_sample, axis=1)  # (BQ,)
-                m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_sample)
+                            k_sample = _split_axpy(k_sample, w, _load_split(k_bh, tok, stride_tok, D, BLOCK_D,
+                                                                            WIDE, EVEN_D))
+                            v_sample = _split_axpy(v_sample, w, _load_split(v_bh, tok, stride_tok, D, BLOCK_D,
+                                                                            WIDE, EVEN_D))
+                s = _split_dot(q, k_sample) * qk_scale  # (BQ,) log2 units
+                m_i, l_i, alpha, p = _softmax_step(m_i, l_i, s)
+                acc = _split_axpy(_split_scale(acc, alpha), p, v_sample)
 
-    out = acc / l_i[:, None]  # (BQ, BD)
-    tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
+    _store_split(out_ptr + head_off, n, stride_tok, D, _split_scale(acc, 1.0 / l_i), q_valid, BLOCK_D, WIDE)
     if STORE_LSE:
         tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
-
-
-def row_flags(n_tokens: int, stride_tok: int, head_dim: int, block_d: int) -> dict:
-    """The constexprs of `_token_rows` and `_load_rows` for a launch over N tokens with token stride
-    `stride_tok`: WIDE when a (batch, head)'s element offsets can reach 2**31, EVEN_D when the head dim
-    needs no padding."""
-    return dict(WIDE=n_tokens * stride_tok >= 2 ** 31, EVEN_D=head_dim == block_d)
 
 
 def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
@@ -366,7 +341,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     dout = dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
-    cfg = config or launch_config(N, d)
+    cfg = config or split_launch_config(N, d)
     key_cfg = key_config or binned.key_config((T, H, W))
     group = heads_per_group(B, N, heads, K, scratch_bytes)
     tiles = math.prod(binned.tiles_per_axis((T, H, W), key_cfg.tile))

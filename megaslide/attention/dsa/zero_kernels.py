@@ -10,7 +10,7 @@ Layout (as kernels.py). q, k, v, out and their gradients are contiguous
 fp32 (B, heads, N) with N = T * H * W, in log2 units; the backward's delta = <dO, out> has
 the same layout. Dot products, softmax and accumulators are fp32 whatever the input dtype
 (fp32, fp16, bf16); head dims are padded to a power of two (at least 16) with masked columns.
-Rows and their offsets as kernels.py (`_token_rows`, `_load_rows`): clamped query rows, int32 offsets
+Rows and their offsets as rows.py (`_token_rows`, `_load_rows`): clamped query rows, int32 offsets
 within a (batch, head) while they fit, no load mask where the rows are valid tokens and d fills BLOCK_D.
 
 Work split. Every kernel's program owns BLOCK_Q consecutive tokens (row-major over (t, y, x))
@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from megaslide.attention.dsa.kernels import (LOG2E, LaunchConfig, _load_rows, _query_block,
-                                             _softmax_step, _token_rows, launch_config, query_programs, row_flags)
+from megaslide.attention.dsa.kernels import LOG2E, LaunchConfig, _query_block, _softmax_step, launch_config, query_programs
+from megaslide.attention.dsa.rows import _load_rows, _token_rows, row_flags
 from megaslide.backends import device_guard
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
@@ -99,7 +99,8 @@ def _na_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                 tok = ((t_start + it) * H + y_start + iy) * W + x_start + ix  # (BQ,) key token
                 k_j, v_j = _load_pair(k_ptr, v_ptr, _token_rows(tok, stride_tok, cols, WIDE), col_ok, EVEN_D)
                 s = tl.sum(q * k_j, axis=1)  # (BQ,)
-                m_i, l_i, acc = _softmax_step(m_i, l_i, acc, s, v_j)
+                m_i, l_i, alpha, p = _softmax_step(m_i, l_i, s)
+                acc = acc * alpha[:, None] + p[:, None] * v_j  # (BQ, BD)
 
     out = acc / l_i[:, None]  # (BQ, BD)
     tl.store(out_ptr + own_rows, out.to(out_ptr.dtype.element_ty), mask=tile_mask)
