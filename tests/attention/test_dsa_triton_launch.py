@@ -112,7 +112,7 @@ def test_int64_row_offsets_give_the_same_bits(monkeypatch):
 
 def test_forward_default_takes_patches_on_the_gpu_only(monkeypatch):
     """The forward's default launch (`forward_launch_config`): on a GPU, a 4-row patch of the split-row
-    kernels' SPLIT_ELEMENTS where BLOCK_Q leaves it at least 4 wide, rows under the interpreter; the query
+    kernels' 4 warps of SPLIT_WARP_ELEMENTS where BLOCK_Q leaves it at least 4 wide, rows under the interpreter; the query
     pass (`split_launch_config`) and the zero-offset kernels (`launch_config`, LAUNCH_ELEMENTS) keep rows."""
     assert kernels.forward_launch_config(262144, 64) == kernels.launch_config(262144, 64)   # interpreted here
     monkeypatch.setattr(kernels, "INTERPRETED", False)
@@ -121,7 +121,9 @@ def test_forward_default_takes_patches_on_the_gpu_only(monkeypatch):
     assert {d: (c.block_q, c.block_y) for d, c in got.items()} == {8: (64, 4), 16: (64, 4), 64: (32, 4),
                                                                   80: (16, 4), 128: (16, 4), 256: (8, 1)}
     split = {d: kernels.split_launch_config(262144, d) for d in dims}
-    assert {d: c.block_q for d, c in split.items()} == {d: c.block_q for d, c in got.items()}
+    assert {d: (c.block_q, c.num_warps) for d, c in split.items()} == {8: (32, 2), 16: (32, 2), 64: (16, 2),
+                                                                      80: (8, 2), 128: (8, 2), 256: (8, 2)}
+    assert all(c.num_warps == 4 for c in got.values())
     assert {d: kernels.launch_config(262144, d).block_q for d in dims} == {8: 32, 16: 32, 64: 16, 80: 8, 128: 8,
                                                                           256: 8}
     assert all(c.block_y == 1 for c in split.values()) and all(kernels.launch_config(262144, d).block_y == 1

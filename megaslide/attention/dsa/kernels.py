@@ -92,9 +92,8 @@ def query_programs(grid: tuple[int, int, int], config: LaunchConfig) -> int:
 
 LAUNCH_ELEMENTS = 1024
 """BLOCK_Q x block_d of the zero-offset kernels' programs (`launch_config`)."""
-SPLIT_ELEMENTS = 2048
-"""BLOCK_Q x block_d of the fused forward's and query pass's programs (`split_launch_config`): with 4 warps,
-16 elements of one token's split row (rows.py) per thread."""
+SPLIT_WARP_ELEMENTS = 512
+"""BLOCK_Q x block_d per warp of the kernels on split rows (rows.py): 16 elements of one token per thread."""
 
 
 def head_dim_block(head_dim: int) -> int:
@@ -102,9 +101,9 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def launch_config(n_tokens: int, head_dim: int, elements: int = LAUNCH_ELEMENTS) -> LaunchConfig:
+def launch_config(n_tokens: int, head_dim: int, elements: int = LAUNCH_ELEMENTS, num_warps: int = 4) -> LaunchConfig:
     """Default tiles for N tokens and head dim d: BLOCK_Q * block_d = `elements` (BLOCK_Q in
-    [8, elements / 32]) with 4 warps. The per-query index and weight arithmetic is repeated by every
+    [8, elements / 32]) with `num_warps` warps. The per-query index and weight arithmetic is repeated by every
     thread that holds a piece of the query's row, so a thread should hold several 16-byte pieces of a
     row; more pieces cost registers and occupancy. The H200 sweep at the benchmark shape
     (`python -m experiments.gpu_check_dsa sweep=true`, results/attention/h200_split_v6.json) puts 1024
@@ -115,14 +114,16 @@ def launch_config(n_tokens: int, head_dim: int, elements: int = LAUNCH_ELEMENTS)
     if INTERPRETED:
         block_q = min(1024, max(16, triton.next_power_of_2(n_tokens)))
         return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=1)
-    return LaunchConfig(block_q=min(elements // 32, max(8, elements // block_d)), block_d=block_d, num_warps=4)
+    return LaunchConfig(block_q=min(elements // 32, max(8, elements // block_d)), block_d=block_d,
+                        num_warps=num_warps)
 
 
-def split_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
-    """Default tiles of the kernels on split rows (the query pass; the forward takes them as patches:
-    `forward_launch_config`): `launch_config` at SPLIT_ELEMENTS, so that each of 4 warps' threads holds 16
-    elements of one query (4 threads on a row of 64)."""
-    return launch_config(n_tokens, head_dim, SPLIT_ELEMENTS)
+def split_launch_config(n_tokens: int, head_dim: int, num_warps: int = 2) -> LaunchConfig:
+    """Default tiles of the kernels on split rows: `launch_config` at SPLIT_WARP_ELEMENTS per warp, so that
+    each thread holds 16 elements of one query (4 threads on a row of 64). The query pass takes 2 warps: the
+    H200 sweep at the benchmark shape (results/attention/h200_check_v10.json) timed it at 28.8 ms on 16
+    queries x 2 warps, 30.0 on 32 x 4."""
+    return launch_config(n_tokens, head_dim, SPLIT_WARP_ELEMENTS * num_warps, num_warps)
 
 
 FORWARD_BLOCK_Y = 4
@@ -130,12 +131,13 @@ FORWARD_BLOCK_Y = 4
 
 
 def forward_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
-    """The fused forward's default tiles: `split_launch_config`'s, its BLOCK_Q queries taken as a patch of
-    FORWARD_BLOCK_Y rows of one frame where that leaves the patch at least as wide. Neighbouring rows'
-    windows share corner rows that a run of consecutive tokens does not: the H200 sweep at the benchmark
-    shape (results/attention/h200_split_v7.json) put a 4 x 4 patch first for the forward alone, and the
-    query pass on rows. The interpreter keeps its one program per (batch, head)."""
-    config = split_launch_config(n_tokens, head_dim)
+    """The fused forward's default tiles: `split_launch_config`'s at 4 warps, its BLOCK_Q queries taken as a
+    patch of FORWARD_BLOCK_Y rows of one frame where that leaves the patch at least as wide. Neighbouring
+    rows' windows share corner rows that a run of consecutive tokens does not: the H200 sweep at the
+    benchmark shape (results/attention/h200_check_v10.json) put the 4 x 8 patch of 4 warps first for the
+    forward alone (18.0 ms; 20.8-21.4 on rows), and the query pass on rows. The interpreter keeps its one
+    program per (batch, head)."""
+    config = split_launch_config(n_tokens, head_dim, num_warps=4)
     if INTERPRETED or config.block_q < FORWARD_BLOCK_Y ** 2:
         return config
     return replace(config, block_y=FORWARD_BLOCK_Y)
