@@ -112,8 +112,9 @@ def test_int64_row_offsets_give_the_same_bits(monkeypatch):
 
 def test_forward_default_takes_patches_on_the_gpu_only(monkeypatch):
     """The forward's default launch (`forward_launch_config`): on a GPU, a 4-row patch of the split-row
-    kernels' 4 warps of SPLIT_WARP_ELEMENTS where BLOCK_Q leaves it at least 4 wide, rows under the interpreter; the query
-    pass (`split_launch_config`) and the zero-offset kernels (`launch_config`, LAUNCH_ELEMENTS) keep rows."""
+    kernels' 4 warps of SPLIT_WARP_ELEMENTS where BLOCK_Q leaves it at least 4 wide, rows under the
+    interpreter; the query pass (`split_launch_config`) and the zero-offset kernels (`launch_config`,
+    LAUNCH_ELEMENTS) keep rows."""
     assert kernels.forward_launch_config(262144, 64) == kernels.launch_config(262144, 64)   # interpreted here
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     dims = (8, 16, 64, 80, 128, 256)
