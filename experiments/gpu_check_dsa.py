@@ -56,6 +56,7 @@ class GpuCheckConfig:
     smoke: bool
     sweep: bool
     launch_candidates: list[list[int]]
+    key_candidates: list[list[int]]
     dtypes: list[str]
     ops: list[str]
     wandb_dir: str
@@ -86,22 +87,32 @@ GPU_CASES = [
     Case("d64_two_frames", (2, 2, 19, 21, 3, 64), (1, 3, 3), offset_std=3.0, far_fraction=0.1, fp32_offsets=True),
 ]
 KEY_CASE = GPU_CASES[0]  # the case every swept key configuration is checked on
-KEY_CONFIGS = [((4, 4, 4), 32, 4), ((4, 4, 4), 64, 4), ((4, 4, 4), 128, 4), ((4, 4, 4), 64, 2),
-               ((4, 4, 4), 128, 8), ((2, 4, 4), 64, 4), ((2, 2, 4), 64, 4), ((2, 2, 4), 128, 4),
-               ((2, 4, 8), 64, 4)]
-"""Key tiles (t, y, x), BLOCK_E and warps of the backward's key pass that the sweep times."""
-SMOKE_KEY_CONFIGS = [((1, 2, 4), 16, 1), ((2, 2, 2), 32, 1)]
+SMOKE_KEY_CANDIDATES = [[1, 2, 4, 16, 1], [2, 2, 2, 32, 1, 128]]
 OVERFLOW_CAPACITY = 8
 """Records per capped key-tile list in one more check of each dtype: far fewer than a list holds, so the
 backward falls back to its exact lists (binned.py), as it does where offsets pile samples onto a tile."""
-SMOKE_LAUNCHES = [(16, 1), (16, 1, 4)]  # rows of queries; 4 x 4 query patches
+SMOKE_LAUNCHES = [(16, 1), (16, 1, 4, 128)]  # rows of queries; 4 x 4 query patches, registers capped
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
 
-def swept_key_configs(smoke: bool) -> list:
-    """The key configs the sweep times: KEY_CONFIGS, or in smoke the first of SMOKE_KEY_CONFIGS (interpreter
-    times only test the plumbing; the checks take them all)."""
-    return SMOKE_KEY_CONFIGS[:1] if smoke else KEY_CONFIGS
+def key_of(candidate):
+    """The binned.KeyConfig of a key candidate [t, y, x, BLOCK_E, warps] or [t, y, x, BLOCK_E, warps, maxnreg]
+    (key tiles of t x y x tokens; maxnreg 0 or left out: the compiler's register count)."""
+    from megaslide.attention.dsa import binned
+    t, y, x, block_e, num_warps, maxnreg = (*candidate, 0)[:6]
+    return binned.KeyConfig(tile=(t, y, x), block_e=block_e, num_warps=num_warps, maxnreg=maxnreg or None)
+
+
+def checked_key_configs(smoke: bool, key_candidates: list[list[int]]) -> list:
+    """The key configs that are checked: `key_candidates`, or in smoke SMOKE_KEY_CANDIDATES."""
+    return [key_of(c) for c in (SMOKE_KEY_CANDIDATES if smoke else key_candidates)]
+
+
+def swept_key_configs(smoke: bool, key_candidates: list[list[int]]) -> list:
+    """The key configs the sweep times: the checked ones, or in smoke only the first (interpreter times
+    only test the plumbing)."""
+    configs = checked_key_configs(smoke, key_candidates)
+    return configs[:1] if smoke else configs
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -155,9 +166,11 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
     name = case.name
     if key_config is not None:
         name += "_keys_{}x{}x{}_e{}_w{}".format(*key_config.tile, key_config.block_e, key_config.num_warps)
+        name += f"_r{key_config.maxnreg}" if key_config.maxnreg is not None else ""
         name += f"_cap{key_config.capacity}" if key_config.capacity is not None else ""
     if launch is not None:
         name += f"_launch_q{launch.block_q}_y{launch.block_y}_w{launch.num_warps}"
+        name += f"_r{launch.maxnreg}" if launch.maxnreg is not None else ""
     row = {"case": name, "op": op, "dtype": dtype_name, "shape": list(case.shape),
            "kernel_size": list(case.kernel_size), "passed": True, "errors": {}}
     for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
@@ -185,8 +198,8 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
 
 
 def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]],
-                         on_row: Callable[[dict], None] = lambda sweep: None) -> dict:
-    """Forward and backward times of candidate tiles ((BLOCK_Q, warps) or (BLOCK_Q, warps, block_y):
+                         key_candidates: list[list[int]], on_row: Callable[[dict], None] = lambda sweep: None) -> dict:
+    """Forward and backward times of candidate tiles (BLOCK_Q, warps[, block_y[, maxnreg]]):
     `launch_of`), for the general kernels (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms,
     zero_bwd_ms), then of the backward's key configs (`swept_key_configs`) with each
     kernel's profiled time. `on_row(sweep)` gets the sweep so far after each timed row, so a run cut short
@@ -225,30 +238,32 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
         zero_bwd_s = timed(lambda: zero_kernels.na_backward(q, k, v, out, lse, dout, kernel_size, scale, config=cfg),
                            device).median
         rows.append({"block_q": cfg.block_q, "num_warps": cfg.num_warps, "block_y": cfg.block_y,
+                     "maxnreg": cfg.maxnreg,
                      "fwd_ms": fwd_s * 1e3, "bwd_ms": bwd_s * 1e3,
                      "fwd_bwd_ms": (fwd_s + bwd_s) * 1e3, "zero_fwd_ms": zero_fwd_s * 1e3,
                      "zero_bwd_ms": zero_bwd_s * 1e3, "query_pass_ms": bwd_kernels.get("_query_kernel")})
         on_row(sweep)
-    for tile, block_e, num_warps in swept_key_configs(smoke):
-        keys = binned.KeyConfig(tile=tile, block_e=block_e, num_warps=num_warps)
+    for keys in swept_key_configs(smoke, key_candidates):
         out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
 
         def backward():
             return kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad=True,
                                         key_config=keys)
-        key_rows.append({"tile": list(tile), "block_e": block_e, "num_warps": num_warps,
+        key_rows.append({"tile": list(keys.tile), "block_e": keys.block_e, "num_warps": keys.num_warps,
+                         "maxnreg": keys.maxnreg,
                          "bwd_ms": timed(backward, device).median * 1e3, "kernel_ms": kernel_ms(backward, device)})
         on_row(sweep)
     return sweep
 
 
 def launch_of(candidate, head_dim: int):
-    """The kernels.LaunchConfig of a sweep candidate [BLOCK_Q, warps] or [BLOCK_Q, warps, block_y] (query
-    patches of block_y rows; 1 when left out) at head dim d."""
+    """The kernels.LaunchConfig of a sweep candidate [BLOCK_Q, warps], [BLOCK_Q, warps, block_y] (query
+    patches of block_y rows; 1 when left out) or [BLOCK_Q, warps, block_y, maxnreg] (0: the compiler's
+    register count) at head dim d."""
     from megaslide.attention.dsa import kernels
-    block_q, num_warps, block_y = (*candidate, 1)[:3]
+    block_q, num_warps, block_y, maxnreg = (*candidate, 1, 0)[:4]
     return kernels.LaunchConfig(block_q=block_q, block_d=kernels.head_dim_block(head_dim),
-                                num_warps=num_warps, block_y=block_y)
+                                num_warps=num_warps, block_y=block_y, maxnreg=maxnreg or None)
 
 
 def kernel_ms(fn, device: torch.device) -> dict[str, float]:
@@ -282,17 +297,19 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
         print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
               f"(default {sweep['default_config']}, forward {sweep['forward_default_config']}; "
               f"HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
-        print(f"{'block_q':>7s} {'y':>2s} {'warps':>5s} {'fwd ms':>9s} {'bwd ms':>9s} {'query ms':>9s} "
+        print(f"{'block_q':>7s} {'y':>2s} {'warps':>5s} {'regs':>4s} {'fwd ms':>9s} {'bwd ms':>9s} {'query ms':>9s} "
               f"{'fwd+bwd ms':>11s} {'zero fwd ms':>12s} {'zero bwd ms':>12s}")
         for c in sweep["configs"]:
             query = f"{c['query_pass_ms']:9.2f}" if c["query_pass_ms"] is not None else f"{'-':>9s}"
-            print(f"{c['block_q']:7d} {c.get('block_y', 1):2d} {c['num_warps']:5d} {c['fwd_ms']:9.2f} "
+            print(f"{c['block_q']:7d} {c.get('block_y', 1):2d} {c['num_warps']:5d} {c.get('maxnreg') or '-':>4} "
+                  f"{c['fwd_ms']:9.2f} "
                   f"{c['bwd_ms']:9.2f} {query} {c['fwd_bwd_ms']:11.2f} {c['zero_fwd_ms']:12.2f} "
                   f"{c['zero_bwd_ms']:12.2f}")
         print(f"\nbackward key tiles (default {sweep['default_key_config']}): bwd ms, then ms per kernel")
         for c in sweep["key_configs"]:
             kernels = ", ".join(f"{name[:24]} {ms:.2f}" for name, ms in list(c["kernel_ms"].items())[:5])
             print(f"tile {'x'.join(map(str, c['tile'])):7s} block_e {c['block_e']:3d} warps {c['num_warps']} "
+                  f"regs {c.get('maxnreg') or '-':>3} "
                   f"{c['bwd_ms']:9.2f}  {kernels}")
 
 
@@ -313,14 +330,12 @@ def check(cfg: GpuCheckConfig) -> int:
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     key_case = cases[0] if cfg.smoke else KEY_CASE
-    key_configs = SMOKE_KEY_CONFIGS if cfg.smoke else KEY_CONFIGS
     jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops for case in cases
             for dtype in dtypes]
     if "dsa" in cfg.ops:
         from megaslide.attention.dsa import binned
-        jobs += [lambda k=binned.KeyConfig(tile=tile, block_e=e, num_warps=w), d=dtype:
-                 check_case(key_case, d, device, "dsa", k)
-                 for tile, e, w in key_configs for dtype in dtypes]
+        jobs += [lambda k=k, d=dtype: check_case(key_case, d, device, "dsa", k)
+                 for k in checked_key_configs(cfg.smoke, cfg.key_candidates) for dtype in dtypes]
         overflow = replace(binned.key_config(key_case.shape[1:4]), capacity=OVERFLOW_CAPACITY)
         jobs += [lambda d=dtype: check_case(key_case, d, device, "dsa", overflow) for dtype in dtypes]
     candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
@@ -328,7 +343,7 @@ def check(cfg: GpuCheckConfig) -> int:
         jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o,
                                                        launch=launch_of(c, key_case.shape[-1]))
                  for c in candidates for op in cfg.ops for dtype in dtypes]
-    timings = len(candidates) + len(swept_key_configs(cfg.smoke)) if cfg.sweep else 0   # the rows the sweep will time
+    timings = len(candidates) + len(swept_key_configs(cfg.smoke, cfg.key_candidates)) if cfg.sweep else 0   # the rows the sweep will time
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     rows: list[dict] = []
 
@@ -343,7 +358,7 @@ def check(cfg: GpuCheckConfig) -> int:
     for job in jobs:
         rows.append(job())
         run.save(payload(None))
-    sweep = sweep_launch_configs(device, cfg.smoke, cfg.launch_candidates,
+    sweep = sweep_launch_configs(device, cfg.smoke, cfg.launch_candidates, cfg.key_candidates,
                                  on_row=lambda partial: run.save(payload(partial))) if cfg.sweep else None
     result = payload(sweep)
     passed = result["passed"]

@@ -9,11 +9,14 @@ def test_gpu_check_dsa_smoke(tmp_path):
     assert data["passed"] is True and data["rows"] and data["jobs_done"] == data["jobs_total"]
     zero = [r for r in data["rows"] if r["op"] == "dsa_zero" and "_launch_" not in r["case"]]
     assert zero and all(r["deterministic"] and "doffsets" not in r["errors"] for r in zero)
-    # every query block the sweep times is checked for both ops and both dtypes, the 4 x 4 patches included
+    # every query block the sweep times is checked for both ops and both dtypes, the 4 x 4 patches (with
+    # capped registers, which the interpreter ignores: this checks the plumbing) included
     launches = {(r["op"], r["dtype"], r["case"].split("_launch_")[1]) for r in data["rows"] if "_launch_" in r["case"]}
     assert launches == {(op, dtype, block) for op in ("dsa", "dsa_zero") for dtype in ("fp32", "bf16")
-                        for block in ("q16_y1_w1", "q16_y4_w1")}
-    assert {c["block_y"] for c in data["sweep"]["configs"]} == {1, 4}
+                        for block in ("q16_y1_w1", "q16_y4_w1_r128")}
+    assert {(c["block_y"], c["maxnreg"]) for c in data["sweep"]["configs"]} == {(1, None), (4, 128)}
+    keys = {r["case"].split("_keys_")[1] for r in data["rows"] if "_keys_" in r["case"]}
+    assert keys - {k for k in keys if k.endswith("_cap8")} == {"1x2x4_e16_w1", "2x2x2_e32_w1_r128"}
     assert data["sweep"]["forward_default_config"] == data["sweep"]["default_config"]   # the interpreter: rows
     general = [r for r in data["rows"]
                if r["op"] == "dsa" and "_keys_" not in r["case"] and "_launch_" not in r["case"]]
@@ -40,7 +43,8 @@ def test_a_check_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
         return {"case": case.name, "op": op, "dtype": dtype, "passed": True, "errors": {}}
 
     monkeypatch.setattr(gpu_check, "check_case", check_case)
-    cfg = gpu_check.GpuCheckConfig(name="cut", smoke=True, sweep=False, launch_candidates=[], dtypes=["fp32", "bf16"],
+    cfg = gpu_check.GpuCheckConfig(name="cut", smoke=True, sweep=False, launch_candidates=[], key_candidates=[],
+                                   dtypes=["fp32", "bf16"],
                                    ops=["dsa"], wandb_dir=str(tmp_path / "runs"), wandb_project="p")
     with pytest.raises(TimeoutError):
         gpu_check.check(cfg)

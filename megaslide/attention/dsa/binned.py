@@ -73,12 +73,14 @@ shared-memory traffic, ncu), but each entry is listed in fewer tiles (about 1.95
 class KeyConfig:
     """Tiles of the binning and key pass: key tiles of tile = (t, y, x) tokens (powers of two),
     BLOCK_E entries per dot, num_warps per key program; `capacity` records per capped list (None:
-    `list_capacity`, the records buffer split evenly; a small one forces the exact lists, for tests)."""
+    `list_capacity`, the records buffer split evenly; a small one forces the exact lists, for tests);
+    maxnreg caps the key program's registers per thread (as `kernels.LaunchConfig.maxnreg`)."""
 
     tile: tuple[int, int, int]
     block_e: int
     num_warps: int
     capacity: int | None = None
+    maxnreg: int | None = None
 
 
 def key_config(grid: tuple[int, int, int]) -> KeyConfig:
@@ -387,7 +389,7 @@ def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, sca
         q, k, v, offsets, out, dout, lse, dq, doff, dsp,
         T, H, W, g, d, q.stride(3), offsets.stride(3), scale, qk_scale,
         KT=kt, KH=kh, KW=kw, BLOCK_Q=config.block_q, BLOCK_D=config.block_d, BLOCK_Y=config.block_y,
-        OFFSET_GRAD=offsets_grad, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
+        OFFSET_GRAD=offsets_grad, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps, maxnreg=config.maxnreg,
         **row_flags(T * H * W, q.stride(3), d, config.block_d),
     )
 
@@ -480,6 +482,6 @@ def key_pass(q, dout, dsp, capacity: int, cursors, starts, flag, records, dk, dv
         q, dout, dsp, cursors, starts, flag, records, dk, dv,
         T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, capacity, K=math.prod(kernel_size),
         TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile), BLOCK_E=config.block_e, BLOCK_D=head_dim_block,
-        UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps,
+        UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps, maxnreg=config.maxnreg,
         **row_flags(T * H * W, q.stride(3), d, head_dim_block),
     )

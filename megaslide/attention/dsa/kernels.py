@@ -68,12 +68,14 @@ class LaunchConfig:
     """Tile sizes of one launch: BLOCK_Q queries per program, d padded to block_d. block_y > 1 makes a
     program's queries a block_y x (block_q / block_y) patch of one frame (rows y, columns x) instead of
     block_q consecutive tokens, so that more of their windows' corner rows coincide (a candidate of the
-    sweep, `experiments/gpu_check_dsa.py`; the forward's default, `forward_launch_config`)."""
+    sweep, `experiments/gpu_check_dsa.py`; the forward's default, `forward_launch_config`). maxnreg caps the
+    registers per thread (ptxas spills past it; None: the compiler's choice), trading spills for occupancy."""
 
     block_q: int
     block_d: int
     num_warps: int
     block_y: int = 1
+    maxnreg: int | None = None
 
     def __post_init__(self):
         if self.block_y < 1 or self.block_q % self.block_y or self.block_y & (self.block_y - 1):
@@ -309,7 +311,8 @@ def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torc
             q, k, v, offsets, out, lse if store_lse else out,  # never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
             KT=kt, KH=kh, KW=kw, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse,
-            BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, cfg.block_d),
+            BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+            **row_flags(N, q.stride(3), d, cfg.block_d),
         )
     return out, lse
 

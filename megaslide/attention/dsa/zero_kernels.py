@@ -224,7 +224,7 @@ def na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: t
             *q.shape[1:4], heads, q.shape[-1], q.stride(3), scale * LOG2E,
             KT=kernel_size[0], KH=kernel_size[1], KW=kernel_size[2],
             BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, STORE_LSE=store_lse, BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps,
-            **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d),
+            maxnreg=cfg.maxnreg, **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d),
         )
     return out, lse
 
@@ -245,7 +245,7 @@ def na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     sizes = (*q.shape[1:4], heads, q.shape[-1], q.stride(3), scale, scale * LOG2E)
     tiles = dict(KT=kernel_size[0], KH=kernel_size[1], KW=kernel_size[2],
                  BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, BLOCK_Y=cfg.block_y, num_warps=cfg.num_warps,
-                 **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d))
+                 maxnreg=cfg.maxnreg, **row_flags(N, q.stride(3), q.shape[-1], cfg.block_d))
     with device_guard(q):
         _na_bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, *sizes, **tiles)
         _na_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, *sizes, **tiles)
