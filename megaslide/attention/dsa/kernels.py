@@ -122,9 +122,8 @@ def launch_config(n_tokens: int, head_dim: int, elements: int = LAUNCH_ELEMENTS,
 
 def split_launch_config(n_tokens: int, head_dim: int, num_warps: int = 2) -> LaunchConfig:
     """Default tiles of the kernels on split rows: `launch_config` at SPLIT_WARP_ELEMENTS per warp, so that
-    each thread holds 16 elements of one query (4 threads on a row of 64). The query pass takes 2 warps: the
-    H200 sweep at the benchmark shape (results/attention/h200_check_v10.json) timed it at 28.8 ms on 16
-    queries x 2 warps, 30.0 on 32 x 4."""
+    each thread holds 16 elements of one query (4 threads on a row of 64). The query pass takes 2 warps, the
+    fastest of the H200 sweep at the benchmark shape (results/attention/h200_check_v10.json)."""
     return launch_config(n_tokens, head_dim, SPLIT_WARP_ELEMENTS * num_warps, num_warps)
 
 
@@ -137,7 +136,7 @@ def forward_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
     patch of FORWARD_BLOCK_Y rows of one frame where that leaves the patch at least as wide. Neighbouring
     rows' windows share corner rows that a run of consecutive tokens does not: the H200 sweep at the
     benchmark shape (results/attention/h200_check_v10.json) put the 4 x 8 patch of 4 warps first for the
-    forward alone (18.0 ms; 20.8-21.4 on rows), and the query pass on rows. The interpreter keeps its one
+    forward alone, ahead of every row launch, and the query pass on rows. The interpreter keeps its one
     program per (batch, head)."""
     config = split_launch_config(n_tokens, head_dim, num_warps=4)
     if INTERPRETED or config.block_q < FORWARD_BLOCK_Y ** 2:
