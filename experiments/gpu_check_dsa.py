@@ -261,7 +261,7 @@ def launch_of(candidate, head_dim: int):
     patches of block_y rows; 1 when left out) or [BLOCK_Q, warps, block_y, maxnreg] (0: the compiler's
     register count) at head dim d."""
     from megaslide.attention.dsa import kernels
-    block_q, num_warps, block_y, maxnreg = (*candidate, 1, 0)[:4]
+    block_q, num_warps, block_y, maxnreg = (*candidate, *(1, 0)[len(candidate) - 2:])
     return kernels.LaunchConfig(block_q=block_q, block_d=kernels.head_dim_block(head_dim),
                                 num_warps=num_warps, block_y=block_y, maxnreg=maxnreg or None)
 

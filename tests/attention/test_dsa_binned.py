@@ -102,6 +102,7 @@ def test_default_key_tiles_through_the_op():
     """The op's default key tiles and entry blocks (key_config) on a multi-frame grid, bf16."""
     assert binned.key_config((5, 6, 7)).tile == (4, 4, 4)
     assert binned.key_config((16, 128, 128)).tile == (4, 4, 4)
+    assert binned.key_config((16, 128, 128)).maxnreg == binned.KEY_MAXNREG
     assert binned.key_config((1, 6, 300)).tile == (1, 8, 8)
     assert binned.key_config((2, 64, 64)).tile == (2, 4, 8)
     assert binned.key_config((1, 1, 5)).tile == (1, 1, 8)

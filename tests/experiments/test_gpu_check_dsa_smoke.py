@@ -50,3 +50,15 @@ def test_a_check_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
         gpu_check.check(cfg)
     data = load_result(tmp_path, "attention", "cut")
     assert data["jobs_done"] == 2 and data["jobs_total"] > 3 and len(data["rows"]) == 2 and data["passed"] is True
+
+
+def test_sweep_candidates_parse_with_their_defaults():
+    """Launch candidates [BLOCK_Q, warps[, block_y[, maxnreg]]] and key candidates [t, y, x, BLOCK_E,
+    warps[, maxnreg]]: what is left out takes its default (block_y 1, registers uncapped), 0 uncaps."""
+    import experiments.gpu_check_dsa as gpu_check
+    got = [gpu_check.launch_of(c, 80) for c in ([16, 2], [32, 4, 4], [16, 2, 1, 128], [16, 2, 4, 0])]
+    assert [(c.block_q, c.num_warps, c.block_y, c.maxnreg, c.block_d) for c in got] == [
+        (16, 2, 1, None, 128), (32, 4, 4, None, 128), (16, 2, 1, 128, 128), (16, 2, 4, None, 128)]
+    keys = [gpu_check.key_of(c) for c in ([4, 4, 4, 128, 4], [2, 2, 4, 64, 2, 168], [1, 2, 4, 16, 1, 0])]
+    assert [(k.tile, k.block_e, k.num_warps, k.maxnreg) for k in keys] == [
+        ((4, 4, 4), 128, 4, None), ((2, 2, 4), 64, 2, 168), ((1, 2, 4), 16, 1, None)]

@@ -67,6 +67,10 @@ KEY_TILE_KEYS = 64
 (results/attention/h200_split_v6.json) puts 4 x 4 x 4 tiles with 128 entries per block first, key pass and
 binning together: a larger tile builds more coefficient rows per entry (the pass is bound by its L1 /
 shared-memory traffic, ncu), but each entry is listed in fewer tiles (about 1.95 against 2.8 for 2 x 2 x 4)."""
+KEY_MAXNREG = 128
+"""Registers per thread of the default key programs. Uncapped the key pass takes about 221 (ncu,
+results/attention/h200_ncu_v8.json): 2 programs of 4 warps per SM; at 128, 4 fit, for a few spilled words.
+The H200 sweep (results/attention/h200_regs_v1.json) timed it faster than uncapped or at 168."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class KeyConfig:
 def key_config(grid: tuple[int, int, int]) -> KeyConfig:
     """Default key tiles for a (T, H, W) grid: KEY_TILE_KEYS keys, grown by doubling x, y, t in
     turn while an axis tile stays within the grid's next power of two (4 x 4 x 4 on a large grid,
-    1 x 8 x 8 on one frame); 128 entries per block (64 in the interpreter) and 4 warps."""
+    1 x 8 x 8 on one frame); 128 entries per block (64 in the interpreter), 4 warps, KEY_MAXNREG registers."""
     tile, limits = [1, 1, 1], [triton.next_power_of_2(s) for s in grid]
     while tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS:
         grown = False
@@ -96,7 +100,7 @@ def key_config(grid: tuple[int, int, int]) -> KeyConfig:
                 grown = True
         if not grown:
             break
-    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 128, num_warps=4)
+    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 128, num_warps=4, maxnreg=KEY_MAXNREG)
 
 
 def padded_x(tile: tuple[int, int, int]) -> int:

@@ -127,6 +127,19 @@ def split_launch_config(n_tokens: int, head_dim: int, num_warps: int = 2) -> Lau
     return launch_config(n_tokens, head_dim, SPLIT_WARP_ELEMENTS * num_warps, num_warps)
 
 
+QUERY_MAXNREG = 128
+"""Registers per thread of the backward query pass's default launch (`query_launch_config`). Uncapped it
+takes about 168 (ncu, results/attention/h200_ncu_v8.json), which leaves 6 programs of 2 warps on an SM; at
+128 ptxas spills a few words and 8 fit. The H200 sweep (results/attention/h200_regs_v1.json) timed the
+capped pass faster; 96 spills enough to be slower."""
+
+
+def query_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
+    """The backward query pass's default tiles: `split_launch_config`'s, registers capped at QUERY_MAXNREG
+    (which the interpreter ignores)."""
+    return replace(split_launch_config(n_tokens, head_dim), maxnreg=QUERY_MAXNREG)
+
+
 FORWARD_BLOCK_Y = 4
 """Rows of the query patch of the fused forward's default launch (`forward_launch_config`)."""
 
@@ -345,7 +358,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     dout = dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
-    cfg = config or split_launch_config(N, d)
+    cfg = config or query_launch_config(N, d)
     key_cfg = key_config or binned.key_config((T, H, W))
     group = heads_per_group(B, N, heads, K, scratch_bytes)
     tiles = math.prod(binned.tiles_per_axis((T, H, W), key_cfg.tile))
