@@ -258,23 +258,23 @@ def offset_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda ro
     return rows
 
 
-def key_tile(grid) -> tuple[int, int, int]:
+def key_tile(grid, head_dim: int) -> tuple[int, int, int]:
     """The fused backward's default key tile on a (T, H, W) grid (`binned.key_config`)."""
     from megaslide.attention.dsa import binned
-    return binned.key_config(tuple(grid)).tile
+    return binned.key_config(tuple(grid), head_dim).tile
 
 
 def tile_rows(grid, heads: int, head_dims) -> list[dict]:
-    """The fused DSA kernels' tiles on a (T, H, W) grid per head dim: `kernels.launch_config` (query
-    pass and zero-offset kernels) and the forward's patch rows (`kernels.forward_launch_config`), the
-    backward's key tiles (`binned.key_config`) and heads per backward launch (`kernels.heads_per_group`,
-    batch 1)."""
+    """The fused DSA kernels' default launches on a (T, H, W) grid per head dim: the forward
+    (`kernels.forward_launch_config`), the backward's query pass (`kernels.query_launch_config`), its key
+    tiles (`binned.key_config`), heads per backward launch (`kernels.heads_per_group`, batch 1) and the
+    zero-offset kernels (`kernels.launch_config`)."""
     from megaslide.attention.dsa import binned, kernels
-    n_tokens, keys = math.prod(grid), binned.key_config(grid)
-    return [{"head_dim": d, **asdict(kernels.launch_config(n_tokens, d)),
-             "forward_block_y": kernels.forward_launch_config(n_tokens, d).block_y,
-             "bwd_key_tile": list(keys.tile),
-             "bwd_block_e": keys.block_e, "bwd_key_warps": keys.num_warps,
+    n_tokens = math.prod(grid)
+    return [{"head_dim": d, "forward": asdict(kernels.forward_launch_config(n_tokens, d)),
+             "query_pass": asdict(kernels.query_launch_config(n_tokens, d)),
+             "key_pass": asdict(binned.key_config(tuple(grid), d)),
+             "zero_offset": asdict(kernels.launch_config(n_tokens, d)),
              "bwd_heads_per_launch": kernels.heads_per_group(1, n_tokens, heads, math.prod(KERNEL))}
             for d in sorted(set(head_dims))]
 
@@ -418,7 +418,7 @@ def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | 
     n_t, K, elem = math.prod(target_grid), math.prod(KERNEL), torch.finfo(dtype).bits // 8
     fused = by.get("dsa_fused")
     bounds = [{"bound": "idealised roofline", **dsa_roofline(n_t, heads, d, K, elem, ceil)},
-              {"bound": "gather bound", **gather_bound(n_t, heads, d, K, elem, ceil, key_tile(target_grid))}]
+              {"bound": "gather bound", **gather_bound(n_t, heads, d, K, elem, ceil, key_tile(target_grid, d))}]
     for b in bounds:
         if fused and "ms" in b:
             b["fused_fraction"] = b["ms"] / fused["ms"]

@@ -221,7 +221,7 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     sweep = {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
              "default_config": asdict(default),
              "forward_default_config": asdict(kernels.forward_launch_config(T * H * W, d)),
-             "default_key_config": asdict(binned.key_config((T, H, W))),
+             "default_key_config": asdict(binned.key_config((T, H, W), d)),
              "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
              "key_configs": key_rows}
     for candidate in candidates:
@@ -336,7 +336,7 @@ def check(cfg: GpuCheckConfig) -> int:
         from megaslide.attention.dsa import binned
         jobs += [lambda k=k, d=dtype: check_case(key_case, d, device, "dsa", k)
                  for k in checked_key_configs(cfg.smoke, cfg.key_candidates) for dtype in dtypes]
-        overflow = replace(binned.key_config(key_case.shape[1:4]), capacity=OVERFLOW_CAPACITY)
+        overflow = replace(binned.key_config(key_case.shape[1:4], key_case.shape[-1]), capacity=OVERFLOW_CAPACITY)
         jobs += [lambda d=dtype: check_case(key_case, d, device, "dsa", overflow) for dtype in dtypes]
     candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
     if cfg.sweep:  # every query block the sweep times, checked on one case of each op

@@ -100,14 +100,15 @@ def test_axes_of_one_token():
 
 def test_default_key_tiles_through_the_op():
     """The op's default key tiles and entry blocks (key_config) on a multi-frame grid, bf16."""
-    assert binned.key_config((5, 6, 7)).tile == (4, 4, 4)
-    assert binned.key_config((16, 128, 128)).tile == (4, 4, 4)
-    assert binned.key_config((16, 128, 128)).maxnreg == binned.KEY_MAXNREG
-    assert binned.key_config((1, 6, 300)).tile == (1, 8, 8)
-    assert binned.key_config((2, 64, 64)).tile == (2, 4, 8)
-    assert binned.key_config((1, 1, 5)).tile == (1, 1, 8)
-    assert_backward_matches((1, 5, 6, 7, 1, 16), (3, 3, 3), torch.bfloat16, binned.key_config((5, 6, 7)).tile,
-                            binned.key_config((5, 6, 7)).block_e)
+    assert binned.key_config((5, 6, 7), 16).tile == (4, 4, 4)
+    assert binned.key_config((16, 128, 128), 64).tile == (4, 4, 4)
+    assert binned.key_config((16, 128, 128), 64).maxnreg == binned.KEY_MAXNREG
+    assert binned.key_config((16, 128, 128), 80).maxnreg is None  # block_d 128: uncapped (kernels.capped_registers)
+    assert binned.key_config((1, 6, 300), 64).tile == (1, 8, 8)
+    assert binned.key_config((2, 64, 64), 64).tile == (2, 4, 8)
+    assert binned.key_config((1, 1, 5), 64).tile == (1, 1, 8)
+    assert_backward_matches((1, 5, 6, 7, 1, 16), (3, 3, 3), torch.bfloat16, binned.key_config((5, 6, 7), 16).tile,
+                            binned.key_config((5, 6, 7), 16).block_e)
 
 
 def clamped_positions(offsets: torch.Tensor, kernel_size) -> torch.Tensor:

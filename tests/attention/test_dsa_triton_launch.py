@@ -115,8 +115,8 @@ def test_int64_row_offsets_give_the_same_bits(monkeypatch):
 def test_forward_default_takes_patches_on_the_gpu_only(monkeypatch):
     """The forward's default launch (`forward_launch_config`): on a GPU, a 4-row patch of the split-row
     kernels' 4 warps of SPLIT_WARP_ELEMENTS where BLOCK_Q leaves it at least 4 wide, rows under the
-    interpreter; the query pass (`query_launch_config`: `split_launch_config`'s tiles, registers capped) and
-    the zero-offset kernels (`launch_config`, LAUNCH_ELEMENTS) keep rows; only the query pass caps registers."""
+    interpreter; the query pass (`query_launch_config`: `split_launch_config`'s tiles) and the zero-offset
+    kernels (`launch_config`, LAUNCH_ELEMENTS) keep rows; only the query pass caps registers, at block_d <= 64."""
     assert kernels.forward_launch_config(262144, 64) == kernels.launch_config(262144, 64)   # interpreted here
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     dims = (8, 16, 64, 80, 128, 256)
@@ -132,7 +132,8 @@ def test_forward_default_takes_patches_on_the_gpu_only(monkeypatch):
     assert all(c.block_y == 1 for c in split.values()) and all(kernels.launch_config(262144, d).block_y == 1
                                                                 for d in dims)
     query = {d: kernels.query_launch_config(262144, d) for d in dims}
-    assert all(c == replace(split[d], maxnreg=kernels.QUERY_MAXNREG) for d, c in query.items())
+    assert all(c == replace(split[d], maxnreg=kernels.QUERY_MAXNREG if d <= 64 else None)
+               for d, c in query.items())   # capped where block_d <= MAXNREG_HEAD_DIM
     assert all(c.maxnreg is None for c in (*got.values(), *split.values()))
     assert all(kernels.launch_config(262144, d).maxnreg is None for d in dims)
 

@@ -186,5 +186,8 @@ def test_tiles_at_the_target_grid():
     assert [t["head_dim"] for t in tiles] == [64, 128]
     # the backward's scratch within 1 GiB: 262144 x (64 x 27 + 12) bytes = 456 MB per head, whatever d
     assert [t["bwd_heads_per_launch"] for t in tiles] == [2, 2]
-    assert all(t["bwd_key_tile"] == [4, 4, 4] for t in tiles)
-    assert all({"block_q", "block_d", "num_warps", "forward_block_y", "bwd_block_e"} <= t.keys() for t in tiles)
+    assert all(t["key_pass"]["tile"] == (4, 4, 4) for t in tiles)
+    assert all({"block_q", "block_d", "num_warps", "block_y", "maxnreg"} <= t[launch].keys()
+               for t in tiles for launch in ("forward", "query_pass", "zero_offset"))
+    # registers capped at block_d 64 only (kernels.capped_registers)
+    assert [(t["query_pass"]["maxnreg"], t["key_pass"]["maxnreg"]) for t in tiles] == [(128, 128), (None, None)]

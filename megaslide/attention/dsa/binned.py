@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block,
-                                             _window_start, query_programs)
+                                             _window_start, capped_registers, query_programs)
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_dot, _split_zeros, _store_split,
                                           _token_rows, row_flags)
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
@@ -87,10 +87,11 @@ class KeyConfig:
     maxnreg: int | None = None
 
 
-def key_config(grid: tuple[int, int, int]) -> KeyConfig:
-    """Default key tiles for a (T, H, W) grid: KEY_TILE_KEYS keys, grown by doubling x, y, t in
+def key_config(grid: tuple[int, int, int], head_dim: int) -> KeyConfig:
+    """Default key tiles for a (T, H, W) grid and head dim d: KEY_TILE_KEYS keys, grown by doubling x, y, t in
     turn while an axis tile stays within the grid's next power of two (4 x 4 x 4 on a large grid,
-    1 x 8 x 8 on one frame); 128 entries per block (64 in the interpreter), 4 warps, KEY_MAXNREG registers."""
+    1 x 8 x 8 on one frame); 128 entries per block (64 in the interpreter), 4 warps, KEY_MAXNREG registers
+    where `kernels.capped_registers` allows."""
     tile, limits = [1, 1, 1], [triton.next_power_of_2(s) for s in grid]
     while tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS:
         grown = False
@@ -100,7 +101,8 @@ def key_config(grid: tuple[int, int, int]) -> KeyConfig:
                 grown = True
         if not grown:
             break
-    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 128, num_warps=4, maxnreg=KEY_MAXNREG)
+    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 128, num_warps=4,
+                     maxnreg=capped_registers(head_dim, KEY_MAXNREG))
 
 
 def padded_x(tile: tuple[int, int, int]) -> int:

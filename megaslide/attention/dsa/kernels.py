@@ -132,12 +132,21 @@ QUERY_MAXNREG = 128
 takes about 168 (ncu, results/attention/h200_ncu_v8.json), which leaves 6 programs of 2 warps on an SM; at
 128 ptxas spills a few words and 8 fit. The H200 sweep (results/attention/h200_regs_v1.json) timed the
 capped pass faster; 96 spills enough to be slower."""
+MAXNREG_HEAD_DIM = 64
+"""The widest block_d whose default launches cap registers (QUERY_MAXNREG, binned.KEY_MAXNREG): the caps were
+timed at 64; at 128 the key pass's dK / dV tiles alone take 128 registers a thread, and the capped module
+ran far slower (results/attention/h200_kernels_v14.json)."""
+
+
+def capped_registers(head_dim: int, maxnreg: int) -> int | None:
+    """maxnreg for a default launch at head dim d: the cap up to MAXNREG_HEAD_DIM, else None (uncapped)."""
+    return maxnreg if head_dim_block(head_dim) <= MAXNREG_HEAD_DIM else None
 
 
 def query_launch_config(n_tokens: int, head_dim: int) -> LaunchConfig:
     """The backward query pass's default tiles: `split_launch_config`'s, registers capped at QUERY_MAXNREG
-    (which the interpreter ignores)."""
-    return replace(split_launch_config(n_tokens, head_dim), maxnreg=QUERY_MAXNREG)
+    where `capped_registers` allows (the interpreter ignores the cap)."""
+    return replace(split_launch_config(n_tokens, head_dim), maxnreg=capped_registers(head_dim, QUERY_MAXNREG))
 
 
 FORWARD_BLOCK_Y = 4
@@ -359,7 +368,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
     cfg = config or query_launch_config(N, d)
-    key_cfg = key_config or binned.key_config((T, H, W))
+    key_cfg = key_config or binned.key_config((T, H, W), d)
     group = heads_per_group(B, N, heads, K, scratch_bytes)
     tiles = math.prod(binned.tiles_per_axis((T, H, W), key_cfg.tile))
     records_bound = B * group * N * K * MAX_TILES_PER_ENTRY
