@@ -95,11 +95,20 @@ SMOKE_LAUNCHES = [(16, 1), (16, 1, 4, 128)]  # rows of queries; 4 x 4 query patc
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
 
+def candidate_fields(candidate, required: int, defaults: tuple, parameter: str) -> tuple:
+    """A sweep candidate's fields: its `required` leading ones, then the optional ones it gives, the rest
+    from `defaults`. A candidate of another length is refused, naming the config key `parameter`."""
+    if not required <= len(candidate) <= required + len(defaults):
+        raise ValueError(f"{parameter}: candidate {list(candidate)} needs {required} to {required + len(defaults)} "
+                         f"integers (see experiments/conf/gpu_check_dsa.yaml)")
+    return (*candidate, *defaults[len(candidate) - required:])
+
+
 def key_of(candidate):
     """The binned.KeyConfig of a key candidate [t, y, x, BLOCK_E, warps] or [t, y, x, BLOCK_E, warps, maxnreg]
     (key tiles of t x y x tokens; maxnreg 0 or left out: the compiler's register count)."""
     from megaslide.attention.dsa import binned
-    t, y, x, block_e, num_warps, maxnreg = (*candidate, 0)[:6]
+    t, y, x, block_e, num_warps, maxnreg = candidate_fields(candidate, 5, (0,), "key_candidates")
     return binned.KeyConfig(tile=(t, y, x), block_e=block_e, num_warps=num_warps, maxnreg=maxnreg or None)
 
 
@@ -199,8 +208,8 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
 
 def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]],
                          key_candidates: list[list[int]], on_row: Callable[[dict], None] = lambda sweep: None) -> dict:
-    """Forward and backward times of candidate tiles (BLOCK_Q, warps[, block_y[, maxnreg]]):
-    `launch_of`), for the general kernels (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms,
+    """Forward and backward times of candidate tiles ([BLOCK_Q, warps[, block_y[, maxnreg]]], `launch_of`),
+    for the general kernels (bf16, offsets U(-4, 4)) and the zero-offset kernels (zero_fwd_ms,
     zero_bwd_ms), then of the backward's key configs (`swept_key_configs`) with each
     kernel's profiled time. `on_row(sweep)` gets the sweep so far after each timed row, so a run cut short
     keeps what it timed."""
@@ -221,6 +230,7 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     sweep = {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
              "default_config": asdict(default),
              "forward_default_config": asdict(kernels.forward_launch_config(T * H * W, d)),
+             "query_default_config": asdict(kernels.query_launch_config(T * H * W, d)),
              "default_key_config": asdict(binned.key_config((T, H, W), d)),
              "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
              "key_configs": key_rows}
@@ -261,7 +271,7 @@ def launch_of(candidate, head_dim: int):
     patches of block_y rows; 1 when left out) or [BLOCK_Q, warps, block_y, maxnreg] (0: the compiler's
     register count) at head dim d."""
     from megaslide.attention.dsa import kernels
-    block_q, num_warps, block_y, maxnreg = (*candidate, *(1, 0)[len(candidate) - 2:])
+    block_q, num_warps, block_y, maxnreg = candidate_fields(candidate, 2, (1, 0), "launch_candidates")
     return kernels.LaunchConfig(block_q=block_q, block_d=kernels.head_dim_block(head_dim),
                                 num_warps=num_warps, block_y=block_y, maxnreg=maxnreg or None)
 
@@ -295,7 +305,8 @@ def print_tables(rows: list[dict], sweep: dict | None) -> None:
         print(f"{r['case']:34s} {r['op']:8s} {r['dtype']:5s} {cells}  {verdict}{deterministic}")
     if sweep:
         print(f"\nlaunch configs at {sweep['shape']} {sweep['dtype']} K={math.prod(sweep['kernel_size'])} "
-              f"(default {sweep['default_config']}, forward {sweep['forward_default_config']}; "
+              f"(zero-offset default {sweep['default_config']}, forward {sweep['forward_default_config']}, "
+              f"query pass {sweep['query_default_config']}; "
               f"HBM copy {sweep['hbm_copy_gbps']:.0f} GB/s)")
         print(f"{'block_q':>7s} {'y':>2s} {'warps':>5s} {'regs':>4s} {'fwd ms':>9s} {'bwd ms':>9s} {'query ms':>9s} "
               f"{'fwd+bwd ms':>11s} {'zero fwd ms':>12s} {'zero bwd ms':>12s}")
@@ -339,11 +350,12 @@ def check(cfg: GpuCheckConfig) -> int:
         overflow = replace(binned.key_config(key_case.shape[1:4], key_case.shape[-1]), capacity=OVERFLOW_CAPACITY)
         jobs += [lambda d=dtype: check_case(key_case, d, device, "dsa", overflow) for dtype in dtypes]
     candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
+    launches = [launch_of(c, key_case.shape[-1]) for c in candidates]  # a malformed candidate fails here, first
     if cfg.sweep:  # every query block the sweep times, checked on one case of each op
-        jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o,
-                                                       launch=launch_of(c, key_case.shape[-1]))
-                 for c in candidates for op in cfg.ops for dtype in dtypes]
-    timings = len(candidates) + len(swept_key_configs(cfg.smoke, cfg.key_candidates)) if cfg.sweep else 0   # the rows the sweep will time
+        jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o, launch=c)
+                 for c in launches for op in cfg.ops for dtype in dtypes]
+    # the rows the sweep will time
+    timings = len(candidates) + len(swept_key_configs(cfg.smoke, cfg.key_candidates)) if cfg.sweep else 0
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels
     rows: list[dict] = []
 

@@ -62,3 +62,7 @@ def test_sweep_candidates_parse_with_their_defaults():
     keys = [gpu_check.key_of(c) for c in ([4, 4, 4, 128, 4], [2, 2, 4, 64, 2, 168], [1, 2, 4, 16, 1, 0])]
     assert [(k.tile, k.block_e, k.num_warps, k.maxnreg) for k in keys] == [
         ((4, 4, 4), 128, 4, None), ((2, 2, 4), 64, 2, 168), ((1, 2, 4), 16, 1, None)]
+    with pytest.raises(ValueError, match="launch_candidates"):
+        gpu_check.launch_of([16], 64)
+    with pytest.raises(ValueError, match="key_candidates"):
+        gpu_check.key_of([4, 4, 4, 128, 4, 128, 1])
