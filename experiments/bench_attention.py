@@ -16,12 +16,17 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   how far samples spread;
 - sweep: `sweep_variants` on 1080p latents (8x VAE, patch 2: 68 x 120 tokens per latent frame) at
   `frames` latent frames, for the log-log slope of time against tokens;
+- gather: the gather floor (`megaslide.attention.dsa.gather_floor`): a kernel that makes only the fused
+  forward's corner-row loads (the same launch, positions and rows; the backward's query pass makes the same
+  loads again), timed at the target grid in both row layouts at +-4 and at each of `offset_bounds`, after a
+  check against the reference on a small grid (`gather_check`);
 - tiles: the fused kernels' launch configuration per head dim at the target grid;
 - summary / targets: each target of the issue beside its measured figure; `met` is computed from
   the data (`target_row`).
 Every cell is timed `repeats` (at least 5) times after one warm-up: median and min / max / std in
 ms, and its peak memory. The same run measures the ceilings (HBM copy, L2-resident copy, bf16
-matmul) for two bounds on the fused kernel: the idealised roofline and the gather bound.
+matmul) for two modelled bounds on the fused kernel, the idealised roofline and the gather bound; the gather
+floor is a third, measured one.
 Configuration: experiments/conf/bench_attention.yaml.
 
     python -m experiments.bench_attention                  # GPU sweep -> results/attention/sweep.json
@@ -258,6 +263,44 @@ def offset_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda ro
     return rows
 
 
+def gather_check(device) -> dict:
+    """The gather-floor kernel against its reference (the op with q = 0, float64) on a small odd grid, fp32,
+    both layouts: max abs error and pass / fail (1e-4, fp32 accumulation of 432 rows). CUDA only."""
+    from megaslide.attention.dsa import gather_floor
+    g = torch.Generator(device=device).manual_seed(1)
+    shape, K = (1, 5, 9, 11, 2, 64), math.prod(KERNEL)
+    k, v = (torch.randn(shape, generator=g, device=device) for _ in range(2))
+    off = 4 * (2 * torch.rand(*shape[:5], K, 3, generator=g, device=device) - 1)
+    k64 = k.double()
+    want = K * deformable_slide_attention(torch.zeros_like(k64), k64, k64 + v.double(), off.double(), KERNEL,
+                                          backend="reference")
+    errors = {layout: (gather_floor.gathered_sum(k, v, off, KERNEL, layout).double() - want).abs().max().item()
+              for layout in gather_floor.LAYOUTS}
+    return {"shape": list(shape), "max_abs_error": errors, "passed": all(e <= 1e-4 for e in errors.values())}
+
+
+def gather_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda rows: None):
+    """The gather floor at `grid`: `gathered_sum` in each row layout with offsets uniform in +-b for b = 4
+    (the targets') and each of `bounds`, at the forward's default launch. Skipped on CPU."""
+    from megaslide.attention.dsa.gather_floor import LAYOUTS, gathered_sum
+    rows = []
+    for bound in dict.fromkeys([4.0, *bounds]):
+        for layout in LAYOUTS:
+            def setup(bound=bound, layout=layout):
+                _, k, v, off = (x.detach() for x in make_inputs(grid, heads, d, math.prod(KERNEL), dtype, device,
+                                                                bound))
+                return lambda: gathered_sum(k, v, off, KERNEL, layout)
+            row = {"variant": f"gather_{layout}", "max_offset": bound, "grid": list(grid), "tokens": math.prod(grid)}
+            if device.type != "cuda":
+                row["status"] = "skipped: Triton kernels need CUDA"
+            else:
+                row.update(measure(setup, repeats, device))
+            rows.append(row)
+            on_row(rows)
+            _print_row(row)
+    return rows
+
+
 def key_tile(grid, head_dim: int) -> tuple[int, int, int]:
     """The fused backward's default key tile on a (T, H, W) grid (`binned.key_config`)."""
     from megaslide.attention.dsa import binned
@@ -408,10 +451,19 @@ def targets(target, modules, rows, baseline: dict | None) -> list[dict]:
     return lines
 
 
+def gather_floor_bound(gather) -> dict | None:
+    """The measured gather floor of fused DSA fwd+bwd: the forward and the backward's query pass each make the
+    loads that `gathered_sum` makes (split rows, offsets in +-4, the targets'), so `ms` is twice its time
+    (binning and the key pass not counted); None where it was not timed."""
+    floor = _ok(gather, variant="gather_split", max_offset=4.0)
+    return floor and {"bound": "gather floor (measured)", "forward_ms": floor["ms"], "ms": 2 * floor["ms"]}
+
+
 def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | None = None,
-              modules=(), baseline: dict | None = None) -> dict:
-    """The headline numbers: the fused kernel at the target grid against the others, its two bounds (a
-    table: the idealised roofline and the gather bound, each with the fused time's fraction of it),
+              modules=(), baseline: dict | None = None, gather=()) -> dict:
+    """The headline numbers: the fused kernel at the target grid against the others, its bounds (a
+    table: the idealised roofline, the gather bound and, where `gather` rows were timed, the measured
+    gather floor, each with the fused time's fraction of it; the floor also with the forward's),
     speed-ups at the largest common N, each variant's log-log slope of time vs N and the target lines
     (a table). `hbm_gb` (the device's memory) bounds the reference's peak where it ran out of memory."""
     by = {r["variant"]: r for r in target if r.get("status") == "ok"}
@@ -419,6 +471,11 @@ def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | 
     fused = by.get("dsa_fused")
     bounds = [{"bound": "idealised roofline", **dsa_roofline(n_t, heads, d, K, elem, ceil)},
               {"bound": "gather bound", **gather_bound(n_t, heads, d, K, elem, ceil, key_tile(target_grid, d))}]
+    floor = gather_floor_bound(gather)
+    if floor:
+        bounds.append(floor)
+        if "dsa_fused_fwd" in by:
+            floor["forward_fraction"] = floor["forward_ms"] / by["dsa_fused_fwd"]["ms"]
     for b in bounds:
         if fused and "ms" in b:
             b["fused_fraction"] = b["ms"] / fused["ms"]
@@ -511,15 +568,20 @@ def main(hydra_cfg: DictConfig) -> None:
     modules = module_rows(target_grid, heads, cfg.module_head_dims, device, repeats, on_row=save("module"))
     print("offset spread", flush=True)
     spread = offset_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, on_row=save("offsets"))
+    print("gather floor", flush=True)
+    checks = {"gather_check": gather_check(device)} if device.type == "cuda" else {}
+    print(checks, flush=True)
+    gather = gather_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, on_row=save("gather"))
     print("sweep", flush=True)
     rows = sweep(sweep_grids, cfg.sweep_variants, heads, d, dtype, device, repeats,
                  dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
     hbm_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
     summary = summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb, modules,
-                        load_baseline(cfg.baseline))
+                        load_baseline(cfg.baseline), gather)
 
-    payload = {"config": config, "ceilings": ceil, "summary": summary,
-               "tables": {**tables, "target": target, "module": modules, "offsets": spread, "sweep": rows}}
+    payload = {"config": config, "ceilings": ceil, **checks, "summary": summary,
+               "tables": {**tables, "target": target, "module": modules, "offsets": spread, "gather": gather,
+                          "sweep": rows}}
     images = {}
     if not cfg.smoke:
         images["time and memory vs tokens"] = plot(rows, str(run.result_path.parent / name))

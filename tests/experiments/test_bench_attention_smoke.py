@@ -38,6 +38,11 @@ def test_bench_attention_smoke(tmp_path):
     # the offset-spread rows: both fused variants at each bound of the config, skipped on CPU
     assert [(r["variant"], r["max_offset"], r["status"]) for r in data["tables"]["offsets"]] == [
         (v, b, "skipped: Triton kernels need CUDA") for b in (0.5, 1.0, 2.0) for v in ("dsa_fused", "dsa_fused_fwd")]
+    # the gather floor: both layouts at +-4 and at each bound, skipped on CPU, and no GPU check
+    assert [(r["variant"], r["max_offset"], r["status"]) for r in data["tables"]["gather"]] == [
+        (f"gather_{layout}", b, "skipped: Triton kernels need CUDA") for b in (4.0, 0.5, 1.0, 2.0)
+        for layout in ("split", "full")]
+    assert "gather_check" not in data and len(data["summary"]["bounds"]) == 2
     # the modules' attend (offset net + op) at the target grid, CPU backends
     assert [(r["variant"], r["head_dim"], r["heads"], r["backend"]) for r in modules] == [
         ("dsa", 16, 2, "auto"), ("dsa_zero", 16, 2, "auto")]
@@ -120,6 +125,17 @@ def test_summary_of_known_rows():
     assert s["fused_loglog_slope"] == pytest.approx(1.0) and s["dense_loglog_slope"] == pytest.approx(2.0)
     assert s["swin_loglog_slope"] is None  # two sizes only
     assert "reference_oom_at_target_hbm_gb" not in s
+
+
+def test_summary_gather_floor_from_the_split_rows_at_the_targets_offsets():
+    target = [row("dsa_fused", 1000, 40.0), row("dsa_fused_fwd", 1000, 12.0)]
+    gather = [row("gather_split", 1000, 9.0, max_offset=4.0), row("gather_full", 1000, 6.0, max_offset=4.0),
+              row("gather_split", 1000, 7.0, max_offset=0.5)]
+    floor = summarise(target, [], (10, 10, 10), 2, 16, torch.bfloat16, CEIL, gather=gather)["bounds"][2]
+    assert floor == {"bound": "gather floor (measured)", "forward_ms": 9.0, "ms": 18.0,
+                     "forward_fraction": 0.75, "fused_fraction": 18.0 / 40.0}
+    skipped = [row("gather_split", 1000, None, "skipped: Triton kernels need CUDA", max_offset=4.0)]
+    assert len(summarise(target, [], (10, 10, 10), 2, 16, torch.bfloat16, CEIL, gather=skipped)["bounds"]) == 2
 
 
 def test_summary_bounds_the_reference_by_the_device_memory_where_it_ran_out():

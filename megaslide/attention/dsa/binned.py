@@ -56,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _axis_sample, _query_block,
-                                             _window_start, capped_registers, query_programs)
+from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _corner_axes, _query_block,
+                                             _sample_axes, _window_start, capped_registers, query_programs)
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_dot, _split_zeros, _store_split,
                                           _token_rows, row_flags)
 from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
@@ -146,14 +146,9 @@ def _query_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, dout_ptr, lse_ptr, dq_p
         for iy in range(KH):
             for ix in range(KW):
                 j = (it * KH + iy) * KW + ix
-                dt = tl.load(off_q + 3 * j).to(tl.float32)
-                dy = tl.load(off_q + 3 * j + 1).to(tl.float32)
-                dx = tl.load(off_q + 3 * j + 2).to(tl.float32)
-                t0, t1, ft, in_t, pos_t = _axis_sample(t_start, it, dt, T)
-                y0, y1, fy, in_y, pos_y = _axis_sample(y_start, iy, dy, H)
-                x0, x1, fx, in_x, pos_x = _axis_sample(x_start, ix, dx, W)
-                t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)
-                t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)
+                st, sy, sx = _sample_axes(off_q, j, (t_start, y_start, x_start), (it, iy, ix), (T, H, W))
+                t_idx, y_idx, x_idx, t_w, y_w, x_w = _corner_axes(st, sy, sx)
+                in_t, pos_t, in_y, pos_y, in_x, pos_x = st[3], st[4], sy[3], sy[4], sx[3], sx[4]
 
                 # sampled key, <dO, sampled value> and, for the offset gradient, the position
                 # derivatives of <q, sampled key> and <dO, sampled value>

@@ -200,6 +200,27 @@ def _axis_sample(start, j, offset, size):
 
 
 @triton.jit
+def _sample_axes(off_q, j, starts, window, grid):
+    """`_axis_sample` along t, y and x of sample j (window index (it, iy, ix)) of a block of queries whose
+    offsets (3 per sample: dt, dy, dx, any float dtype) start at off_q (BQ,); starts: their window starts
+    (t, y, x), each (BQ,); grid: (T, H, W)."""
+    dt = tl.load(off_q + 3 * j).to(tl.float32)  # (BQ,)
+    dy = tl.load(off_q + 3 * j + 1).to(tl.float32)
+    dx = tl.load(off_q + 3 * j + 2).to(tl.float32)
+    return (_axis_sample(starts[0], window[0], dt, grid[0]), _axis_sample(starts[1], window[1], dy, grid[1]),
+            _axis_sample(starts[2], window[2], dx, grid[2]))
+
+
+@triton.jit
+def _corner_axes(st, sy, sx):
+    """From the `_axis_sample` results along t, y and x: the (lower, upper) neighbour indices along each axis,
+    then their (lower, upper) 1D weights: corner (ct, cy, cx) is token (t_idx[ct], y_idx[cy], x_idx[cx]) with
+    weight t_w[ct] * y_w[cy] * x_w[cx]."""
+    return ((st[0], st[1]), (sy[0], sy[1]), (sx[0], sx[1]),
+            (1.0 - st[2], st[2]), (1.0 - sy[2], sy[2]), (1.0 - sx[2], sx[2]))
+
+
+@triton.jit
 def _softmax_step(m_i, l_i, s):
     """One key of an online softmax: running max m_i and denominator l_i (BQ,) updated with scores s
     (BQ,) in log2 units. Returns the new max and denominator, the factor alpha (BQ,) that rescales the
@@ -283,14 +304,8 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
         for iy in range(KH):
             for ix in range(KW):
                 j = (it * KH + iy) * KW + ix
-                dt = tl.load(off_q + 3 * j).to(tl.float32)  # (BQ,)
-                dy = tl.load(off_q + 3 * j + 1).to(tl.float32)  # (BQ,)
-                dx = tl.load(off_q + 3 * j + 2).to(tl.float32)  # (BQ,)
-                t0, t1, ft, _, _ = _axis_sample(t_start, it, dt, T)
-                y0, y1, fy, _, _ = _axis_sample(y_start, iy, dy, H)
-                x0, x1, fx, _, _ = _axis_sample(x_start, ix, dx, W)
-                t_idx, y_idx, x_idx = (t0, t1), (y0, y1), (x0, x1)  # lower / upper neighbour
-                t_w, y_w, x_w = (1.0 - ft, ft), (1.0 - fy, fy), (1.0 - fx, fx)  # their 1D weights
+                st, sy, sx = _sample_axes(off_q, j, (t_start, y_start, x_start), (it, iy, ix), (T, H, W))
+                t_idx, y_idx, x_idx, t_w, y_w, x_w = _corner_axes(st, sy, sx)
 
                 k_sample = _split_zeros(BLOCK_Q, BLOCK_D)
                 v_sample = _split_zeros(BLOCK_Q, BLOCK_D)
