@@ -58,19 +58,33 @@ def _gathered_sum_kernel(k_ptr, v_ptr, off_ptr, out_ptr, T, H, W, HEADS, D, stri
                 j = (it * KH + iy) * KW + ix
                 st, sy, sx = _sample_axes(off_q, j, starts, (it, iy, ix), (T, H, W))
                 t_idx, y_idx, x_idx, t_w, y_w, x_w = _corner_axes(st, sy, sx)
+                # the sampled key and value in two accumulators, as the forward builds them, so that the 16 loads
+                # of a sample are as independent of each other as there
+                if SPLIT:
+                    k_sample = _split_zeros(BLOCK_Q, BLOCK_D)
+                    v_sample = _split_zeros(BLOCK_Q, BLOCK_D)
+                else:
+                    k_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                    v_sample = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
                 for ct in tl.static_range(2):
                     for cy in tl.static_range(2):
                         for cx in tl.static_range(2):
                             tok = (t_idx[ct] * H + y_idx[cy]) * W + x_idx[cx]  # (BQ,)
                             w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
                             if SPLIT:
-                                acc = _split_axpy(acc, w, _load_split(k_bh, tok, stride_tok, D, BLOCK_D, WIDE, EVEN_D))
-                                acc = _split_axpy(acc, w, _load_split(v_bh, tok, stride_tok, D, BLOCK_D, WIDE, EVEN_D))
+                                k_sample = _split_axpy(k_sample, w, _load_split(k_bh, tok, stride_tok, D, BLOCK_D, WIDE,
+                                                                                EVEN_D))
+                                v_sample = _split_axpy(v_sample, w, _load_split(v_bh, tok, stride_tok, D, BLOCK_D, WIDE,
+                                                                                EVEN_D))
                             else:
                                 rows = _token_rows(tok, stride_tok, cols, WIDE)  # (BQ, BD)
-                                kv = (_load_rows(k_bh + rows, col_ok, EVEN_D).to(tl.float32)
-                                      + _load_rows(v_bh + rows, col_ok, EVEN_D).to(tl.float32))  # (BQ, BD)
-                                acc += w[:, None] * kv
+                                k_sample += w[:, None] * _load_rows(k_bh + rows, col_ok, EVEN_D).to(tl.float32)
+                                v_sample += w[:, None] * _load_rows(v_bh + rows, col_ok, EVEN_D).to(tl.float32)
+                if SPLIT:
+                    acc = (acc[0] + k_sample[0] + v_sample[0], acc[1] + k_sample[1] + v_sample[1],
+                           acc[2] + k_sample[2] + v_sample[2], acc[3] + k_sample[3] + v_sample[3])
+                else:
+                    acc += k_sample + v_sample
     if SPLIT:
         _store_split(out_ptr + head_off, n, stride_tok, D, acc, q_valid, BLOCK_D, WIDE)
     else:
