@@ -5,6 +5,12 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each of the xdist workers (two on CI's two cores) computes on one thread: two intra-op threads per
+    # worker spin against the other worker's; the scripts the tests start inherit the setting
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 SCRIPT_SMOKE_DIR = Path(__file__).parent / "experiments"
 
