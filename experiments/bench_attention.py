@@ -18,8 +18,9 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   `frames` latent frames, for the log-log slope of time against tokens;
 - gather: the gather floor (`megaslide.attention.dsa.gather_floor`): a kernel that makes only the fused
   forward's corner-row loads (the same launch, positions and rows; the backward's query pass makes the same
-  loads again), timed at the target grid in both row layouts at +-4 and at each of `offset_bounds`, after a
-  check against the reference on a small grid (`gather_check`);
+  loads again), timed at the target grid in both row layouts at +-4 and at each of `offset_bounds` at the
+  forward's launch, and at +-4 and the smallest bound at each of `gather_launches`, after a check against
+  the reference on a small grid (`gather_check`);
 - tiles: the fused kernels' launch configuration per head dim at the target grid;
 - summary / targets: each target of the issue beside its measured figure; `met` is computed from
   the data (`target_row`).
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
+from experiments.gpu_check_dsa import launch_of
 from experiments.harness import (MIN_REPEATS, ExperimentRun, copy_gbps, deterministic_algorithms, matmul_tflops, timed,
                                 within_tolerance)
 from experiments.hydra_config import script_config, script_main
@@ -77,6 +79,7 @@ class BenchAttentionConfig:
     head_dim: int
     module_head_dims: list[int]
     offset_bounds: list[float]
+    gather_launches: list[list[int]]
     frames: list[int]
     variants: list[str]
     sweep_variants: list[str]
@@ -95,6 +98,7 @@ class BenchAttentionConfig:
                              "(offsets uniform in +-b)")
         if self.repeats < MIN_REPEATS:
             raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
+
 
 
 # ----------------------------------------------------------------------------- cells
@@ -279,22 +283,31 @@ def gather_check(device) -> dict:
     return {"shape": list(shape), "max_abs_error": errors, "passed": all(e <= 1e-4 for e in errors.values())}
 
 
-def gather_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda rows: None):
-    """The gather floor at `grid`: `gathered_sum` in each row layout with offsets uniform in +-b for b = 4
-    (the targets') and each of `bounds`, at the forward's default launch. Skipped on CPU."""
+def gather_rows(grid, heads, d, dtype, device, repeats, bounds, launches, on_row=lambda rows: None):
+    """The gather floor at `grid` (CUDA; on CPU one skipped row): `gathered_sum` in each row layout with offsets
+    uniform in +-b for b = 4 (the targets') and each of `bounds`, at the forward's default launch; then at +-4
+    and at the smallest bound at each of `launches` (kernels.LaunchConfig). Each row records its launch."""
+    n = math.prod(grid)
+    if device.type != "cuda":
+        rows = [{"variant": "gather", "grid": list(grid), "tokens": n, "status": "skipped: Triton kernels need CUDA"}]
+        on_row(rows)
+        return rows
     from megaslide.attention.dsa.gather_floor import LAYOUTS, gathered_sum
+    from megaslide.attention.dsa.kernels import forward_launch_config
+    default = forward_launch_config(n, d)
+    swept = [(b, default) for b in dict.fromkeys([4.0, *bounds])]
+    swept += [(b, launch) for b in dict.fromkeys([4.0, min([4.0, *bounds])])
+              for launch in dict.fromkeys(launches) if launch != default]
     rows = []
-    for bound in dict.fromkeys([4.0, *bounds]):
+    for bound, launch in swept:
         for layout in LAYOUTS:
-            def setup(bound=bound, layout=layout):
+            def setup(bound=bound, layout=layout, launch=launch):
                 _, k, v, off = (x.detach() for x in make_inputs(grid, heads, d, math.prod(KERNEL), dtype, device,
                                                                 bound))
-                return lambda: gathered_sum(k, v, off, KERNEL, layout)
-            row = {"variant": f"gather_{layout}", "max_offset": bound, "grid": list(grid), "tokens": math.prod(grid)}
-            if device.type != "cuda":
-                row["status"] = "skipped: Triton kernels need CUDA"
-            else:
-                row.update(measure(setup, repeats, device))
+                return lambda: gathered_sum(k, v, off, KERNEL, layout, launch)
+            row = {"variant": f"gather_{layout}", "max_offset": bound, "launch": asdict(launch),
+                   "default_launch": launch == default, "grid": list(grid), "tokens": n}
+            row.update(measure(setup, repeats, device))
             rows.append(row)
             on_row(rows)
             _print_row(row)
@@ -453,10 +466,15 @@ def targets(target, modules, rows, baseline: dict | None) -> list[dict]:
 
 def gather_floor_bound(gather) -> dict | None:
     """The measured gather floor of fused DSA fwd+bwd: the forward and the backward's query pass each make the
-    loads that `gathered_sum` makes (split rows, offsets in +-4, the targets'), so `ms` is twice its time
-    (binning and the key pass not counted); None where it was not timed."""
-    floor = _ok(gather, variant="gather_split", max_offset=4.0)
-    return floor and {"bound": "gather floor (measured)", "forward_ms": floor["ms"], "ms": 2 * floor["ms"]}
+    loads that `gathered_sum` makes, so `ms` is twice the fastest gathered_sum at the targets' offsets (+-4)
+    over the timed layouts and launches (binning and the key pass not counted); `layout` and `launch` say
+    which. None where none was timed."""
+    timed = [r for r in gather if r.get("status") == "ok" and r["max_offset"] == 4.0]
+    if not timed:
+        return None
+    floor = min(timed, key=lambda r: r["ms"])
+    return {"bound": "gather floor (measured)", "layout": floor["variant"].removeprefix("gather_"),
+            "launch": floor.get("launch"), "forward_ms": floor["ms"], "ms": 2 * floor["ms"]}
 
 
 def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | None = None,
@@ -545,6 +563,8 @@ def main(hydra_cfg: DictConfig) -> None:
     else:
         sweep_grids, target_grid = [(f, 68, 120) for f in cfg.frames], (16, 128, 128)
 
+    # the gather floor's launches, parsed (and a malformed one refused) before any GPU work
+    launches = [launch_of(c, d, "gather_launches") for c in cfg.gather_launches] if device.type == "cuda" else []
     ceil = ceilings(device)
     print(f"device {device}, dtype {dtype}, ceilings {ceil}", flush=True)
     name = cfg.name or ("smoke" if cfg.smoke else "sweep")
@@ -571,7 +591,8 @@ def main(hydra_cfg: DictConfig) -> None:
     print("gather floor", flush=True)
     checks = {"gather_check": gather_check(device)} if device.type == "cuda" else {}
     print(checks, flush=True)
-    gather = gather_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, on_row=save("gather"))
+    gather = gather_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, launches,
+                         on_row=save("gather"))
     print("sweep", flush=True)
     rows = sweep(sweep_grids, cfg.sweep_variants, heads, d, dtype, device, repeats,
                  dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))

@@ -100,7 +100,7 @@ def candidate_fields(candidate, required: int, defaults: tuple, parameter: str) 
     from `defaults`. A candidate of another length is refused, naming the config key `parameter`."""
     if not required <= len(candidate) <= required + len(defaults):
         raise ValueError(f"{parameter}: candidate {list(candidate)} needs {required} to {required + len(defaults)} "
-                         f"integers (see experiments/conf/gpu_check_dsa.yaml)")
+                         f"integers (see its script's yaml under experiments/conf/)")
     return (*candidate, *defaults[len(candidate) - required:])
 
 
@@ -266,12 +266,12 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     return sweep
 
 
-def launch_of(candidate, head_dim: int):
+def launch_of(candidate, head_dim: int, parameter: str = "launch_candidates"):
     """The kernels.LaunchConfig of a sweep candidate [BLOCK_Q, warps], [BLOCK_Q, warps, block_y] (query
     patches of block_y rows; 1 when left out) or [BLOCK_Q, warps, block_y, maxnreg] (0: the compiler's
-    register count) at head dim d."""
+    register count) at head dim d. A malformed candidate is refused naming `parameter`, the config key."""
     from megaslide.attention.dsa import kernels
-    block_q, num_warps, block_y, maxnreg = candidate_fields(candidate, 2, (1, 0), "launch_candidates")
+    block_q, num_warps, block_y, maxnreg = candidate_fields(candidate, 2, (1, 0), parameter)
     return kernels.LaunchConfig(block_q=block_q, block_d=kernels.head_dim_block(head_dim),
                                 num_warps=num_warps, block_y=block_y, maxnreg=maxnreg or None)
 

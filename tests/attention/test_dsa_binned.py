@@ -20,7 +20,7 @@ from tests.helpers import builds_for_sm90
 
 from megaslide.attention.dsa import binned  # noqa: E402  (after test_dsa_triton set TRITON_INTERPRET)
 
-if not binned.INTERPRETED or binned._axis_sample is not kernels._axis_sample:  # built before the interpreter
+if not binned.INTERPRETED or binned._sample_axes is not kernels._sample_axes:  # built before the interpreter
     binned = importlib.reload(binned)
 
 F64 = torch.float64

@@ -38,10 +38,9 @@ def test_bench_attention_smoke(tmp_path):
     # the offset-spread rows: both fused variants at each bound of the config, skipped on CPU
     assert [(r["variant"], r["max_offset"], r["status"]) for r in data["tables"]["offsets"]] == [
         (v, b, "skipped: Triton kernels need CUDA") for b in (0.5, 1.0, 2.0) for v in ("dsa_fused", "dsa_fused_fwd")]
-    # the gather floor: both layouts at +-4 and at each bound, skipped on CPU, and no GPU check
-    assert [(r["variant"], r["max_offset"], r["status"]) for r in data["tables"]["gather"]] == [
-        (f"gather_{layout}", b, "skipped: Triton kernels need CUDA") for b in (4.0, 0.5, 1.0, 2.0)
-        for layout in ("split", "full")]
+    # the gather floor needs CUDA: one skipped row, and no GPU check
+    assert [(r["variant"], r["status"]) for r in data["tables"]["gather"]] == [
+        ("gather", "skipped: Triton kernels need CUDA")]
     assert "gather_check" not in data and len(data["summary"]["bounds"]) == 2
     # the modules' attend (offset net + op) at the target grid, CPU backends
     assert [(r["variant"], r["head_dim"], r["heads"], r["backend"]) for r in modules] == [
@@ -127,13 +126,14 @@ def test_summary_of_known_rows():
     assert "reference_oom_at_target_hbm_gb" not in s
 
 
-def test_summary_gather_floor_from_the_split_rows_at_the_targets_offsets():
+def test_summary_gather_floor_is_the_fastest_gather_at_the_targets_offsets():
     target = [row("dsa_fused", 1000, 40.0), row("dsa_fused_fwd", 1000, 12.0)]
     gather = [row("gather_split", 1000, 9.0, max_offset=4.0), row("gather_full", 1000, 6.0, max_offset=4.0),
               row("gather_split", 1000, 7.0, max_offset=0.5)]
     floor = summarise(target, [], (10, 10, 10), 2, 16, torch.bfloat16, CEIL, gather=gather)["bounds"][2]
-    assert floor == {"bound": "gather floor (measured)", "forward_ms": 9.0, "ms": 18.0,
-                     "forward_fraction": 0.75, "fused_fraction": 18.0 / 40.0}
+    # the fastest row at +-4, whatever its layout (the +-0.5 row is faster but not the targets' offsets)
+    assert floor == {"bound": "gather floor (measured)", "layout": "full", "launch": None, "forward_ms": 6.0,
+                     "ms": 12.0, "forward_fraction": 0.5, "fused_fraction": 12.0 / 40.0}
     skipped = [row("gather_split", 1000, None, "skipped: Triton kernels need CUDA", max_offset=4.0)]
     assert len(summarise(target, [], (10, 10, 10), 2, 16, torch.bfloat16, CEIL, gather=skipped)["bounds"]) == 2
 
@@ -185,6 +185,7 @@ def test_quick_preset_sweeps_dsa_fused_over_the_slope_range():
 
 def test_config_refuses_unknown_variants_and_few_repeats():
     ok = dict(name="", smoke=False, quick=False, heads=16, head_dim=64, module_head_dims=[64], offset_bounds=[1.0],
+              gather_launches=[[16, 2]],
               frames=[1],
               variants=["dsa_fused"], sweep_variants=["dense"], repeats=5, baseline="", wandb_dir="runs",
               wandb_project="p")
@@ -197,6 +198,7 @@ def test_config_refuses_unknown_variants_and_few_repeats():
         BenchAttentionConfig(**{**ok, "offset_bounds": [0.0]}).validate()
 
 
+
 def test_tiles_at_the_target_grid():
     tiles = tile_rows((16, 128, 128), 16, [64, 128, 64])
     assert [t["head_dim"] for t in tiles] == [64, 128]
@@ -207,3 +209,10 @@ def test_tiles_at_the_target_grid():
                for t in tiles for launch in ("forward", "query_pass", "zero_offset"))
     # registers capped at block_d 64 only (kernels.capped_registers)
     assert [(t["query_pass"]["maxnreg"], t["key_pass"]["maxnreg"]) for t in tiles] == [(128, 128), (None, None)]
+
+
+def test_a_malformed_gather_launch_is_refused_naming_its_key():
+    """main parses `gather_launches` first on CUDA, through gpu_check_dsa's launch_of, naming the key."""
+    from experiments.gpu_check_dsa import launch_of
+    with pytest.raises(ValueError, match=r"gather_launches: candidate \[16\] needs 2 to 4 integers"):
+        launch_of([16], 64, "gather_launches")
