@@ -100,7 +100,6 @@ class BenchAttentionConfig:
             raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
 
 
-
 # ----------------------------------------------------------------------------- cells
 def make_inputs(grid, heads, d, K, dtype, device, max_offset=4.0):
     """q, k, v (1, T, H, W, heads, d) leaves requiring grad; offsets (1, T, H, W, heads, K, 3) uniform in
@@ -597,8 +596,9 @@ def main(hydra_cfg: DictConfig) -> None:
     rows = sweep(sweep_grids, cfg.sweep_variants, heads, d, dtype, device, repeats,
                  dense_limit=300_000, ref_limit=140_000, on_row=save("sweep"))
     hbm_gb = torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None
+    floor_rows = gather if checks.get("gather_check", {}).get("passed") else ()  # no floor from a failed kernel
     summary = summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb, modules,
-                        load_baseline(cfg.baseline), gather)
+                        load_baseline(cfg.baseline), floor_rows)
 
     payload = {"config": config, "ceilings": ceil, **checks, "summary": summary,
                "tables": {**tables, "target": target, "module": modules, "offsets": spread, "gather": gather,

@@ -65,5 +65,6 @@ def test_gathered_sum_compiles_for_sm90():
         for split in (True, False):
             build(gather_floor._gathered_sum_kernel, sig,
                   {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d, "WIDE": False,
-                   "EVEN_D": True, "BLOCK_Y": cfg.block_y, "SPLIT": split}, cfg.num_warps, aligned_ints=("D", "stride_tok"))
+                   "EVEN_D": True, "BLOCK_Y": cfg.block_y, "SPLIT": split}, cfg.num_warps,
+                  aligned_ints=("D", "stride_tok"))
     """) == 2

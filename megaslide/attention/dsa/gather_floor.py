@@ -29,7 +29,8 @@ import triton.language as tl
 
 from megaslide.attention.dsa.kernels import (LaunchConfig, _corner_axes, _query_block, _sample_axes, _window_start,
                                              forward_launch_config, query_programs)
-from megaslide.attention.dsa.rows import _load_rows, _load_split, _split_axpy, _split_zeros, _store_split, _token_rows, row_flags
+from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_zeros, _store_split, _token_rows,
+                                          row_flags)
 from megaslide.backends import device_guard
 
 LAYOUTS = ("split", "full")
