@@ -1,6 +1,6 @@
 """The gather-floor kernel (dsa/gather_floor.py) against its reference, the op with zero queries (every sample
-weighted 1 / K): out = K * deformable_slide_attention(0, k, k + v, offsets), computed in float64, on CPU
-through the Triton interpreter; and its sm_90 build."""
+weighted 1 / K): out = K * deformable_slide_attention(0, k, k + v, offsets), computed in float64
+(`gathered_sum_reference`), on CPU through the Triton interpreter; and its sm_90 build."""
 from __future__ import annotations
 
 import importlib
@@ -13,21 +13,13 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from megaslide.attention.dsa import deformable_slide_attention, gather_floor, kernels  # noqa: E402
+from megaslide.attention.dsa import gather_floor, kernels  # noqa: E402
 from tests.helpers import builds_for_sm90  # noqa: E402
 
 if not kernels.INTERPRETED:  # built earlier in this process without the interpreter
     kernels = importlib.reload(kernels)
 if gather_floor._sample_axes is not kernels._sample_axes:  # bound to the kernels of before the reload
     gather_floor = importlib.reload(gather_floor)
-
-
-def gathered_sum_truth(k, v, offsets, kernel_size):
-    """float64 sum over samples and corners of w_c (K_c + V_c), from the reference op with q = 0."""
-    k64, v64, off64 = (x.to(torch.float64) for x in (k, v, offsets))
-    zero = torch.zeros_like(k64)
-    return math.prod(kernel_size) * deformable_slide_attention(zero, k64, k64 + v64, off64, kernel_size,
-                                                               backend="reference")
 
 
 @pytest.mark.parametrize("layout", gather_floor.LAYOUTS)
@@ -41,7 +33,7 @@ def test_gathered_sum_matches_reference(layout, dtype, shape, kernel_size, confi
     K = math.prod(kernel_size)
     offsets = 3.0 * torch.randn(*shape[:5], K, 3, generator=g)  # some clamp at the grid's faces
     got = gather_floor.gathered_sum(k, v, offsets, kernel_size, layout=layout, config=config)
-    want = gathered_sum_truth(k, v, offsets, kernel_size)
+    want = gather_floor.gathered_sum_reference(k, v, offsets, kernel_size)
     assert got.dtype == dtype and got.shape == k.shape
     # fp32 accumulation of 2 * 8 * K rows; the bf16 result is one rounding of it
     tol = 1e-4 if dtype == torch.float32 else 2 ** -7

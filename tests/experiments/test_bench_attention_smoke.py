@@ -198,7 +198,6 @@ def test_config_refuses_unknown_variants_and_few_repeats():
         BenchAttentionConfig(**{**ok, "offset_bounds": [0.0]}).validate()
 
 
-
 def test_tiles_at_the_target_grid():
     tiles = tile_rows((16, 128, 128), 16, [64, 128, 64])
     assert [t["head_dim"] for t in tiles] == [64, 128]

@@ -9,8 +9,8 @@ sample positions and corner rows, and only adds the rows up:
 so its time is what those loads cost on a device, measured, with no softmax, no dot products and nothing
 stored but one row per query: a floor under any kernel that gathers corner rows this way.
 `experiments/bench_attention.py` times it beside the forward (its `gather` table and the bound "gather
-floor"). Its reference is the op itself: with q = 0 every sample gets weight 1 / K, so
-out = K * deformable_slide_attention(0, k, k + v, offsets) (tests/attention/test_dsa_gather_floor.py).
+floor"). Its reference (`gathered_sum_reference`) is the op itself: with q = 0 every sample gets weight 1 / K,
+so out = K * deformable_slide_attention(0, k, k + v, offsets) (tests/attention/test_dsa_gather_floor.py).
 
 Two row layouts (`layout`):
 - "split": the rows load as the forward and query pass load them (rows.py): split rows, 4 threads on a
@@ -31,9 +31,18 @@ from megaslide.attention.dsa.kernels import (LaunchConfig, _corner_axes, _query_
                                              forward_launch_config, query_programs)
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_zeros, _store_split, _token_rows,
                                           row_flags)
+from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.backends import device_guard
 
 LAYOUTS = ("split", "full")
+
+
+def gathered_sum_reference(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                           kernel_size: tuple[int, int, int]) -> torch.Tensor:
+    """`gathered_sum` in float64 by the readable reference op with q = 0 (each sample weighted 1 / K), times K."""
+    k64, v64 = k.double(), v.double()
+    return math.prod(kernel_size) * deformable_slide_attention_reference(torch.zeros_like(k64), k64, k64 + v64,
+                                                                         offsets.double(), kernel_size, scale=1.0)
 
 
 @triton.jit
