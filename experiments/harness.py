@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from experiments.report import find_tables
-from experiments.results_io import result_path, write_result
+from experiments.results_io import check_result_name, result_path, write_result
 from megaslide.train.logger import RunLogger
 
 MIN_REPEATS = 5   # fewer timed calls give no usable spread
@@ -261,7 +261,7 @@ class ExperimentRun:
 
     def __init__(self, experiment: str, name: str, config: dict, out_dir: str | Path = "runs",
                  project: str = "megaslide", rank: int = 0):
-        self.experiment, self.name = experiment, name
+        self.experiment, self.name = experiment, check_result_name(name)   # before the run folder exists
         self.logger = RunLogger(Path(out_dir) / experiment / name, project=project, name=f"{experiment}-{name}",
                                 config=config, rank=rank)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from experiments.report import render
-from experiments.results_io import write_result
+from experiments.results_io import check_result_name, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
@@ -316,12 +316,14 @@ STUDY_COUNTS = {"n_eval": "held-out captions each run samples and scores, e.g. n
 
 
 def check_study(cfg) -> None:
-    """The study keys of `cfg` (STUDY_COUNTS integers >= 1, seeds a non-empty list of integers); a ValueError
-    names the key and the fix. A study script calls it with typed_configs, before anything is written."""
+    """The study keys of `cfg` (STUDY_COUNTS integers >= 1, results_name a plain file name, seeds a non-empty
+    list of integers); a ValueError names the key and the fix. A study script calls it with typed_configs,
+    before anything is written."""
     for key, meaning in STUDY_COUNTS.items():
         value = cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1: {meaning}")
+    check_result_name(cfg.results_name, "results_name")
     seeds = cfg.seeds
     if (isinstance(seeds, str) or not isinstance(seeds, Sequence) or not seeds
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):

@@ -35,24 +35,25 @@ The code state is taken once per process, when this module is imported (every sc
 it at start), so a commit or an edit made while a long run goes on does not relabel it.
 
     python -m experiments.results_io stamp     # before sending the tree to a GPU machine
-    python -m experiments.results_io audit     # which results record a commit that is not the code that ran
+    python -m experiments.results_io audit     # one provenance status per result (--strict: exit 1 unless all ok)
 
-The audit asks, for every results/**/*.json, whether its recorded commit can be the code that
-ran: the files of its script (the script in its `command` and the repository modules it
-imports, read at the recorded commit) must not have changed in a commit dated before the
-result (the tree sent then held that change), nor in the commit that added the result (the
-run may have used that change uncommitted).
+The audit gives every results/**/*.json exactly one status (AUDIT_STATUSES, first that applies):
+unverifiable (git, the recorded commit or the file is not available here: said, not guessed),
+not-an-ancestor (`git merge-base --is-ancestor COMMIT HEAD` says no), dirty (the recorded flag, or
+an old `+dirty` commit suffix), unknown (no dirty flag, or one that no check stands behind: only the
+`git` and `stamp` sources verify it), ok. A `provenance_note` is shown beside the status, never
+instead of it: it is a person's account, not a check.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime as _dt
 import hashlib
 import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,14 +87,20 @@ def tree_files(root: Path) -> list[str]:
     return sorted({n.decode() for n in names if n and (root / n.decode()).is_file()})
 
 
-def descends_from(commit: str, ancestor: str, root: Path = REPO_ROOT) -> bool:
-    """Whether the code of `commit` includes `ancestor` (False where git cannot tell: an unknown commit,
-    a shallow clone, no git)."""
+def is_ancestor(ancestor: str, commit: str = "HEAD", root: Path = REPO_ROOT) -> bool | None:
+    """Whether `ancestor` is in the history of `commit` (`git merge-base --is-ancestor`); None where git
+    cannot tell: no git, not a repository, a commit unknown here (a shallow clone) or ambiguous."""
     try:
-        return subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit], cwd=root,
-                              capture_output=True).returncode == 0
+        code = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit], cwd=root,
+                              capture_output=True, check=False).returncode
     except OSError:
-        return False
+        return None
+    return {0: True, 1: False}.get(code)
+
+
+def descends_from(commit: str, ancestor: str, root: Path = REPO_ROOT) -> bool:
+    """Whether the code of `commit` includes `ancestor` (False where git cannot tell)."""
+    return is_ancestor(ancestor, commit, root) is True
 
 
 def git_state(root: Path = REPO_ROOT) -> dict:
@@ -111,7 +118,8 @@ def git_state(root: Path = REPO_ROOT) -> dict:
 
 def stamp(root: Path = REPO_ROOT) -> Path:
     """Write `root/.provenance.json`: `git_state` plus the sha256 of every file of the tree."""
-    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", STAMP_FILE], cwd=root, capture_output=True)
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", STAMP_FILE], cwd=root, capture_output=True,
+                             check=False)
     if tracked.returncode == 0:
         raise RuntimeError(f"{STAMP_FILE} is tracked; it must never be committed: git rm --cached {STAMP_FILE}")
     record = {**git_state(root), "stamped": _now(), "files": {n: _sha256(root / n) for n in tree_files(root)}}
@@ -204,11 +212,22 @@ def provenance() -> dict:
             **_CODE_AT_START, "hardware": hardware(), "date": _now()}
 
 
+def check_result_name(name: str, key: str = "name") -> str:
+    """`name`, refused (ValueError naming the config `key` and the fix) unless it is one plain file name:
+    a result name becomes `<results_dir>/<experiment>/<name>.json` and a run folder, so a separator or
+    '..' would write outside them."""
+    if not isinstance(name, str) or name.strip(" .") == "" or any(c in name for c in "/\\\0") or ".." in name:
+        raise ValueError(f"{key}={name!r}: a result name must be one plain file name, not empty and without "
+                         f"'/', '\\' or '..', as it becomes results/<experiment>/<name>.json: e.g. {key}=my_run "
+                         f"(to write elsewhere, set MEGASLIDE_RESULTS_DIR)")
+    return name
+
+
 def result_path(experiment: str, name: str, results_dir: Path | str | None = None) -> Path:
     """`<results_dir>/<experiment>/<name>.json`; `results_dir` defaults to `$MEGASLIDE_RESULTS_DIR`
-    or the repo's results/ folder."""
+    or the repo's results/ folder. `name` must pass `check_result_name`."""
     root = Path(results_dir or os.environ.get("MEGASLIDE_RESULTS_DIR") or RESULTS_DIR)
-    return root / experiment / f"{name}.json"
+    return root / experiment / f"{check_result_name(name)}.json"
 
 
 def write_result(experiment: str, name: str, payload: dict, results_dir: Path | str | None = None) -> Path:
@@ -228,128 +247,91 @@ def is_partial(result: dict) -> bool:
 
 
 # ----------------------------------------------------------------------------- audit
-def script_of(command: str, files: set[str]) -> str | None:
-    """The repository file of the script a result's `command` ran (`-m pkg.mod`, or a relative
-    or absolute `.py` path, matched by its longest suffix present in `files`)."""
-    args = shlex.split(command)
-    if "-m" in args[:-1]:
-        module = args[args.index("-m") + 1]
-        return _module_file(module, files)
-    for arg in args:
-        if arg.endswith(".py"):
-            parts = Path(arg).parts
-            return next(("/".join(parts[i:]) for i in range(len(parts)) if "/".join(parts[i:]) in files), None)
-    return None
+AUDIT_STATUSES = {   # in the order the audit tries them; the first that applies is a result's status
+    "unverifiable": "git, the recorded commit or the file is not available here, so nothing is assumed",
+    "not-an-ancestor": "the recorded commit is not in the history of HEAD (rebased away or never merged)",
+    "dirty": "the tree that ran differed from its commit by an uncommitted diff",
+    "unknown": "no dirty flag was recorded, or one no check stands behind",
+    "ok": "a clean tree (asked of git, or a verified stamp) at a commit in the history of HEAD",
+}
+VERIFIED_SOURCES = ("git", "stamp")   # the provenance sources whose dirty flag was checked when the result was written
 
 
-def _module_file(module: str, files: set[str]) -> str | None:
-    base = module.replace(".", "/")
-    return next((f for f in (f"{base}.py", f"{base}/__init__.py") if f in files), None)
-
-
-def _imported_modules(source: str, module: str, is_package: bool) -> set[str]:
-    """Absolute names of the modules a source file imports (for `from m import n`: m and m.n)."""
-    package = module.split(".") if is_package else module.split(".")[:-1]
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            stem = ".".join(base + (node.module.split(".") if node.module else []))
-            found.add(stem)
-            found.update(f"{stem}.{a.name}".lstrip(".") for a in node.names)
-    return found
-
-
-def script_files(root: Path, commit: str, script: str) -> list[str]:
-    """The script and every repository module it imports, directly or not, with the
-    `__init__.py` of each package on the way, as they were at `commit`."""
-    files = set(_git(root, "ls-tree", "-r", "--name-only", commit).decode().splitlines())
-    todo, seen = [script], set()
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        is_package = path.endswith("/__init__.py")
-        module = path[:-len("/__init__.py")] if is_package else path[:-len(".py")]
-        parts = module.split("/")
-        todo += [f for i in range(1, len(parts)) if (f := "/".join(parts[:i]) + "/__init__.py") in files]
-        source = _git(root, "show", f"{commit}:{path}").decode()
-        for name in _imported_modules(source, module.replace("/", "."), is_package):
-            if (f := _module_file(name, files)) is not None:
-                todo.append(f)
-    return sorted(seen)
-
-
-def _commits_touching(root: Path, revs: str, paths: list[str]) -> list[tuple[str, _dt.datetime, list[str]]]:
-    """(sha, committer date, paths among `paths` it changed) for each commit of `revs`."""
-    out = _git(root, "log", "--format=%x01%H %cI", "--name-only", "--no-renames", revs, "--", *paths).decode()
-    commits = []
-    for block in out.split("\x01")[1:]:
-        head, *names = block.strip().splitlines()
-        sha, date = head.split()
-        commits.append((sha, _dt.datetime.fromisoformat(date), sorted(set(names) & set(paths))))
-    return commits
-
-
-def audit_result(root: Path, path: Path) -> dict:
-    """Whether the commit a result records can be the code that ran (module docstring)."""
-    result = json.loads(path.read_text())
-    rel = path.relative_to(root).as_posix()
-    row = {"file": rel, "commit": result.get("commit"), "date": result.get("date"), "flags": []}
-    recorded = str(result.get("commit", "")).removesuffix("+dirty")
-    try:
-        commit = _git(root, "rev-parse", "--verify", "--quiet", f"{recorded}^{{commit}}").decode().strip()
-    except subprocess.CalledProcessError:
-        row["flags"].append(f"recorded commit {recorded!r} is not in this repository")
-        return row
-    tree = set(_git(root, "ls-tree", "-r", "--name-only", commit).decode().splitlines())
-    script = script_of(result.get("command", ""), tree)
-    if script is None:
-        row["flags"].append(f"no script of the command {result.get('command')!r} at {commit[:9]}")
-        return row
-    row["script"], row["script_files"] = script, script_files(root, commit, script)
+def _audit_status(result: dict, root: Path) -> tuple[str, str]:
+    """(status, why) of one result's record (module docstring)."""
+    commit = str(result.get("commit") or "").removesuffix("+dirty")
+    source = result.get("provenance_source")
+    if not commit or commit == "unknown":
+        return "unverifiable", "no commit recorded"
+    ancestor = is_ancestor(commit, "HEAD", root)
+    if ancestor is None:
+        why = "git is not available here" if shutil.which("git") is None else \
+            f"git cannot tell: commit {commit} is not in this repository (a shallow clone?) or is ambiguous"
+        return "unverifiable", why
+    if not ancestor:
+        return "not-an-ancestor", f"{commit[:9]} is not in the history of HEAD"
     if is_dirty(result):
-        row["flags"].append("ran on a dirty tree: the recorded commit plus an uncommitted diff")
-    date = _dt.datetime.fromisoformat(result["date"])
-    for sha, when, changed in _commits_touching(root, f"{commit}..HEAD", row["script_files"]):
-        if when <= date:
-            minutes = (date - when).total_seconds() / 60
-            row["flags"].append(f"{sha[:9]} changed {', '.join(changed)} {minutes:.0f} min before the result "
-                                f"was written, after the recorded commit")
-    added = _git(root, "log", "--diff-filter=A", "--format=%H", "--", rel).decode().split()
-    if added:
-        changed = _commits_touching(root, f"{added[-1]}^!", row["script_files"])
-        if changed and changed[0][2]:
-            row["flags"].append(f"{added[-1][:9]}, the commit that added the result, also changed "
-                                f"{', '.join(changed[0][2])}: the run may have used that change uncommitted")
-    return row
+        mismatch = result.get("stamp_mismatch")
+        return "dirty", (f"stale stamp: {', '.join(mismatch)} changed" if mismatch else
+                         f"dirty flag ({source})" if result.get("dirty") is True else "'+dirty' commit suffix")
+    if "dirty" not in result or result["dirty"] is None:
+        return "unknown", "no dirty flag recorded"
+    if source not in VERIFIED_SOURCES:
+        return "unknown", f"dirty={result['dirty']} from the {source or 'unnamed'} source, not verified"
+    return "ok", f"clean ({source})"
+
+
+def audit_result(path: Path, root: Path = REPO_ROOT) -> dict:
+    """`file`, `status` (one of AUDIT_STATUSES), `why`, `commit`, `source` and `note` (whether a
+    provenance_note explains the run) of the result file at `path`."""
+    row = {"file": path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path),
+           "commit": None, "source": None, "note": False}
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return {**row, "status": "unverifiable", "why": f"not readable as JSON: {err}"}
+    if not isinstance(result, dict):
+        return {**row, "status": "unverifiable", "why": "not a JSON object"}
+    status, why = _audit_status(result, root)
+    return {**row, "commit": result.get("commit"), "source": result.get("provenance_source"),
+            "note": bool(result.get("provenance_note")), "status": status, "why": why}
 
 
 def audit(root: Path = REPO_ROOT, results_dir: Path | None = None) -> list[dict]:
-    """`audit_result` for every results/**/*.json that records a command and a commit."""
-    paths = sorted((results_dir or root / "results").glob("**/*.json"))
-    return [audit_result(root, p) for p in paths if {"command", "commit"} <= json.loads(p.read_text()).keys()]
+    """`audit_result` of every results/**/*.json, sorted by path."""
+    return [audit_result(p, root) for p in sorted((results_dir or root / "results").glob("**/*.json"))]
+
+
+def audit_table(rows: list[dict]) -> str:
+    """The audit as text: one line per result, then the count of each status."""
+    width = max((len(r["file"]) for r in rows), default=4)
+    lines = [f"{'status':<15} {'file':<{width}} {'commit':<9} {'source':<6} why"]
+    for r in rows:
+        why = r["why"] + ("; a provenance_note explains the run" if r["note"] else "")
+        lines.append(f"{r['status']:<15} {r['file']:<{width}} {str(r['commit'] or '-')[:9]:<9} "
+                     f"{r['source'] or '-':<6} {why}")
+    counts = {s: sum(r["status"] == s for r in rows) for s in AUDIT_STATUSES}
+    lines.append(f"{len(rows)} results: " + ", ".join(f"{s} {n}" for s, n in counts.items()))
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="action", required=True)
     sub.add_parser("stamp", help=f"write {STAMP_FILE} before sending the tree to a machine without .git")
-    check = sub.add_parser("audit", help="results whose recorded commit is not the code that ran")
+    check = sub.add_parser("audit", help="one provenance status per result: " + ", ".join(AUDIT_STATUSES))
     check.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    check.add_argument("--strict", action="store_true", help="exit with status 1 unless every result is ok")
     args = ap.parse_args()
     if args.action == "stamp":
         path = stamp()
         state = json.loads(path.read_text())
         print(f"wrote {path}: {state['commit']}{DIRTY_NOTE if state['dirty'] else ''}, {len(state['files'])} files")
         return
-    for row in audit(REPO_ROOT, args.results_dir):
-        print(f"{row['file']} (commit {row['commit']}, {row['date']}): {'ok' if not row['flags'] else 'FLAGGED'}")
-        for flag in row["flags"]:
-            print(f"    - {flag}")
+    rows = audit(REPO_ROOT, args.results_dir)
+    print(audit_table(rows))
+    if args.strict and any(r["status"] != "ok" for r in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""experiments/results_io.py: the code state a result records (git, stamp, environment) and the
-audit of recorded commits, on small git repositories built here with controlled commit dates."""
+"""experiments/results_io.py: the code state a result records (git, stamp, environment), the result
+names it refuses, and the audit's one status per result, on small git repositories built here."""
 import hashlib
 import json
 import os
@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from experiments import results_io
-from experiments.results_io import REPO_ROOT, STAMP_FILE, audit, code_state, git_state, script_files, stamp
+from experiments.results_io import (
+    REPO_ROOT,
+    STAMP_FILE,
+    audit,
+    audit_table,
+    check_result_name,
+    code_state,
+    git_state,
+    stamp,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -116,7 +125,8 @@ def test_environment_then_unknown_without_git_or_stamp(tmp_path, monkeypatch):
 def test_the_stamp_file_is_never_committed():
     if not (REPO_ROOT / ".git").exists():
         pytest.skip("not a git work tree")
-    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", STAMP_FILE], cwd=REPO_ROOT, capture_output=True)
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", STAMP_FILE], cwd=REPO_ROOT, capture_output=True,
+                             check=False)
     assert tracked.returncode != 0, f"{STAMP_FILE} is committed: git rm --cached {STAMP_FILE}"
 
 
@@ -132,47 +142,107 @@ def test_written_results_record_the_code_state(tmp_path):
     assert ("diff_sha256" in record) == (record["dirty"] is True and record["provenance_source"] == "git")
 
 
+# ---- result names ------------------------------------------------------------------------------
+BAD_NAMES = ["../../x", "a/b", "a\\b", "..", ".", "", "x/../../y"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_a_result_name_that_would_leave_its_folder_is_refused_before_anything_is_written(name, tmp_path):
+    with pytest.raises(ValueError, match=r"results_name=.*plain file name.*e\.g\. results_name=my_run"):
+        check_result_name(name, "results_name")
+    with pytest.raises(ValueError, match=r"^name="):
+        results_io.write_result("oom_thresholds", name, {"rows": []}, results_dir=tmp_path / "a" / "results")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plain_result_names_pass():
+    assert check_result_name("h200_kernels_v1.2-b") == "h200_kernels_v1.2-b"
+
+
+def test_runs_and_studies_refuse_a_bad_name_before_their_run_folder_exists(tmp_path):
+    from omegaconf import OmegaConf
+
+    from experiments.harness import ExperimentRun
+    from experiments.quality_protocol import check_study
+    with pytest.raises(ValueError, match="^name='../../x'"):
+        ExperimentRun("oom_thresholds", "../../x", {}, out_dir=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
+    study = OmegaConf.create({"n_eval": 2, "workers": 1, "sample_batch": 2, "seeds": [0], "results_name": "../x"})
+    with pytest.raises(ValueError, match="^results_name='../x'"):
+        check_study(study)
+
+
 # ---- audit -------------------------------------------------------------------------------------
-SCRIPT = {"exp/__init__.py": "", "exp/run.py": "import os\nfrom pkg import lib\n",
-          "pkg/__init__.py": "", "pkg/lib.py": "from .util import f\n", "pkg/util.py": "def f(): return 1\n",
-          "pkg/unused.py": "z = 0\n"}
+def put(root: Path, name: str, sha: str | None, **record) -> None:
+    """A result file results/e/<name>.json recording `sha` (None: no commit) and `record`."""
+    write(root, {f"results/e/{name}.json": json.dumps({"command": "python run.py", "rows": [], **record,
+                                                      **({} if sha is None else {"commit": sha})})})
 
 
-def result(command: str, sha: str, when: str) -> str:
-    return json.dumps({"command": command, "commit": sha, "date": f"2026-01-01T{when}:00+00:00", "rows": []})
+def statuses(root: Path) -> dict[str, tuple[str, str]]:
+    return {Path(r["file"]).stem: (r["status"], r["why"]) for r in audit(root)}
 
 
-def test_script_files_follow_absolute_and_relative_imports(repo):
-    c1 = commit(repo, SCRIPT, "10:00")
-    assert script_files(repo, c1, "exp/run.py") == ["exp/__init__.py", "exp/run.py", "pkg/__init__.py",
-                                                    "pkg/lib.py", "pkg/util.py"]
+def test_audit_gives_each_result_one_status(repo):
+    head = git(repo, "rev-parse", "HEAD")
+    git(repo, "checkout", "-q", "-b", "side")
+    side = commit(repo, {"code.py": "x = 3\n"}, "09:10")   # a commit never merged into HEAD's history
+    git(repo, "checkout", "-q", "-")
+    put(repo, "git", head, dirty=False, provenance_source="git")
+    put(repo, "stamp", head[:7], dirty=False, provenance_source="stamp")
+    put(repo, "dirty", head, dirty=True, provenance_source="git", diff_sha256="d" * 64)
+    put(repo, "suffix", f"{head[:7]}+dirty")                                      # the old writer's mark
+    put(repo, "stale", head, dirty=True, stamp_mismatch=["code.py"], provenance_source="stamp")
+    put(repo, "no_flag", head)
+    put(repo, "environment", head, dirty=False, provenance_source="environment")
+    put(repo, "side", side, dirty=False, provenance_source="git")
+    put(repo, "side_dirty", side, dirty=True, provenance_source="git")
+    put(repo, "absent", "f" * 40, dirty=False, provenance_source="git")
+    put(repo, "no_commit", None)
+    put(repo, "never", "unknown", dirty=None, provenance_source="unknown")
+    write(repo, {"results/e/corrupt.json": "{", "results/e/list.json": "[]"})
+    absent = f"git cannot tell: commit {'f' * 40} is not in this repository (a shallow clone?) or is ambiguous"
+    found = statuses(repo)
+    status, why = found.pop("corrupt")
+    assert status == "unverifiable" and why.startswith("not readable as JSON: ")
+    assert found == {
+        "git": ("ok", "clean (git)"), "stamp": ("ok", "clean (stamp)"),
+        "dirty": ("dirty", "dirty flag (git)"), "suffix": ("dirty", "'+dirty' commit suffix"),
+        "stale": ("dirty", "stale stamp: code.py changed"),
+        "no_flag": ("unknown", "no dirty flag recorded"),
+        "environment": ("unknown", "dirty=False from the environment source, not verified"),
+        "side": ("not-an-ancestor", f"{side[:9]} is not in the history of HEAD"),
+        "side_dirty": ("not-an-ancestor", f"{side[:9]} is not in the history of HEAD"),
+        "absent": ("unverifiable", absent),
+        "no_commit": ("unverifiable", "no commit recorded"), "never": ("unverifiable", "no commit recorded"),
+        "list": ("unverifiable", "not a JSON object")}
 
 
-def test_audit_flags_a_commit_that_is_not_the_code_that_ran(repo):
-    c1 = commit(repo, SCRIPT, "10:00")
-    c2 = commit(repo, {"pkg/util.py": "def f(): return 2\n", "pkg/unused.py": "z = 1\n"}, "10:20")
-    # A: records c1 but was written at 10:30, after c2 changed a module its script imports
-    c3 = commit(repo, {"results/e/a.json": result("python exp/run.py", c1[:7], "10:30"), "README": "a"}, "10:40")
-    # B: records c2; the commit that adds it also changes pkg/lib.py
-    c4 = commit(repo, {"results/e/b.json": result("python -m exp.run", c2, "10:35"),
-                       "pkg/lib.py": "from .util import f  # changed\n"}, "10:50")
-    # C: an absolute script path from another machine; nothing changed its files before 10:45
-    write(repo, {"results/e/c.json": result("python /elsewhere/main/exp/run.py", c3, "10:45")})
-    rows = {r["file"]: r for r in audit(repo)}
-    assert rows["results/e/a.json"]["script"] == "exp/run.py"
-    assert rows["results/e/a.json"]["flags"] == [
-        f"{c2[:9]} changed pkg/util.py 10 min before the result was written, after the recorded commit"]
-    assert rows["results/e/b.json"]["flags"] == [
-        f"{c4[:9]}, the commit that added the result, also changed pkg/lib.py: the run may have used that "
-        "change uncommitted"]
-    assert rows["results/e/c.json"]["script"] == "exp/run.py" and rows["results/e/c.json"]["flags"] == []
+def test_audit_says_so_where_git_is_missing(repo, monkeypatch):
+    put(repo, "r", git(repo, "rev-parse", "HEAD"), dirty=False, provenance_source="git")
+    monkeypatch.setenv("PATH", str(repo / "no_bin"))
+    assert statuses(repo) == {"r": ("unverifiable", "git is not available here")}
 
 
-def test_audit_flags_a_dirty_run_and_an_unknown_commit(repo):
-    c1 = commit(repo, SCRIPT, "10:00")
-    write(repo, {"results/e/d.json": json.dumps({**json.loads(result("python exp/run.py", c1, "10:05")),
-                                                 "dirty": True}),
-                 "results/e/u.json": result("python exp/run.py", "f" * 40, "10:05")})
-    rows = {r["file"]: r["flags"] for r in audit(repo)}
-    assert rows["results/e/d.json"] == ["ran on a dirty tree: the recorded commit plus an uncommitted diff"]
-    assert rows["results/e/u.json"] == [f"recorded commit {'f' * 40!r} is not in this repository"]
+def test_audit_table_counts_every_status_and_strict_fails_unless_all_ok(repo, monkeypatch, capsys):
+    head = git(repo, "rev-parse", "HEAD")
+    put(repo, "a", head, dirty=False, provenance_source="stamp", provenance_note="ran from a stamped copy")
+    put(repo, "b", head)
+    table = audit_table(audit(repo))
+    assert table.splitlines()[1:] == [
+        f"ok              results/e/a.json {head[:9]} stamp  clean (stamp); a provenance_note explains the run",
+        f"unknown         results/e/b.json {head[:9]} -      no dirty flag recorded",
+        "2 results: unverifiable 0, not-an-ancestor 0, dirty 0, unknown 1, ok 1"]
+    monkeypatch.setattr(results_io, "REPO_ROOT", repo)
+    for strict, code in ((False, 0), (True, 1)):
+        monkeypatch.setattr("sys.argv", ["results_io", "audit", "--results-dir", str(repo / "results"),
+                                         *(["--strict"] if strict else [])])
+        try:
+            results_io.main()
+            exit_code = 0
+        except SystemExit as stop:
+            exit_code = stop.code
+        assert exit_code == code and capsys.readouterr().out == table + "\n"
+    (repo / "results/e/b.json").unlink()
+    results_io.main()   # still --strict, every result ok: no exit status
+    assert capsys.readouterr().out.endswith("1 results: unverifiable 0, not-an-ancestor 0, dirty 0, unknown 0, ok 1\n")
