@@ -31,7 +31,8 @@ first-touch the buffers with a matching static split so each thread's pages are 
 
 Backend: the C++ library is built at first use (see csrc/build.py); if that fails a
 RuntimeWarning says why once and the torch backend takes over. `backend()` names the active one.
-Set `MEGASLIDE_CPU_ADAM_BACKEND=torch` to force the torch backend.
+Set `MEGASLIDE_CPU_ADAM_BACKEND=torch` to force the torch backend (the offload engine's tests do, for
+torch.optim.AdamW's exact bits).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import torch
 
 from megaslide.offload.csrc import build
 
-__all__ = ["adamw_step_", "adamw_step_torch_", "backend", "native_isa", "AdamWScalars"]
+__all__ = ["AdamWScalars", "adamw_step_", "adamw_step_torch_", "backend", "native_isa"]
 
 _NAME = "adamw_step_"
 
@@ -86,8 +87,8 @@ def _check_number(name: str, value, low: float, high: float, high_open: bool) ->
 
 def _check_tensor(name: str, t, dtypes: tuple[torch.dtype, ...], device: torch.device | None,
                   numel: int | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{_NAME}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(t, torch.Tensor):  # ValueError like every other bad argument, so callers catch one type
+        raise ValueError(f"{_NAME}: {name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     if t.dtype not in dtypes:
         wanted = " or ".join(str(d) for d in dtypes)
         raise ValueError(f"{_NAME}: {name} must have dtype {wanted}, got {t.dtype}; "
@@ -166,16 +167,22 @@ def adamw_step_torch_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         param_bf16.copy_(param)
 
 
-@functools.lru_cache(maxsize=None)
 def _native() -> ctypes.CDLL | None:
-    """The C++ library, or None (torch backend) when forced by env or when the build fails."""
+    """The C++ library, or None (torch backend) when forced by env or when the build fails. The
+    environment is read on every call, so setting it (a test's monkeypatch.setenv) takes effect at once."""
     if os.environ.get("MEGASLIDE_CPU_ADAM_BACKEND", "").lower() == "torch":
         return None
+    return _library()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The C++ library, built and loaded once per process; None when the build fails."""
     try:
         lib = build.load("cpu_adam.cpp")
     except build.BuildError as err:
         warnings.warn(f"megaslide.offload.cpu_adam: C++ AdamW unavailable, using the slower "
-                      f"torch backend. Reason: {err}", RuntimeWarning, stacklevel=3)
+                      f"torch backend. Reason: {err}", RuntimeWarning, stacklevel=4)
         return None
     lib.megaslide_cpu_adam_isa.restype = ctypes.c_char_p
     lib.megaslide_cpu_adam_isa.argtypes = []

@@ -52,16 +52,13 @@ from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.memory import host_available_bytes
 from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload import planner
-from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
+from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
 from megaslide.diffusion.batches import Batch
 from megaslide.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
 from megaslide.device import precision_dtype
-
-ADAM_BACKENDS = ("fused", "torch")  # cpu_adam.adamw_step_ (C++ SIMD) | cpu_adam.adamw_step_torch_ (torch ops)
-
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_()
@@ -77,10 +74,8 @@ class OffloadEngine:
     sharded_checkpoints = True
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
-                 offload_cfg: OffloadConfig, adam_backend: str = "fused", pin_optimizer_state: bool | None = None):
+                 offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None):
         offload_cfg.validate()
-        if adam_backend not in ADAM_BACKENDS:
-            raise ValueError(f"adam_backend={adam_backend!r}: choose one of {ADAM_BACKENDS}")
         self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
         self.param_dtype = precision_dtype(train_cfg.precision, device)
         cuda = device.type == "cuda"
@@ -123,9 +118,7 @@ class OffloadEngine:
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
         self.hyper = AdamHyper(train_cfg.betas[0], train_cfg.betas[1], 1e-8, train_cfg.weight_decay)
-        threads = offload_cfg.cpu_threads or None
-        self._cpu_adam = (functools.partial(adamw_step_, num_threads=threads) if adam_backend == "fused"
-                          else adamw_step_torch_)
+        self._cpu_adam = functools.partial(adamw_step_, num_threads=offload_cfg.cpu_threads or None)
         self.updater = self._make_updater(offload_cfg.optimizer_device)
         self._coef_host = torch.zeros((), pin_memory=cuda)
         self._landed: list = [None] * depth                       # per block: event of its gradient's D2H
@@ -135,7 +128,7 @@ class OffloadEngine:
 
     @classmethod
     def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
-                    offload_cfg: OffloadConfig, grid: tuple[int, int, int], adam_backend: str = "fused",
+                    offload_cfg: OffloadConfig, grid: tuple[int, int, int],
                     pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
@@ -160,8 +153,8 @@ class OffloadEngine:
                                     resident_blocks=offload_cfg.resident_blocks,
                                     activation_offload=offload_cfg.activation_offload)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
-        kw = dict(device=device, train_cfg=train_cfg, offload_cfg=offload_cfg, adam_backend=adam_backend,
-                  pin_optimizer_state=pin_optimizer_state)
+        kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
+              "pin_optimizer_state": pin_optimizer_state}
         if build_on_host:
             return cls(VideoDiT(model_cfg), **kw)
         with torch.device("meta"):
