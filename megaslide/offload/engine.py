@@ -125,6 +125,7 @@ class OffloadEngine:
         self._spans = [[(0, self.layout.numel)] for _ in range(depth)]  # per block: ranges AdamW updates
         self._marks: dict[int, object] = {}
         self.step = 0
+        self.phase = ""  # the part of the step running now (forward, loss, backward, optimizer step), for OOM reports
 
     @classmethod
     def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
@@ -208,12 +209,14 @@ class OffloadEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        self.phase = "forward"
         with compute.timed(), self.compute_ctx():
             xt = interpolate(batch.x0, batch.noise, batch.t)                  # (B, C, T, H, W)
             e = self.model.embed(xt, batch.t * TIME_SCALE, batch.ids)
         inp = BlockInputs(_leaf(e.t_mod), _leaf(e.ctx), e.ctx_mask, e.rope, e.grid)
         h, kept = self.streamer.forward(e.x.detach(), inp, keep_inputs=True)   # (B, N, D)
         h, t_emb = h.requires_grad_(), _leaf(e.t_emb)
+        self.phase = "loss"
         with compute.timed():
             with self.compute_ctx():
                 v = self.model.unembed(h, dataclasses.replace(e, t_emb=t_emb))  # (B, C, T, H, W)
@@ -226,9 +229,11 @@ class OffloadEngine:
                 p.grad = g
         on_grads = functools.partial(self._on_block_grads, step=self.step + 1, lr=lr)
         grads_to_host = self.clip > 0 or self.offload_cfg.optimizer_device == "cpu"
+        self.phase = "backward"
         bw = self.streamer.backward(grad_h, kept, inp, grads_to_host=grads_to_host, on_block_grads=on_grads)
         with compute.timed():
             torch.autograd.backward([e.x, e.t_mod, e.ctx, e.t_emb], [bw.grad_x, bw.grad_t_mod, bw.grad_ctx, grad_t_emb])
+            self.phase = "optimizer step"
             grad_norm = self._global_norm(bw.norms)
             clip = self._clip_resident_and_share(grad_norm) if self.clip > 0 else None
             self.optimizer.step()
@@ -277,6 +282,7 @@ class OffloadEngine:
         """The model's forward with streamed blocks: x (B, C, T, H, W), t (B,) in [0, 1000]
         -> velocity (B, C, T, H, W). A drop-in `model` for the samplers."""
         self.lanes.tag = None
+        self.phase = "forward"
         with self.compute_ctx():
             e = self.model.embed(x, t, context, context_mask)
         h, _ = self.streamer.forward(e.x, BlockInputs(e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid), keep_inputs=False)

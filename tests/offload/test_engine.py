@@ -216,6 +216,24 @@ def test_optimizer_worker_errors_reach_the_training_thread(tmp_path):
         eng.train_step()  # the failed update surfaces at the latest when its block is loaded again
 
 
+@pytest.mark.parametrize("part,phase", [("model.embed", "forward"), ("streamer.forward", "forward"),
+                                        ("model.unembed", "loss"), ("streamer.backward", "backward"),
+                                        ("optimizer.step", "optimizer step")])
+def test_phase_names_the_part_of_the_step_that_failed(tmp_path, monkeypatch, part, phase):
+    """What the OOM tables record instead of reading tracebacks: the step's part running when it raised."""
+    _, eng = _pair(tmp_path)
+    engine = eng.engine
+    assert engine.phase == ""
+    owner, name = part.split(".")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(getattr(engine, owner), name, out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        eng.train_step()
+    assert engine.phase == phase
+
+
 def test_ema_is_rejected_before_allocating(tmp_path):
     with pytest.raises(ValueError, match="ema_decay"):
         Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(ema_decay=0.9), tmp_path,
