@@ -57,7 +57,7 @@ from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
 from megaslide.diffusion.batches import Batch
-from megaslide.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
+from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
 from megaslide.device import precision_dtype
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -341,16 +341,21 @@ class OffloadEngine:
     # ---- checkpoints: a folder checkpoints/step_N/ of block_0000.pt ... and state.pt -----------------
     def save(self, path: Path, extra: dict) -> Path:
         """Each block's master weights and moments in a file of its own, then the resident
-        parameters, their AdamW state, the step and block versions, and `extra` in state.pt."""
+        parameters, their AdamW state, the step and block versions, the blocks' flat layout (so
+        that a reader needs no engine) and `extra` in state.pt."""
         self.flush()
         blocks = ((f"block_{index:04d}", self.host.block_state(index)) for index in range(self.host.depth))
         state = {"step": self.step, "versions": list(self.versions),
                  "params": {n: p.detach().cpu().clone() for n, p in zip(self.resident_names, self.resident_params)},
-                 "optimizer": self.optimizer.state_dict(), **extra}
+                 "optimizer": self.optimizer.state_dict(), BLOCK_LAYOUT: self.layout.record(), **extra}
         return save_sharded_checkpoint(path, blocks, state)
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path / SHARDED_STATE)
+        saved = state.get(BLOCK_LAYOUT)  # None: a checkpoint older than the record
+        if saved is not None and saved != self.layout.record():
+            raise ValueError(f"checkpoint {str(path)!r} lays its blocks out otherwise than this model does; resume it "
+                             f"with the model config it was saved with (its state.pt holds model_cfg)")
         self.flush()
         for index in range(self.host.depth):
             self.host.load_block_state(index, load_checkpoint(path / f"block_{index:04d}.pt"))

@@ -161,6 +161,18 @@ def test_resume_continues_exactly(tmp_path):
     assert straight.train_step()["loss"].item() == resumed.train_step()["loss"].item()
 
 
+def test_a_checkpoint_of_another_block_layout_is_refused(tmp_path):
+    from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_checkpoint
+    _, eng = _pair(tmp_path)
+    eng.train_step()
+    folder = eng.engine.save(tmp_path / "step_1", {})
+    state = load_checkpoint(folder / SHARDED_STATE)
+    state[BLOCK_LAYOUT] = {**state[BLOCK_LAYOUT], "names": state[BLOCK_LAYOUT]["names"][::-1]}
+    save_checkpoint(folder / SHARDED_STATE, state)
+    with pytest.raises(ValueError, match="lays its blocks out otherwise"):
+        eng.engine.load(folder)
+
+
 def test_exported_weights_load_into_the_resident_model(tmp_path):
     _, eng = _pair(tmp_path)
     eng.train_step()
