@@ -17,7 +17,7 @@ the order of its single-tensor path, with the scalars computed in float64 as tor
 
 Exactness against torch.optim.AdamW(foreach=False) on CPU in fp32: `exp_avg` and `exp_avg_sq`
 match bit for bit. `param` may differ by 1 ulp in a small fraction of elements, because torch's
-CPU `sqrt` is vectorised through MKL/Sleef and is not correctly rounded (1 ulp off for ~16% of
+CPU `sqrt` is vectorised through MKL/Sleef and is not correctly rounded (1 ulp off for some
 inputs), while the C++ kernel uses the IEEE (correctly rounded) square root. The torch backend
 uses torch's ops and matches torch.optim.AdamW bit for bit. bf16 output is round-to-nearest-even
 of the updated fp32 weight, bit-identical to `param.to(torch.bfloat16)` for every non-NaN value.
@@ -25,9 +25,8 @@ of the updated fp32 weight, bit-identical to `param.to(torch.bfloat16)` for ever
 Threads: OpenMP, `num_threads` (default torch.get_num_threads()), a static split of the buffer
 into one contiguous run of 64 KiB-per-stream blocks per thread, the same run on every call. The
 library shares torch's OpenMP runtime and does not pin threads itself (pinning would pin torch's
-intra-op threads too); set OMP_PROC_BIND=close OMP_PLACES=cores to pin both. The reference
-machines have one NUMA node, so page placement does not matter there; on a multi-socket host,
-first-touch the buffers with a matching static split so each thread's pages are local.
+intra-op threads too); set OMP_PROC_BIND=close OMP_PLACES=cores to pin both. On a multi-socket
+host, first-touch the buffers with a matching static split so each thread's pages are local.
 
 Backend: the C++ library is built at first use (see csrc/build.py); if that fails a
 RuntimeWarning says why once and the torch backend takes over. `backend()` names the active one.
