@@ -58,7 +58,6 @@ import math
 import multiprocessing
 import os
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,17 +238,6 @@ def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict
 
 
 # ---- one cell, in its own process ---------------------------------------------------------------------
-def offload_phase(err: BaseException) -> str:
-    """Where in an offloaded step an exception was raised, from its traceback."""
-    names = [(Path(f.filename).name, f.name) for f in traceback.extract_tb(err.__traceback__)]
-    for where, phase in ((("streamer.py", "backward"), "backward"), (("streamer.py", "forward"), "forward"),
-                         (("dit.py", "embed"), "forward"), (("optimizer.py", "step"), "optimizer"),
-                         (("engine.py", "_global_norm"), "optimizer")):
-        if where in names:
-            return phase
-    return "loss" if ("engine.py", "train_step") in names else "build"
-
-
 def _persistent(engine) -> list[torch.Tensor]:
     """The device tensors a step starts from, for the CPU peak: weights, gradients, optimizer state."""
     if isinstance(engine, OffloadEngine):
@@ -327,7 +315,7 @@ def run_cell(cell: Cell) -> dict:
         if device.type == "cuda":
             measured = torch.cuda.max_memory_allocated(device)
     except torch.OutOfMemoryError as err:
-        phase = getattr(engine, "phase", "") or offload_phase(err)
+        phase = (engine.phase if engine is not None else "") or "build"  # the step's part the engine was in
         row.update(status="OOM", phase=phase.replace(" step", ""), error=str(err).splitlines()[0][:200])
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     except ValueError as err:            # the engine's own planner check refused it

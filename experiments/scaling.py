@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress, sync, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.mfu_overlap import synthetic_batch
-from experiments.oom_thresholds import Step, offload_phase, run_isolated
+from experiments.oom_thresholds import Step, run_isolated
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.perf.flops import dit_flops
@@ -148,7 +148,8 @@ def run_job(job: Job, queue) -> None:
         sync(device)
         row.update(status="fits", phase="")
     except torch.OutOfMemoryError as err:
-        row.update(status="OOM", phase=offload_phase(err), error=str(err).splitlines()[0][:200])
+        phase = (engine.phase if engine is not None else "") or "build"  # the step's part the engine was in
+        row.update(status="OOM", phase=phase.replace(" step", ""), error=str(err).splitlines()[0][:200])
     except ValueError as err:
         row.update(status="OOM", phase="plan: engine check", error=str(err)[:300])
     finally:

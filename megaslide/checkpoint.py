@@ -1,7 +1,9 @@
 """Atomic checkpoints, in two formats under <out_dir>/checkpoints/:
 - one file `step_N.pt` (the resident engine);
 - a sharded folder `step_N/` of one file per block (`block_0000.pt`: fp32 master weights and AdamW
-  moments, flat in the offload engine's BlockLayout) plus `state.pt` (the offload engine).
+  moments, each one flat buffer) plus `state.pt` (the offload engine). `state.pt` records the flat
+  layout of the block buffers under BLOCK_LAYOUT (`flat_layout`), so a reader cuts the shards into
+  named parameters (`block_weights`) without the engine that wrote them.
 
 A file is written to a temporary name in the same folder, fsynced, then renamed; a folder is
 written as `.step_N.tmp/` with `state.pt` last and then renamed, so a reader sees a complete
@@ -10,17 +12,19 @@ experiments/sample.py) and name a damaged file as such.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
 from megaslide.config import DiTConfig, architecture_changes, from_dict
 
 SHARDED_STATE = "state.pt"  # written last into a sharded folder: its presence marks a complete checkpoint
+BLOCK_LAYOUT = "block_layout"  # key of state.pt: the flat layout of every block shard's buffers (`flat_layout`)
 _STEP_NAME = re.compile(r"step_(\d+)(\.pt)?")
 
 
@@ -31,6 +35,35 @@ def checkpoint_path(folder: str | Path, step: int, *, sharded: bool) -> Path:
 def block_shard(folder: str | Path, index: int) -> Path:
     """The file of block `index` in a sharded checkpoint folder."""
     return Path(folder) / f"block_{index:04d}.pt"
+
+
+def flat_layout(named_shapes: Iterable[tuple[str, Sequence[int]]], align: int) -> dict:
+    """The layout of parameters packed in order into one flat buffer, each starting on an `align`-element
+    boundary: {"names", "shapes", "offsets" (first element of each), "numel" (the buffer's length,
+    padding included)}, plain Python values, as a sharded checkpoint records it."""
+    names, shapes, offsets, end = [], [], [], 0
+    for name, shape in named_shapes:
+        names.append(name)
+        shapes.append([int(n) for n in shape])
+        offsets.append(end)
+        end = (end + math.prod(shape) + align - 1) // align * align
+    return {"names": names, "shapes": shapes, "offsets": offsets, "numel": end}
+
+
+def block_weights(folder: str | Path, layout: dict, depth: int) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of blocks 0..depth-1 of a sharded checkpoint folder, by state-dict name
+    (`blocks.{i}.{name}`), cut out of each shard's flat buffer as `layout` (`flat_layout`) places them."""
+    weights = {}
+    for index in range(depth):
+        file = block_shard(folder, index)
+        master = load_checkpoint(file)["master"]
+        if master.shape != (layout["numel"],):
+            raise ValueError(f"checkpoint file {str(file)!r} holds {tuple(master.shape)} master weights, but its "
+                             f"{BLOCK_LAYOUT} record places {layout['numel']} elements; the folder mixes "
+                             f"checkpoints of different models, use a complete one")
+        for name, shape, offset in zip(layout["names"], layout["shapes"], layout["offsets"]):
+            weights[f"blocks.{index}.{name}"] = master[offset:offset + math.prod(shape)].view(shape)
+    return weights
 
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:

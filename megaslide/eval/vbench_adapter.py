@@ -10,10 +10,9 @@ so they must be placed there beforehand. ``vbench_unavailable`` says what is mis
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 # Checkpoints each dimension loads from the cache dir (VBench's own layout);
 # temporal_flickering needs none.
@@ -57,33 +56,3 @@ def vbench_temporal_flickering(video_path: str | Path) -> float:
     from vbench.temporal_flickering import cal_score
 
     return float(cal_score(str(video_path)))
-
-
-def evaluate_folder(
-    videos_dir: str | Path,
-    dimensions: Sequence[str],
-    output_dir: str | Path,
-    name: str = "megaslide",
-    device: str = "cuda",
-) -> dict[str, float]:
-    """Run VBench in "custom_input" mode on every mp4 of ``videos_dir`` (prompt = file name).
-
-    Returns {dimension: VBench's aggregate score}; VBench's per-video results stay in
-    ``output_dir/<name>_eval_results.json``.
-    """
-    _require(dimensions)
-    import torch
-    import vbench
-    from vbench import VBench
-
-    if not Path(videos_dir).is_dir():
-        raise ValueError(f"videos_dir={str(videos_dir)!r} is not a directory of mp4 files")
-    full_info = Path(vbench.__file__).parent / "VBench_full_info.json"
-    if not full_info.is_file():
-        raise RuntimeError(f"{full_info} is missing; this vbench install lacks its prompt table, reinstall vbench")
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    bench = VBench(torch.device(device), str(full_info), str(output_dir))
-    bench.evaluate(videos_path=str(videos_dir), name=name, dimension_list=list(dimensions), mode="custom_input")
-    results = json.loads((output_dir / f"{name}_eval_results.json").read_text())
-    return {dimension: float(results[dimension][0]) for dimension in dimensions}

@@ -4,12 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
 
-from megaslide.checkpoint import block_shard, load_checkpoint, read_state
+from megaslide.checkpoint import BLOCK_LAYOUT, block_weights, flat_layout, read_state
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import DiTBlock, VideoDiT, build_dit
-from megaslide.offload.host_state import BlockLayout
+
+# The alignment (elements) of the block buffers of every sharded checkpoint written before state.pt recorded
+# their layout. A fact about those files, fixed for good: the offload engine's own alignment may change.
+UNRECORDED_LAYOUT_ALIGN = 64
 
 
 @torch.no_grad()
@@ -41,14 +44,19 @@ def sampling_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if not path.is_dir():
         return state.get("ema") or state["model"], state
     cfg = from_dict(DiTConfig, state["model_cfg"])
+    return {**state["params"], **block_weights(path, shard_layout(state, cfg), cfg.depth)}, state
+
+
+def shard_layout(state: dict, cfg: DiTConfig) -> dict:
+    """The flat layout of a sharded checkpoint's block buffers: the one its state.pt records, or, for a
+    checkpoint older than that record, the layout it was written in (a block's parameters in
+    `named_parameters()` order, each on an UNRECORDED_LAYOUT_ALIGN boundary), rebuilt from a block of its
+    config on the meta device."""
+    if BLOCK_LAYOUT in state:
+        return state[BLOCK_LAYOUT]
     with torch.device("meta"):
-        layout = BlockLayout.from_module(DiTBlock(cfg, 0))
-    weights = dict(state["params"])
-    for index in range(cfg.depth):
-        master = load_checkpoint(block_shard(path, index))["master"]
-        weights.update({f"blocks.{index}.{slot.name}": master[slot.offset:slot.end].view(slot.shape)
-                        for slot in layout.slots})
-    return weights, state
+        block = DiTBlock(cfg, 0)
+    return flat_layout(((name, p.shape) for name, p in block.named_parameters()), UNRECORDED_LAYOUT_ALIGN)
 
 
 def load_model(config: DiTConfig, *, checkpoint: str = "", seed: int = 0, device: torch.device,

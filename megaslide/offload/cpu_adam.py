@@ -17,7 +17,7 @@ the order of its single-tensor path, with the scalars computed in float64 as tor
 
 Exactness against torch.optim.AdamW(foreach=False) on CPU in fp32: `exp_avg` and `exp_avg_sq`
 match bit for bit. `param` may differ by 1 ulp in a small fraction of elements, because torch's
-CPU `sqrt` is vectorised through MKL/Sleef and is not correctly rounded (1 ulp off for ~16% of
+CPU `sqrt` is vectorised through MKL/Sleef and is not correctly rounded (1 ulp off for some
 inputs), while the C++ kernel uses the IEEE (correctly rounded) square root. The torch backend
 uses torch's ops and matches torch.optim.AdamW bit for bit. bf16 output is round-to-nearest-even
 of the updated fp32 weight, bit-identical to `param.to(torch.bfloat16)` for every non-NaN value.
@@ -25,13 +25,13 @@ of the updated fp32 weight, bit-identical to `param.to(torch.bfloat16)` for ever
 Threads: OpenMP, `num_threads` (default torch.get_num_threads()), a static split of the buffer
 into one contiguous run of 64 KiB-per-stream blocks per thread, the same run on every call. The
 library shares torch's OpenMP runtime and does not pin threads itself (pinning would pin torch's
-intra-op threads too); set OMP_PROC_BIND=close OMP_PLACES=cores to pin both. The reference
-machines have one NUMA node, so page placement does not matter there; on a multi-socket host,
-first-touch the buffers with a matching static split so each thread's pages are local.
+intra-op threads too); set OMP_PROC_BIND=close OMP_PLACES=cores to pin both. On a multi-socket
+host, first-touch the buffers with a matching static split so each thread's pages are local.
 
 Backend: the C++ library is built at first use (see csrc/build.py); if that fails a
 RuntimeWarning says why once and the torch backend takes over. `backend()` names the active one.
-Set `MEGASLIDE_CPU_ADAM_BACKEND=torch` to force the torch backend.
+Set `MEGASLIDE_CPU_ADAM_BACKEND=torch` to force the torch backend (the offload engine's tests do, for
+torch.optim.AdamW's exact bits).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ import torch
 
 from megaslide.offload.csrc import build
 
-__all__ = ["adamw_step_", "adamw_step_torch_", "backend", "native_isa", "AdamWScalars"]
+__all__ = ["AdamWScalars", "adamw_step_", "adamw_step_torch_", "backend", "native_isa"]
 
 _NAME = "adamw_step_"
 
@@ -86,8 +86,8 @@ def _check_number(name: str, value, low: float, high: float, high_open: bool) ->
 
 def _check_tensor(name: str, t, dtypes: tuple[torch.dtype, ...], device: torch.device | None,
                   numel: int | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{_NAME}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(t, torch.Tensor):  # ValueError like every other bad argument, so callers catch one type
+        raise ValueError(f"{_NAME}: {name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     if t.dtype not in dtypes:
         wanted = " or ".join(str(d) for d in dtypes)
         raise ValueError(f"{_NAME}: {name} must have dtype {wanted}, got {t.dtype}; "
@@ -166,16 +166,22 @@ def adamw_step_torch_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         param_bf16.copy_(param)
 
 
-@functools.lru_cache(maxsize=None)
 def _native() -> ctypes.CDLL | None:
-    """The C++ library, or None (torch backend) when forced by env or when the build fails."""
+    """The C++ library, or None (torch backend) when forced by env or when the build fails. The
+    environment is read on every call, so setting it (a test's monkeypatch.setenv) takes effect at once."""
     if os.environ.get("MEGASLIDE_CPU_ADAM_BACKEND", "").lower() == "torch":
         return None
+    return _library()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The C++ library, built and loaded once per process; None when the build fails."""
     try:
         lib = build.load("cpu_adam.cpp")
     except build.BuildError as err:
         warnings.warn(f"megaslide.offload.cpu_adam: C++ AdamW unavailable, using the slower "
-                      f"torch backend. Reason: {err}", RuntimeWarning, stacklevel=3)
+                      f"torch backend. Reason: {err}", RuntimeWarning, stacklevel=4)
         return None
     lib.megaslide_cpu_adam_isa.restype = ctypes.c_char_p
     lib.megaslide_cpu_adam_isa.argtypes = []

@@ -52,16 +52,13 @@ from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.memory import host_available_bytes
 from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload import planner
-from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
+from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
 from megaslide.diffusion.batches import Batch
-from megaslide.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
+from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
 from megaslide.device import precision_dtype
-
-ADAM_BACKENDS = ("fused", "torch")  # cpu_adam.adamw_step_ (C++ SIMD) | cpu_adam.adamw_step_torch_ (torch ops)
-
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_()
@@ -77,10 +74,8 @@ class OffloadEngine:
     sharded_checkpoints = True
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
-                 offload_cfg: OffloadConfig, adam_backend: str = "fused", pin_optimizer_state: bool | None = None):
+                 offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None):
         offload_cfg.validate()
-        if adam_backend not in ADAM_BACKENDS:
-            raise ValueError(f"adam_backend={adam_backend!r}: choose one of {ADAM_BACKENDS}")
         self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
         self.param_dtype = precision_dtype(train_cfg.precision, device)
         cuda = device.type == "cuda"
@@ -123,19 +118,18 @@ class OffloadEngine:
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
         self.hyper = AdamHyper(train_cfg.betas[0], train_cfg.betas[1], 1e-8, train_cfg.weight_decay)
-        threads = offload_cfg.cpu_threads or None
-        self._cpu_adam = (functools.partial(adamw_step_, num_threads=threads) if adam_backend == "fused"
-                          else adamw_step_torch_)
+        self._cpu_adam = functools.partial(adamw_step_, num_threads=offload_cfg.cpu_threads or None)
         self.updater = self._make_updater(offload_cfg.optimizer_device)
         self._coef_host = torch.zeros((), pin_memory=cuda)
         self._landed: list = [None] * depth                       # per block: event of its gradient's D2H
         self._spans = [[(0, self.layout.numel)] for _ in range(depth)]  # per block: ranges AdamW updates
         self._marks: dict[int, object] = {}
         self.step = 0
+        self.phase = ""  # the part of the step running now (forward, loss, backward, optimizer step), for OOM reports
 
     @classmethod
     def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
-                    offload_cfg: OffloadConfig, grid: tuple[int, int, int], adam_backend: str = "fused",
+                    offload_cfg: OffloadConfig, grid: tuple[int, int, int],
                     pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
@@ -160,8 +154,8 @@ class OffloadEngine:
                                     resident_blocks=offload_cfg.resident_blocks,
                                     activation_offload=offload_cfg.activation_offload)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
-        kw = dict(device=device, train_cfg=train_cfg, offload_cfg=offload_cfg, adam_backend=adam_backend,
-                  pin_optimizer_state=pin_optimizer_state)
+        kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
+              "pin_optimizer_state": pin_optimizer_state}
         if build_on_host:
             return cls(VideoDiT(model_cfg), **kw)
         with torch.device("meta"):
@@ -215,12 +209,14 @@ class OffloadEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        self.phase = "forward"
         with compute.timed(), self.compute_ctx():
             xt = interpolate(batch.x0, batch.noise, batch.t)                  # (B, C, T, H, W)
             e = self.model.embed(xt, batch.t * TIME_SCALE, batch.ids)
         inp = BlockInputs(_leaf(e.t_mod), _leaf(e.ctx), e.ctx_mask, e.rope, e.grid)
         h, kept = self.streamer.forward(e.x.detach(), inp, keep_inputs=True)   # (B, N, D)
         h, t_emb = h.requires_grad_(), _leaf(e.t_emb)
+        self.phase = "loss"
         with compute.timed():
             with self.compute_ctx():
                 v = self.model.unembed(h, dataclasses.replace(e, t_emb=t_emb))  # (B, C, T, H, W)
@@ -233,9 +229,11 @@ class OffloadEngine:
                 p.grad = g
         on_grads = functools.partial(self._on_block_grads, step=self.step + 1, lr=lr)
         grads_to_host = self.clip > 0 or self.offload_cfg.optimizer_device == "cpu"
+        self.phase = "backward"
         bw = self.streamer.backward(grad_h, kept, inp, grads_to_host=grads_to_host, on_block_grads=on_grads)
         with compute.timed():
             torch.autograd.backward([e.x, e.t_mod, e.ctx, e.t_emb], [bw.grad_x, bw.grad_t_mod, bw.grad_ctx, grad_t_emb])
+            self.phase = "optimizer step"
             grad_norm = self._global_norm(bw.norms)
             clip = self._clip_resident_and_share(grad_norm) if self.clip > 0 else None
             self.optimizer.step()
@@ -284,6 +282,7 @@ class OffloadEngine:
         """The model's forward with streamed blocks: x (B, C, T, H, W), t (B,) in [0, 1000]
         -> velocity (B, C, T, H, W). A drop-in `model` for the samplers."""
         self.lanes.tag = None
+        self.phase = "forward"
         with self.compute_ctx():
             e = self.model.embed(x, t, context, context_mask)
         h, _ = self.streamer.forward(e.x, BlockInputs(e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid), keep_inputs=False)
@@ -342,16 +341,21 @@ class OffloadEngine:
     # ---- checkpoints: a folder checkpoints/step_N/ of block_0000.pt ... and state.pt -----------------
     def save(self, path: Path, extra: dict) -> Path:
         """Each block's master weights and moments in a file of its own, then the resident
-        parameters, their AdamW state, the step and block versions, and `extra` in state.pt."""
+        parameters, their AdamW state, the step and block versions, the blocks' flat layout (so
+        that a reader needs no engine) and `extra` in state.pt."""
         self.flush()
         blocks = ((f"block_{index:04d}", self.host.block_state(index)) for index in range(self.host.depth))
         state = {"step": self.step, "versions": list(self.versions),
                  "params": {n: p.detach().cpu().clone() for n, p in zip(self.resident_names, self.resident_params)},
-                 "optimizer": self.optimizer.state_dict(), **extra}
+                 "optimizer": self.optimizer.state_dict(), BLOCK_LAYOUT: self.layout.record(), **extra}
         return save_sharded_checkpoint(path, blocks, state)
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path / SHARDED_STATE)
+        saved = state.get(BLOCK_LAYOUT)  # None: a checkpoint older than the record
+        if saved is not None and saved != self.layout.record():
+            raise ValueError(f"checkpoint {str(path)!r} lays its blocks out otherwise than this model does; resume it "
+                             f"with the model config it was saved with (its state.pt holds model_cfg)")
         self.flush()
         for index in range(self.host.depth):
             self.host.load_block_state(index, load_checkpoint(path / f"block_{index:04d}.pt"))

@@ -31,7 +31,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
+
+from megaslide.checkpoint import flat_layout
 
 PARAM_ALIGN = 64      # elements: each parameter starts on a 64-element boundary of its block buffer
 ARENA_ALIGN = 4096    # bytes: each buffer starts on a page
@@ -72,11 +74,19 @@ class BlockLayout:
     @classmethod
     def from_module(cls, block: nn.Module) -> BlockLayout:
         """Layout of `block`'s parameters in `named_parameters()` order (works on meta)."""
-        slots, offset = [], 0
-        for name, p in block.named_parameters():
-            slots.append(ParamSlot(name, tuple(p.shape), offset))
-            offset = _round_up(offset + p.numel(), PARAM_ALIGN)
-        return cls(slots, offset)
+        return cls.from_record(flat_layout(((name, p.shape) for name, p in block.named_parameters()), PARAM_ALIGN))
+
+    @classmethod
+    def from_record(cls, record: dict) -> BlockLayout:
+        """The layout a checkpoint records (`megaslide.checkpoint.flat_layout`)."""
+        slots = [ParamSlot(name, tuple(shape), offset)
+                 for name, shape, offset in zip(record["names"], record["shapes"], record["offsets"])]
+        return cls(slots, record["numel"])
+
+    def record(self) -> dict:
+        """This layout as plain Python values, the form a sharded checkpoint records it in."""
+        return {"names": [s.name for s in self.slots], "shapes": [list(s.shape) for s in self.slots],
+                "offsets": [s.offset for s in self.slots], "numel": self.numel}
 
     @property
     def param_count(self) -> int:

@@ -36,20 +36,19 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
-                 grid: tuple[int, int, int], adam_backend: str = "fused") -> StepEngine:
+                 grid: tuple[int, int, int]) -> StepEngine:
     """The engine the offload config asks for, its model built on the host under the current
     seed (the same initial weights either way). `grid` is a training clip's token grid (the
-    offload planner's check); `adam_backend` is the offload engine's CPU AdamW."""
+    offload planner's check)."""
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                         grid=grid, adam_backend=adam_backend, build_on_host=True)
+                                         grid=grid, build_on_host=True)
     return ResidentEngine(VideoDiT(model_cfg).to(device), device=device, train_cfg=train_cfg)
 
 
 class Trainer:
     def __init__(self, model_cfg: DiTConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out_dir: str | Path,
-                 logger: RunLogger | None = None, *, offload_cfg: OffloadConfig | None = None,
-                 adam_backend: str = "fused"):
+                 logger: RunLogger | None = None, *, offload_cfg: OffloadConfig | None = None):
         offload_cfg = offload_cfg or OffloadConfig()
         validate_training(model_cfg, data_cfg, train_cfg, offload_cfg)
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
@@ -61,8 +60,7 @@ class Trainer:
         torch.manual_seed(train_cfg.seed)
         # the engine before the dataset: the offload planner refuses a model too big before anything is built
         grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
-        self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
-                                   adam_backend=adam_backend)
+        self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid)
         self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         self.logger = logger
 

@@ -19,6 +19,8 @@ from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 STEPS = 3
 CLIP = 0.05  # below the tiny model's gradient norm: clipping triggers on every step
 
+pytestmark = pytest.mark.usefixtures("torch_adamw")
+
 
 def _trainer(tmp_path, name, depth, *, activation_offload, resident_blocks=0, overlap=True, optimizer_device="cpu",
              **train):
@@ -26,7 +28,7 @@ def _trainer(tmp_path, name, depth, *, activation_offload, resident_blocks=0, ov
     offload = OffloadConfig(enabled=True, resident_blocks=resident_blocks, activation_offload=activation_offload,
                             overlap=overlap, optimizer_device=optimizer_device)
     return Trainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**{"steps": STEPS, "weight_decay": 0.01, **train}),
-                   tmp_path / name, offload_cfg=offload, adam_backend="torch")
+                   tmp_path / name, offload_cfg=offload)
 
 
 def _input_bytes(trainer) -> int:

@@ -155,8 +155,8 @@ def test_empty_and_shaped_buffers(step_fn):
 
 
 def _good():
-    return dict(param=torch.zeros(8), grad=torch.zeros(8), exp_avg=torch.zeros(8),
-                exp_avg_sq=torch.zeros(8))
+    return {"param": torch.zeros(8), "grad": torch.zeros(8), "exp_avg": torch.zeros(8),
+            "exp_avg_sq": torch.zeros(8)}
 
 
 BAD_TENSORS = [  # (argument to replace, bad value, words the message must contain)
@@ -220,9 +220,9 @@ def test_bad_scalars_raise_clear_errors(override, message):
 @pytest.fixture
 def fresh_backend():
     """Re-run backend selection inside the test and again after it."""
-    cpu_adam._native.cache_clear()
+    cpu_adam._library.cache_clear()
     yield
-    cpu_adam._native.cache_clear()
+    cpu_adam._library.cache_clear()
 
 
 def test_failed_build_warns_once_and_falls_back_to_torch(monkeypatch, fresh_backend):
@@ -249,6 +249,17 @@ def test_env_forces_torch_backend(monkeypatch, fresh_backend):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu_adam.backend() == "torch"
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_env_takes_effect_after_the_library_is_loaded(monkeypatch):
+    """The variable is read on every step, so a test can switch the backend with monkeypatch.setenv."""
+    monkeypatch.delenv("MEGASLIDE_CPU_ADAM_BACKEND", raising=False)
+    assert cpu_adam.backend() == "cpp"
+    monkeypatch.setenv("MEGASLIDE_CPU_ADAM_BACKEND", "torch")
+    assert cpu_adam.backend() == "torch" and cpu_adam.native_isa() is None
+    monkeypatch.delenv("MEGASLIDE_CPU_ADAM_BACKEND")
+    assert cpu_adam.backend() == "cpp"
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")

@@ -1,6 +1,6 @@
 """The offload engine against the resident reference trainer, on CPU (the CI path).
 
-fp32 with adam_backend="torch" (cpu_adam.adamw_step_torch_, torch.optim.AdamW's exact math):
+fp32 with the torch AdamW backend (the `torch_adamw` fixture of conftest.py, torch.optim.AdamW's exact math):
 losses, gradient norms and every weight are bit-identical to `Trainer` after several steps,
 with clipping active, in every mode (overlap on/off, optimizer on the "GPU" = torch ops on
 the compute device). With the default fused C++ AdamW the weights agree to ~1e-7: its IEEE
@@ -22,19 +22,20 @@ STEPS = 3
 CLIP = 0.05  # the tiny model's gradient norm is ~2-3: clipping triggers on every step
 DEPTH = 5    # > 2 blocks, so the backward re-streams blocks and both shells alternate
 
+pytestmark = pytest.mark.usefixtures("torch_adamw")
+
 
 def _model_cfg(attention="dense", **kw):
     return dataclasses.replace(tiny_model_cfg(attention, **kw), depth=DEPTH)
 
 
-def _pair(tmp_path, model_cfg=None, *, overlap=True, optimizer_device="cpu", adam_backend="torch",
-          resident_blocks=0, **train):
+def _pair(tmp_path, model_cfg=None, *, overlap=True, optimizer_device="cpu", resident_blocks=0, **train):
     train = {"steps": STEPS, "grad_clip": CLIP, "weight_decay": 0.01, **train}
     model_cfg = model_cfg or _model_cfg()
     ref = Trainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**train), tmp_path / "ref")
     eng = Trainer(model_cfg, tiny_data_cfg(), tiny_train_cfg(**train), tmp_path / "eng",
                   offload_cfg=OffloadConfig(enabled=True, overlap=overlap, optimizer_device=optimizer_device,
-                                            resident_blocks=resident_blocks), adam_backend=adam_backend)
+                                            resident_blocks=resident_blocks))
     return ref, eng
 
 
@@ -122,8 +123,9 @@ def test_parameters_without_gradient_stay_untouched(tmp_path):
     assert not torch.equal(before["blocks.0.attn.qkv.weight"], after["blocks.0.attn.qkv.weight"])
 
 
-def test_fused_cpu_adam_agrees_to_1e6(tmp_path):
-    ref, eng = _pair(tmp_path, adam_backend="fused")
+def test_fused_cpu_adam_agrees_to_1e6(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEGASLIDE_CPU_ADAM_BACKEND")
+    ref, eng = _pair(tmp_path)
     for loss_ref, loss_eng, _, _ in _run_both(ref, eng):
         assert abs(loss_ref - loss_eng) <= 1e-6 * abs(loss_ref)
     _assert_weights(ref, eng, exact=False)
@@ -142,14 +144,14 @@ def test_ablation_modes_switch_on_one_host_state(tmp_path):
 
 def test_resume_continues_exactly(tmp_path):
     straight = Trainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=4, grad_clip=CLIP), tmp_path / "a",
-                       offload_cfg=OffloadConfig(enabled=True), adam_backend="torch")
+                       offload_cfg=OffloadConfig(enabled=True))
     straight.fit()
     first = Trainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=2, grad_clip=CLIP), tmp_path / "b",
-                    offload_cfg=OffloadConfig(enabled=True), adam_backend="torch")
+                    offload_cfg=OffloadConfig(enabled=True))
     first.fit()                                                   # writes checkpoints/step_2/
     assert (tmp_path / "b" / "checkpoints" / "step_2" / "state.pt").is_file()
     resumed = Trainer(_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=4, grad_clip=CLIP, resume="auto"),
-                      tmp_path / "b", offload_cfg=OffloadConfig(enabled=True), adam_backend="torch")
+                      tmp_path / "b", offload_cfg=OffloadConfig(enabled=True))
     resumed.fit()
     assert resumed.step == 4
     a, b = straight.engine.model_state_dict(), resumed.engine.model_state_dict()
@@ -157,6 +159,18 @@ def test_resume_continues_exactly(tmp_path):
         assert torch.equal(a[name], b[name]), name
     # the next step's loss is the same too (moments and step count restored)
     assert straight.train_step()["loss"].item() == resumed.train_step()["loss"].item()
+
+
+def test_a_checkpoint_of_another_block_layout_is_refused(tmp_path):
+    from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_checkpoint
+    _, eng = _pair(tmp_path)
+    eng.train_step()
+    folder = eng.engine.save(tmp_path / "step_1", {})
+    state = load_checkpoint(folder / SHARDED_STATE)
+    state[BLOCK_LAYOUT] = {**state[BLOCK_LAYOUT], "names": state[BLOCK_LAYOUT]["names"][::-1]}
+    save_checkpoint(folder / SHARDED_STATE, state)
+    with pytest.raises(ValueError, match="lays its blocks out otherwise"):
+        eng.engine.load(folder)
 
 
 def test_exported_weights_load_into_the_resident_model(tmp_path):
@@ -212,6 +226,24 @@ def test_optimizer_worker_errors_reach_the_training_thread(tmp_path):
     with pytest.raises(RuntimeError, match="CPU AdamW worker failed"):
         eng.train_step()
         eng.train_step()  # the failed update surfaces at the latest when its block is loaded again
+
+
+@pytest.mark.parametrize("part,phase", [("model.embed", "forward"), ("streamer.forward", "forward"),
+                                        ("model.unembed", "loss"), ("streamer.backward", "backward"),
+                                        ("optimizer.step", "optimizer step")])
+def test_phase_names_the_part_of_the_step_that_failed(tmp_path, monkeypatch, part, phase):
+    """What the OOM tables record instead of reading tracebacks: the step's part running when it raised."""
+    _, eng = _pair(tmp_path)
+    engine = eng.engine
+    assert engine.phase == ""
+    owner, name = part.split(".")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(getattr(engine, owner), name, out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        eng.train_step()
+    assert engine.phase == phase
 
 
 def test_ema_is_rejected_before_allocating(tmp_path):
@@ -291,8 +323,8 @@ def test_from_config_initialises_like_the_host_model(attention):
     at a time (another random stream): per parameter the same exact constants (adaLN-Zero gates,
     final layer, biases, norms, DSA offsets) and the same init statistics."""
     cfg = _model_cfg(attention)
-    kw = dict(device=torch.device("cpu"), train_cfg=tiny_train_cfg(), offload_cfg=OffloadConfig(enabled=True),
-              grid=cfg.token_grid(4, 16, 16))
+    kw = {"device": torch.device("cpu"), "train_cfg": tiny_train_cfg(), "offload_cfg": OffloadConfig(enabled=True),
+          "grid": cfg.token_grid(4, 16, 16)}
     torch.manual_seed(0)
     host = {name: p.detach() for name, p in VideoDiT(cfg).named_parameters()}
     weights = {}
@@ -323,8 +355,8 @@ def test_unloaded_blocks_are_refused(tmp_path):
     for name, child in model.named_children():
         if name != "blocks":
             child.to_empty(device="cpu")
-    from megaslide.diffusion.batches import make_batch
     from megaslide.data.build import build_dataset
+    from megaslide.diffusion.batches import make_batch
     engine = OffloadEngine(model, device=torch.device("cpu"), train_cfg=tiny_train_cfg(),
                            offload_cfg=OffloadConfig(enabled=True))
     batch = make_batch(build_dataset(tiny_data_cfg(), in_channels=3), model.tokenizer, tiny_train_cfg(), 0)
@@ -338,9 +370,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 @pytest.mark.parametrize("overlap,optimizer_device", [(True, "cpu"), (False, "cpu"), (True, "gpu")])
-def test_cuda_fp32_matches_resident_trainer(tmp_path, overlap, optimizer_device):
+def test_cuda_fp32_matches_resident_trainer(tmp_path, monkeypatch, overlap, optimizer_device):
     """Three CUDA streams, pinned arena, fused CPU AdamW: the reference's numbers to 1e-5."""
-    ref, eng = _pair(tmp_path, overlap=overlap, optimizer_device=optimizer_device, adam_backend="fused",
+    monkeypatch.delenv("MEGASLIDE_CPU_ADAM_BACKEND")
+    ref, eng = _pair(tmp_path, overlap=overlap, optimizer_device=optimizer_device,
                      device="cuda", precision="fp32")
     for loss_ref, loss_eng, norm_ref, norm_eng in _run_both(ref, eng):
         assert abs(loss_ref - loss_eng) <= 1e-5 * loss_ref and abs(norm_ref - norm_eng) <= 1e-4 * norm_ref
@@ -350,9 +383,10 @@ def test_cuda_fp32_matches_resident_trainer(tmp_path, overlap, optimizer_device)
 
 
 @cuda
-def test_cuda_bf16_stays_close_to_resident_autocast(tmp_path):
+def test_cuda_bf16_stays_close_to_resident_autocast(tmp_path, monkeypatch):
     """bf16 block weights on the GPU vs fp32 weights under bf16 autocast: close, not equal."""
-    ref, eng = _pair(tmp_path, device="cuda", precision="bf16", adam_backend="fused", steps=5)
+    monkeypatch.delenv("MEGASLIDE_CPU_ADAM_BACKEND")
+    ref, eng = _pair(tmp_path, device="cuda", precision="bf16", steps=5)
     rows = _run_both(ref, eng, steps=5)
     print("bf16 losses (reference, engine):", [(a, b) for a, b, _, _ in rows])
     for loss_ref, loss_eng, _, _ in rows:
