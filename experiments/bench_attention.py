@@ -48,13 +48,13 @@ from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
 from experiments.gpu_check_dsa import launch_of
-from experiments.harness import (MIN_REPEATS, ExperimentRun, copy_gbps, deterministic_algorithms, matmul_tflops, timed,
-                                within_tolerance)
+from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, matmul_tflops, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
 from megaslide.attention.dsa.op import ENTRY_FLOATS
+from megaslide.testing import deterministic_algorithms, within_tolerance
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
 KERNEL, WINDOW = (3, 3, 3), (2, 4, 4)
@@ -425,7 +425,7 @@ def loglog_slope(rows, variant, tokens=(0, math.inf)) -> float | None:
 
 
 def target_row(target: str, measured: float | None, bound: float | None) -> dict:
-    """One target line. `met` by the project's one rule, `harness.within_tolerance`, with the bound as
+    """One target line. `met` by the project's one rule, `megaslide.testing.within_tolerance`, with the bound as
     its floor and no reference error: measured finite and <= bound. None: not measured (or no bound)."""
     met = None if measured is None or bound is None else within_tolerance(measured, 0.0, bound)
     return {"target": target, "bound": bound, "measured": measured, "met": met}

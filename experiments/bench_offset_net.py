@@ -5,7 +5,7 @@ torch.tanh), after a correctness check of the conv.
 
 Tables of results/attention/<name>.json (rendered by experiments/report.py):
 - check: the Triton conv's output and x / weight / bias gradients against F.conv3d in float64 on the same
-  rounded inputs, beside F.conv3d in the tested dtype (harness.within_tolerance), at an odd grid, a frame
+  rounded inputs, beside F.conv3d in the tested dtype (megaslide.testing.check_conv), at an odd grid, a frame
   slab with its halo, for fp32 and bf16; `passed` is all of them;
 - conv: the conv alone fwd+bwd at the target grid for each model width (heads x head_dim), each backend,
   beside `hbm_ms`: the HBM time of its compulsory traffic (read x, write y; read dy and x for the input
@@ -29,11 +29,10 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import (MIN_REPEATS, ExperimentRun, copy_gbps, kernel_check_device, rounding_floor,
-                                within_tolerance)
+from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, kernel_check_device
 from experiments.hydra_config import script_config, script_main
+from megaslide.testing import check_conv
 
-F64 = torch.float64
 BACKENDS = ("triton", "torch")
 CHECK_CASES = [((2, 5, 9, 13, 96), (1, 4)), ((1, 3, 8, 8, 64), (0, 3))]   # (B, T, H, W, C), output frames
 SMOKE_CHECK_CASES = [((1, 3, 2, 5, 6), (1, 3))]
@@ -59,43 +58,6 @@ class BenchOffsetNetConfig:
             raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
         if len(self.grid) != 3 or min(self.grid) < 1:
             raise ValueError(f"grid={list(self.grid)}: give the token grid as [T, H, W], each >= 1")
-
-
-def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype):
-    """The conv's output and its x, weight and bias gradients on one backend, x in `dtype`; the weights
-    stay fp32 on the Triton path (as the module keeps them) and take `dtype` for F.conv3d (as autocast
-    casts them)."""
-    from megaslide.attention.dsa.depthwise import depthwise_conv3d
-    wdtype = dtype if backend == "torch" else weight.dtype
-    leaves = [x.to(dtype), weight.to(wdtype), bias.to(wdtype)]
-    for t in leaves:
-        t.requires_grad_()
-    y = depthwise_conv3d(*leaves, frames, backend=backend)
-    return [y.detach(), *torch.autograd.grad(y, leaves, grad.to(y.dtype))]
-
-
-def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
-    """The Triton conv against F.conv3d in float64 (the truth) and in `dtype`: per output, both max errors,
-    the rounding floor and whether `within_tolerance` holds."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    B, T, H, W, C = shape
-    lo, hi = frames
-    x = torch.randn(shape, generator=g, device=device, dtype=F64).to(dtype)
-    weight = torch.randn((C, 1, *kernel), generator=g, device=device, dtype=F64).float()
-    bias = torch.randn(C, generator=g, device=device, dtype=F64).float()
-    grad = torch.randn((B, hi - lo, H, W, C), generator=g, device=device, dtype=F64).to(dtype)
-    truth = conv_and_grads("torch", x, weight, bias, grad, frames, F64)
-    same = conv_and_grads("torch", x, weight, bias, grad, frames, dtype)
-    fused = conv_and_grads("triton", x, weight, bias, grad, frames, dtype)
-    errors = {}
-    for name, want, ref, got in zip(("y", "dx", "dweight", "dbias"), truth, same, fused):
-        err = (got.to(F64) - want).abs().max().item()
-        ref_err = (ref.to(F64) - want).abs().max().item()
-        floor = rounding_floor(got.dtype if name in ("y", "dx") else torch.float32, want)
-        ok = got.shape == want.shape and within_tolerance(err, ref_err, floor)
-        errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
-    return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."),
-            "passed": all(e["ok"] for e in errors.values()), "errors": errors}
 
 
 def conv_hbm_bytes(tokens: int, channels: int, x_elem: int, y_elem: int) -> int:
@@ -125,7 +87,7 @@ def offset_net_cells(grid, heads: int, d: int, device, repeats: int, ceiling_gbp
     for backend in BACKENDS:
         attn.net_backend = backend
 
-        def conv_step():
+        def conv_step(backend=backend):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 y = depthwise_conv3d(x.view(1, *grid, dim), attn.offset_conv.weight, attn.offset_conv.bias,
                                      backend=backend)

@@ -5,7 +5,7 @@ and compares the Triton output and the gradients of q, k, v and offsets with the
 PyTorch reference run on the same rounded inputs. Op `dsa_zero` checks the zero-offset
 kernels (`neighborhood_attention`, zero_kernels.py) the same way at the same shapes (output
 and q, k, v gradients against the reference with zero offsets) and that two backward runs
-are bit-identical (they use no atomics). The rule (harness.within_tolerance):
+are bit-identical (they use no atomics). The rule (megaslide.testing.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
@@ -35,11 +35,11 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import (TOLERANCE_RULE, ExperimentRun, copy_gbps, deterministic_algorithms,
-                                kernel_check_device, rounding_floor, timed, within_tolerance)
+from experiments.harness import ExperimentRun, copy_gbps, kernel_check_device, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
 from megaslide.attention.dsa.op import select_backend
+from megaslide.testing import TOLERANCE_RULE, deterministic_algorithms, rounding_floor, within_tolerance
 
 F64 = torch.float64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,4 +1,4 @@
-"""The benchmarking harness every experiment script and multi-process test shares.
+"""The benchmarking harness every experiment script shares.
 
 - `sync(device)`: wait for the device's queued work (a no-op on CPU); `progress(message)`: a
   time-stamped line from rank 0.
@@ -6,19 +6,15 @@
   median and the spread (min, max, std). Across ranks it reports the slowest rank.
 - ceilings measured in the run itself: `matmul_tflops` (n^3 matmul), `copy_gbps` (HBM or DRAM copy),
   `pcie_gbps` (pinned H2D, D2H and both at once).
-- `within_tolerance(err, ref_err, floor)`: the one accuracy rule of kernels against a reference.
-- `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
 - `ExperimentRun`: a table script's W&B run (config, result tables, headline scalars, plots)
   beside its result JSON, which records where the W&B run lies.
+
+The accuracy rule of kernel checks and the multi-process launcher (`spawn`) live in `megaslide.testing`,
+which the tests share.
 """
 from __future__ import annotations
 
-import contextlib
-import datetime
-import math
-import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import time
@@ -27,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from experiments.report import find_tables
 from experiments.results_io import check_result_name, result_path, write_result
@@ -170,84 +165,6 @@ def pcie_gbps(device: torch.device | str, nbytes: int, repeats: int = MIN_REPEAT
     arena.close()
     return {"bytes": nbytes, "h2d_GBps": nbytes / h2d / GB, "d2h_GBps": nbytes / d2h / GB,
             "both_total_GBps": 2 * nbytes / both / GB}
-
-
-# ----------------------------------------------------------------------------- accuracy
-TOLERANCE_RULE = "err <= 2 x same-dtype reference err + floor"
-
-
-@contextlib.contextmanager
-def deterministic_algorithms():
-    """Run the block under `torch.use_deterministic_algorithms(True)`, restoring the setting after
-    (DSA's fused backward then sorts its key-tile lists: bitwise repeatable dK / dV)."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
-def within_tolerance(err: float, ref_err: float, floor: float) -> bool:
-    """The accuracy rule for a kernel (fused, distributed, ...) against an fp32/fp64 truth.
-
-    `err` is the kernel's max error against the truth, `ref_err` the error of the plain PyTorch
-    path in the kernel's dtype against the same truth: a kernel may be at most 2x as wrong as
-    PyTorch, plus `floor` for outputs whose reference error is at rounding level (where a 2x
-    ratio is noise). NaN anywhere fails."""
-    return math.isfinite(err) and err <= 2 * ref_err + floor
-
-
-def rounding_floor(dtype: torch.dtype, reference: torch.Tensor, ulps: float = 2) -> float:
-    """`ulps` x eps(dtype) x max(1, max|reference|): the floor of `within_tolerance` at rounding level."""
-    return ulps * torch.finfo(dtype).eps * max(1.0, reference.abs().max().item())
-
-
-# ----------------------------------------------------------------------------- processes
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, backend: str | None, timeout_s: float | None, fn, args) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if backend is None:  # fn joins the group itself, from the torchrun environment set above
-        fn(rank, world, *args)
-        return
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world: int, args: tuple = (), backend: str | None = "gloo", timeout_s: float | None = 150.0) -> None:
-    """Run `fn(rank, world, *args)` in `world` local processes and wait for all of them.
-
-    Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT on a free port) and its share of the CPU threads; with `backend` ("gloo" or
-    "nccl", one GPU per rank) it is in the default process group while fn runs, with None fn
-    joins itself. Processes fork from a server with torch preloaded (one fork each rather than one
-    torch import). A failing rank raises here with its traceback; past `timeout_s` (also the
-    collectives' timeout; None: no limit) the rest are stopped and TimeoutError is raised. `fn`
-    must be a module-level function."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed"])
-    ctx = tmp.start_processes(_worker, args=(world, free_port(), backend, timeout_s, fn, tuple(args)),
-                              nprocs=world, join=False, start_method="forkserver")
-    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):  # True once all exited; raises when one failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"{world} spawned processes ran past {timeout_s} s")
 
 
 # ----------------------------------------------------------------------------- W&B + result JSON

@@ -45,15 +45,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from experiments.harness import ExperimentRun, Timing, matmul_tflops, sync, within_tolerance
+from experiments.harness import ExperimentRun, Timing, matmul_tflops, sync
 from experiments.hydra_config import script_config, script_main
 from megaslide.config import DiTConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
 from megaslide.inference.weights import random_weights_
-from megaslide.perf.flops import token_path_flops
 from megaslide.models.dit import build_dit
+from megaslide.perf.flops import token_path_flops
+from megaslide.testing import within_tolerance
 
 TARGETS = {"ttff_1gpu_s": 1.0, "speedup_2gpu_vs_1gpu": 1.8, "speedup_vs_full_sequence": 1.58}
 LADDER = (  # (name, CausalConfig switches); each row adds one optimisation to the one above

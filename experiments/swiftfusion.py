@@ -35,8 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from experiments.harness import (ExperimentRun, free_port, rounding_floor, spawn, timed,
-                                 within_tolerance)
+from experiments.harness import ExperimentRun, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps
 from megaslide.config import DiTConfig
@@ -45,8 +44,8 @@ from megaslide.parallel import resolve_degrees, sequence_parallel_attention
 from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans
 from megaslide.parallel.groups import Topology
 from megaslide.parallel.local_attn import select_backend
-from megaslide.parallel.onesided import (
-    can_use_symm_mem, release_symm_mem_workspaces, symm_mem_backend)
+from megaslide.parallel.onesided import can_use_symm_mem, release_symm_mem_workspaces, symm_mem_backend
+from megaslide.testing import free_port, rounding_floor, spawn, within_tolerance
 
 SMOKE = {"world_size": 2, "heads": 4, "head_dim": 8, "seq_lens": [16, 32], "check_seq_len": 16,
          "ceiling_seq_len": 64, "a2a_bytes": 2 ** 16, "model": {"preset": "tiny"},

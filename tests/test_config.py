@@ -1,18 +1,11 @@
 import dataclasses
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
 
-from baselines.swin_attention import SwinOptions
-from megaslide.attention.base import NoOptions
 from megaslide.attention.dsa.module import DSAOptions
 from megaslide.config import AttentionConfig, DataConfig, DiTConfig, from_dict
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "experiments" / "conf"
 
 
 def _trainer(tmp_path, model=None, data=None, train=None):
@@ -38,14 +31,6 @@ def test_dsa_kernel_larger_than_grid(tmp_path):
 def test_heads_not_dividing_dim(tmp_path):
     with pytest.raises(ValueError, match=r"model.num_heads=5 does not divide model.dim=64"):
         _trainer(tmp_path, model=dataclasses.replace(tiny_model_cfg(), num_heads=5))
-
-
-def test_unknown_attention_and_preset():
-    from experiments.hydra_config import model_config
-    with pytest.raises(ValueError, match=r"attention.name='flash3' is unknown"):
-        AttentionConfig(name="flash3").validate()
-    with pytest.raises(ValueError, match=r"model.preset='huge' is unknown"):
-        model_config({"preset": "huge"}, {"name": "dense"})
 
 
 def test_missing_data_folder(tmp_path):
@@ -84,26 +69,3 @@ def test_for_variant_keeps_the_options_the_other_variant_takes():
     assert dsa.for_variant("dsa_zero") == AttentionConfig("dsa_zero", dsa.options)
     assert dsa.for_variant("swin", window=(1, 2, 2)) == AttentionConfig("swin", {"window": (1, 2, 2)})
     assert dsa.for_variant("dense") == AttentionConfig("dense")
-
-
-@pytest.mark.parametrize("overrides,options", [
-    (["attention=swin", "attention.window=[1,2,2]"], SwinOptions((1, 2, 2))),
-    (["attention=dsa", "attention.kernel_size=[3,5,5]", "attention.max_offset=2", "attention.backend=reference"],
-     DSAOptions((3, 5, 5), 2.0, "reference")),
-    (["attention=dsa_zero"], DSAOptions()),
-    (["attention=dense"], NoOptions())])
-def test_hydra_attention_overrides(overrides, options):
-    assert _compose(overrides).attention.options == options
-
-
-def test_hydra_refuses_an_option_of_another_variant():
-    with pytest.raises(ConfigCompositionException, match="Could not override 'attention.window'"):
-        _compose(["attention=dsa", "attention.window=[2,4,4]"])
-    with pytest.raises(ValueError, match=r"\['window'\] unknown to the 'dsa' attention, which takes only"):
-        _compose(["attention=dsa", "+attention.window=[2,4,4]"])
-
-
-def _compose(overrides: list[str]) -> DiTConfig:
-    from experiments.hydra_config import typed_configs
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return typed_configs(compose("train", overrides=overrides))[0]

@@ -2,7 +2,7 @@
 d(offsets) against the float64 reference at chosen key tiles and entry blocks, the binning against a
 plain PyTorch construction of the key tiles' entry lists, and the kernels' sm_90 build.
 
-Tolerances as tests/attention/test_dsa_triton.py (harness.within_tolerance: at most 2x the
+Tolerances as tests/attention/test_dsa_triton.py (megaslide.testing.within_tolerance: at most 2x the
 same-dtype reference's error plus a rounding floor)."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from experiments.harness import deterministic_algorithms, rounding_floor, within_tolerance
 from megaslide.attention.dsa.op import ENTRY_FLOATS, backward_scratch_bytes
 from megaslide.attention.dsa.reference import base_positions, trilinear_corners
+from megaslide.testing import deterministic_algorithms, rounding_floor, within_tolerance
 from tests.attention.test_dsa_triton import FLOOR_ULPS, kernels, make_inputs, run
 from tests.helpers import builds_for_sm90
 

@@ -12,9 +12,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from experiments.harness import rounding_floor, within_tolerance  # noqa: E402
 from megaslide.attention.dsa import bounded_kernels  # noqa: E402
 from megaslide.attention.dsa.bounded import bounded_offsets  # noqa: E402
+from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
 from tests.helpers import builds_for_sm90  # noqa: E402
 
 if not bounded_kernels.INTERPRETED:  # built earlier in this process without the interpreter

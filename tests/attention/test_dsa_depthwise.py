@@ -2,7 +2,7 @@
 interpreter, for the output and the gradients of x, weight and bias.
 
 Truth: F.conv3d in float64 on the inputs rounded to the tested dtype; the kernel may be at most 2x as
-wrong as F.conv3d in the tested dtype, plus a rounding floor (experiments.harness.within_tolerance).
+wrong as F.conv3d in the tested dtype, plus a rounding floor (megaslide.testing.within_tolerance).
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from experiments.bench_offset_net import check_conv  # noqa: E402
 from megaslide.attention import build_attention  # noqa: E402
 from megaslide.attention.dsa import depthwise, depthwise_kernels  # noqa: E402
 from megaslide.attention.dsa.depthwise import depthwise_conv3d  # noqa: E402
+from megaslide.testing import check_conv  # noqa: E402
 from tests.helpers import builds_for_sm90  # noqa: E402
 
 if not depthwise_kernels.INTERPRETED:  # built earlier in this process without the interpreter

@@ -4,7 +4,7 @@ interpreter (TRITON_INTERPRET=1), for the output and the gradients of q, k, v an
 Tolerance rule: with every input rounded to the tested dtype, the float64 reference is
 the truth; the kernel's max error may be at most 2x the error of the same-dtype PyTorch
 reference, plus a floor of 2 x eps(dtype) x max(1, max|value|) (at rounding level a 2x ratio
-between two summation orders is noise): experiments.harness.within_tolerance.
+between two summation orders is noise): megaslide.testing.within_tolerance.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from experiments.harness import rounding_floor, within_tolerance  # noqa: E402
 from megaslide.attention.dsa import deformable_slide_attention, kernels  # noqa: E402
+from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
 from tests.helpers import builds_for_sm90, needs_inductor  # noqa: E402
 
 if not kernels.INTERPRETED:  # built earlier in this process without the interpreter

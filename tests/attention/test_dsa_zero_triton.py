@@ -15,12 +15,12 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from experiments.harness import rounding_floor, within_tolerance  # noqa: E402
 from megaslide.attention.dsa import deformable_slide_attention, kernels, neighborhood_attention  # noqa: E402
 from megaslide.attention.dsa import zero_kernels  # noqa: E402
 from megaslide.attention.dsa.module import DSAAttention, DSAZeroAttention  # noqa: E402
 from megaslide.attention.dsa.op import NA_BACKENDS, select_backend  # noqa: E402
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference  # noqa: E402
+from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
 from tests.helpers import builds_for_sm90  # noqa: E402
 
 if not (kernels.INTERPRETED and zero_kernels.INTERPRETED):  # built earlier without the interpreter

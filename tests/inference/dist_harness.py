@@ -1,6 +1,6 @@
 """Run a test body on P local gloo ranks, started the way torchrun starts them.
 
-`run_ranks(body, world, *args)` starts `world` processes with `experiments.harness.spawn`
+`run_ranks(body, world, *args)` starts `world` processes with `megaslide.testing.spawn`
 (torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port).
 Each joins through `megaslide.inference.launch.init_distributed(device="cpu")` and calls
 `body(ctx, *args)`. An exception or failed assertion in any rank fails the calling test with that
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from experiments.harness import spawn
+from megaslide.testing import spawn
 
 
 def _entry(rank: int, world: int, body, args) -> None:

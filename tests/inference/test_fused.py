@@ -19,10 +19,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is imported (fuse
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from experiments.harness import within_tolerance  # noqa: E402
 from megaslide.inference import fused  # noqa: E402
 from megaslide.inference.fused import qk_norm_rope, qk_norm_rope_reference, select_backend  # noqa: E402
 from megaslide.nn.rope import RopeTable  # noqa: E402
+from megaslide.testing import within_tolerance  # noqa: E402
 
 EPS = 1e-6
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.harness import spawn
 from megaslide.attention.dense import DenseAttention
 from megaslide.inference.sharded import TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
 from megaslide.inference.weights import random_weights_
@@ -20,6 +19,7 @@ from megaslide.nn.rope import RopeTable
 from megaslide.parallel import build_mesh
 from megaslide.parallel.apply import SequenceParallelAttention, parallelize_dit
 from megaslide.parallel.groups import SPMesh
+from megaslide.testing import spawn
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.harness import within_tolerance
 from megaslide.parallel.local_attn import (BlockPair, Segment, _cudnn_forward, _flash_backward, _flash_forward,
                                            attention_backward,
                                            attention_forward, block_backward_, block_forward_, contiguous_layout,
                                            layout_from_shards, plan_block_pairs, select_backend)
+from megaslide.testing import within_tolerance
 
 
 def reference(q, k, v, causal, seq_len=None):

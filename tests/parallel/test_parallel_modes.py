@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from experiments.harness import spawn, within_tolerance
+from megaslide.testing import spawn, within_tolerance
 
 WORLD = 4
 BATCH, HEADS, HEAD_DIM = 2, 8, 6

@@ -32,8 +32,7 @@ from megaslide.data.video_io import write_mp4
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
-pytestmark = pytest.mark.slow
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
 
 _SMALL_MODEL = ["model.depth=1", "model.dim=32", "model.num_heads=2", "model.ffn_dim=64", "model.text_dim=32"]

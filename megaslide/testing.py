@@ -1,0 +1,140 @@
+"""What the tests and the experiments' GPU checks share to judge a kernel and to run ranks.
+
+- `within_tolerance(err, ref_err, floor)`: the one accuracy rule of a kernel against an fp32/fp64 truth;
+  `rounding_floor` its floor at rounding level; `TOLERANCE_RULE` the rule in words, for result files.
+- `deterministic_algorithms()`: a block under `torch.use_deterministic_algorithms(True)`.
+- `check_conv(...)`: the offset net's Triton depthwise Conv3d against F.conv3d by that rule.
+- `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
+
+It lives in the library (not in experiments/) so that tests import only `megaslide` and `baselines`.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import multiprocessing
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- accuracy
+TOLERANCE_RULE = "err <= 2 x same-dtype reference err + floor"
+
+
+def within_tolerance(err: float, ref_err: float, floor: float) -> bool:
+    """The accuracy rule for a kernel (fused, distributed, ...) against an fp32/fp64 truth.
+
+    `err` is the kernel's max error against the truth, `ref_err` the error of the plain PyTorch
+    path in the kernel's dtype against the same truth: a kernel may be at most 2x as wrong as
+    PyTorch, plus `floor` for outputs whose reference error is at rounding level (where a 2x
+    ratio is noise). NaN anywhere fails."""
+    return math.isfinite(err) and err <= 2 * ref_err + floor
+
+
+def rounding_floor(dtype: torch.dtype, reference: torch.Tensor, ulps: float = 2) -> float:
+    """`ulps` x eps(dtype) x max(1, max|reference|): the floor of `within_tolerance` at rounding level."""
+    return ulps * torch.finfo(dtype).eps * max(1.0, reference.abs().max().item())
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Run the block under `torch.use_deterministic_algorithms(True)`, restoring the setting after
+    (DSA's fused backward then sorts its key-tile lists: bitwise repeatable dK / dV)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype):
+    """The depthwise conv's output and its x, weight and bias gradients on one backend, x in `dtype`; the
+    weights stay fp32 on the Triton path (as the module keeps them) and take `dtype` for F.conv3d (as
+    autocast casts them)."""
+    from megaslide.attention.dsa.depthwise import depthwise_conv3d  # the kernels build on first import
+    wdtype = dtype if backend == "torch" else weight.dtype
+    leaves = [x.to(dtype), weight.to(wdtype), bias.to(wdtype)]
+    for t in leaves:
+        t.requires_grad_()
+    y = depthwise_conv3d(*leaves, frames, backend=backend)
+    return [y.detach(), *torch.autograd.grad(y, leaves, grad.to(y.dtype))]
+
+
+def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
+    """The Triton conv against F.conv3d in float64 (the truth) and in `dtype`: per output, both max errors,
+    the rounding floor and whether `within_tolerance` holds."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, _, H, W, C = shape
+    lo, hi = frames
+    x = torch.randn(shape, generator=g, device=device, dtype=F64).to(dtype)
+    weight = torch.randn((C, 1, *kernel), generator=g, device=device, dtype=F64).float()
+    bias = torch.randn(C, generator=g, device=device, dtype=F64).float()
+    grad = torch.randn((B, hi - lo, H, W, C), generator=g, device=device, dtype=F64).to(dtype)
+    truth = conv_and_grads("torch", x, weight, bias, grad, frames, F64)
+    same = conv_and_grads("torch", x, weight, bias, grad, frames, dtype)
+    fused = conv_and_grads("triton", x, weight, bias, grad, frames, dtype)
+    errors = {}
+    for name, want, ref, got in zip(("y", "dx", "dweight", "dbias"), truth, same, fused):
+        err = (got.to(F64) - want).abs().max().item()
+        ref_err = (ref.to(F64) - want).abs().max().item()
+        floor = rounding_floor(got.dtype if name in ("y", "dx") else torch.float32, want)
+        ok = got.shape == want.shape and within_tolerance(err, ref_err, floor)
+        errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
+    return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."),
+            "passed": all(e["ok"] for e in errors.values()), "errors": errors}
+
+
+# ----------------------------------------------------------------------------- processes
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, backend: str | None, timeout_s: float | None, fn, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if backend is None:  # fn joins the group itself, from the torchrun environment set above
+        fn(rank, world, *args)
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, args: tuple = (), backend: str | None = "gloo", timeout_s: float | None = 150.0) -> None:
+    """Run `fn(rank, world, *args)` in `world` local processes and wait for all of them.
+
+    Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT on a free port) and its share of the CPU threads; with `backend` ("gloo" or
+    "nccl", one GPU per rank) it is in the default process group while fn runs, with None fn
+    joins itself. Processes fork from a server with torch preloaded (one fork each rather than one
+    torch import). A failing rank raises here with its traceback; past `timeout_s` (also the
+    collectives' timeout; None: no limit) the rest are stopped and TimeoutError is raised. `fn`
+    must be a module-level function."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed"])
+    ctx = tmp.start_processes(_worker, args=(world, free_port(), backend, timeout_s, fn, tuple(args)),
+                              nprocs=world, join=False, start_method="forkserver")
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):  # True once all exited; raises when one failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"{world} spawned processes ran past {timeout_s} s")
