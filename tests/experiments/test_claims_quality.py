@@ -1,4 +1,5 @@
-"""The claims' verdicts on synthetic result files: seed pooling, the one quality rule of C6-C8, SP and SwiftFusion rules."""
+"""The claims' verdicts on synthetic result files: seed pooling, the one quality rule of C6-C8, SP and SwiftFusion
+rules."""
 import json
 import math
 
@@ -20,8 +21,9 @@ def _rows(seed: int, scores: dict[str, tuple[float, float]], frames: int = 16, v
              "text_alignment": ta, "motion_error": 0.5, "flickering": 0.9, "frame_consistency": 0.9,
              "temporal_consistency_se": SE, "text_alignment_se": SE}
             for v, (tc, ta) in scores.items()]
-    rows.append({"variant": "ground_truth", "frames": frames, "seed": 99, "status": "ok", "temporal_consistency": truth[0],
-                 "text_alignment": truth[1], "motion_error": 0.0, "flickering": 0.9, "frame_consistency": 1.0})
+    rows.append({"variant": "ground_truth", "frames": frames, "seed": 99, "status": "ok",
+                 "temporal_consistency": truth[0], "text_alignment": truth[1], "motion_error": 0.0, "flickering": 0.9,
+                 "frame_consistency": 1.0})
     if version is not None:
         for r in rows:
             r["scorer_version"] = float(version)
@@ -60,8 +62,8 @@ def test_seeds_pool_across_files_of_one_config(results):
 def test_pool_key_holds_model_batch_n_eval_eval_seed_and_scorer(results):
     base = _rows(0, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})
     _write(results, "a", 1500, [0], base, model="quality_gpu", batch_size=8, eval_seed=7)
-    for name, change in {"model": dict(model="tiny"), "batch": dict(batch_size=4), "n_eval": dict(n_eval=16),
-                         "eval_seed": dict(eval_seed=8)}.items():
+    for name, change in {"model": {"model": "tiny"}, "batch": {"batch_size": 4}, "n_eval": {"n_eval": 16},
+                         "eval_seed": {"eval_seed": 8}}.items():
         _write(results, name, 1500, [1], _rows(1, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})[:-1],
                **{"model": "quality_gpu", "batch_size": 8, "eval_seed": 7, **change})
     _write(results, "same", 1500, [1], _rows(1, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})[:-1],
@@ -250,7 +252,8 @@ def test_degenerate_modes_and_noise_band_from_world_size_and_degrees():
     timing = [{"variant": v, "seq_len": 16384, "time_s": 1.0, "speedup_vs_usp": x}
               for v, x in (("ulysses", 0.98), ("hybrid_ring_intra", 1.03), ("ring", 0.90), ("torus", 1.2))]
     two = {"world_size": 2, "usp_degrees": [2, 1], "timings": timing}
-    assert swiftfusion.degenerate_modes(two) == {"usp": "ulysses", "hybrid_ring_intra": "ulysses", "swiftfusion": "torus"}
+    assert swiftfusion.degenerate_modes(two) == {"usp": "ulysses", "hybrid_ring_intra": "ulysses",
+                                                 "swiftfusion": "torus"}
     assert swiftfusion.noise_band(two) == (0.98, 1.03)                   # ring and torus are other computations
     assert swiftfusion.degenerate_modes({"world_size": 8, "usp_degrees": [4, 2]}) == {}
     assert swiftfusion.degenerate_modes({"world_size": 8, "usp_degrees": [1, 8]})["usp"] == "ring"
