@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
-from experiments.gpu_check_dsa import launch_of
-from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, matmul_tflops, timed
+from experiments.dsa_candidates import launch_of
+from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, matmul_tflops, measure, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
@@ -178,23 +178,6 @@ def module_fn(name, grid, heads, d, device, backend):
             o.float().sum().backward()
         return step
     return setup
-
-
-def measure(setup, repeats: int, device) -> dict:
-    """Median and spread (ms) of `repeats` calls of setup()'s step after a warm-up, and the peak memory
-    above what was allocated before setup (CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    try:
-        timing = timed(setup(), device, repeats)
-    except torch.OutOfMemoryError:
-        return {"status": "OOM"}
-    out = {"status": "ok", **timing.ms()}
-    if device.type == "cuda":
-        out["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
-    return out
 
 
 def _print_row(row: dict) -> None:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, kernel_check_device
+from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, kernel_check_device, measure
 from experiments.hydra_config import script_config, script_main
 from megaslide.testing import check_conv
 
@@ -67,7 +67,6 @@ def conv_hbm_bytes(tokens: int, channels: int, x_elem: int, y_elem: int) -> int:
 
 
 def timed_cell(step, repeats: int, device) -> dict:
-    from experiments.bench_attention import measure
     return measure(lambda: step, repeats, device)
 
 

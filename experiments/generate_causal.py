@@ -14,7 +14,7 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.generate_full import build_inputs, sampler_config
+from experiments.generate_inputs import build_inputs, sampler_config
 from experiments.hydra_config import script_main
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.launch import init_distributed, shutdown

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from omegaconf import DictConfig
 
+from experiments.dsa_candidates import key_of, launch_of
 from experiments.harness import ExperimentRun, copy_gbps, kernel_check_device, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
@@ -93,23 +94,6 @@ OVERFLOW_CAPACITY = 8
 backward falls back to its exact lists (binned.py), as it does where offsets pile samples onto a tile."""
 SMOKE_LAUNCHES = [(16, 1), (16, 1, 4, 128)]  # rows of queries; 4 x 4 query patches, registers capped
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
-
-
-def candidate_fields(candidate, required: int, defaults: tuple, parameter: str) -> tuple:
-    """A sweep candidate's fields: its `required` leading ones, then the optional ones it gives, the rest
-    from `defaults`. A candidate of another length is refused, naming the config key `parameter`."""
-    if not required <= len(candidate) <= required + len(defaults):
-        raise ValueError(f"{parameter}: candidate {list(candidate)} needs {required} to {required + len(defaults)} "
-                         f"integers (see its script's yaml under experiments/conf/)")
-    return (*candidate, *defaults[len(candidate) - required:])
-
-
-def key_of(candidate):
-    """The binned.KeyConfig of a key candidate [t, y, x, BLOCK_E, warps] or [t, y, x, BLOCK_E, warps, maxnreg]
-    (key tiles of t x y x tokens; maxnreg 0 or left out: the compiler's register count)."""
-    from megaslide.attention.dsa import binned
-    t, y, x, block_e, num_warps, maxnreg = candidate_fields(candidate, 5, (0,), "key_candidates")
-    return binned.KeyConfig(tile=(t, y, x), block_e=block_e, num_warps=num_warps, maxnreg=maxnreg or None)
 
 
 def checked_key_configs(smoke: bool, key_candidates: list[list[int]]) -> list:
@@ -264,16 +248,6 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                          "bwd_ms": timed(backward, device).median * 1e3, "kernel_ms": kernel_ms(backward, device)})
         on_row(sweep)
     return sweep
-
-
-def launch_of(candidate, head_dim: int, parameter: str = "launch_candidates"):
-    """The kernels.LaunchConfig of a sweep candidate [BLOCK_Q, warps], [BLOCK_Q, warps, block_y] (query
-    patches of block_y rows; 1 when left out) or [BLOCK_Q, warps, block_y, maxnreg] (0: the compiler's
-    register count) at head dim d. A malformed candidate is refused naming `parameter`, the config key."""
-    from megaslide.attention.dsa import kernels
-    block_q, num_warps, block_y, maxnreg = candidate_fields(candidate, 2, (1, 0), parameter)
-    return kernels.LaunchConfig(block_q=block_q, block_d=kernels.head_dim_block(head_dim),
-                                num_warps=num_warps, block_y=block_y, maxnreg=maxnreg or None)
 
 
 def kernel_ms(fn, device: torch.device) -> dict[str, float]:

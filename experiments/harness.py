@@ -3,7 +3,8 @@
 - `sync(device)`: wait for the device's queued work (a no-op on CPU); `progress(message)`: a
   time-stamped line from rank 0.
 - `timed(fn, device)`: warm-up calls, then at least `MIN_REPEATS` timed calls; a `Timing` with the
-  median and the spread (min, max, std). Across ranks it reports the slowest rank.
+  median and the spread (min, max, std). Across ranks it reports the slowest rank. `measure(setup,
+  repeats, device)`: a table row of it in ms, with the peak memory above the start (CUDA), OOM as a status.
 - ceilings measured in the run itself: `matmul_tflops` (n^3 matmul), `copy_gbps` (HBM or DRAM copy),
   `pcie_gbps` (pinned H2D, D2H and both at once).
 - `ExperimentRun`: a table script's W&B run (config, result tables, headline scalars, plots)
@@ -102,6 +103,23 @@ def timed(fn, device: torch.device | str, repeats: int = MIN_REPEATS, warmup: in
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # per call, the slowest rank
         times = t.tolist()
     return Timing(tuple(times))
+
+
+def measure(setup, repeats: int, device) -> dict:
+    """Median and spread (ms) of `repeats` calls of setup()'s step after a warm-up, and the peak memory
+    above what was allocated before setup (CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    try:
+        timing = timed(setup(), device, repeats)
+    except torch.OutOfMemoryError:
+        return {"status": "OOM"}
+    out = {"status": "ok", **timing.ms()}
+    if device.type == "cuda":
+        out["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+    return out
 
 
 def kernel_check_device(smoke: bool, script: str) -> torch.device | None:

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config, script_main
+from experiments.step_runs import synthetic_batch
 from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, StepBreakdown, dit_flops, mfu
 from megaslide.perf.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
@@ -117,14 +118,6 @@ def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float,
             torch.cuda.empty_cache()
     result["peak_hbm_GB"] = peak_hbm_bytes(device) / GB
     return result
-
-
-def synthetic_batch(cfg: DiTConfig, bench, device: torch.device, tokenizer) -> Batch:
-    g = torch.Generator().manual_seed(0)
-    shape = (bench.batch, cfg.in_channels, bench.frames, bench.height, bench.width)
-    captions = ["a red ball bouncing on a wooden floor"] * bench.batch
-    return Batch(torch.randn(shape, generator=g), tokenizer(captions), torch.rand(bench.batch, generator=g),
-                 torch.randn(shape, generator=g), captions).to(device)
 
 
 # ---- 6. variants ----------------------------------------------------------------------------------

@@ -55,7 +55,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import multiprocessing
 import os
 import time
 from dataclasses import dataclass
@@ -67,8 +66,8 @@ from omegaconf import DictConfig
 from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, Timing, copy_gbps, matmul_tflops, pcie_gbps, progress, sync
 from experiments.hydra_config import script_config, script_main
-from experiments.mfu_overlap import synthetic_batch
 from experiments.report import render
+from experiments.step_runs import Step, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.perf.live_bytes import LiveTensorBytes
@@ -151,23 +150,6 @@ class OOMConfig:
     def row_specs(self) -> list[RowSpec]:
         """`rows`, or every attention with all `modes` and `frames`."""
         return self.rows or [RowSpec(a, list(self.modes), list(self.frames)) for a in self.attentions]
-
-
-@dataclass(frozen=True)
-class Step:
-    """A training step's model, clip (batch x frames x height x width latents: what
-    mfu_overlap.synthetic_batch reads) and precision."""
-
-    cfg: DiTConfig
-    frames: int
-    height: int
-    width: int
-    batch: int
-    precision: str
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.cfg.token_grid(self.frames, self.height, self.width)
 
 
 @dataclass(frozen=True)
@@ -338,28 +320,6 @@ def _cell_process(cell: Cell, queue) -> None:
         queue.put(run_cell(cell))
     except Exception as err:  # noqa: BLE001  (anything else: report it as the cell's result)
         queue.put({"status": "error", "phase": "", "error": f"{type(err).__name__}: {err}"[:300]})
-
-
-def run_isolated(target, args: tuple, time_limit_s: float) -> dict:
-    """target(*args, queue) in a fresh process forked from a torch-preloaded server; its result, or
-    {"status": "time limit"} past `time_limit_s` (the process is killed), or {"status": "crashed"}."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "megaslide.offload.engine", "experiments.mfu_overlap"])
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
-    proc.start()
-    deadline = time.monotonic() + time_limit_s
-    while proc.is_alive() and queue.empty() and time.monotonic() < deadline:
-        proc.join(timeout=0.2)
-    if not queue.empty():
-        result = queue.get()
-        proc.join()
-        return result
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        return {"status": "time limit", "phase": f"over {time_limit_s:.0f} s"}
-    return {"status": "crashed", "phase": f"exit code {proc.exitcode}"}
 
 
 # ---- the ceilings ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ overlapped H2D than serially (the same work, synchronised after every piece). Th
 predictions stand beside each: host RAM, peak HBM, and the forward's overlapped and serial floors
 (max and sum of its compute and weight H2D at the planner's ceilings). A preset that host RAM
 cannot hold is not run: its row holds the planner's figures only, marked `predicted`. Each run
-is a fresh process with a time limit (experiments/oom_thresholds.run_isolated); on CPU, which
+is a fresh process with a time limit (experiments/step_runs.run_isolated); on CPU, which
 has no HBM to run out of, the fits decisions are the planner's against the stated
 `hbm_budget_GB` and `cap_GB`. With `plan_only` nothing is run or measured: every row holds the
 planner's figures only, against the stated `hbm_budget_GB`, `host_budget_GB` and `cap_GB`.
@@ -30,8 +30,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress, sync, timed
 from experiments.hydra_config import script_config, script_main
-from experiments.mfu_overlap import synthetic_batch
-from experiments.oom_thresholds import Step, run_isolated
+from experiments.step_runs import Step, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.perf.flops import dit_flops

@@ -1,10 +1,10 @@
-"""claims.py's long-clip and scaling claims (C3, C4's 105B floor, C9) on synthetic result files."""
+"""The claims' long-clip and scaling claims (C3, C4's 105B floor, C9) on synthetic result files."""
 import sys
 
 import pytest
 
-import experiments.claims as claims
-from experiments.results_io import write_result
+from experiments.claims import memory, page, throughput
+from experiments.results_io import RESULTS_DIR, write_result
 
 GRID = {"height": 136, "width": 240}
 
@@ -16,24 +16,24 @@ def _cell(attention, mode, frames, status="fits", measured=None, predicted=None,
 
 
 def test_clip_tokens_states_both_counts_from_the_grid():
-    text = claims.clip_tokens(256, GRID, "1B")
+    text = memory.clip_tokens(256, GRID, "1B")
     assert "256 frames x 68 x 120 = 2,088,960 tokens" in text and "64 latent frames = 522,240" in text
 
 
 def test_most_frames_fitting_ignores_ooms_and_other_modes():
     cells = [("a", _cell("dsa", "offload", 32)), ("a", _cell("dsa", "offload", 128, status="OOM")),
              ("b", _cell("dsa", "offload", 8)), ("b", _cell("swin", "offload", 16))]
-    assert claims.most_frames_fitting(cells) == {("1B", "dsa", "offload"): 32, ("1B", "swin", "offload"): 16}
+    assert memory.most_frames_fitting(cells) == {("1B", "dsa", "offload"): 32, ("1B", "swin", "offload"): 16}
 
 
 def test_planner_error_takes_the_worst_fitting_cell_and_the_rule_is_ten_percent():
     cells = [("a", _cell("dsa", "offload", 8, measured=10.0, predicted=10.5)),
              ("a", _cell("swin", "offload", 8, measured=10.0, predicted=8.8)),
              ("a", _cell("swin", "offload", 64, status="OOM", measured=None, predicted=300.0))]
-    err, cell = claims.planner_error(cells, lambda c: c["predicted_peak_GB"])
+    err, cell = memory.planner_error(cells, lambda c: c["predicted_peak_GB"])
     assert err == pytest.approx(0.12) and cell["attention"] == "swin"
-    assert claims.accuracy_word(err) == "not met" and claims.accuracy_word(0.10) == "met"
-    assert claims.planner_error(cells, lambda c: None) is None
+    assert memory.accuracy_word(err) == "not met" and memory.accuracy_word(0.10) == "met"
+    assert memory.planner_error(cells, lambda c: None) is None
 
 
 def test_c3_reads_measured_cells_and_says_256_frames_not_met(results):
@@ -44,7 +44,7 @@ def test_c3_reads_measured_cells_and_says_256_frames_not_met(results):
         _cell("dsa", "chunked_offload", 128, status="fits (predicted)", predicted=99.0, budget_GB=146.8),
         _cell("dsa", "chunked_offload", 256, status="OOM", predicted=215.0, predicted_phase="backward",
               budget_GB=146.8)]}}, results_dir=results)
-    ours, verdict = claims.c3(results)
+    ours, verdict = memory.c3(results)
     assert "1B dsa chunked_offload: 128" in ours and "1,044,480 tokens" in ours and "100.0 GB measured" in ours
     assert "215 GB peak HBM in the backward" in ours and "146.8 GB budget" in ours and "522,240" in ours
     assert "256-frame target (1B at 256 frames): not met" in verdict and "most for 1B is 128" in verdict
@@ -57,7 +57,7 @@ def test_c3_lists_modes_cut_by_the_time_budget_only_while_none_of_their_cells_wa
     write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
         _cell("dense", "offload", 8, status="not run"), _cell("dense", "chunked_offload", 16, status="not run"),
         _cell("dense", "chunked_offload", 8, measured=10.0, predicted=10.0)]}}, results_dir=results)
-    assert "not run (time budget), no cell measured: 1B dense offload;" in claims.c3(results)[0]
+    assert "not run (time budget), no cell measured: 1B dense offload;" in memory.c3(results)[0]
 
 
 def test_c3_says_met_when_a_256_frame_cell_fits_and_replans_with_its_slabs(results):
@@ -69,7 +69,7 @@ def test_c3_says_met_when_a_256_frame_cell_fits_and_replans_with_its_slabs(resul
     write_result("oom_thresholds", "plan_slabs", {"config": GRID, "plan_only": True, "tables": {"cells": [
         _cell("dsa", "chunked_offload", 256, status="fits (predicted)", predicted=120.0, predicted_phase="backward",
               budget_GB=146.8, slab_frames=32)]}}, results_dir=results)
-    ours, verdict = claims.c3(results)
+    ours, verdict = memory.c3(results)
     assert "256-frame target (1B at 256 frames): met (a measured 1B cell of 256 frames fits)" in verdict
     assert "120 GB peak HBM in the backward" in ours and "within the 146.8 GB budget" in ours
     assert "on the same cells: not met (worst |predicted/measured - 1| = 21%" in verdict   # the slab plan, not 215
@@ -82,22 +82,22 @@ def test_first_walls_name_the_wall_beyond_what_fits_and_skip_cut_or_superseded_c
              ("b", _cell("dense", "chunked_offload", 128, status="OOM", phase="backward")),
              ("b", _cell("dense", "chunked_offload", 64, status="time limit", phase="planner floor 231 s/step")),
              ("b", _cell("swin", "offload", 8, status="not run"))]
-    assert claims.first_walls(cells) == ["1B dense chunked_offload at 64 frames: time limit (planner floor 231 s/step)"]
+    assert memory.first_walls(cells) == ["1B dense chunked_offload at 64 frames: time limit (planner floor 231 s/step)"]
 
 
 def test_floor_rule_adds_todays_elementwise_term_to_old_runs_and_takes_the_worst_cell():
-    assert claims.cell_model("7B width, depth 23").depth == 23 and claims.cell_model("1B").dim == 2048
+    assert memory.cell_model("7B width, depth 23").depth == 23 and memory.cell_model("1B").dim == 2048
     parts = {"predicted_matmul_s": 10.0, "predicted_attention_s": 20.0}
     old = _cell("dsa", "chunked_offload", 16, step_s=40.0, predicted_floor_s=30.0, slab_frames=8, tokens=130560,
                 **parts)
-    elementwise = claims.planner.elementwise_seconds(claims.DIT_PRESETS["1B"], 130560, 5, claims.planner.Ceilings())
-    assert claims.todays_floor(old) == pytest.approx(30.0 + elementwise)          # 5 passes: slabs re-run
+    elementwise = memory.planner.elementwise_seconds(memory.DIT_PRESETS["1B"], 130560, 5, memory.planner.Ceilings())
+    assert memory.todays_floor(old) == pytest.approx(30.0 + elementwise)          # 5 passes: slabs re-run
     new = _cell("dense", "chunked_offload", 16, step_s=40.0, predicted_floor_s=25.0, predicted_elementwise_s=1.0,
                 **parts)
-    assert claims.todays_floor(new) == 25.0                                        # recorded by its run
-    text = claims.floor_text([("a", old), ("b", new), ("b", _cell("dsa", "offload", 512, status="OOM", **parts))])
+    assert memory.todays_floor(new) == 25.0                                        # recorded by its run
+    text = memory.floor_text([("a", old), ("b", new), ("b", _cell("dsa", "offload", 512, status="OOM", **parts))])
     assert "on 2 measured cells" in text and "not met (worst floor/step = 0.62 at 1B dense chunked_offload 16" in text
-    assert "met (worst" in claims.floor_text([("a", old)])
+    assert "met (worst" in memory.floor_text([("a", old)])
 
 
 def _scaling_row(preset, params_B, speedup, ran=True, cap="fits"):
@@ -113,21 +113,21 @@ def test_c9_reads_a_gpu_run_before_the_plan_and_its_rule_needs_the_claimed_size(
     write_result("scaling", "run", {"plan_only": False, "config": config, "tables": {"presets": [
         _scaling_row("7B", 7.2, 1.33), _scaling_row("1B", 1.0, 1.22), _scaling_row("33B", 34.5, 0, ran=False)]}},
         results_dir=results)
-    ours, verdict = claims.c9(results)
+    ours, verdict = throughput.c9(results)
     assert "7B (7.2 B): full HBM fits, 94 GB cap fits, peak 11.0 GB (planner 10.0)" in ours
     assert "33B (34.5 B): predicted only (needs 100 GB host RAM)" in ours and "[scaling/run.json]" in ours
     assert verdict.startswith("speedup 2.11x at 28.4 B: not measured at 28.4 B (the largest preset run is 7.2 B)")
     assert "grows with size (1.22x at 1.0 B -> 1.33x at 7.2 B)" in verdict and "cap is 7B (7.2 B)" in verdict
-    assert claims.scaling_word([_scaling_row("28B", 28.4, 2.2), _scaling_row("33B", 34.5, 2.3)]) == "supported"
-    assert claims.scaling_word([_scaling_row("28B", 28.4, 2.2), _scaling_row("33B", 34.5, 2.0)]) == "not reproduced"
+    assert throughput.scaling_word([_scaling_row("28B", 28.4, 2.2), _scaling_row("33B", 34.5, 2.3)]) == "supported"
+    assert throughput.scaling_word([_scaling_row("28B", 28.4, 2.2), _scaling_row("33B", 34.5, 2.0)]) == "not reproduced"
 
 
 def test_step_floor_overlaps_directions_and_scales_adam_to_the_host_cores():
-    f = claims.step_floors(1e9, [("x", 50.0, 25.0)], (1e9, 1, 8))
+    f = throughput.step_floors(1e9, [("x", 50.0, 25.0)], (1e9, 1, 8))
     assert f["h2d_GB"] == 4 and f["d2h_GB"] == 2
     assert f["pcie_s"] == (pytest.approx(0.08), pytest.approx(0.08))       # max(4 GB / 50, 2 GB / 25)
     assert f["pcie_serial_s"][0] == pytest.approx(0.16)
-    assert f["adam_s"] == pytest.approx(1e9 / (1e9 * claims.HOST_CORES / 8))
+    assert f["adam_s"] == pytest.approx(1e9 / (1e9 * throughput.HOST_CORES / 8))
 
 
 def test_adam_rate_takes_the_engine_workload_at_the_largest_size():
@@ -136,7 +136,7 @@ def test_adam_rate_takes_the_engine_workload_at_the_largest_size():
         {"variant": "megaslide", "workload": "bf16 grad + bf16 out", "params": 20, "gparams_per_s": 4.0},
         {"variant": "torch-fused", "workload": "bf16 grad + bf16 out", "params": 40, "gparams_per_s": 9.0},
         {"variant": "megaslide", "workload": "fp32 grad", "params": 40, "gparams_per_s": 9.0}]}
-    assert claims.adam_rate(result) == (4e9, 20, 16)
+    assert throughput.adam_rate(result) == (4e9, 20, 16)
 
 
 def _write_scaling_plan(results_dir, name="h200_predicted"):
@@ -149,9 +149,9 @@ def _write_scaling_plan(results_dir, name="h200_predicted"):
 
 
 def test_c9_is_predicted_from_a_plan_only_result_and_not_measured_without_one(results):
-    assert claims.c9(results)[1] == "not measured" and "python -m experiments.scaling" in claims.c9(results)[0]
+    assert throughput.c9(results)[1] == "not measured" and "python -m experiments.scaling" in throughput.c9(results)[0]
     _write_scaling_plan(results)
-    ours, verdict = claims.c9(results)
+    ours, verdict = throughput.c9(results)
     assert verdict.startswith("predicted, not measured") and "is 7B (7.2 B)" in verdict
     assert "33B (34.5 B): 43 GB HBM, fits 94 GB yes, host 538 GB (not held)" in ours
 
@@ -159,16 +159,16 @@ def test_c9_is_predicted_from_a_plan_only_result_and_not_measured_without_one(re
 def test_results_option_reads_the_users_folder_and_the_page_names_it(tmp_path, monkeypatch, capsys):
     own = tmp_path / "my_results"
     _write_scaling_plan(own, name="mine")
-    monkeypatch.setattr(sys, "argv", ["claims.py", "--results", str(own)])
-    claims.main()
+    monkeypatch.setattr(sys, "argv", ["claims", "--results", str(own)])
+    page.main()
     text = (own / "README.md").read_text()                       # written beside the results it links
-    assert (f"Generated by `python experiments/claims.py --results {own}` from the JSON files under my_results/"
+    assert (f"Generated by `python -m experiments.claims --results {own}` from the JSON files under my_results/"
             in text)
     assert "[scaling/mine.json](scaling/mine.json)" in text and "is 7B (7.2 B)" in text   # C9 from the user's folder
     assert "h200_predicted" not in text and "h200_sweep" not in text     # nothing from the repository's results/
     assert f"from {own}" in capsys.readouterr().out
-    assert "under results/ (each linked)" in claims.readme(claims.RESULTS_DIR)   # the default names no option
-    monkeypatch.setattr(sys, "argv", ["claims.py", "--results", str(tmp_path / "missing")])
+    assert "under results/ (each linked)" in page.readme(RESULTS_DIR)   # the default names no option
+    monkeypatch.setattr(sys, "argv", ["claims", "--results", str(tmp_path / "missing")])
     with pytest.raises(SystemExit) as exit_:
-        claims.main()
+        page.main()
     assert exit_.value.code == 2 and "is not a folder" in capsys.readouterr().err

@@ -1,10 +1,12 @@
-"""claims.py's verdicts on synthetic result files: seed pooling, the one quality rule of C6-C8, SP and SwiftFusion rules."""
+"""The claims' verdicts on synthetic result files: seed pooling, the one quality rule of C6-C8, SP and SwiftFusion
+rules."""
+import json
 import math
 
 import numpy as np
 import pytest
 
-import experiments.claims as claims
+from experiments.claims import causal_sp, common, page, quality, swiftfusion
 from experiments.results_io import write_result
 
 H200 = {"cpu": "x", "gpus": ["NVIDIA H200"]}
@@ -19,8 +21,9 @@ def _rows(seed: int, scores: dict[str, tuple[float, float]], frames: int = 16, v
              "text_alignment": ta, "motion_error": 0.5, "flickering": 0.9, "frame_consistency": 0.9,
              "temporal_consistency_se": SE, "text_alignment_se": SE}
             for v, (tc, ta) in scores.items()]
-    rows.append({"variant": "ground_truth", "frames": frames, "seed": 99, "status": "ok", "temporal_consistency": truth[0],
-                 "text_alignment": truth[1], "motion_error": 0.0, "flickering": 0.9, "frame_consistency": 1.0})
+    rows.append({"variant": "ground_truth", "frames": frames, "seed": 99, "status": "ok",
+                 "temporal_consistency": truth[0], "text_alignment": truth[1], "motion_error": 0.0, "flickering": 0.9,
+                 "frame_consistency": 1.0})
     if version is not None:
         for r in rows:
             r["scorer_version"] = float(version)
@@ -39,7 +42,7 @@ def _seeds(scores_per_seed: list[dict], frames: int = 16, **kw) -> list[dict]:
 
 
 def _verdict(results, claim_id: str) -> str:
-    return next(c for claims_ in claims.CLAIMS.values() for c in claims_ if c.id == claim_id).ours(results)[1]
+    return next(c for claims_ in page.CLAIMS.values() for c in claims_ if c.id == claim_id).ours(results)[1]
 
 
 def test_seeds_pool_across_files_of_one_config(results):
@@ -47,48 +50,48 @@ def test_seeds_pool_across_files_of_one_config(results):
     _write(results, "b", 1500, [1, 2], _rows(1, {"dsa": (0.72, 0.8), "dsa_zero": (0.52, 0.2)})[:-1]
            + _rows(2, {"dsa": (0.71, 0.8), "dsa_zero": (0.51, 0.2)}))
     _write(results, "short", 100, [0], _rows(0, {"dsa": (0.1, 0.0), "dsa_zero": (0.9, 0.9)}))  # fewer runs
-    pooled = claims.pooled(results, "ablate_offsets")
+    pooled = quality.pooled(results, "ablate_offsets")
     assert pooled.training == "1500 steps" and len(pooled.links) == 2
     row = pooled.rows[("dsa", 16)]
     assert row["seeds"] == 3 and row["temporal_consistency_mean"] == pytest.approx(0.71)
     assert row["temporal_consistency_std"] == pytest.approx(np.std([0.70, 0.72, 0.71], ddof=1))   # sample std
-    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours(results)
+    ours, verdict = page.CLAIMS["MegaSlide-DiT"][7].ours(results)
     assert "1500 steps" in ours and "scorer v2" in ours and verdict.startswith("supported")
 
 
 def test_pool_key_holds_model_batch_n_eval_eval_seed_and_scorer(results):
     base = _rows(0, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})
     _write(results, "a", 1500, [0], base, model="quality_gpu", batch_size=8, eval_seed=7)
-    for name, change in {"model": dict(model="tiny"), "batch": dict(batch_size=4), "n_eval": dict(n_eval=16),
-                         "eval_seed": dict(eval_seed=8)}.items():
+    for name, change in {"model": {"model": "tiny"}, "batch": {"batch_size": 4}, "n_eval": {"n_eval": 16},
+                         "eval_seed": {"eval_seed": 8}}.items():
         _write(results, name, 1500, [1], _rows(1, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})[:-1],
                **{"model": "quality_gpu", "batch_size": 8, "eval_seed": 7, **change})
     _write(results, "same", 1500, [1], _rows(1, {"dsa": (0.7, 0.8), "dsa_zero": (0.5, 0.2)})[:-1],
            model="quality_gpu", batch_size=8, eval_seed=7)
-    pooled = claims.pooled(results, "ablate_offsets")
+    pooled = quality.pooled(results, "ablate_offsets")
     assert {link.split("/")[1].split(".")[0] for link in pooled.links} == {"a", "same"}
     # runs scored by different scorers never pool; rows without a version are scorer v1 and pool with each other
     _write(results, "old1", 1500, [2], _rows(2, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}, version=None),
            model="quality_gpu", batch_size=8, eval_seed=7)
     _write(results, "old2", 1500, [3], _rows(3, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}, version=None),
            model="quality_gpu", batch_size=8, eval_seed=7)
-    pooled = claims.pooled(results, "ablate_offsets")                 # the newest scorer wins over more runs
+    pooled = quality.pooled(results, "ablate_offsets")                 # the newest scorer wins over more runs
     assert pooled.settings["scorer_version"] == 2 and pooled.rows[("dsa", 16)]["seeds"] == 2
-    old = claims.run_settings(claims.json.loads((results / "ablate_offsets" / "old1.json").read_text()))
-    assert old["scorer_version"] == 1 and claims.config_key({**old, "config": {}}) != claims.config_key(
-        claims.json.loads((results / "ablate_offsets" / "a.json").read_text()))
+    old = quality.run_settings(json.loads((results / "ablate_offsets" / "old1.json").read_text()))
+    assert old["scorer_version"] == 1 and quality.config_key({**old, "config": {}}) != quality.config_key(
+        json.loads((results / "ablate_offsets" / "a.json").read_text()))
 
 
 def test_settings_missing_from_the_config_come_from_the_recorded_command():
     result = {"config": {"steps": 1500, "seeds": [0]}, "tables": {"per seed": [{"variant": "dsa"}]},
               "command": "python experiments/ablate_offsets.py model=quality_gpu n_eval=32 train.batch_size=8 "
                          "'seeds=[0,1]' workers=2"}
-    assert claims.run_settings(result) == {"steps": 1500, "model": "quality_gpu", "batch": 8, "n_eval": 32,
+    assert quality.run_settings(result) == {"steps": 1500, "model": "quality_gpu", "batch": 8, "n_eval": 32,
                                            "eval_seed": None, "scorer_version": 1}
 
 
 def _gap(diff, margin=0.1):
-    return claims.Gap("temporal_consistency", diff, margin)
+    return quality.Gap("temporal_consistency", diff, margin)
 
 
 @pytest.mark.parametrize("gaps,claimed,weak,word", [
@@ -101,7 +104,7 @@ def _gap(diff, margin=0.1):
     ([_gap(-0.2, 0.05)], -0.05, None, "contradicted"),
 ])
 def test_decide_is_one_rule(gaps, claimed, weak, word):
-    assert claims.decide(gaps, claimed, weak)[0] == word
+    assert quality.decide(gaps, claimed, weak)[0] == word
 
 
 def test_margin_counts_seed_spread_and_sampling_error(results):
@@ -109,10 +112,10 @@ def test_margin_counts_seed_spread_and_sampling_error(results):
     for r in rows:                                         # older rows: no recorded error, so sqrt(p(1-p)/n_eval)
         r.pop("text_alignment_se", None)
     _write(results, "a", 1500, [0, 1], rows)
-    p = claims.pooled(results, "ablate_offsets")
-    ta = claims.gap(p, "dsa", "dsa_zero", 16, "text_alignment")
+    p = quality.pooled(results, "ablate_offsets")
+    ta = quality.gap(p, "dsa", "dsa_zero", 16, "text_alignment")
     assert ta.diff == 0.0 and ta.margin == pytest.approx(2 * math.sqrt(2 * 0.25 / 32))   # TA std 0.00 hides nothing
-    tc = claims.gap(p, "dsa", "dsa_zero", 16, "temporal_consistency")
+    tc = quality.gap(p, "dsa", "dsa_zero", 16, "temporal_consistency")
     assert tc.margin == pytest.approx(2 * math.sqrt(np.std([0.60, 0.62], ddof=1) ** 2 + 2 * SE ** 2))
 
 
@@ -146,7 +149,7 @@ def test_c8_pools_the_ablation_and_the_four_way_study_at_every_clip_length(resul
     _write(results, "abl", 1500, [0, 1, 2], _seeds(good))
     reversed_ta = [_four((0.60, 0.1), (0.6, 0.1), (0.6, 0.1), (0.58, 0.2)) for _ in range(3)]
     _quality(results, {16: [_four((0.8, 0.8), (0.8, 0.8), (0.8, 0.8), (0.6, 0.5))] * 3, 64: reversed_ta})
-    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours(results)
+    ours, verdict = page.CLAIMS["MegaSlide-DiT"][7].ours(results)
     assert "ablate_offsets, 16 frames" in ours and "quality, 16 frames" in ours and "quality, 64 frames" in ours
     assert verdict.startswith("inconclusive")                       # 64 frames: inside the margin
     assert "ablate_offsets, 16 frames: supported" in verdict and "quality, 64 frames: inconclusive" in verdict
@@ -160,12 +163,12 @@ def test_only_the_newest_scorer_among_a_claims_studies_votes(results):
     _write(results, "abl", 1500, [0, 1, 2], _seeds(weak, version=None))
     strong = [_four((0.8, 0.8), (0.8, 0.8), (0.8, 0.8), (0.6, 0.5))] * 3
     _quality(results, {16: strong, 64: strong})
-    ours, verdict = claims.CLAIMS["MegaSlide-DiT"][7].ours(results)
+    ours, verdict = page.CLAIMS["MegaSlide-DiT"][7].ours(results)
     assert "ablate_offsets, 16 frames: dsa TC 0.80" in ours and verdict.startswith("supported")
     assert "ablate_offsets, 16 frames: not counted, scorer v1, the verdict uses v2 (inconclusive, under-trained" \
         in verdict
     _write(results, "abl", 1500, [0, 1, 2], _seeds(weak))
-    assert claims.CLAIMS["MegaSlide-DiT"][7].ours(results)[1].startswith("inconclusive: ablate_offsets, 16 frames: "
+    assert page.CLAIMS["MegaSlide-DiT"][7].ours(results)[1].startswith("inconclusive: ablate_offsets, 16 frames: "
                                                                          "inconclusive, under-trained")
 
 
@@ -174,8 +177,8 @@ def test_the_most_trained_recipe_is_pooled(results):
     _write(results, "long", 1500, [0], _rows(0, {"dsa": (0.9, 0.9)}), clip_steps=[1500, 900], batch_sizes=[8, 8])
     _write(results, "short", 1500, [0, 1], _rows(0, {"dsa": (0.1, 0.1), "dsa_zero": (0.1, 0.1)})[:-1]
            + _rows(1, {"dsa": (0.1, 0.1), "dsa_zero": (0.1, 0.1)}), clip_steps=[1500, 900], batch_sizes=[8, 2])
-    assert claims.training_clips(claims.pooled(results, "ablate_offsets").settings) == 1500 * 8 + 900 * 8
-    assert claims.pooled(results, "ablate_offsets").links == [claims.link(results, "ablate_offsets", "long")]
+    assert quality.training_clips(quality.pooled(results, "ablate_offsets").settings) == 1500 * 8 + 900 * 8
+    assert quality.pooled(results, "ablate_offsets").links == [common.link(results, "ablate_offsets", "long")]
 
 
 def test_a_run_in_two_files_counts_once(results):
@@ -191,8 +194,8 @@ def test_a_run_in_two_files_counts_once(results):
     _write(results, "again", 1500, [1], [{**r, "status": "not run"} for r in _rows(1, {"dsa": (0.0, 0.0)})])
     for name, date in (("pilot", "2026-01-01"), ("study", "2026-02-01"), ("again", "2026-03-01")):
         path = results / "ablate_offsets" / f"{name}.json"
-        path.write_text(claims.json.dumps({**claims.json.loads(path.read_text()), "date": date}))
-    p = claims.pooled(results, "ablate_offsets")
+        path.write_text(json.dumps({**json.loads(path.read_text()), "date": date}))
+    p = quality.pooled(results, "ablate_offsets")
     assert p.rows[("dsa", 16)]["seeds"] == 2 and p.rows[("dsa", 16)]["temporal_consistency_mean"] == pytest.approx(0.71)
     assert p.rows[("dense", 16)]["seeds"] == 1 and p.rows[("dense", 16)]["temporal_consistency_mean"] == 0.9
     assert sorted(link.split("/")[1].split(".")[0] for link in p.links) == ["pilot", "study"]
@@ -202,7 +205,7 @@ def test_a_clip_without_a_finished_run_is_not_measured(results):
     strong = [_four((0.80, 0.80), (0.60, 0.60), (0.60, 0.50), (0.60, 0.40)) for _ in range(3)]
     _quality(results, {16: strong, 64: [{k: v for k, v in s.items() if k != "dsa"} for s in strong]},
              clip_steps=[2800, 1400], batch_sizes=[8, 2])
-    assert claims.pooled(results, "quality").training == "2800 + 1400 steps (batch 8, 2)"
+    assert quality.pooled(results, "quality").training == "2800 + 1400 steps (batch 8, 2)"
     for claim in ("C6", "C7", "C8"):
         verdict = _verdict(results, claim)
         assert verdict.startswith("inconclusive") and "quality, 16 frames: supported" in verdict
@@ -221,7 +224,7 @@ def test_under_training_is_judged_at_each_clip_length(results):
 def test_cpu_results_are_not_claims_and_weak_models_are_inconclusive_under_every_claim(results, monkeypatch):
     monkeypatch.setattr("experiments.results_io.hardware", lambda: {"cpu": "x", "gpus": []})
     _write(results, "cpu", 60, [0], _rows(0, {"dsa": (0.9, 0.9), "dsa_zero": (0.1, 0.1)}))
-    assert claims.pooled(results, "ablate_offsets") is None and _verdict(results, "C8") == "open"
+    assert quality.pooled(results, "ablate_offsets") is None and _verdict(results, "C8") == "open"
     monkeypatch.setattr("experiments.results_io.hardware", lambda: H200)
     weak = [_four((0.90, 0.2), (0.5, 0.0), (0.5, 0.0), (0.5, 0.0)) for _ in range(3)]
     _write(results, "gpu", 1500, [0, 1, 2], _seeds([{"dsa": (0.90, 0.2), "dsa_zero": (0.50, 0.0)}] * 3))
@@ -234,13 +237,13 @@ def test_cpu_results_are_not_claims_and_weak_models_are_inconclusive_under_every
 def test_pooled_table_shows_caption_parts_only_when_every_row_has_them(results):
     rows = _rows(0, {"dsa": (0.6, 0.2), "dsa_zero": (0.5, 0.0)})
     _write(results, "old", 1500, [0], rows)
-    header = claims.pooled_table("ablate_offsets", claims.pooled(results, "ablate_offsets"))
+    header = quality.pooled_table("ablate_offsets", quality.pooled(results, "ablate_offsets"))
     assert "n_eval 32, scorer v2" in header[0]
     assert "color match" not in header[2] and "text alignment" in header[2]
     for r in rows:
         r.update(color_match=1.0, shape_match=0.5, direction_match=0.25)
     _write(results, "old", 1500, [0], rows)
-    table = claims.pooled_table("ablate_offsets", claims.pooled(results, "ablate_offsets"))
+    table = quality.pooled_table("ablate_offsets", quality.pooled(results, "ablate_offsets"))
     assert "| color match | shape match | direction match |" in table[2]
     assert "| dsa | 16 | 1 | 0.20 | 1.00 | 0.50 | 0.25 |" in table[4]   # one seed: no spread to show
 
@@ -249,19 +252,20 @@ def test_degenerate_modes_and_noise_band_from_world_size_and_degrees():
     timing = [{"variant": v, "seq_len": 16384, "time_s": 1.0, "speedup_vs_usp": x}
               for v, x in (("ulysses", 0.98), ("hybrid_ring_intra", 1.03), ("ring", 0.90), ("torus", 1.2))]
     two = {"world_size": 2, "usp_degrees": [2, 1], "timings": timing}
-    assert claims.degenerate_modes(two) == {"usp": "ulysses", "hybrid_ring_intra": "ulysses", "swiftfusion": "torus"}
-    assert claims.noise_band(two) == (0.98, 1.03)                   # ring and torus are other computations
-    assert claims.degenerate_modes({"world_size": 8, "usp_degrees": [4, 2]}) == {}
-    assert claims.degenerate_modes({"world_size": 8, "usp_degrees": [1, 8]})["usp"] == "ring"
-    assert claims.against_band([1.0, 0.99], (0.975, 1.04)) == "inside the noise band"
-    assert claims.against_band([0.92, 1.0], (0.975, 1.04)) == "below or inside the noise band"
+    assert swiftfusion.degenerate_modes(two) == {"usp": "ulysses", "hybrid_ring_intra": "ulysses",
+                                                 "swiftfusion": "torus"}
+    assert swiftfusion.noise_band(two) == (0.98, 1.03)                   # ring and torus are other computations
+    assert swiftfusion.degenerate_modes({"world_size": 8, "usp_degrees": [4, 2]}) == {}
+    assert swiftfusion.degenerate_modes({"world_size": 8, "usp_degrees": [1, 8]})["usp"] == "ring"
+    assert swiftfusion.against_band([1.0, 0.99], (0.975, 1.04)) == "inside the noise band"
+    assert swiftfusion.against_band([0.92, 1.0], (0.975, 1.04)) == "below or inside the noise band"
 
 
 def test_sp_ladder_names_the_rungs_that_got_slower():
     result = {"ranks": 2, "rows": [{"variant": f"causal: {v}", "ranks": r, "total_s": t} for v, r, t in
                                    (("none", 2, 2.6), ("+a", 2, 2.9), ("+b", 2, 2.4), ("+c", 1, 9.0))]}
-    assert claims._ladder(result) == [("none", 2.6), ("+a", 2.9), ("+b", 2.4)]
-    assert claims._slower_rungs(claims._ladder(result)) == ["+a (2.60 -> 2.90 s)"]
+    assert causal_sp._ladder(result) == [("none", 2.6), ("+a", 2.9), ("+b", 2.4)]
+    assert causal_sp._slower_rungs(causal_sp._ladder(result)) == ["+a (2.60 -> 2.90 s)"]
 
 
 def test_f1_is_undetermined_while_the_model_errs_more_than_its_predicted_gaps(tmp_path):
@@ -270,16 +274,16 @@ def test_f1_is_undetermined_while_the_model_errs_more_than_its_predicted_gaps(tm
                            "ring_intra": {"total_s": 1.01}}]}
     wide = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.2},
                                                  {"variant": "sdpa_1gpu", "measured_over_predicted": 1.01}]})
-    assert claims.f1(tmp_path, sim, wide)[1].startswith("undetermined until the model is calibrated")
-    assert "measured/predicted 1.20-1.20" in claims.f1(tmp_path, sim, wide)[1]
+    assert swiftfusion.f1(tmp_path, sim, wide)[1].startswith("undetermined until the model is calibrated")
+    assert "measured/predicted 1.20-1.20" in swiftfusion.f1(tmp_path, sim, wide)[1]
     calibrated = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.001}]})
-    assert claims.f1(tmp_path, sim, calibrated)[1].startswith("not supported by the model")
+    assert swiftfusion.f1(tmp_path, sim, calibrated)[1].startswith("not supported by the model")
 
 
 def test_scorer_version_reads_only_scored_rows():
     """A failed, OOM or not-run row carries no scorer version; it must not read as v1 beside v2 rows."""
     rows = [{"variant": "dsa", "status": "ok", "scorer_version": 2},
             {"variant": "dense", "status": "OOM"}, {"variant": "swin", "status": "failed: boom"}]
-    assert claims.scorer_version({"tables": {"per seed": rows}}) == 2
+    assert quality.scorer_version({"tables": {"per seed": rows}}) == 2
     with pytest.raises(ValueError, match="mixes rows of scorer versions"):
-        claims.scorer_version({"tables": {"per seed": [*rows, {"variant": "dsa_zero", "status": "ok"}]}})
+        quality.scorer_version({"tables": {"per seed": [*rows, {"variant": "dsa_zero", "status": "ok"}]}})

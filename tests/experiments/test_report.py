@@ -10,7 +10,8 @@ def test_report_renders_rows_and_provenance(tmp_path):
     data = json.loads((tmp_path / "demo" / "run1.json").read_text())
     assert {"command", "commit", "hardware", "date"} <= set(data)
     md = render("demo", tmp_path).read_text()
-    assert "### rows" in md and "| n | ms | shape |" in md and "| 8192 | 1.5 | 1x2x3 |" in md and "| 16384 | 3.25 |  |" in md
+    assert "### rows" in md and "| n | ms | shape |" in md and "| 8192 | 1.5 | 1x2x3 |" in md
+    assert "| 16384 | 3.25 |  |" in md
     assert "nested" not in md and "a note" in md and "- commit:" in md
 
 
@@ -55,3 +56,16 @@ def test_a_users_results_folder_and_the_source_of_each_table(tmp_path, monkeypat
     md = (tmp_path / "demo.md").read_text()
     assert f"report.py --results {tmp_path} demo` from {tmp_path.name}/demo/*.json" in md
     assert "\n\nSource: [demo/mine.json](demo/mine.json)\n" in md.split("## mine")[1]  # (a dirty tree marks the title)
+
+
+def test_out_writes_the_same_page_elsewhere(tmp_path, monkeypatch):
+    import sys
+
+    from experiments.report import main
+    write_result("demo", "mine", {"rows": [{"x": 1}]}, results_dir=tmp_path / "results")
+    render("demo", tmp_path / "results")
+    monkeypatch.setattr(sys, "argv", ["report.py", "--results", str(tmp_path / "results"), "--out", str(tmp_path)])
+    main()
+    assert (tmp_path / "demo.md").read_text() == (tmp_path / "results" / "demo.md").read_text()
+    assert "one section per file: the rows of a section's tables come from the file its Source line links" in \
+        (tmp_path / "demo.md").read_text()

@@ -1,4 +1,4 @@
-"""train.py -> sample.py end to end at the smallest size, and claims.py on the committed results."""
+"""train.py -> sample.py end to end at the smallest size, and the claims page on the committed results."""
 import json
 import os
 import subprocess
@@ -39,7 +39,7 @@ def test_a_refused_config_leaves_nothing_behind(tmp_path):
 
 def test_claims_table_from_results(tmp_path):
     out = tmp_path / "README.md"
-    run_script(["experiments/claims.py", "--out", str(out)])
+    run_script(["-m", "experiments.claims", "--out", str(out)])
     text = out.read_text()
     for claim in ["C1", "C4", "C8", "S3", "F4"]:
         assert f"| {claim} |" in text

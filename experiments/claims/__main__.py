@@ -1,0 +1,4 @@
+"""`python -m experiments.claims`: write the claims page."""
+from experiments.claims.page import main
+
+main()

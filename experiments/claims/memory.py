@@ -1,0 +1,245 @@
+"""MegaSlide-DiT C1-C3: the 105B state (arithmetic), the activation wall of dense attention over long
+clips (the attention sweep) and the frames that fit one H200 (the OOM tables), with the planner's
+peak-HBM and step-time predictions checked against the measured cells."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from experiments.claims.common import link, load, read_results
+from experiments.results_io import descends_from
+from megaslide.config import DiTConfig
+from megaslide.models.dit import DIT_PRESETS, count_params
+from megaslide.offload import planner
+
+TB = 1e12
+QUADRATIC_SLOPE = 1.8   # C2: a log-log slope of dense time over tokens at least this counts as quadratic
+
+
+def c1(results_dir: Path):
+    n = count_params(DIT_PRESETS["105B"])
+    total, moments = 14 * n, 8 * n
+    return ((f"analytic: our `105B` preset has {n / 1e9:.1f} B params; 14 B/param = {total / TB:.2f} TB, "
+             f"moments {moments / 1e9:.0f} GB (`count_params`, no run)"), "consistent (arithmetic)")
+
+
+def _loglog_slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of log(y) against log(x) over (x, y) points."""
+    xs, ys = [math.log(x) for x, _ in points], [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def c2(results_dir: Path):
+    s = load(results_dir, "attention", "h200_sweep")
+    if not s:
+        return "not measured", "-"
+    dense = sorted({(r["tokens"], r["ms"]) for r in s["tables"]["sweep"] + s["tables"]["target"]
+                    if r["variant"] == "dense" and r["status"] == "ok"})
+    n, ms = dense[-1]
+    slope = _loglog_slope(dense)
+    grid = next((r["config"] for _, r in oom_results(results_dir)), {"height": 136, "width": 240})
+    n2m = math.prod(DIT_PRESETS["1B"].token_grid(TARGET_FRAMES, grid["height"], grid["width"]))
+    return ((f"256 frames of 1080p latents (8x spatial VAE, patch 2): {clip_tokens(TARGET_FRAMES, grid, '1B')}. "
+             f"Dense flash fwd+bwd of one 16x64-head layer: {ms:.0f} ms at {n / 1e3:.0f}K tokens "
+             f"({link(results_dir, 'attention', 'h200_sweep')}); x(N ratio)^2 extrapolates to "
+             f"{ms * (n2m / n) ** 2 / 1e3:.0f} s at {n2m / 1e6:.2f} M (extrapolated, not run)"),
+            (f"{'supported' if slope >= QUADRATIC_SLOPE else 'not supported'}: measured dense time grows as "
+             f"N^{slope:.2f} over {dense[0][0] / 1e3:.0f}K-{n / 1e3:.0f}K tokens ({len(dense)} sizes)"))
+
+
+PLANNER_TARGET = 0.10   # C3: the planner's peak-HBM prediction counts as accurate within 10% of the measured peak
+TARGET_FRAMES = 256     # C3: the paper's clip length
+DSA_HEAD_GROUPS = "ddc31f7"  # the commit from which DSA's backward bounds its scratch (the planner's model); the
+# binned backward (2a5644f) changed the scratch per head from 8 N d to N (40 K + 8) bytes: +0.14 GB at the headline
+VAE_TEMPORAL = 4        # a video VAE's temporal compression (e.g. Wan's): 4 video frames per latent frame
+
+
+def clip_tokens(frames: int, config: dict, model: str) -> str:
+    """Both token counts of a `frames`-frame clip on a result's latent grid (`config` height, width):
+    frames taken as latent frames, and through a VAE_TEMPORAL x temporal VAE."""
+    dit = DIT_PRESETS[model]
+    full, compressed = (dit.token_grid(f, config["height"], config["width"]) for f in (frames, frames // VAE_TEMPORAL))
+    return (f"{frames} frames x {full[1]} x {full[2]} = {math.prod(full):,} tokens without temporal compression, "
+            f"{compressed[0]} latent frames = {math.prod(compressed):,} with a {VAE_TEMPORAL}x temporal VAE")
+
+
+def oom_results(results_dir: Path) -> list[tuple[str, dict]]:
+    """The oom_thresholds results, as (name, data): measured GPU runs and planner-only tables."""
+    return read_results(results_dir, "oom_thresholds")
+
+
+def measured_cells(results: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """(file, cell) of every cell measured on a GPU (planner-only tables excluded)."""
+    return [(name, {**c, "file": name}) for name, r in results
+            if not r.get("plan_only") and r.get("hardware", {}).get("gpus") for c in r["tables"]["cells"]]
+
+
+def most_frames_fitting(cells: list[tuple[str, dict]]) -> dict[tuple[str, str, str], int]:
+    """(model, attention, mode) -> the most frames of a cell that measured "fits"."""
+    most: dict[tuple[str, str, str], int] = {}
+    for _, c in cells:
+        if c["status"] == "fits":
+            key = (c["model"], c["attention"], c["mode"])
+            most[key] = max(most.get(key, 0), c["frames"])
+    return most
+
+
+def first_walls(cells: list[tuple[str, dict]]) -> list[str]:
+    """Per (model, attention, mode), its fewest-frames cell beyond the most frames that fit that ran into a wall
+    (OOM, a time limit, host RAM): what the wall is, in the cell's own words ("not run" cells, cut by the run's
+    budget, are no wall; nor is an earlier run's limit on a length that another run fits)."""
+    most, walls = most_frames_fitting(cells), {}
+    for _, c in cells:
+        key = (c["model"], c["attention"], c["mode"])
+        if (c["status"] not in ("fits", "not run") and c["frames"] > most.get(key, 0)
+                and (key not in walls or c["frames"] < walls[key]["frames"])):
+            walls[key] = c
+    return [f"{m} {a} {mode} at {c['frames']} frames: {c['status']}" + (f" ({c['phase']})" if c.get("phase") else "")
+            for (m, a, mode), c in sorted(walls.items())]
+
+
+def planner_error(cells: list[tuple[str, dict]], predicted: Callable[[dict], float | None]
+                  ) -> tuple[float, dict] | None:
+    """The worst |predicted / measured - 1| of peak HBM over cells that fit, with its cell; None if none.
+    `predicted(cell)` gives the prediction in GB (None: no prediction for that cell: not compared)."""
+    errors = [(abs(p / c["measured_peak_GB"] - 1), c) for _, c in cells
+              if c["status"] == "fits" and c.get("measured_peak_GB") and (p := predicted(c))]
+    return max(errors, key=lambda ec: ec[0], default=None)
+
+
+def accuracy_word(error: float) -> str:
+    """C3's planner rule: "met" if every measured cell that fits is within PLANNER_TARGET, else "not met"."""
+    return "met" if error <= PLANNER_TARGET else "not met"
+
+
+def plan_row(plans: list[dict], model: str, attention: str, mode: str, frames: int, slab_frames: int = 0
+             ) -> dict | None:
+    """The planner-only row of that cell, run with the same frame slabs (a cell without the key had none)."""
+    return next((c for plan in plans for c in plan["tables"]["cells"]
+                 if (c["model"], c["attention"], c["mode"], c["frames"], c.get("slab_frames", 0))
+                 == (model, attention, mode, frames, slab_frames)), None)
+
+
+def _cell_name(c: dict) -> str:
+    return f"{c['model']} {c['attention']} {c['mode']} {c['frames']} frames"
+
+
+def _error_text(found: tuple[float, dict] | None, whose: str, predicted: Callable[[dict], float]) -> str:
+    if found is None:
+        return f"{whose}: no measured cell to check"
+    err, c = found
+    return (f"{whose}: {accuracy_word(err)} (worst |predicted/measured - 1| = {100 * err:.0f}% at {_cell_name(c)}: "
+            f"{predicted(c):.1f} vs {c['measured_peak_GB']:.1f} GB; target {100 * PLANNER_TARGET:.0f}%)")
+
+
+FLOOR_TARGET = 0.25     # C3: the planner's step-time floor counts as accurate within 25% of the measured step
+
+
+def cell_model(name: str) -> DiTConfig:
+    """The DiT of an oom_thresholds model name: a preset ("1B"), or a preset's width at a depth
+    ("7B width, depth 23")."""
+    preset, _, depth = name.partition(" width, depth ")
+    return dataclasses.replace(DIT_PRESETS[preset], depth=int(depth)) if depth else DIT_PRESETS[preset]
+
+
+def todays_floor(c: dict) -> float:
+    """A measured cell's step-time floor with today's compute model: its run's floor (the max of compute, PCIe and
+    AdamW), with the compute's matmul and attention terms as the run planned them plus today's elementwise term
+    (recorded by runs that had it; else every block's forward, its recompute, a slab re-run with several slabs
+    and a 2-pass backward, at the planner's HBM ceiling)."""
+    if "predicted_elementwise_s" in c:
+        return c["predicted_floor_s"]
+    passes = 4 + (0 < c.get("slab_frames", 0) < c["frames"])
+    elementwise = planner.elementwise_seconds(cell_model(c["model"]), c["tokens"], passes, planner.Ceilings())
+    return max(c["predicted_floor_s"], c["predicted_matmul_s"] + c["predicted_attention_s"] + elementwise)
+
+
+def floor_text(cells: list[tuple[str, dict]]) -> str:
+    """C3's floor rule: "met" if today's floor of every measured cell that fits is within FLOOR_TARGET of its step."""
+    ratios = [(todays_floor(c) / c["step_s"], c) for _, c in cells
+              if c["status"] == "fits" and c.get("step_s") and "predicted_matmul_s" in c]
+    if not ratios:
+        return "step-time floor: no measured cell to check"
+    worst, c = max(ratios, key=lambda rc: abs(rc[0] - 1))
+    return (f"step-time floor, today's compute model on {len(ratios)} measured cells (its elementwise term calibrated "
+            f"on one of them, see megaslide/offload/planner.py ELEMENTWISE_BYTES): "
+            f"{'met' if abs(worst - 1) <= FLOOR_TARGET else 'not met'} (worst floor/step = {worst:.2f} at "
+            f"{_cell_name(c)}: {todays_floor(c):.1f} vs {c['step_s']:.1f} s; target within {100 * FLOOR_TARGET:.0f}%)")
+
+
+def c3(results_dir: Path):
+    results = oom_results(results_dir)
+    cells = measured_cells(results)
+    plans = [(n, r) for n, r in results if r.get("plan_only")]
+    if not cells:
+        return "not measured", "-"
+    files = {n for n, _ in cells}
+    src = ", ".join(link(results_dir, "oom_thresholds", n) for n in sorted(files))
+    most = most_frames_fitting(cells)
+    fitting = "; ".join(f"{m} {a} {mode}: {f}" for (m, a, mode), f in sorted(most.items()))
+    model, attention, mode = "1B", "dsa", "chunked_offload"
+    top = max((c for _, c in cells if (c["model"], c["attention"], c["mode"], c["status"]) ==
+               (model, attention, mode, "fits")), key=lambda c: c["frames"], default=None)
+    config = next(r["config"] for n, r in results if n in files)
+    ours = [f"measured on one H200, most frames per (model, attention, mode) that fit: {fitting} ({src})"]
+    if top:
+        ours.append(f"headline: {model} {attention}, chunked blocks + activation offload, {top['frames']} latent "
+                    f"frames of {config['height']}x{config['width']} ({top['tokens']:,} tokens): "
+                    f"{top['step_s']:.1f} s/step "
+                    f"(n={top['timed_steps']} timed step{'s' if top['timed_steps'] != 1 else ''}), peak "
+                    f"{top['measured_peak_GB']:.1f} GB measured vs {top['predicted_peak_GB']:.1f} GB predicted")
+    reached = max((f for (m, _, _), f in most.items() if m == model), default=0)
+    verdict = [f"{TARGET_FRAMES}-frame target ({model} at {TARGET_FRAMES} frames): "
+               + (f"met (a measured {model} cell of {reached} frames fits)" if reached >= TARGET_FRAMES else
+                  f"not met: no measured cell of {TARGET_FRAMES} frames fits; the most for {model} is {reached} "
+                  "frames"),
+               _error_text(planner_error(cells, lambda c: c.get("predicted_peak_GB")), "planner accuracy as recorded "
+                           "by the runs", lambda c: c["predicted_peak_GB"])]
+    if plans:
+        names, tables = ", ".join(f"{n}.json" for n, _ in plans), [r for _, r in plans]
+        row = plan_row(tables, model, attention, mode, TARGET_FRAMES, top.get("slab_frames", 0) if top else 0)
+        if row:
+            where = "within" if row["predicted_peak_GB"] <= row["budget_GB"] else "over"
+            ours.append(f"{TARGET_FRAMES} frames ({clip_tokens(TARGET_FRAMES, plans[-1][1]['config'], model)}): the "
+                        f"planner predicts {row['predicted_peak_GB']:.0f} GB peak HBM in the {row['predicted_phase']} "
+                        f"for {model} {attention} {mode}, {where} the {row['budget_GB']:.1f} GB budget it assumed "
+                        f"(predicted; {', '.join(link(results_dir, 'oom_thresholds', n) for n, _ in plans)})")
+
+        def replanned(c):
+            if c["attention"] == "dsa" and c["file"] not in current:
+                return None        # measured with the old DSA backward, whose scratch today's planner no longer counts
+            r = plan_row(tables, c["model"], c["attention"], c["mode"], c["frames"], c.get("slab_frames", 0))
+            return r and r["predicted_peak_GB"]
+        current = {n for n, r in results if descends_from(r.get("commit", ""), DSA_HEAD_GROUPS)}
+        verdict.append(_error_text(planner_error(cells, replanned), f"today's planner ({names}) on the same cells",
+                                   replanned))
+    verdict.append(floor_text(cells))
+    walls = first_walls(cells)
+    if walls:
+        ours.append("first cell that does not fit per (model, attention, mode): " + "; ".join(walls))
+    not_run = sorted({f"{c['model']} {c['attention']} {c['mode']}" for _, c in cells if c["status"] == "not run"
+                      and (c["model"], c["attention"], c["mode"]) not in most})
+    if not_run:
+        ours.append(f"not run (time budget), no cell measured: {', '.join(not_run)}")
+    return "; ".join(ours + [layer_peaks(results_dir)]), "; ".join(verdict)
+
+
+def layer_peaks(results_dir: Path) -> str:
+    """The attention layer alone at the sweep's largest clip: fwd+bwd peak HBM of fused DSA and Swin."""
+    s = load(results_dir, "attention", "h200_sweep")
+    if not s:
+        return "attention layer alone not measured"
+    sweep = s["tables"]["sweep"]
+    big = {r["variant"]: r for r in sweep if r["tokens"] == max(x["tokens"] for x in sweep)}
+    target = {r["variant"]: r for r in s["tables"]["target"]}
+    d, t = target["dense"], target["dsa_fused"]
+    f, w = big["dsa_fused"], big["swin2x4x4"]
+    return (f"attention layer alone at {f['tokens'] / 1e6:.2f} M tokens, fwd+bwd peak: DSA fused "
+            f"{f['peak_gb']:.1f} GB, Swin {w['peak_gb']:.1f} GB; at {d['tokens'] / 1e3:.0f}K tokens fused DSA peaks "
+            f"{'above' if t['peak_gb'] > d['peak_gb'] else 'at or below'} dense flash ({t['peak_gb']:.1f} vs "
+            f"{d['peak_gb']:.1f} GB); dense flash not run past {d['tokens'] / 1e3:.0f}K tokens (time, not memory, "
+            f"is its wall) ({link(results_dir, 'attention', 'h200_sweep')})")
+

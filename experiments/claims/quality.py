@@ -1,0 +1,272 @@
+"""MegaSlide-DiT C6-C8: quality results pooled over seeds, and the one verdict rule of the quality claims.
+
+Only result files of one run recipe pool (their config without seeds, the POOL_SETTINGS and the
+scorer version); the page's pooled tables come from here too."""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from experiments.claims.common import link, read_results
+from experiments.quality_protocol import aggregate
+
+# Run settings that two quality results must share to pool, besides their config (seeds aside) and the
+# scorer version: setting -> where a result records it (config keys, then Hydra overrides of its command).
+POOL_SETTINGS = {"model": ("model",), "batch": ("batch_size", "batch_sizes", "train.batch_size"),
+                 "n_eval": ("n_eval",), "eval_seed": ("eval_seed",)}
+VERDICT_KEYS = ("text_alignment", "temporal_consistency")
+NOT_WORSE = -0.05   # C6 "DSA matches dense": DSA may score this much lower (the paper's own gaps are 0.01-0.02)
+
+
+def _overrides(command: str) -> dict:
+    """The `key=value` Hydra overrides of a recorded command line, values parsed as YAML."""
+    pairs = (tok.split("=", 1) for tok in shlex.split(command or "") if "=" in tok and not tok.startswith("-"))
+    return {k: yaml.safe_load(v) for k, v in pairs}
+
+
+def scorer_version(result: dict) -> int:
+    """The MovingShapes scorer version of a result's scored rows; scored rows that carry none were scored
+    by v1. Rows that were not scored (OOM, failed, not run: a status other than "ok") say nothing."""
+    versions = {int(r.get("scorer_version", 1)) for r in result.get("tables", {}).get("per seed", [])
+                if r.get("status", "ok") == "ok"}
+    if len(versions) > 1:
+        raise ValueError(f"a result mixes rows of scorer versions {sorted(versions)}; score a run with one scorer")
+    return versions.pop() if versions else 1
+
+
+def run_settings(result: dict) -> dict | None:
+    """What two quality results must share to pool: their config without seeds, the POOL_SETTINGS
+    (None where a result records them nowhere) and the scorer version. None if it has no config."""
+    if "config" not in result:
+        return None
+    config = {k: v for k, v in result["config"].items() if k != "seeds"}
+    given = {**_overrides(result.get("command", "")), **config}
+    settings = {name: next((given[k] for k in keys if k in given), None) for name, keys in POOL_SETTINGS.items()}
+    return {**config, **settings, "scorer_version": scorer_version(result)}
+
+
+def config_key(result: dict) -> str | None:
+    settings = run_settings(result)
+    return None if settings is None else json.dumps(settings, sort_keys=True, default=str)
+
+
+@dataclass
+class Pooled:
+    rows: dict          # (variant, frames) -> mean / sample-std row over the pooled seeds (ground truth included)
+    per_seed: list      # the row of each pooled run (seed_runs; no ground truth)
+    settings: dict      # run_settings shared by the pooled files
+    links: list[str]
+
+    @property
+    def training(self) -> str:
+        """The training of one run: "N steps", or per clip with each clip's batch ("2800 + 1400 steps
+        (batch 8, 8)" for a progressive study)."""
+        clip_steps, batch = self.settings.get("clip_steps"), self.settings.get("batch")
+        if not clip_steps or len(clip_steps) < 2:
+            return f"{self.settings['steps']} steps"
+        shown = f" (batch {', '.join(str(b) for b in batch)})" if isinstance(batch, list) else ""
+        return " + ".join(str(s) for s in clip_steps) + " steps" + shown
+
+    def eval_error(self, variant: str, frames: int, key: str) -> float:
+        """A run's sampling error of `key` from scoring n_eval clips: the mean of its per-seed standard
+        errors where rows record them, else sqrt(p (1 - p) / n_eval) (exact for the 0/1 caption match, an
+        upper bound for a [0, 1] score); NaN if n_eval is unknown."""
+        recorded = [r[f"{key}_se"] for r in self.per_seed
+                    if (r["variant"], r["frames"]) == (variant, frames) and f"{key}_se" in r]
+        if recorded:
+            return sum(recorded) / len(recorded)
+        p, n = self.rows[(variant, frames)][f"{key}_mean"], self.settings["n_eval"]
+        return math.sqrt(p * (1 - p) / n) if n else math.nan
+
+
+def seed_runs(group: list[tuple[str, dict]]) -> dict[tuple, tuple[str, dict]]:
+    """(variant, frames, seed) -> (file name, per-seed row) over the files of one pool. A run that several
+    files hold (a seed run again, e.g. a pilot and the study that repeated it) counts once: its
+    finished row before one that did not finish, then the newest file's (by date, then name)."""
+    runs: dict[tuple, tuple[str, dict]] = {}
+    for name, r in sorted(group, key=lambda nr: (nr[1].get("date", ""), nr[0])):
+        for row in r["tables"]["per seed"]:
+            key = (row["variant"], row["frames"], row.get("seed"))
+            if row["variant"] != "ground_truth" and (row.get("status") == "ok" or key not in runs
+                                                     or runs[key][1].get("status") != "ok"):
+                runs[key] = (name, row)
+    return runs
+
+
+def training_clips(settings: dict) -> int:
+    """Clips one run of a recipe trains on: steps x batch, summed over its clip lengths."""
+    batches, steps = settings.get("batch") or 0, settings.get("clip_steps") or [settings.get("steps") or 0]
+    batches = batches if isinstance(batches, list) else [batches] * len(steps)
+    return sum(int(s) * int(b) for s, b in zip(steps, batches))
+
+
+def pooled(results_dir: Path, experiment: str) -> Pooled | None:
+    """The GPU results of `experiment` pooled over their per-seed rows (seed_runs): of the files that
+    share one run_settings key, the group of the newest scorer, then of the recipe that trains each
+    run on the most clips (training_clips: the claims are about trained models, and a recipe is
+    chosen by its design, never by its scores), then with the most finished runs (e.g. a run cut
+    short and the run that added its missing seeds). None if there is no GPU result."""
+    groups: dict[str, list] = {}
+    for name, r in read_results(results_dir, experiment):
+        if r.get("hardware", {}).get("gpus") and "config" in r:
+            groups.setdefault(config_key(r), []).append((name, r))
+
+    def rank(group):
+        finished = sum(row.get("status") == "ok" for _, row in seed_runs(group).values())
+        return scorer_version(group[0][1]), training_clips(run_settings(group[0][1])), finished
+    if not groups:
+        return None
+    group = max(groups.values(), key=rank)
+    runs = seed_runs(group)
+    per_seed = [row for _, row in runs.values()]
+    truth = [row for row in group[0][1]["tables"]["per seed"] if row["variant"] == "ground_truth"]
+    rows = {(r["variant"], r["frames"]): r for r in aggregate(per_seed + truth, ddof=1)}
+    used = {name for name, _ in runs.values()}
+    return Pooled(rows, per_seed, run_settings(group[0][1]),
+                  [link(results_dir, experiment, n) for n, _ in group if n in used])
+
+
+def _scores(r: dict) -> str:
+    return (f"TC {r['temporal_consistency_mean']:.2f}, TA {r['text_alignment_mean']:.2f}, "
+            f"motion err {r['motion_error_mean']:.2f} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
+
+
+def undertrained(p: Pooled, frames: int) -> str | None:
+    """Why the pooled models at this clip length are too weak to test a claim (their best TA < half the
+    ground truth's at that length, or the pool's best ground truth where it scored none there), or None.
+    Per clip length: models that learned the captions at 16 frames may not have at 64."""
+    def top(models: bool, at: int | None) -> float:
+        return max((r["text_alignment_mean"] for (v, fr), r in p.rows.items()
+                    if (v != "ground_truth") == models and at in (None, fr)
+                    and not math.isnan(r["text_alignment_mean"])), default=math.nan)
+    best, truth = top(True, frames), top(False, frames)
+    truth = top(False, None) if math.isnan(truth) else truth
+    return f"under-trained: best TA {best:.2f} vs ground truth {truth:.2f}" if best < truth / 2 else None
+
+
+@dataclass
+class Gap:
+    """a - b of one pooled score and the margin it must clear to count."""
+    key: str
+    diff: float
+    margin: float   # 2 x the combined spread of one run of each: seed-to-seed sample std and sampling error
+
+
+def gap(p: Pooled, a: str, b: str, frames: int, key: str) -> Gap:
+    ra, rb = p.rows[(a, frames)], p.rows[(b, frames)]
+    spread = sum(r[f"{key}_std"] ** 2 + p.eval_error(v, frames, key) ** 2 for v, r in ((a, ra), (b, rb)))
+    return Gap(key, ra[f"{key}_mean"] - rb[f"{key}_mean"], 2 * math.sqrt(spread))
+
+
+def decide(gaps: list[Gap], claimed: float, weak: str | None) -> tuple[str, str]:
+    """The one verdict rule of C6-C8, for a claim that a - b > `claimed` on every gap.
+
+    inconclusive if the models are under-trained (`weak`) or a margin is unknown (one seed, or
+    n_eval unknown); else supported if every diff - margin > claimed, contradicted if some
+    diff + margin < claimed, inconclusive otherwise. Returns (word, why)."""
+    if weak:
+        return "inconclusive", weak
+    if any(math.isnan(g.margin) for g in gaps):
+        return "inconclusive", "margin unknown (one seed, or n_eval not recorded)"
+    if all(g.diff - g.margin > claimed for g in gaps):
+        return "supported", "beyond the margin"
+    if any(g.diff + g.margin < claimed for g in gaps):
+        return "contradicted", "the other way beyond the margin"
+    return "inconclusive", "inside the margin"
+
+
+ABBREV = {"text_alignment": "TA", "temporal_consistency": "TC"}
+
+
+SUPERSEDED = "not counted"
+
+
+@dataclass(frozen=True)
+class QualityClaim:
+    """Paper: `variant` - `baseline` > `claimed` on each of `keys`, tested at every clip length of each study.
+    Only the studies scored by the newest scorer among them vote, as within one study's pool (`pooled`):
+    the older scorer's scores are reported, but v1 let a frozen clip score full consistency."""
+    variant: str
+    baseline: str
+    keys: tuple[str, ...]
+    claimed: float
+    studies: tuple[str, ...]
+
+    def judge(self, results_dir: Path) -> tuple[str, str]:
+        found = [(e, p) for e in self.studies if (p := pooled(results_dir, e))]
+        if not found:
+            return "not measured at GPU scale", "open"
+        ours, parts = [], []
+        newest = max(p.settings["scorer_version"] for _, p in found)
+        for experiment, p in found:
+            version = p.settings["scorer_version"]
+            for frames in sorted({fr for v, fr in p.rows if v == "ground_truth"}):   # every clip of the study
+                where = f"{experiment}, {frames} frames"
+                missing = [v for v in (self.variant, self.baseline) if (v, frames) not in p.rows]
+                if missing:
+                    ours.append(f"{where}: no finished run of {' or '.join(missing)}")
+                    word, text = "inconclusive", f"not measured (no finished run of {' or '.join(missing)})"
+                else:
+                    a, b = p.rows[(self.variant, frames)], p.rows[(self.baseline, frames)]
+                    gaps = [gap(p, self.variant, self.baseline, frames, k) for k in VERDICT_KEYS]
+                    word, why = decide([g for g in gaps if g.key in self.keys], self.claimed, undertrained(p, frames))
+                    ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}")
+                    measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
+                    text = f"{why}; {self.variant} minus {self.baseline} {measured}"
+                if version < newest:
+                    word, text = SUPERSEDED, f"scorer v{version}, the verdict uses v{newest} ({word}, {text})"
+                parts.append((word, f"{where}: {word}, {text}"))
+            truth = max(fr for v, fr in p.rows if v == "ground_truth")
+            gt = p.rows[("ground_truth", truth)]
+            ours.append(f"{experiment} ground truth TC {gt['temporal_consistency_mean']:.2f}, TA "
+                        f"{gt['text_alignment_mean']:.2f}; {p.training}, n_eval {p.settings['n_eval']}, scorer "
+                        f"v{version}, H200 ({', '.join(p.links)})")
+        words = {w for w, _ in parts} - {SUPERSEDED}
+        overall = "contradicted" if "contradicted" in words else "supported" if words == {"supported"} else \
+            "inconclusive"
+        return "; ".join(ours), f"{overall}: " + "; ".join(text for _, text in parts)
+
+
+QUALITY_CLAIMS = {
+    "C6": QualityClaim("dsa", "dense", VERDICT_KEYS, NOT_WORSE, ("quality",)),
+    "C7": QualityClaim("dsa", "swin", ("temporal_consistency",), 0.0, ("quality",)),
+    "C8": QualityClaim("dsa", "dsa_zero", ("temporal_consistency",), 0.0, ("ablate_offsets", "quality")),
+}
+
+
+def pooled_table(experiment: str, p: Pooled) -> list[str]:
+    """Markdown lines: mean ± sample std over seeds per (variant, frames) of a pooled quality study."""
+    def cell(r, key):
+        std = r[f"{key}_std"]
+        return f"{r[f'{key}_mean']:.2f}" + ("" if math.isnan(std) else f" ± {std:.2f}")
+    keys = ["text_alignment", "temporal_consistency", "motion_error"]
+    parts = ["color_match", "shape_match", "direction_match"]   # older result files lack them
+    if all(not math.isnan(r.get(f"{k}_mean", math.nan)) for r in p.rows.values() for k in parts):
+        keys[1:1] = parts
+    out = [(f"### {experiment} ({p.training}, n_eval {p.settings['n_eval']}, scorer v{p.settings['scorer_version']}; "
+           f"{', '.join(p.links)})"), "",
+           "| variant | frames | seeds | " + " | ".join(k.replace("_", " ") for k in keys) + " |",
+           "|---|---|---|" + "---|" * len(keys)]
+    for (variant, frames), r in sorted(p.rows.items(), key=lambda kv: (kv[0][1], kv[0][0] == "ground_truth")):
+        out.append(f"| {variant} | {frames} | {r['seeds']} | " + " | ".join(cell(r, k) for k in keys) + " |")
+    return out + [""]
+
+
+QUALITY_NOTE = (
+    "Mean ± sample standard deviation over seeds of the GPU runs behind C6-C8 (MovingShapes scores; "
+    "a table pools only runs of one config, model, batch, n_eval, eval seed and scorer version). Each "
+    "ground_truth row is what that table's scorer gives the true clips of the same captions: the ceiling "
+    "a model can reach. The verdict rule of C6-C8: inconclusive while every model is under-trained (best "
+    "caption match below half the ground truth's, at each clip length); else a difference counts when it "
+    "clears a margin of twice the combined spread of one run of each side (seed-to-seed sample std and the "
+    "sampling error of scoring n_eval clips); supported if every difference clears it in the claimed "
+    "direction, contradicted if any clears it the other way, inconclusive otherwise. Scorer v1 (rows "
+    "without a version) let a frozen clip score full temporal consistency; v2 multiplies it by how well "
+    "the object moves with the caption's velocity. Of a claim's studies only those of the newest scorer "
+    "vote; the others are shown, marked 'not counted'.")
+
