@@ -18,13 +18,13 @@ import contextlib
 import dataclasses
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import SelfAttention, build_attention
 from megaslide.config import AttentionConfig, DiTConfig
-from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3D, TimestepEmbedder
+from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3D, TimestepEmbedder, default_init
 from megaslide.models.text import HashTokenizer, TextEncoder, text_encoder_params
 from megaslide.nn import RopeTable, modulate
 
@@ -86,10 +86,20 @@ class DiTBlock(nn.Module):
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
         self.modulation = nn.Parameter(torch.zeros(N_MOD, cfg.dim))  # per-block offsets to the shared t_mod
 
-    def initialize_weights(self) -> None:
-        """The block's part of `VideoDiT.initialize_weights`: Xavier linears, zero biases, the
-        attention's own rule (DSA: zero offsets); the gates start at zero through `modulation`.
-        The offload engine initialises a model one block at a time with it."""
+    def reset_parameters(self) -> None:
+        """Every parameter as the constructors define it (zero modulation, unit norms, torch's default
+        linears and convolutions), drawn in their order: the first half of `initialize_weights`."""
+        for child in self.children():
+            default_init(child)
+        nn.init.zeros_(self.modulation)
+
+    def initialize_weights(self, *, defaults: bool = True) -> None:
+        """Every parameter of the block: `reset_parameters` (unless `defaults` is False: `VideoDiT` runs it
+        for the whole model first), then Xavier linears, zero biases, the attention's own rule (DSA: zero
+        offsets); the gates start at zero through `modulation`. The offload engine initialises a model one
+        block at a time with it, each block built on the meta device."""
+        if defaults:
+            self.reset_parameters()
         _xavier_linears(self)
         init = getattr(self.attn, "initialize_weights", None)
         if init is not None:
@@ -204,30 +214,42 @@ def unpatchify(rows: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int,
 
 
 class VideoDiT(nn.Module):
+    """The model. Its modules are built on the meta device and then defined once by `initialize_weights`, on
+    the device current at construction (`torch.device(...)` as a context); under `torch.device("meta")` it
+    stays unallocated, and `to_empty` plus `initialize_weights()` make it usable later (FSDP2's path)."""
+
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
         D = cfg.dim
         self.patch_volume = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
-        self.patch_embed = PatchEmbed3D(cfg.in_channels, D, cfg.patch_size)
-        self.t_embed = TimestepEmbedder(D, cfg.freq_dim)
-        self.t_proj = nn.Sequential(nn.SiLU(), nn.Linear(D, N_MOD * D))
         self.tokenizer = HashTokenizer(cfg.vocab_size, cfg.text_len)
-        self.text_encoder = TextEncoder(cfg.vocab_size, cfg.text_len, cfg.text_dim, cfg.text_layers)
-        self.text_proj = nn.Sequential(nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
-        self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(cfg.depth))
-        self.final = FinalLayer(D, self.patch_volume, cfg.in_channels)
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.patch_embed = PatchEmbed3D(cfg.in_channels, D, cfg.patch_size)
+            self.t_embed = TimestepEmbedder(D, cfg.freq_dim)
+            self.t_proj = nn.Sequential(nn.SiLU(), nn.Linear(D, N_MOD * D))
+            self.text_encoder = TextEncoder(cfg.vocab_size, cfg.text_len, cfg.text_dim, cfg.text_layers)
+            self.text_proj = nn.Sequential(nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
+            self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(cfg.depth))
+            self.final = FinalLayer(D, self.patch_volume, cfg.in_channels)
         self._rope: RopeTable | None = None
-        self.initialize_weights()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """Xavier linears, zero biases, and adaLN-Zero: every gate and the output start at zero.
-        Children are visited in registration order: the random draws of one walk over all modules."""
+        """Define every parameter: first as the constructors define them, drawn in their order
+        (`default_init`), then Xavier linears, zero biases, and adaLN-Zero: every gate and the output start
+        at zero. Children are visited in registration order: the random draws of one walk over all modules,
+        so a seed gives the same weights on every path (host, meta + `to_empty`). The RoPE tables (no
+        parameters, no buffers) are rebuilt on first use."""
+        default_init(self)
         for name, child in self.named_children():
             if name == "blocks":
                 for block in child:
-                    block.initialize_weights()
+                    block.initialize_weights(defaults=False)
             else:
                 _xavier_linears(child)
         w = self.patch_embed.proj.weight
@@ -239,6 +261,7 @@ class VideoDiT(nn.Module):
         nn.init.zeros_(self.t_proj[1].bias)
         nn.init.zeros_(self.final.linear.weight)
         nn.init.zeros_(self.final.linear.bias)
+        self._rope = None
 
     def rope_table(self, grid: tuple[int, int, int], t_start: int = 0) -> RopeTable:
         """The cos/sin tables, grown (rarely) to cover frames up to t_start + T and the spatial grid."""
@@ -351,7 +374,8 @@ def count_params(cfg: DiTConfig) -> int:
 
 
 def _preset(dim, depth, heads, ffn, **kw) -> DiTConfig:
-    base = dict(in_channels=16, patch_size=(1, 2, 2), text_dim=1024, text_layers=2, text_len=64, vocab_size=32768)
+    base = {"in_channels": 16, "patch_size": (1, 2, 2), "text_dim": 1024, "text_layers": 2, "text_len": 64,
+            "vocab_size": 32768}
     return DiTConfig(dim=dim, depth=depth, num_heads=heads, ffn_dim=ffn, **{**base, **kw})
 
 

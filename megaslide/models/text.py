@@ -12,7 +12,9 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
+
+from megaslide.models.layers import default_init
 
 PAD_ID, START_ID = 0, 1
 _WORD = re.compile(r"[a-z0-9]+")
@@ -52,6 +54,14 @@ class TextEncoder(nn.Module):
                                        batch_first=True, norm_first=True)
             for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
+
+    def reset_parameters(self) -> None:
+        """Every parameter as the constructor defines it, drawn in its order: the embedding, the positions
+        (normal, std 0.02), the layers, the final norm."""
+        self.embed.reset_parameters()
+        nn.init.normal_(self.pos, std=0.02)
+        default_init(self.layers)
+        self.norm.reset_parameters()
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = ids != PAD_ID                                  # (B, L)

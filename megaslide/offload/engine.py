@@ -40,25 +40,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from megaslide.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
 from megaslide.config import DiTConfig, OffloadConfig, TrainConfig
+from megaslide.device import precision_dtype
+from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
-from megaslide.perf.flops import StepBreakdown
-from megaslide.perf.memory import host_available_bytes
 from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload import planner
 from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
-from megaslide.diffusion.batches import Batch
-from megaslide.checkpoint import SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
-from megaslide.device import precision_dtype
+from megaslide.perf.flops import StepBreakdown
+from megaslide.perf.memory import host_available_bytes
 
 ADAM_BACKENDS = ("fused", "torch")  # cpu_adam.adamw_step_ (C++ SIMD) | cpu_adam.adamw_step_torch_ (torch ops)
 
@@ -144,8 +144,8 @@ class OffloadEngine:
         caller's seed: the resident engine's initial weights bit for bit, at the price of the
         fp32 model in host RAM once. Without it no fp32 copy of the whole model is ever made: the
         model is built on the meta device, its stem (and block 0) come from a one-block model built
-        on the host, and every further block is built on the host one at a time, initialised by
-        `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
+        on the host, and every further block is built on the meta device one at a time, defined on the
+        host by `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
         so the same statistics and the same exact zeros (adaLN-Zero gates, final layer), though
         not its random stream."""
         for cfg in (model_cfg, train_cfg, offload_cfg):
@@ -160,8 +160,8 @@ class OffloadEngine:
                                     resident_blocks=offload_cfg.resident_blocks,
                                     activation_offload=offload_cfg.activation_offload)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
-        kw = dict(device=device, train_cfg=train_cfg, offload_cfg=offload_cfg, adam_backend=adam_backend,
-                  pin_optimizer_state=pin_optimizer_state)
+        kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg, "adam_backend": adam_backend,
+              "pin_optimizer_state": pin_optimizer_state}
         if build_on_host:
             return cls(VideoDiT(model_cfg), **kw)
         with torch.device("meta"):
@@ -369,9 +369,12 @@ class OffloadEngine:
 
 
 def _initialised_blocks(cfg: DiTConfig, first: DiTBlock) -> Iterator[DiTBlock]:
-    """`first` (block 0), then blocks 1.. of `cfg`, each built on the host and initialised when asked for."""
+    """`first` (block 0), then blocks 1.. of `cfg`, each built on the meta device and defined on the host by
+    `DiTBlock.initialize_weights` when asked for."""
     yield first
     for index in range(1, cfg.depth):
-        block = DiTBlock(cfg, index)
+        with torch.device("meta"):
+            block = DiTBlock(cfg, index)
+        block.to_empty(device="cpu")
         block.initialize_weights()
         yield block
