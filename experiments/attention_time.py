@@ -24,6 +24,7 @@ from experiments.harness import MIN_REPEATS, sync
 from megaslide.attention import build_attention
 from megaslide.attention.base import SelfAttention
 from megaslide.config import DiTConfig
+from megaslide.models.chunking import read_over_frame_runs
 from megaslide.offload.planner import AttentionRate
 from megaslide.offload.streamer import elapsed
 from megaslide.perf.flops import keys_per_query
@@ -98,8 +99,9 @@ class AttendTimer:
 
 
 def attend_rate(cfg: DiTConfig, grid: tuple[int, int, int], device: torch.device, dtype: torch.dtype,
-                repeats: int = MIN_REPEATS) -> dict:
-    """One `attend` of `cfg`'s attention (width, heads, options, chunk_tokens) on one clip of token grid
+                repeats: int = MIN_REPEATS, chunk_tokens: int = 0) -> dict:
+    """One `attend` of `cfg`'s attention (width, heads, options; its input read over frame runs of about
+    `chunk_tokens` tokens, execution.chunk_tokens, as the chunk runner does) on one clip of token grid
     `grid`, in `dtype` (bf16: under autocast, as the engines run it), with its weights as the model
     initialises them: its forward (with grad, as in a recompute) and its backward, each timed between
     device syncs, medians of `repeats` after one untimed call, averaged over an unshifted and a shifted
@@ -110,8 +112,7 @@ def attend_rate(cfg: DiTConfig, grid: tuple[int, int, int], device: torch.device
     counted = 4.0 * tokens * keys_per_query(a, grid) * D    # QK^T and PV, as megaslide/perf/flops.py counts them
     forward_s = backward_s = 0.0
     for layer in (0, 1):
-        module = build_attention(a.name, D, heads, qk_norm=cfg.qk_norm, layer_idx=layer, chunk_tokens=cfg.chunk_tokens,
-                                 **dataclasses.asdict(a.options))
+        module = build_attention(a.name, D, heads, qk_norm=cfg.qk_norm, layer_idx=layer, **dataclasses.asdict(a.options))
         if hasattr(module, "initialize_weights"):
             module.initialize_weights()
         module = module.to(device=device, dtype=dtype)
@@ -127,7 +128,8 @@ def attend_rate(cfg: DiTConfig, grid: tuple[int, int, int], device: torch.device
             sync(device)
             start = time.perf_counter()
             with torch.autocast(device.type, dtype=dtype, enabled=dtype == torch.bfloat16):
-                o = module.attend(q, k, v, x, grid)                       # (1, N, h, d)
+                read = {"read": read_over_frame_runs(module, x, grid, chunk_tokens)} if module.reads_input else {}
+                o = module.attend(q, k, v, x, grid, **read)               # (1, N, h, d)
             sync(device)
             middle = time.perf_counter()
             o.backward(grad)

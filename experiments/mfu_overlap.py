@@ -38,15 +38,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config, script_main
-from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
-from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, StepBreakdown, dit_flops, mfu
-from megaslide.perf.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
-                                      reset_peak_hbm)
+from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from megaslide.diffusion.batches import Batch
+from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.models.text import HashTokenizer
 from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine
-from megaslide.diffusion.batches import Batch
+from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, StepBreakdown, dit_flops, mfu
+from megaslide.perf.memory import (
+    hbm_available_bytes,
+    host_available_bytes,
+    memory_report,
+    peak_hbm_bytes,
+    reset_peak_hbm,
+)
 from megaslide.train.resident import ResidentEngine
 from megaslide.train.trainer import Trainer
 
@@ -105,7 +111,7 @@ def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float,
     model = engine = None
     try:
         with torch.device(device):
-            model = VideoDiT(dataclasses.replace(cfg, checkpoint_blocks=True))
+            model = apply_execution(VideoDiT(cfg), ExecutionConfig(checkpoint_blocks=True))
         engine = ResidentEngine(model, device=device, train_cfg=TrainConfig(lr=lr, grad_clip=clip, device=device.type))
         result = {"fits": True, "loss": engine.train_step(batch, lr)["loss"].item()}
     except torch.OutOfMemoryError as err:

@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
 from megaslide.inference.fused import fused_project_qkv
 from megaslide.inference.kv_cache import KVCache
-from megaslide.inference.sharded import (Rope, TokenShard, forward_shard, gather_rows, shard_rope,
-                                         weight_sharing_copy)
+from megaslide.inference.sharded import Rope, TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
 from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
 from megaslide.parallel.apply import SequenceParallelAttention, parallelize_dit
@@ -223,7 +223,7 @@ class CausalGenerator:
                              f"use a number of ranks that divides the head count")
         self.config, self.batch = cfg, batch
         self.group = group if P > 1 else None
-        self.model = parallelize_dit(weight_sharing_copy(model), self.group, "ulysses",
+        self.model = parallelize_dit(weight_sharing_copy(model), self.group, ParallelConfig(sp=P, sp_mode="ulysses"),
                                      project_qkv=fused_project_qkv if cfg.fused_qk_rope else None)
         self.frames, self.height, self.width = frames, height, width
         self.num_chunks = frames // F_

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
 from megaslide.inference.fused import fused_project_qkv
 from megaslide.inference.sharded import Rope, TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
+from megaslide.config import ParallelConfig
 from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
 from megaslide.parallel import check_options
@@ -65,9 +66,10 @@ class FullSequenceSampler:
         self.grid = mc.token_grid(frames, height, width)  # raises if the video does not patchify
         self.config, self.batch = cfg, batch
         self.group = group if group_size(group) > 1 else None
-        self.model = parallelize_dit(weight_sharing_copy(model), self.group, cfg.mode,
-                                     ulysses_degree=cfg.ulysses_degree, ring_degree=cfg.ring_degree,
-                                     placement=cfg.placement, transport=cfg.transport, chunks=cfg.chunks,
+        parallel = ParallelConfig(sp=group_size(group), sp_mode=cfg.mode, ulysses_degree=cfg.ulysses_degree,
+                                  ring_degree=cfg.ring_degree, placement=cfg.placement, transport=cfg.transport,
+                                  chunks=cfg.chunks)
+        self.model = parallelize_dit(weight_sharing_copy(model), self.group, parallel,
                                      project_qkv=fused_project_qkv if cfg.fused_qk_rope else None)
         self.shape = (batch, mc.in_channels, frames, height, width)
         self.shard = TokenShard.of(math.prod(self.grid), self.group)

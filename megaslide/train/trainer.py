@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig, validate_training
+from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
+from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig, validate_training
 from megaslide.data.build import build_dataset
 from megaslide.device import resolve_device
+from megaslide.diffusion.batches import make_batch
 from megaslide.diffusion.samplers import euler_sample
+from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import VideoDiT
 from megaslide.offload.engine import OffloadEngine
-from megaslide.diffusion.batches import make_batch
-from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine
@@ -36,22 +37,26 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
-                 grid: tuple[int, int, int], adam_backend: str = "fused") -> StepEngine:
+                 grid: tuple[int, int, int], adam_backend: str = "fused",
+                 execution: ExecutionConfig | None = None) -> StepEngine:
     """The engine the offload config asks for, its model built on the host under the current
-    seed (the same initial weights either way). `grid` is a training clip's token grid (the
-    offload planner's check); `adam_backend` is the offload engine's CPU AdamW."""
+    seed (the same initial weights either way) and run as `execution` says. `grid` is a training
+    clip's token grid (the offload planner's check); `adam_backend` is the offload engine's CPU AdamW."""
+    execution = execution or ExecutionConfig()
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                         grid=grid, adam_backend=adam_backend, build_on_host=True)
-    return ResidentEngine(VideoDiT(model_cfg).to(device), device=device, train_cfg=train_cfg)
+                                         grid=grid, adam_backend=adam_backend, build_on_host=True, execution=execution)
+    model = apply_execution(VideoDiT(model_cfg), execution).to(device)
+    return ResidentEngine(model, device=device, train_cfg=train_cfg)
 
 
 class Trainer:
     def __init__(self, model_cfg: DiTConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out_dir: str | Path,
                  logger: RunLogger | None = None, *, offload_cfg: OffloadConfig | None = None,
-                 adam_backend: str = "fused"):
-        offload_cfg = offload_cfg or OffloadConfig()
-        validate_training(model_cfg, data_cfg, train_cfg, offload_cfg)
+                 adam_backend: str = "fused", execution: ExecutionConfig | None = None):
+        offload_cfg, execution = offload_cfg or OffloadConfig(), execution or ExecutionConfig()
+        validate_training(model_cfg, data_cfg, train_cfg, offload_cfg, execution)
+        self.execution = execution
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
         self.out_dir = Path(out_dir)
         self.device = resolve_device(train_cfg.device, key="train.device")
@@ -62,7 +67,7 @@ class Trainer:
         # the engine before the dataset: the offload planner refuses a model too big before anything is built
         grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
         self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
-                                   adam_backend=adam_backend)
+                                   adam_backend=adam_backend, execution=execution)
         self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         self.logger = logger
 

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from megaslide.config import ExecutionConfig
+from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, build_dit, count_params
 
 NAMED_SIZES = {"1B": 1e9, "7B": 7e9, "14B": 14e9, "33B": 33e9, "105B": 105e9}
@@ -50,7 +52,7 @@ def test_precomputed_text_embeddings_and_checkpointing_match():
     out.square().sum().backward()
     g_ckpt = x.grad.clone()
     x.grad = None
-    model.cfg.checkpoint_blocks = False
+    apply_execution(model, ExecutionConfig())            # the same weights, run without checkpoints
     out2 = model(x, torch.tensor([300.0]), emb)
     out2.square().sum().backward()
     torch.testing.assert_close(out, out2)

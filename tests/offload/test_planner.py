@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaslide.config import AttentionConfig, OffloadConfig
+from megaslide.config import AttentionConfig, ExecutionConfig, OffloadConfig
 from megaslide.perf.activation_memory import ActivationDtypes, block_memory
 from megaslide.perf.flops import dit_flops
 from megaslide.models.dit import DIT_PRESETS, VideoDiT, count_params
@@ -84,8 +84,8 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     assert default["matmul"] == pytest.approx((executed - 4 * counted) / 500e12)
     # slabs of 4 frames, each padded by DSA's reach of 3 + 4 frames: frames [0, 11), [0, 15), [1, 16), [5, 16)
     # read, 52 for 16 kept; every block's backward re-runs its slabs (a third forward) and its slices
-    slabbed = dataclasses.replace(cfg, slab_frames=4)
-    slab_executed, slab = planner.compute_seconds(slabbed, 1, grid, recomputed=4, ceilings=measured)
+    slabs = ExecutionConfig(slab_frames=4)
+    slab_executed, slab = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=measured, execution=slabs)
     halo, qkv = 52 / 16, 2 * tokens * 3 * D * D * 4
     assert slab["attention"] == pytest.approx(halo * (3 * counted / 2e12 + 2 * counted / 0.5e12))
     f = dit_flops(cfg, 1, grid)
@@ -93,7 +93,8 @@ def test_compute_floor_runs_attention_at_its_own_rate():
                                           + (halo - 1) * qkv)
     assert slab["matmul"] == pytest.approx((slab_executed - halo * (counted + own) * 5) / 500e12)
     # one forward pass (no grad): attend's forward once, nothing re-runs, even with slabs and chunks
-    one_executed, one = planner.compute_seconds(slabbed, 1, grid, recomputed=4, ceilings=measured, backward=False)
+    one_executed, one = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=measured, backward=False,
+                                                execution=slabs)
     assert one_executed == pytest.approx(f.forward + (halo - 1) * (qkv + counted + own))
     assert one["attention"] == pytest.approx(halo * counted / 2e12)
     assert one["matmul"] == pytest.approx((one_executed - halo * (counted + own)) / 500e12)
@@ -249,7 +250,7 @@ def test_chunking_plans_the_chunked_block_and_its_recompute():
     cfg, grid = dataclasses.replace(DIT_PRESETS["7B"], depth=6), (32, 34, 60)
     tokens, D, F, heads = 32 * 34 * 60, cfg.dim, cfg.ffn_dim, cfg.num_heads
     n = planner.block_layout(cfg).numel
-    plain, chunked = _planned(cfg, grid), _planned(dataclasses.replace(cfg, chunk_tokens=8160), grid)
+    plain, chunked = _planned(cfg, grid), _planned(cfg, grid, execution=ExecutionConfig(chunk_tokens=8160))
     unchunked_block = tokens * (56 * D + 6 * F + 36 + 8 * heads)
     chunked_block = tokens * (24 * D + 8 * heads)
     assert plain.hbm_total - chunked.hbm_total == unchunked_block - chunked_block + F * D * 2 - n * 2
@@ -261,13 +262,14 @@ def test_chunking_plans_the_chunked_block_and_its_recompute():
 def test_a_clip_longer_than_host_ram_holds_is_refused_before_allocating():
     """With activation offload the parked inputs grow with the clip: 256 latent frames of 1080p at the
     7B width need ~0.4 TB of parked inputs; the host check says so (and suggests a shorter clip)."""
-    cfg = dataclasses.replace(DIT_PRESETS["7B"], depth=27, attention=AttentionConfig("dsa"), chunk_tokens=16320)
+    cfg = dataclasses.replace(DIT_PRESETS["7B"], depth=27, attention=AttentionConfig("dsa"))
+    chunked = ExecutionConfig(chunk_tokens=16320)
     grid = cfg.token_grid(256, 136, 240)
     start = time.perf_counter()
-    plan = _planned(cfg, grid, activation_offload=True)
+    plan = _planned(cfg, grid, activation_offload=True, execution=chunked)
     with pytest.raises(ValueError, match=r"does not fit host RAM.*parked block inputs.*shorter clip"):
         check_fits(plan, host_available=128 * 2 ** 30, hbm_available=None)
-    short = _planned(cfg, cfg.token_grid(4, 136, 240), activation_offload=True)
+    short = _planned(cfg, cfg.token_grid(4, 136, 240), activation_offload=True, execution=chunked)
     check_fits(short, host_available=128 * 2 ** 30, hbm_available=None)
     assert time.perf_counter() - start < 10
 
@@ -323,15 +325,15 @@ def test_hbm_prediction_is_within_ten_percent_of_the_h200_oom_cells(config, cell
     counted in fp32 (SwinAttention.attend_memory)."""
     preset = cell["model"].split(" ")[0]                           # "7B width, depth 23": the 7B width
     depth = int(cell["model"].split("depth ")[1]) if "depth" in cell["model"] else DIT_PRESETS[preset].depth
-    cfg = dataclasses.replace(DIT_PRESETS[preset], depth=depth, attention=AttentionConfig(cell["attention"]),
-                              chunk_tokens=config["chunk_tokens"] if cell["mode"] == "chunked_offload" else 0,
-                              slab_frames=cell.get("slab_frames", 0))
+    cfg = dataclasses.replace(DIT_PRESETS[preset], depth=depth, attention=AttentionConfig(cell["attention"]))
+    execution = ExecutionConfig(chunk_tokens=config["chunk_tokens"] if cell["mode"] == "chunked_offload" else 0,
+                                slab_frames=cell.get("slab_frames", 0))
     grid = cfg.token_grid(cell["frames"], config["height"], config["width"])
     if cell["mode"] == "resident":
-        plan = plan_resident(cfg, batch=config["batch"], grid=grid, autocast=True)
+        plan = plan_resident(cfg, batch=config["batch"], grid=grid, autocast=True, execution=execution)
     else:
         plan = plan_offload(cfg, batch=config["batch"], grid=grid, param_dtype=torch.bfloat16,
-                            activation_offload=cell["mode"] == "chunked_offload")
+                            activation_offload=cell["mode"] == "chunked_offload", execution=execution)
     assert plan.hbm_total / GB == pytest.approx(cell["measured_peak_GB"], rel=0.10)
 
 
@@ -340,7 +342,7 @@ def test_chunked_final_layer_holds_one_slice_and_a_full_size_gradient_share():
     copy, output and two gradients (16 D bytes a token) and one bf16 full-size input-gradient share."""
     cfg, grid = DIT_PRESETS["1B"], (64, 68, 120)
     tokens, chunk, D = 64 * 68 * 120, 16320, DIT_PRESETS["1B"].dim
-    whole = plan_offload(dataclasses.replace(cfg, chunk_tokens=0), batch=1, grid=grid, param_dtype=torch.bfloat16)
-    sliced = plan_offload(dataclasses.replace(cfg, chunk_tokens=chunk), batch=1, grid=grid,
-                          param_dtype=torch.bfloat16)
+    whole = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16)
+    sliced = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16,
+                          execution=ExecutionConfig(chunk_tokens=chunk))
     assert whole.hbm_phases["loss"] - sliced.hbm_phases["loss"] == tokens * 16 * D - (chunk * 16 * D + tokens * 2 * D)
