@@ -25,9 +25,9 @@ from megaslide.attention import build_attention
 from megaslide.attention.base import SelfAttention
 from megaslide.config import DiTConfig
 from megaslide.models.chunking import read_over_frame_runs
-from megaslide.offload.planner import AttentionRate
 from megaslide.offload.streamer import elapsed
 from megaslide.perf.flops import keys_per_query
+from megaslide.perf.planner import AttentionRate
 
 
 class _Stamp(torch.autograd.Function):

@@ -26,7 +26,7 @@ from experiments.report import result_files
 from experiments.results_io import RESULTS_DIR, descends_from, dirty_note, is_partial
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import DIT_PRESETS, count_params
-from megaslide.offload import planner
+from megaslide.perf import planner
 
 TB = 1e12
 PAPER_MFU, PAPER_MFU_SERIAL, PAPER_MFU_GPU_OPT = 0.61, 0.28, 0.15   # C4, C5 as the paper states them
@@ -206,7 +206,7 @@ def floor_text(cells: list[tuple[str, dict]]) -> str:
         return "step-time floor: no measured cell to check"
     worst, c = max(ratios, key=lambda rc: abs(rc[0] - 1))
     return (f"step-time floor, today's compute model on {len(ratios)} measured cells (its elementwise term calibrated "
-            f"on one of them, see megaslide/offload/planner.py ELEMENTWISE_BYTES): "
+            f"on one of them, see megaslide/perf/planner.py ELEMENTWISE_BYTES): "
             f"{'met' if abs(worst - 1) <= FLOOR_TARGET else 'not met'} (worst floor/step = {worst:.2f} at "
             f"{_cell_name(c)}: {todays_floor(c):.1f} vs {c['step_s']:.1f} s; target within {100 * FLOOR_TARGET:.0f}%)")
 

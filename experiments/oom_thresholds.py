@@ -74,8 +74,8 @@ from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, Offloa
 from megaslide.device import precision_dtype
 from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
-from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine
+from megaslide.perf import planner
 from megaslide.perf.live_bytes import LiveTensorBytes
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.train.resident import ResidentEngine
@@ -193,12 +193,11 @@ class Cell(Step):
 def plan_cell(cell: Cell, device: torch.device):
     """The planner's plan for a cell: `plan_resident` or `plan_offload` in the dtype the run uses."""
     dtype = precision_dtype(cell.precision, device)
+    offload = OffloadConfig(enabled=True, activation_offload=cell.mode == "chunked_offload")
+    run = planner.grid_run(cell.cfg, cell.grid, batch=cell.batch, execution=cell.execution, offload=offload)
     if cell.mode == "resident":
-        return planner.plan_resident(cell.cfg, batch=cell.batch, grid=cell.grid, autocast=dtype == torch.bfloat16,
-                                     execution=cell.execution)
-    return planner.plan_offload(cell.cfg, batch=cell.batch, grid=cell.grid, param_dtype=dtype,
-                                activation_offload=cell.mode == "chunked_offload", ceilings=cell.ceilings,
-                                execution=cell.execution)
+        return planner.plan_resident(run, autocast=dtype == torch.bfloat16)
+    return planner.plan_offload(run, param_dtype=dtype, ceilings=cell.ceilings)
 
 
 def floor_parts(cell: Cell, plan) -> dict:

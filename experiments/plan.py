@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.hydra_config import run_config, script_main
 from megaslide.config import RunConfig, from_dict
 from megaslide.device import precision_dtype
-from megaslide.offload.planner import Ceilings, OffloadPlan, ResidentPlan, plan_offload, plan_resident, require_fit
+from megaslide.perf.planner import Ceilings, OffloadPlan, ResidentPlan, plan_offload, plan_resident, require_fit
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,9 @@ def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
     run = cfg.run
     dtype = precision_dtype(run.train.precision, run_device(run))
     if not run.offload.enabled:
-        return plan_resident(run.model, batch=run.train.batch_size, grid=run.grid, autocast=dtype == torch.bfloat16,
-                             execution=run.execution)
-    ceilings = Ceilings(**{k: v for k, v in cfg.ceilings.items() if v is not None})
-    return plan_offload(run.model, batch=run.train.batch_size, grid=run.grid, param_dtype=dtype,
-                        optimizer_device=run.offload.optimizer_device, grad_clip=run.train.grad_clip > 0,
-                        resident_blocks=run.offload.resident_blocks, activation_offload=run.offload.activation_offload,
-                        ceilings=ceilings, execution=run.execution)
+        return plan_resident(run, autocast=dtype == torch.bfloat16)
+    return plan_offload(run, param_dtype=dtype, ceilings=Ceilings(**{k: v for k, v in cfg.ceilings.items()
+                                                                     if v is not None}))
 
 
 def report(cfg: PlanConfig) -> int:

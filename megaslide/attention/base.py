@@ -9,9 +9,10 @@ Shared: the projections, QK-norm, RoPE and the output projection. A variant is o
   that reads x does so token-wise up to a halo along time, in `read_input(x, grid, t0, t1)` (frames
   [t0, t1)), and its `attend` also takes `read=`, that for all frames, which the chunk runner
   (megaslide/models/chunking.py) computes over runs of frames;
-- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `temporal_reach(options)`, `extra_params(...)`,
-  `extra_macs_per_token(...)` and `attend_memory(...)`: what config validation, FLOP,
-  parameter and activation-memory accounting need to know without building the module.
+- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `temporal_reach(options)`,
+  `extra_macs_per_token(...)` and `attend_memory(...)`: what config validation, FLOP and
+  activation-memory accounting need to know without building the module (parameters are counted
+  on a meta-device build, `count_params`).
 Callers that need the projected heads (the KV-cached causal generator, sequence
 parallelism) use `project_qkv` and `project_out` around their own attention.
 """
@@ -129,11 +130,6 @@ class SelfAttention(nn.Module):
         clip). A block run with `execution.slab_frames` runs its attention over a slab of frames padded by
         this halo."""
         return None
-
-    @classmethod
-    def extra_params(cls, options, dim: int, num_heads: int) -> int:
-        """Parameters beyond the shared projections and norms."""
-        return 0
 
     @classmethod
     def extra_macs_per_token(cls, options, dim: int, num_heads: int) -> int:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
 from megaslide.inference.fused import fused_project_qkv
 from megaslide.inference.sharded import Rope, TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
-from megaslide.config import ParallelConfig
 from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
 from megaslide.parallel import check_options

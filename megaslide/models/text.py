@@ -71,12 +71,6 @@ class TextEncoder(nn.Module):
         return self.norm(x), mask
 
 
-def text_encoder_params(vocab_size: int, max_len: int, dim: int, layers: int) -> int:
-    """Analytic parameter count of `TextEncoder` (matches the module exactly)."""
-    per_layer = 4 * dim * dim + 4 * dim + 2 * (4 * dim * dim) + 4 * dim + dim + 4 * dim
-    return vocab_size * dim + max_len * dim + layers * per_layer + 2 * dim
-
-
 def load_text_embeddings(path: str | Path) -> dict[str, torch.Tensor]:
     """Precomputed caption embeddings: a torch file mapping caption -> (L, text_dim) tensor."""
     path = Path(path)

@@ -53,11 +53,11 @@ from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
 from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DiTBlock, VideoDiT
-from megaslide.offload import planner
 from megaslide.offload.cpu_adam import adamw_step_, adamw_step_torch_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
+from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.memory import host_available_bytes
 
@@ -159,12 +159,10 @@ class OffloadEngine:
         if train_cfg.ema_decay > 0:
             raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
-        plan = planner.plan_offload(model_cfg, batch=train_cfg.batch_size, grid=grid,
-                                    param_dtype=precision_dtype(train_cfg.precision, device),
-                                    optimizer_device=offload_cfg.optimizer_device, grad_clip=train_cfg.grad_clip > 0,
-                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
-                                    resident_blocks=offload_cfg.resident_blocks,
-                                    activation_offload=offload_cfg.activation_offload, execution=execution)
+        run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, grad_clip=train_cfg.grad_clip,
+                               execution=execution, offload=offload_cfg)
+        plan = planner.plan_offload(run, param_dtype=precision_dtype(train_cfg.precision, device),
+                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg, "adam_backend": adam_backend,
               "pin_optimizer_state": pin_optimizer_state}

@@ -12,7 +12,7 @@ from experiments.attention_time import AttendTimer
 from experiments.hydra_config import script_config
 from experiments.oom_thresholds import (OOMConfig, RowSpec, cell_ceilings, cells_of_row, model_configs, over_time,
                                         summary, with_timing)
-from megaslide.offload import planner
+from megaslide.perf import planner
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
 FORWARD_S, BACKWARD_S, OTHER_S = 0.03, 0.05, 0.1

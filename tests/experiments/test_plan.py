@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
 from experiments.plan import PlanConfig, make_plan, plan_config, report
-from megaslide.offload.planner import Ceilings, ResidentPlan, compute_seconds
+from megaslide.perf.planner import Ceilings, ResidentPlan, compute_seconds
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
 BIG = ["model.in_channels=3", "offload=engine", "train.batch_size=1", "train.precision=bf16", "data.frames=16",

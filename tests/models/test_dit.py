@@ -22,17 +22,11 @@ def test_count_params_within_two_percent_of_name(name):
     assert abs(count_params(DIT_PRESETS[name]) / NAMED_SIZES[name] - 1) < 0.02
 
 
-@pytest.mark.parametrize("name", ["tiny", "S", "wan-1.3b", "1B"])
-def test_count_params_equals_real_count(name):
-    with torch.device("meta"):
-        model = build_dit(name)
-    assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg)
-
-
-def test_count_params_with_each_attention():
-    for attn in ["dense", "dsa", "dsa_zero"]:
-        model = build_dit("tiny", attention=attn)
-        assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg), attn
+def test_count_params_allocates_nothing_and_counts_the_built_model():
+    for attention in ["dense", "dsa"]:
+        model = build_dit("tiny", attention=attention)
+        assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg), attention
+    assert count_params(DIT_PRESETS["105B"]) > 1e11         # on the meta device: no 400 GB allocated
 
 
 def test_wan_preset_shapes():

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from experiments.harness import spawn
-from megaslide.config import ParallelConfig
 from megaslide.attention.dense import DenseAttention
+from megaslide.config import ParallelConfig
 from megaslide.inference.sharded import TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
 from megaslide.inference.weights import random_weights_
 from megaslide.models.dit import build_dit, patchify, unpatchify

@@ -82,11 +82,6 @@ class DSAAttention(SelfAttention):
         return kt + (0 if cls.fixed_zero_offsets else math.ceil(options.max_offset))
 
     @classmethod
-    def extra_params(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
-        out = num_heads * math.prod(options.kernel_size) * 3
-        return (27 * dim + dim) + (dim * out + out)           # depthwise 3^3 Conv3d, offset Linear
-
-    @classmethod
     def extra_macs_per_token(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
         return 27 * dim + dim * num_heads * math.prod(options.kernel_size) * 3
 

@@ -1,6 +1,8 @@
 """Will a training run fit, and how fast can it go? Predicted before anything is allocated.
 
-Its command line is experiments/plan.py (`python -m experiments.plan model=7B check=true`).
+Its command line is experiments/plan.py, which plans the `RunConfig` that train.py's overrides make
+(`python -m experiments.plan model=7B model.in_channels=3 offload=engine check=true`); a table of cells
+plans each with `grid_run`.
 
 Host RAM (offload engine): the exact bytes of the engine's arenas (`HostState.arena_sizes`: per
 block parameter 16 B, see host_state.py), the block inputs that activation offload parks
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaslide.config import DiTConfig, ExecutionConfig
+from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, TrainConfig
 from megaslide.models.chunking import frame_slabs
 from megaslide.models.dit import DiTBlock, count_params
 from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
@@ -102,7 +104,7 @@ ELEMENTWISE_BYTES = 660.0
 """HBM bytes the memory-bound work of one block moves per token and width element in one pass: calibrated
 as (step - matmul - attention) x HBM ceiling / (tokens x dim x depth x passes) on the 1B dense
 chunked-offload 16-frame cell of results/oom_thresholds/h200_headline_256.json (657; 4 passes: forward,
-recompute, 2 for the backward); tests/offload/test_planner.py re-derives it from that file."""
+recompute, 2 for the backward); tests/perf/test_planner.py re-derives it from that file."""
 
 
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
@@ -339,18 +341,33 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
     return {name: {item: v for item, v in items.items() if v} for name, items in phases.items()}
 
 
-def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], param_dtype: torch.dtype,
-                 optimizer_device: str = "cpu", grad_clip: bool = True, pin_optimizer_state: bool | None = None,
-                 build_on_host: bool = False, resident_blocks: int = 0, activation_offload: bool = False,
-                 ceilings: Ceilings = Ceilings(), execution: ExecutionConfig | None = None) -> OffloadPlan:
-    """Host RAM, HBM and step-time floor of one offloaded training step (allocates nothing)."""
-    execution = execution or ExecutionConfig()
+def grid_run(model: DiTConfig, grid: tuple[int, int, int], *, batch: int = 1, grad_clip: float = 1.0,
+             execution: ExecutionConfig | None = None, offload: OffloadConfig | None = None) -> RunConfig:
+    """The `RunConfig` of training steps of `batch` clips of token grid `grid` (T', H', W'), for a table of cells
+    planned without a data set: its data is the clip that patchifies to `grid`; `offload` defaults to the
+    engine with its defaults."""
+    pt, ph, pw = model.patch_size
+    data = DataConfig(frames=grid[0] * pt, height=grid[1] * ph, width=grid[2] * pw)
+    return RunConfig(model, execution or ExecutionConfig(), data, TrainConfig(batch_size=batch, grad_clip=grad_clip),
+                     offload or OffloadConfig(enabled=True))
+
+
+def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings = Ceilings(),
+                 pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadPlan:
+    """Host RAM, HBM and step-time floor of one training step of `run` on the offload engine (allocates
+    nothing): its model, how its blocks run, its offload settings (optimizer_device, resident_blocks,
+    activation_offload), train.batch_size clips of its data's token grid, and clipping (train.grad_clip > 0).
+    `param_dtype`: the streamed block weights' (the run's precision on its device); `build_on_host`: the
+    fp32 model is first built in host RAM; `pin_optimizer_state`: default, pinned for the GPU optimizer."""
+    cfg, execution, offload = run.model, run.execution, run.offload
+    batch, grid, grad_clip = run.train.batch_size, run.grid, run.train.grad_clip > 0
+    optimizer_device, resident_blocks, activation_offload = (offload.optimizer_device, offload.resident_blocks,
+                                                             offload.activation_offload)
     cfg.validate()
     execution.validate(cfg.attention)
+    offload.validate()
     if not 0 <= resident_blocks <= cfg.depth:
         raise ValueError(f"offload.resident_blocks={resident_blocks} must be in [0, {cfg.depth}] (the model's depth)")
-    if optimizer_device not in ("cpu", "gpu"):
-        raise ValueError(f"optimizer_device={optimizer_device!r}: choose cpu or gpu")
     pin_state = optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
     layout = block_layout(cfg)
     n, depth, w = layout.numel, cfg.depth, torch.finfo(param_dtype).bits // 8
@@ -420,17 +437,16 @@ class ResidentPlan(PhasedHBM):
         return "\n".join([head, *self.hbm_lines()])
 
 
-def plan_resident(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], autocast: bool = True,
-                  execution: ExecutionConfig | None = None) -> ResidentPlan:
-    """HBM of a steady-state step of the resident trainer on `cfg` with checkpoint_blocks, its blocks
-    otherwise run as `execution` says (allocates nothing).
+def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
+    """HBM of a steady-state step of the resident trainer on `run` (train.batch_size clips of its data's
+    token grid) with checkpoint_blocks, its blocks otherwise run as run.execution says (allocates nothing).
 
     fp32 weights, gradients and AdamW moments of every parameter stay on the device. Under bf16
     autocast the forward caches a bf16 copy of every weight until it ends (the recompute casts one
     block's again), the fp32 gates make the residual stream fp32, and the previous step's
     gradients live until `zero_grad`, which comes after the forward. The optimizer step adds
     foreach AdamW's temporary (sqrt of the second moment) for every parameter."""
-    execution = execution or ExecutionConfig()
+    cfg, execution, batch, grid = run.model, run.execution, run.train.batch_size, run.grid
     cfg.validate()
     execution.validate(cfg.attention)
     params = count_params(cfg)
