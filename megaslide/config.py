@@ -70,6 +70,8 @@ class AttentionConfig:
 
 
 _RUN_OPTIONS = ("backend",)  # attention options that say how it runs, not what it computes
+
+
 def architecture_changes(saved: DiTConfig, current: DiTConfig) -> list[str]:
     """`key: saved vs current` for every architecture field (DiTConfig.architecture) that differs."""
     old, new = saved.architecture(), current.architecture()
@@ -95,8 +97,8 @@ class DiTConfig:
     freq_dim: int = 256         # sinusoidal timestep features
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
-    # keys of how the blocks run that configs and checkpoints written before ExecutionConfig held here:
-    # `from_dict` drops them (a saved run's weights do not depend on them); set them under execution.*
+    # how the blocks run, which configs and checkpoints written before ExecutionConfig kept here: `from_dict`
+    # drops them (a saved run's weights do not depend on them); they are set under execution.* now
     moved_keys: ClassVar[dict[str, str]] = {k: f"execution.{k}" for k in ("checkpoint_blocks", "chunk_tokens",
                                                                            "slab_frames")}
 
