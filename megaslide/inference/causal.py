@@ -37,6 +37,7 @@ Entry point: experiments/generate_causal.py.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -311,7 +312,7 @@ class CausalGenerator:
         chunks = noise.shape[2] // F_
         for c in range(chunks):
             x = self.shard_rows(noise[:, :, c * F_:(c + 1) * F_].to(self.device))  # (B, n, pv*C)
-            x = euler_integrate(lambda x, t: self.forward_chunk(c, x, t, ctx, ctx_mask), x, ts)
+            x = euler_integrate(functools.partial(self.forward_chunk, c, ctx=ctx, ctx_mask=ctx_mask), x, ts)
             yield GeneratedChunk(c, c * F_, self.gather_chunk(x))
             if c + 1 < chunks:
                 self.forward_chunk(c, x, 0.0, ctx, ctx_mask, head=False)        # clean K/V into the cache
