@@ -10,7 +10,7 @@ not fit, before anything is allocated.
     python -m experiments.plan model=7B model.in_channels=3 offload=engine offload.resident_blocks=4
     python -m experiments.plan model=7B model.in_channels=3 offload=engine data.frames=64 execution.chunk_tokens=8192 \
         offload.activation_offload=true
-    python -m experiments.plan model=105B model.in_channels=3 offload=engine check=true      # fails with what does not fit
+    python -m experiments.plan model=105B model.in_channels=3 offload=engine check=true  # fails: what does not fit
 """
 from __future__ import annotations
 
