@@ -24,9 +24,10 @@ from experiments.harness import MIN_REPEATS, sync
 from megaslide.attention import build_attention
 from megaslide.attention.base import SelfAttention
 from megaslide.config import DiTConfig
-from megaslide.offload.planner import AttentionRate
+from megaslide.models.chunking import read_over_frame_runs
 from megaslide.offload.streamer import elapsed
 from megaslide.perf.flops import keys_per_query
+from megaslide.perf.planner import AttentionRate
 
 
 class _Stamp(torch.autograd.Function):
@@ -97,9 +98,29 @@ class AttendTimer:
         return total
 
 
+def _timed_attend(module, q, k, v, x, grid, chunk_tokens: int, grad, device: torch.device,
+                  dtype: torch.dtype) -> tuple[float, float]:
+    """Seconds of one forward (with grad; the input read over frame runs of `chunk_tokens`, as the chunk runner
+    reads it) and of its backward of `module.attend`, each between device syncs."""
+    for t in (q, k, v, x, *module.parameters()):
+        if t is not None:
+            t.grad = None
+    sync(device)
+    start = time.perf_counter()
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype == torch.bfloat16):
+        read = {"read": read_over_frame_runs(module, x, grid, chunk_tokens)} if module.reads_input else {}
+        o = module.attend(q, k, v, x, grid, **read)               # (1, N, h, d)
+    sync(device)
+    middle = time.perf_counter()
+    o.backward(grad)
+    sync(device)
+    return middle - start, time.perf_counter() - middle
+
+
 def attend_rate(cfg: DiTConfig, grid: tuple[int, int, int], device: torch.device, dtype: torch.dtype,
-                repeats: int = MIN_REPEATS) -> dict:
-    """One `attend` of `cfg`'s attention (width, heads, options, chunk_tokens) on one clip of token grid
+                repeats: int = MIN_REPEATS, chunk_tokens: int = 0) -> dict:
+    """One `attend` of `cfg`'s attention (width, heads, options; its input read over frame runs of about
+    `chunk_tokens` tokens, execution.chunk_tokens, as the chunk runner does) on one clip of token grid
     `grid`, in `dtype` (bf16: under autocast, as the engines run it), with its weights as the model
     initialises them: its forward (with grad, as in a recompute) and its backward, each timed between
     device syncs, medians of `repeats` after one untimed call, averaged over an unshifted and a shifted
@@ -110,31 +131,16 @@ def attend_rate(cfg: DiTConfig, grid: tuple[int, int, int], device: torch.device
     counted = 4.0 * tokens * keys_per_query(a, grid) * D    # QK^T and PV, as megaslide/perf/flops.py counts them
     forward_s = backward_s = 0.0
     for layer in (0, 1):
-        module = build_attention(a.name, D, heads, qk_norm=cfg.qk_norm, layer_idx=layer, chunk_tokens=cfg.chunk_tokens,
-                                 **dataclasses.asdict(a.options))
+        module = build_attention(a.name, D, heads, qk_norm=cfg.qk_norm, layer_idx=layer, **dataclasses.asdict(a.options))
         if hasattr(module, "initialize_weights"):
             module.initialize_weights()
         module = module.to(device=device, dtype=dtype)
         q, k, v = (torch.randn(1, tokens, heads, D // heads, device=device, dtype=dtype, requires_grad=True)
                    for _ in range(3))
         x = torch.randn(1, tokens, D, device=device, dtype=dtype, requires_grad=True) if module.reads_input else None
-        grad = torch.randn_like(q)
-        leaves = [t for t in (q, k, v, x, *module.parameters()) if t is not None]
-
-        def once() -> tuple[float, float]:
-            for t in leaves:
-                t.grad = None
-            sync(device)
-            start = time.perf_counter()
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype == torch.bfloat16):
-                o = module.attend(q, k, v, x, grid)                       # (1, N, h, d)
-            sync(device)
-            middle = time.perf_counter()
-            o.backward(grad)
-            sync(device)
-            return middle - start, time.perf_counter() - middle
-        once()
-        runs = [once() for _ in range(repeats)]
+        args = (module, q, k, v, x, grid, chunk_tokens, torch.randn_like(q), device, dtype)
+        _timed_attend(*args)
+        runs = [_timed_attend(*args) for _ in range(repeats)]
         forward_s += statistics.median(f for f, _ in runs) / 2
         backward_s += statistics.median(b for _, b in runs) / 2
     rate = AttentionRate(counted / forward_s / 1e12, 2 * counted / backward_s / 1e12)

@@ -1,7 +1,7 @@
 """Sample one video by full-sequence sampling (every latent frame at once), sequence-parallel under torchrun.
 
     python experiments/generate_full.py                                   # the tiny model, one CPU process
-    torchrun --standalone --nproc_per_node 2 experiments/generate_full.py mode=torus
+    torchrun --standalone --nproc_per_node 2 experiments/generate_full.py parallel.sp_mode=torus
     torchrun --standalone --nproc_per_node 2 experiments/generate_full.py model=wan-1.3b frames=21 height=60 width=104
 
 Every rank builds the same model (a checkpoint of experiments/train.py, or seeded random weights

@@ -11,8 +11,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from megaslide.config import (AttentionConfig, DataConfig, DiTConfig, OffloadConfig, TrainConfig, from_dict,
-                              validate_training)
+from megaslide.config import (
+    AttentionConfig,
+    DataConfig,
+    DiTConfig,
+    ExecutionConfig,
+    OffloadConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    from_dict,
+)
 from megaslide.device import resolve_device
 from megaslide.models.dit import DIT_PRESETS
 
@@ -46,6 +55,10 @@ def model_config(model: dict, attention: dict) -> DiTConfig:
     A key set to null keeps the preset's value (every model group file lists each DiTConfig field as
     null, conf/model/fields.yaml, so that `model.depth=22` needs no `+`)."""
     model = {k: v for k, v in model.items() if v is not None}
+    moved = [f"model.{k} is now {where}" for k, where in DiTConfig.moved_keys.items() if k in model]
+    if moved:
+        raise ValueError(f"{'; '.join(moved)} (how the blocks run, not the model): set "
+                         f"{', '.join(DiTConfig.moved_keys[k] + '=...' for k in DiTConfig.moved_keys if k in model)}")
     preset = model.pop("preset", "tiny")
     if preset not in DIT_PRESETS:
         raise ValueError(f"model.preset={preset!r} is unknown; known: {sorted(DIT_PRESETS)}")
@@ -77,13 +90,25 @@ def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
     return config
 
 
+RUN_GROUPS = ("model", "attention", "execution", "data", "train", "offload", "parallel")  # RunConfig's groups
+
+
+def run_config(cfg: DictConfig | dict, *, check_device: bool = True) -> RunConfig:
+    """The `RunConfig` of a script's Hydra config (the groups of train.yaml), completely validated
+    (`RunConfig.validate` and, with `check_device`, train.device on this machine): a training script
+    calls it before it writes anything; experiments/plan.py, which only predicts, without `check_device`."""
+    c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    parts = {key: from_dict(cls, c.get(key, {}), key=key) for key, cls in
+             (("execution", ExecutionConfig), ("data", DataConfig), ("train", TrainConfig),
+              ("offload", OffloadConfig), ("parallel", ParallelConfig))}
+    run = RunConfig(model=model_config(c["model"], c["attention"]), **parts)
+    run.validate()
+    if check_device:
+        resolve_device(run.train.device, key="train.device")
+    return run
+
+
 def typed_configs(cfg: DictConfig) -> tuple[DiTConfig, DataConfig, TrainConfig, OffloadConfig]:
-    """The training configs of a script's Hydra config, completely validated (validate_training and
-    train.device on this machine): a training script calls it before it writes anything."""
-    c = OmegaConf.to_container(cfg, resolve=True)
-    model = model_config(c["model"], c["attention"])
-    data, train, offload = (from_dict(cls, c.get(key, {}), key=key) for cls, key in
-                            ((DataConfig, "data"), (TrainConfig, "train"), (OffloadConfig, "offload")))
-    validate_training(model, data, train, offload)
-    resolve_device(train.device, key="train.device")
-    return model, data, train, offload
+    """(model, data, train, offload) of `run_config(cfg)`: for study scripts that run the blocks whole."""
+    run = run_config(cfg)
+    return run.model, run.data, run.train, run.offload

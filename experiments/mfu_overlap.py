@@ -39,15 +39,21 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config, script_main
 from experiments.step_runs import synthetic_batch
-from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig
-from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, StepBreakdown, dit_flops, mfu
-from megaslide.perf.memory import (hbm_available_bytes, host_available_bytes, memory_report, peak_hbm_bytes,
-                                      reset_peak_hbm)
+from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from megaslide.diffusion.batches import Batch
+from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.models.text import HashTokenizer
-from megaslide.offload import planner
 from megaslide.offload.engine import OffloadEngine
-from megaslide.diffusion.batches import Batch
+from megaslide.perf import planner
+from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, StepBreakdown, dit_flops, mfu
+from megaslide.perf.memory import (
+    hbm_available_bytes,
+    host_available_bytes,
+    memory_report,
+    peak_hbm_bytes,
+    reset_peak_hbm,
+)
 from megaslide.train.resident import ResidentEngine
 from megaslide.train.trainer import Trainer
 
@@ -106,7 +112,7 @@ def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float,
     model = engine = None
     try:
         with torch.device(device):
-            model = VideoDiT(dataclasses.replace(cfg, checkpoint_blocks=True))
+            model = apply_execution(VideoDiT(cfg), ExecutionConfig(checkpoint_blocks=True))
         engine = ResidentEngine(model, device=device, train_cfg=TrainConfig(lr=lr, grad_clip=clip, device=device.type))
         result = {"fits": True, "loss": engine.train_step(batch, lr)["loss"].item()}
     except torch.OutOfMemoryError as err:
@@ -218,11 +224,13 @@ def main(cfg: DictConfig) -> None:
                                       param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
     model_cfg = dataclasses.replace(model_cfg, depth=depth)
     grid = model_cfg.token_grid(bench.frames, bench.height, bench.width)
-    plans = {v: planner.plan_offload(model_cfg, batch=bench.batch, grid=grid, param_dtype=dtype,
-                                     optimizer_device=VARIANTS[v][1],
-                                     grad_clip=(bench.grad_clip if VARIANTS[v][2] is None else VARIANTS[v][2]) > 0,
-                                     pin_optimizer_state=bench.pin_optimizer_state,
-                                     resident_blocks=bench.resident_blocks) for v in bench.variants}
+    offload = {v: OffloadConfig(enabled=True, optimizer_device=VARIANTS[v][1], resident_blocks=bench.resident_blocks)
+               for v in bench.variants}
+    clip = {v: bench.grad_clip if VARIANTS[v][2] is None else VARIANTS[v][2] for v in bench.variants}
+    plans = {v: planner.plan_offload(planner.grid_run(model_cfg, grid, batch=bench.batch, grad_clip=clip[v],
+                                                      offload=offload[v]),
+                                     param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
+             for v in bench.variants}
     plan = plans[bench.variants[0]]
     print(plan.table(), flush=True)
     fraction = bench.gpu_memory_fraction if cuda else 0.0

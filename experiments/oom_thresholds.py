@@ -7,7 +7,7 @@ swin, dsa, with their group defaults); `rows` replaces attentions x modes x fram
 - resident: the resident trainer (fp32 weights and AdamW on the device, bf16 autocast) with
   per-block activation checkpointing;
 - offload: the MegaSlide offload engine;
-- chunked_offload: the offload engine with token-chunked blocks (`chunk_tokens`), activation
+- chunked_offload: the offload engine with token-chunked blocks (`chunk_tokens`: execution.chunk_tokens), activation
   offload (saved block inputs parked in pinned host RAM) and, for attentions of bounded temporal
   reach (DSA), blocks over slabs of `slab_frames` frames (0: off).
 Models: the presets in `models`; those also in `host_depth` at the most blocks of their width that
@@ -68,13 +68,14 @@ from experiments.harness import ExperimentRun, Timing, copy_gbps, matmul_tflops,
 from experiments.hydra_config import script_config, script_main
 from experiments.report import render
 from experiments.step_runs import Step, run_isolated, synthetic_batch
-from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
+from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
+from megaslide.models.chunking import apply_execution
+from megaslide.models.dit import DIT_PRESETS, VideoDiT
+from megaslide.offload.engine import OffloadEngine
+from megaslide.perf import planner
 from megaslide.perf.live_bytes import LiveTensorBytes
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
-from megaslide.models.dit import DIT_PRESETS, VideoDiT
-from megaslide.offload import planner
-from megaslide.offload.engine import OffloadEngine
 from megaslide.train.resident import ResidentEngine
 
 GB = 1e9
@@ -172,10 +173,11 @@ class Cell(Step):
 def plan_cell(cell: Cell, device: torch.device):
     """The planner's plan for a cell: `plan_resident` or `plan_offload` in the dtype the run uses."""
     dtype = precision_dtype(cell.precision, device)
+    offload = OffloadConfig(enabled=True, activation_offload=cell.mode == "chunked_offload")
+    run = planner.grid_run(cell.cfg, cell.grid, batch=cell.batch, execution=cell.execution, offload=offload)
     if cell.mode == "resident":
-        return planner.plan_resident(cell.cfg, batch=cell.batch, grid=cell.grid, autocast=dtype == torch.bfloat16)
-    return planner.plan_offload(cell.cfg, batch=cell.batch, grid=cell.grid, param_dtype=dtype,
-                                activation_offload=cell.mode == "chunked_offload", ceilings=cell.ceilings)
+        return planner.plan_resident(run, autocast=dtype == torch.bfloat16)
+    return planner.plan_offload(run, param_dtype=dtype, ceilings=cell.ceilings)
 
 
 def floor_parts(cell: Cell, plan) -> dict:
@@ -183,7 +185,7 @@ def floor_parts(cell: Cell, plan) -> dict:
     compute, PCIe and CPU AdamW), or the resident step's compute; with the compute's two terms (every
     block recomputed: the engine's streamed blocks, the resident trainer's checkpointed ones)."""
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
-                                         ceilings=cell.ceilings)
+                                         ceilings=cell.ceilings, execution=cell.execution)
     floor = plan.floor_s if isinstance(plan, planner.OffloadPlan) else sum(compute.values())
     return {"predicted_floor_s": floor, "predicted_matmul_s": compute["matmul"],
             "predicted_attention_s": compute["attention"], "predicted_elementwise_s": compute["elementwise"]}
@@ -235,10 +237,11 @@ def _build(cell: Cell, device: torch.device):
     train = TrainConfig(lr=1e-5, grad_clip=1.0, batch_size=cell.batch, device=device.type, precision=cell.precision)
     if cell.mode == "resident":
         with torch.device(device):
-            model = VideoDiT(dataclasses.replace(cell.cfg, checkpoint_blocks=True))
+            model = apply_execution(VideoDiT(cell.cfg), dataclasses.replace(cell.execution, checkpoint_blocks=True))
         return ResidentEngine(model, device=device, train_cfg=train)
     offload = OffloadConfig(enabled=True, activation_offload=cell.mode == "chunked_offload")
-    return OffloadEngine.from_config(cell.cfg, device=device, train_cfg=train, offload_cfg=offload, grid=cell.grid)
+    return OffloadEngine.from_config(cell.cfg, device=device, train_cfg=train, offload_cfg=offload, grid=cell.grid,
+                                     execution=cell.execution)
 
 
 def _step_s(engine, batch, device: torch.device) -> float:
@@ -323,17 +326,17 @@ def _cell_process(cell: Cell, queue) -> None:
 
 
 # ---- the ceilings ---------------------------------------------------------------------------------------
-def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, tuple[DiTConfig, tuple]], precision: str,
-              queue) -> None:
+def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, tuple], precision: str, queue) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))   # as the cells run
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     peak = matmul_tflops(device, n=matmul_n, dtype=torch.bfloat16 if cuda else torch.float32)
     attention = []
-    for (model, name, chunked), (dit, grid) in probes.items():
+    for (model, name, chunked), (dit, execution, grid) in probes.items():
         row = {"model": model, "attention": name, "chunked": chunked}
         try:
-            row.update(attend_rate(dit, grid, device, precision_dtype(precision, device)))
+            row.update(attend_rate(dit, grid, device, precision_dtype(precision, device),
+                                   chunk_tokens=execution.chunk_tokens))
         except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
             row["error"] = f"{type(err).__name__}: {err}"[:200]
         attention.append(row)
@@ -379,40 +382,41 @@ def model_configs(cfg: OOMConfig) -> dict[str, DiTConfig]:
     return out
 
 
-def row_model(cfg: OOMConfig, model: DiTConfig, attention: str, mode: str) -> DiTConfig:
-    """The model of a row: its attention and, in chunked_offload, chunk_tokens and (where the attention's
-    reach along time is bounded) slab_frames."""
+def row_model(cfg: OOMConfig, model: DiTConfig, attention: str, mode: str) -> tuple[DiTConfig, ExecutionConfig]:
+    """The model of a row, with its attention, and how its blocks run: in chunked_offload, execution.chunk_tokens
+    = chunk_tokens and (where the attention's reach along time is bounded) execution.slab_frames = slab_frames."""
     a = AttentionConfig(attention)
     chunked = mode == "chunked_offload"
     slabs = chunked and a.variant.temporal_reach(a.options) is not None
-    return dataclasses.replace(model, attention=a, chunk_tokens=cfg.chunk_tokens if chunked else 0,
-                               slab_frames=cfg.slab_frames if slabs else 0)
+    return dataclasses.replace(model, attention=a), ExecutionConfig(chunk_tokens=cfg.chunk_tokens if chunked else 0,
+                                                                    slab_frames=cfg.slab_frames if slabs else 0)
 
 
-def attention_probes(cfg: OOMConfig, models: dict[str, DiTConfig]) -> dict[tuple, tuple[DiTConfig, tuple]]:
-    """(model, attention, chunked) -> (its row model, the probe clip's token grid): one `attend` probe each."""
+def attention_probes(cfg: OOMConfig, models: dict[str, DiTConfig]) -> dict[tuple, tuple]:
+    """(model, attention, chunked) -> (its row model, its execution, the probe clip's token grid): one `attend`
+    probe each."""
     probes = {}
     for label, model in models.items():
         for spec in cfg.row_specs():
             for mode in spec.modes:
-                dit = row_model(cfg, model, spec.attention, mode)
+                dit, execution = row_model(cfg, model, spec.attention, mode)
                 grid = dit.token_grid(min([cfg.probe_frames, *spec.frames]), cfg.height, cfg.width)
-                probes.setdefault((label, spec.attention, mode == "chunked_offload"), (dit, grid))
+                probes.setdefault((label, spec.attention, mode == "chunked_offload"), (dit, execution, grid))
     return probes
 
 
 def cells_of_row(cfg: OOMConfig, label: str, model: DiTConfig, spec: RowSpec, mode: str,
                  ceilings: dict | None) -> list[Cell]:
-    dit = row_model(cfg, model, spec.attention, mode)
+    dit, execution = row_model(cfg, model, spec.attention, mode)
     rates = cell_ceilings(ceilings, label, spec.attention, mode == "chunked_offload")
-    return [Cell(dit, f, cfg.height, cfg.width, cfg.batch, cfg.precision, label, mode, cfg.warmup_steps,
+    return [Cell(dit, f, cfg.height, cfg.width, cfg.batch, cfg.precision, execution, label, mode, cfg.warmup_steps,
                  cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB), host_budget(cfg), rates)
             for f in sorted(spec.frames)]
 
 
 def cell_row(cell: Cell) -> dict:
     return {"model": cell.model, "attention": cell.cfg.attention.name, "mode": cell.mode, "frames": cell.frames,
-            "tokens": cell.batch * math.prod(cell.grid), "slab_frames": cell.cfg.slab_frames}
+            "tokens": cell.batch * math.prod(cell.grid), "slab_frames": cell.execution.slab_frames}
 
 
 def summary(rows: list[dict], hide_min_tokens: int, hide_ratio: float) -> list[dict]:

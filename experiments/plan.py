@@ -1,14 +1,16 @@
-"""Will an offloaded run fit, and how fast can it go? The planner's prediction, before anything is allocated.
+"""Will a training run fit, and how fast can it go? The planner's prediction, before anything is allocated.
 
-Prints host RAM, HBM and the step-time floor of `megaslide.offload.planner.plan_offload` for
-the DiT of the `model` and `attention` groups at the given step size; `check=true` also
-compares it with this machine (MemAvailable, free HBM) and exits with status 1, naming what
-does not fit, before anything is allocated. Configuration: experiments/conf/plan.yaml.
+It composes train.py's config (experiments/conf/plan.yaml includes train.yaml), so it takes the
+overrides of any train.py command and plans exactly the run that command makes: the offload engine's
+host RAM, HBM and step-time floor (`offload=engine`), or the resident trainer's HBM. `check=true` also
+compares the plan with this machine (MemAvailable, free HBM) and exits with status 1, naming what does
+not fit, before anything is allocated.
 
-    python -m experiments.plan model=7B                      # predicted host RAM, HBM and step-time floor
-    python -m experiments.plan model=7B resident_blocks=4    # keep the last 4 blocks on the GPU
-    python -m experiments.plan model=7B frames=64 model.chunk_tokens=8192 activation_offload=true
-    python -m experiments.plan model=105B check=true         # fails with what does not fit
+    python -m experiments.plan model=7B model.in_channels=3 offload=engine data.frames=16 data.height=64 data.width=128
+    python -m experiments.plan model=7B model.in_channels=3 offload=engine offload.resident_blocks=4
+    python -m experiments.plan model=7B model.in_channels=3 offload=engine data.frames=64 execution.chunk_tokens=8192 \
+        offload.activation_offload=true
+    python -m experiments.plan model=105B model.in_channels=3 offload=engine check=true  # fails: what does not fit
 """
 from __future__ import annotations
 
@@ -16,42 +18,44 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from experiments.hydra_config import script_config, script_main
-from megaslide.config import DiTConfig
-from megaslide.offload.planner import Ceilings, OffloadPlan, plan_offload, require_fit
-
-PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from experiments.hydra_config import run_config, script_main
+from megaslide.config import RunConfig, from_dict
+from megaslide.device import precision_dtype
+from megaslide.perf.planner import Ceilings, OffloadPlan, ResidentPlan, plan_offload, plan_resident, require_fit
 
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """The keys of experiments/conf/plan.yaml (their meaning is documented there)."""
+    """The run train.py would make with the same overrides, and plan.yaml's own keys."""
 
-    batch: int
-    frames: int
-    height: int
-    width: int
-    precision: str
-    optimizer_device: str
-    grad_clip: bool
-    resident_blocks: int
-    activation_offload: bool
+    run: RunConfig
     check: bool
     ceilings: dict[str, float | None]
-    model: DiTConfig
-    model_preset: str
 
 
-def make_plan(cfg: PlanConfig) -> OffloadPlan:
-    if cfg.precision not in PRECISIONS:
-        raise ValueError(f"precision={cfg.precision!r}: choose one of {sorted(PRECISIONS)}")
-    ceilings = Ceilings(**{k: v for k, v in cfg.ceilings.items() if v is not None})
-    return plan_offload(cfg.model, batch=cfg.batch, grid=cfg.model.token_grid(cfg.frames, cfg.height, cfg.width),
-                        param_dtype=PRECISIONS[cfg.precision], optimizer_device=cfg.optimizer_device,
-                        grad_clip=cfg.grad_clip, resident_blocks=cfg.resident_blocks,
-                        activation_offload=cfg.activation_offload, ceilings=ceilings)
+def plan_config(cfg: DictConfig) -> PlanConfig:
+    """plan.yaml's config: the RunConfig of its train.yaml part (validated, for any device) and its own keys."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    return from_dict(PlanConfig, {"run": run_config(c, check_device=False), "check": c["check"],
+                                  "ceilings": c["ceilings"]})
+
+
+def run_device(run: RunConfig) -> torch.device:
+    """The device the run trains on: train.device, with auto as train.py resolves it here."""
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(auto if run.train.device == "auto" else run.train.device)
+
+
+def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
+    """The plan of the run: the offload engine's with offload.enabled, else the resident trainer's."""
+    run = cfg.run
+    dtype = precision_dtype(run.train.precision, run_device(run))
+    if not run.offload.enabled:
+        return plan_resident(run, autocast=dtype == torch.bfloat16)
+    return plan_offload(run, param_dtype=dtype, ceilings=Ceilings(**{k: v for k, v in cfg.ceilings.items()
+                                                                     if v is not None}))
 
 
 def report(cfg: PlanConfig) -> int:
@@ -62,7 +66,7 @@ def report(cfg: PlanConfig) -> int:
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        require_fit(plan, device)
+        require_fit(plan, device, cfg.run.offload.gpu_memory_fraction)
     except ValueError as err:
         print(f"does not fit this machine: {err}")
         return 1
@@ -72,7 +76,7 @@ def report(cfg: PlanConfig) -> int:
 
 @script_main("plan")
 def main(cfg: DictConfig) -> None:
-    sys.exit(report(script_config(PlanConfig, cfg)))
+    sys.exit(report(plan_config(cfg)))
 
 
 if __name__ == "__main__":

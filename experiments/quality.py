@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import math
 from concurrent.futures import as_completed
+from pathlib import Path
 
 from omegaconf import DictConfig
 

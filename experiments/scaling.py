@@ -31,13 +31,13 @@ from omegaconf import DictConfig
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress, sync, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.step_runs import Step, run_isolated, synthetic_batch
-from megaslide.config import AttentionConfig, DiTConfig, OffloadConfig, TrainConfig
+from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
+from megaslide.models.dit import DIT_PRESETS, count_params
+from megaslide.offload.engine import OffloadEngine
+from megaslide.perf import planner
 from megaslide.perf.flops import dit_flops
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
-from megaslide.models.dit import DIT_PRESETS, count_params
-from megaslide.offload import planner
-from megaslide.offload.engine import OffloadEngine
 
 GB = 1e9
 SMOKE = {"presets": ["tiny", "105B"], "frames": 4, "height": 16, "width": 16, "hbm_budget_GB": 1.0,
@@ -90,10 +90,13 @@ class Job(Step):
     hbm_budget: int           # bytes (CPU: the stated full HBM)
 
 
-def forward_floors(plan: planner.OffloadPlan, ceilings: planner.Ceilings = planner.Ceilings()) -> dict:
+def forward_floors(plan: planner.OffloadPlan, ceilings: planner.Ceilings | None = None) -> dict:
     """The streamed forward's predicted floors: overlapped = max(compute, weight H2D), serial = their sum;
-    compute as the planner counts one forward pass (attention at its own rate, planner.compute_seconds)."""
-    _, parts = planner.compute_seconds(plan.cfg, plan.batch, plan.grid, recomputed=0, ceilings=ceilings, backward=False)
+    compute as the planner counts one forward pass (attention at its own rate, planner.compute_seconds;
+    default ceilings: the planner's)."""
+    ceilings = ceilings or planner.Ceilings()
+    _, parts = planner.compute_seconds(plan.cfg, plan.batch, plan.grid, recomputed=0, ceilings=ceilings, backward=False,
+                                       execution=plan.execution)
     compute = sum(parts.values())
     weights = plan.cfg.depth * planner.block_layout(plan.cfg).numel * plan.param_dtype.itemsize
     h2d = weights / (ceilings.h2d_GBps * 1e9)
@@ -119,7 +122,8 @@ def run_job(job: Job, queue) -> None:
     HBM only) and run warm-up steps plus one: fits or OOM (phase) and the measured peak."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = precision_dtype(job.precision, device)
-    plan = planner.plan_offload(job.cfg, batch=job.batch, grid=job.grid, param_dtype=dtype)
+    plan = planner.plan_offload(planner.grid_run(job.cfg, job.grid, batch=job.batch, execution=job.execution),
+                                param_dtype=dtype)
     budget = hbm_budget(device, job)
     row = {"predicted_peak_GB": plan.hbm_total / GB, "budget_GB": budget / GB,
            "predicted_fits": plan.hbm_total <= planner.usable_hbm(budget)}
@@ -173,7 +177,7 @@ def preset_row(cfg: ScalingConfig, preset: str) -> tuple[dict, DiTConfig, planne
     """The preset's config, the planner's plan in bf16 (the GPU run's dtype) and its prediction row."""
     dit = dataclasses.replace(DIT_PRESETS[preset], attention=AttentionConfig(cfg.attention))
     grid = dit.token_grid(cfg.frames, cfg.height, cfg.width)
-    plan = planner.plan_offload(dit, batch=cfg.batch, grid=grid, param_dtype=torch.bfloat16)
+    plan = planner.plan_offload(planner.grid_run(dit, grid, batch=cfg.batch), param_dtype=torch.bfloat16)
     host = int(cfg.host_budget_GB * GB) or host_available_bytes()
     row = {"preset": preset, "params_B": count_params(dit) / 1e9, "depth": dit.depth,
            "tokens": cfg.batch * math.prod(grid), "predicted_host_GB": plan.host_total / GB,
@@ -202,8 +206,8 @@ def main(hydra_cfg: DictConfig) -> None:
         else:
             row["measured"] = "run"
             for cap in (None, cfg.cap_GB):
-                job = Job(dit, cfg.frames, cfg.height, cfg.width, cfg.batch, cfg.precision, cap, cfg.warmup_steps,
-                          cfg.forward_repeats, int(cfg.hbm_budget_GB * GB))
+                job = Job(dit, cfg.frames, cfg.height, cfg.width, cfg.batch, cfg.precision, ExecutionConfig(), cap,
+                          cfg.warmup_steps, cfg.forward_repeats, int(cfg.hbm_budget_GB * GB))
                 result = run_isolated(run_job, (job,), cfg.cell_time_limit_s)
                 where = "full" if cap is None else "cap"
                 row.update({f"{where}_{k}": v for k, v in result.items() if k not in ("predicted_peak_GB",)})

@@ -47,7 +47,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, Timing, matmul_tflops, sync
 from experiments.hydra_config import script_config, script_main
-from megaslide.config import DiTConfig
+from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
@@ -218,7 +218,7 @@ class Bench:
     def full(self, group) -> FullSequenceSampler:
         s = self.setup
         return FullSequenceSampler(self.model, frames=s.frames, height=s.height, width=s.width, group=group,
-                                   config=FullConfig(mode="ulysses"))
+                                   config=FullConfig(parallel=ParallelConfig(sp_mode="ulysses")))
 
     def check_correctness(self) -> None:
         """P ranks vs rank 0 alone (whole video, causal and full-sequence) and bf16 vs fp32 (two chunks)."""

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megaslide.config import DiTConfig
+from megaslide.config import DiTConfig, ExecutionConfig
 from megaslide.diffusion.batches import Batch
 
 
 @dataclass(frozen=True)
 class Step:
     """A training step's model, clip (batch x frames x height x width latents: what
-    synthetic_batch reads) and precision."""
+    synthetic_batch reads), precision and how its blocks run."""
 
     cfg: DiTConfig
     frames: int
@@ -24,6 +24,7 @@ class Step:
     width: int
     batch: int
     precision: str
+    execution: ExecutionConfig
 
     @property
     def grid(self) -> tuple[int, int, int]:

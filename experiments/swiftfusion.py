@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from experiments.harness import ExperimentRun, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps
-from megaslide.config import DiTConfig
+from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.launch import init_distributed, shutdown
 from megaslide.parallel import resolve_degrees, sequence_parallel_attention
 from megaslide.parallel.cost_model import AttentionWorkload, Plan, predict, rank_plans
@@ -94,6 +94,10 @@ class Variant:
     name: str
     kwargs: dict  # for sequence_parallel_attention; empty for sdpa_1gpu
     plan: Plan | None  # cost-model plan; None for sdpa_1gpu
+
+    def parallel(self) -> ParallelConfig:
+        """`kwargs` as the sequence-parallel config of a model (`parallelize_dit`, FullConfig.parallel)."""
+        return ParallelConfig(**{"sp_mode" if k == "mode" else k: v for k, v in self.kwargs.items()})
 
 
 def build_variants(world: int, heads: int, usp_u: int, max_chunks: int) -> list[Variant]:

@@ -63,7 +63,7 @@ def measure_denoising_steps(rows: list[dict], variants: list, unavailable: dict[
                 rows.append({**row, "status": "unavailable" if unavailable.get(v.name) else "skipped", "reason": why})
                 continue
             sampler = FullSequenceSampler(model, frames=frames, height=step.height, width=step.width,
-                                          config=FullConfig(timesteps=(1.0,), **v.kwargs),  # SP kwargs = fields
+                                          config=FullConfig(timesteps=(1.0,), parallel=v.parallel()),
                                           group=None if world == 1 else torch.distributed.group.WORLD)
             last = {}  # the latents of the last timed step, for the comparison
             try:

@@ -8,8 +8,9 @@
 Writes <out_dir>/checkpoints/ (step_N.pt; the offload engine writes step_N/ folders),
 <out_dir>/samples/*.mp4, <out_dir>/metrics.jsonl and
 an offline W&B run under <out_dir>/wandb (upload with `wandb sync`). The whole config is checked
-first (typed_configs, then the Trainer: resume checkpoint, data folder, planner): a refused
-config leaves no folder and no W&B run behind.
+first (run_config, then the Trainer: resume checkpoint, data folder, planner): a refused
+config leaves no folder and no W&B run behind. `python -m experiments.plan` with the same overrides
+predicts this run's memory and step time.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.hydra_config import script_main, typed_configs
+from experiments.hydra_config import RUN_GROUPS, run_config, script_main
 from megaslide.config import from_dict
 from megaslide.data.video_io import write_mp4
 from megaslide.train.logger import RunLogger
@@ -27,8 +28,8 @@ from megaslide.train.trainer import Trainer
 
 
 @dataclass
-class RunConfig:
-    """train.yaml's own keys (beside the model, attention, data, train and offload groups)."""
+class ScriptConfig:
+    """train.yaml's own keys (beside the groups of the RunConfig, hydra_config.RUN_GROUPS)."""
 
     name: str
     out_dir: str
@@ -49,18 +50,17 @@ def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger)
 
 @script_main("train")
 def main(cfg: DictConfig) -> None:
-    model_cfg, data_cfg, train_cfg, offload_cfg = typed_configs(cfg)
-    groups = ("model", "attention", "data", "train", "offload")
-    run = from_dict(RunConfig, {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in groups})
-    trainer = Trainer(model_cfg, data_cfg, train_cfg, run.out_dir, offload_cfg=offload_cfg)
-    out_dir = Path(run.out_dir)                  # the first write: every check above has passed
-    config = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg),
-              "train": dataclasses.asdict(train_cfg), "offload": dataclasses.asdict(offload_cfg),
-              **dataclasses.asdict(run)}
-    trainer.logger = RunLogger(out_dir, project=run.wandb_project, name=run.name, config=config,
+    run = run_config(cfg)
+    script = from_dict(ScriptConfig, {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items()
+                                      if k not in RUN_GROUPS})
+    trainer = Trainer(run.model, run.data, run.train, script.out_dir, offload_cfg=run.offload,
+                      execution=run.execution)
+    out_dir = Path(script.out_dir)               # the first write: every check above has passed
+    config = {**dataclasses.asdict(run), **dataclasses.asdict(script)}
+    trainer.logger = RunLogger(out_dir, project=script.wandb_project, name=script.name, config=config,
                                resume_step=trainer.resume_from[1] if trainer.resume_from else None)
     last = trainer.fit()
-    samples = save_samples(trainer, run.sample_captions, out_dir, trainer.logger)
+    samples = save_samples(trainer, script.sample_captions, out_dir, trainer.logger)
     print(f"trained {trainer.step} steps, final loss {last.get('loss', float('nan')):.4f}")
     print(f"checkpoints: {out_dir / 'checkpoints'}")
     print(f"samples:    {', '.join(str(p) for p in samples) or 'none (sample_captions=[])'}")

@@ -1,9 +1,10 @@
-"""Typed configs for the model, attention, data, training and offload.
+"""Typed configs: one `RunConfig` tree of the model (with its attention), how its blocks run (execution),
+the data, training, offload and parallelism.
 
-Configs are plain dataclasses. Hydra YAML (experiments/conf) is turned into them by
-`from_dict`, so modules only ever see these objects or plain constructor arguments.
+Configs are plain dataclasses. Hydra YAML (experiments/conf, one group per field of `RunConfig`) is
+turned into them by `from_dict`, so modules only ever see these objects or plain constructor arguments.
 Each `validate()` runs before anything is allocated and raises a `ValueError` that names
-the offending field and says how to fix it.
+the offending key and says how to fix it.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from megaslide.attention import SelfAttention, attention_class
+from megaslide.parallel import MODES, PLACEMENTS, TRANSPORTS
 
 
 def _tuple3(name: str, value) -> tuple[int, int, int]:
@@ -67,7 +69,7 @@ class AttentionConfig:
             self.variant.check_grid(self.options, grid)
 
 
-_EXECUTION_FIELDS = ("checkpoint_blocks", "chunk_tokens", "slab_frames", "backend")  # how a model runs, not what it is
+_RUN_OPTIONS = ("backend",)  # attention options that say how it runs, not what it computes
 
 
 def architecture_changes(saved: DiTConfig, current: DiTConfig) -> list[str]:
@@ -93,10 +95,12 @@ class DiTConfig:
     vocab_size: int = 1024      # hashed word vocabulary of the built-in tokenizer
     qk_norm: bool = True
     freq_dim: int = 256         # sinusoidal timestep features
-    checkpoint_blocks: bool = False  # activation checkpointing per block
-    chunk_tokens: int = 0       # token-wise work of each block over slices of this many tokens (0: off)
-    slab_frames: int = 0        # each block over slabs of this many token frames plus the attention's halo (0: off)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    # how the blocks run, which configs and checkpoints written before ExecutionConfig kept here: `from_dict`
+    # drops them (a saved run's weights do not depend on them); they are set under execution.* now
+    moved_keys: ClassVar[dict[str, str]] = {k: f"execution.{k}" for k in ("checkpoint_blocks", "chunk_tokens",
+                                                                           "slab_frames")}
 
     def __post_init__(self):
         self.patch_size = _tuple3("model.patch_size", self.patch_size)
@@ -119,28 +123,17 @@ class DiTConfig:
             raise ValueError(f"model.patch_size={self.patch_size} must be positive")
         if self.text_layers < 0:
             raise ValueError(f"model.text_layers={self.text_layers} must be >= 0")
-        if self.chunk_tokens < 0:
-            raise ValueError(f"model.chunk_tokens={self.chunk_tokens} must be >= 0: set 0 to run each block "
-                             f"unchunked, or n > 0 to run its token-wise work over slices of n tokens")
-        if self.slab_frames < 0:
-            raise ValueError(f"model.slab_frames={self.slab_frames} must be >= 0: set 0 to run each block over "
-                             f"the whole clip, or n > 0 to run it over slabs of n token frames")
         self.attention.validate()
-        if self.slab_frames and self.attention.variant.temporal_reach(self.attention.options) is None:
-            raise ValueError(f"model.slab_frames={self.slab_frames} needs a self-attention whose reach along time is "
-                             f"bounded (dsa, dsa_zero); {self.attention.name!r} attends across the whole clip: "
-                             f"set model.slab_frames=0")
 
     def architecture(self) -> dict[str, Any]:
         """The fields that decide the weights' names and shapes and what they compute, flat by their
-        config key (`model.dim`, `model.attention.name`, ...): everything but how the blocks run
-        (checkpoint_blocks, chunk_tokens, slab_frames, the attention backend). Checkpoints are resumed only
-        into the same architecture."""
-        flat = {f"model.{k}": v for k, v in dataclasses.asdict(self).items() if k not in _EXECUTION_FIELDS}
+        config key (`model.dim`, `model.attention.name`, ...): everything but the attention backend.
+        Checkpoints are resumed only into the same architecture."""
+        flat = {f"model.{k}": v for k, v in dataclasses.asdict(self).items()}
         del flat["model.attention"]
         flat["model.attention.name"] = self.attention.name
         flat.update({f"model.attention.{k}": v for k, v in dataclasses.asdict(self.attention.options).items()
-                     if k not in _EXECUTION_FIELDS})
+                     if k not in _RUN_OPTIONS})
         return flat
 
     def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
@@ -150,6 +143,28 @@ class DiTConfig:
                 raise ValueError(f"data.{axis}={size} is not divisible by the patch size {p} "
                                  f"(model.patch_size={self.patch_size}); change one of them")
         return frames // self.patch_size[0], height // self.patch_size[1], width // self.patch_size[2]
+
+
+@dataclass
+class ExecutionConfig:
+    """How the blocks of a built model run; not what they compute (megaslide/models/chunking.py applies it)."""
+
+    checkpoint_blocks: bool = False  # activation checkpointing per block (the resident trainer)
+    chunk_tokens: int = 0       # token-wise work of each block (and the final layer) over slices of this many tokens
+    slab_frames: int = 0        # each block over slabs of this many token frames plus the attention's halo (0: off)
+
+    def validate(self, attention: AttentionConfig | None = None) -> None:
+        """The values; given the model's attention, that slabs have a bounded reach to pad them with."""
+        if self.chunk_tokens < 0:
+            raise ValueError(f"execution.chunk_tokens={self.chunk_tokens} must be >= 0: set 0 to run each block "
+                             f"unchunked, or n > 0 to run its token-wise work over slices of n tokens")
+        if self.slab_frames < 0:
+            raise ValueError(f"execution.slab_frames={self.slab_frames} must be >= 0: set 0 to run each block over "
+                             f"the whole clip, or n > 0 to run it over slabs of n token frames")
+        if self.slab_frames and attention is not None and attention.variant.temporal_reach(attention.options) is None:
+            raise ValueError(f"execution.slab_frames={self.slab_frames} needs a self-attention whose reach along "
+                             f"time is bounded (dsa, dsa_zero); {attention.name!r} attends across the whole clip: "
+                             f"set execution.slab_frames=0")
 
 
 @dataclass
@@ -262,14 +277,69 @@ class OffloadConfig:
                              "set offload.enabled=true, or offload.activation_offload=false")
 
 
-def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, offload: OffloadConfig) -> None:
-    """Every check of a training run that needs nothing but its configs: each config's own, the
-    clip's token grid against the patch size and the attention's window or kernel, and the model's
-    input channels against the data's. Scripts call it before they create a folder or a W&B run."""
-    for cfg in (model, data, train, offload):
-        cfg.validate()
-    model.attention.validate(model.token_grid(data.frames, data.height, data.width))
-    data.check_channels(model.in_channels)
+@dataclass
+class ParallelConfig:
+    """How a run spreads over processes: `dp` data-parallel replicas x `sp` sequence-parallel ranks (dp x sp =
+    the world size) and the sequence-parallel attention's form, the options of
+    `megaslide.parallel.sequence_parallel_attention` (`parallelize_dit` takes this config whole)."""
+
+    dp: int = 1
+    sp: int = 1
+    sp_mode: str = "ulysses"            # ulysses | ring | hybrid | torus
+    ulysses_degree: int | None = None   # hybrid / torus: Ulysses x Ring degrees, product = the SP group size
+    ring_degree: int | None = None
+    placement: str = "ulysses_intra"    # ulysses_intra | ring_intra: which groups are consecutive ranks
+    transport: str = "p2p"              # p2p | symm_mem | auto: how ring K/V moves
+    chunks: int | None = None           # torus: head chunks per rank (None: min(heads / ulysses_degree, 4))
+
+    def validate(self) -> None:
+        _require_at_least(self, "parallel", 1, "dp", "sp")
+        for name, known in (("sp_mode", MODES), ("placement", PLACEMENTS), ("transport", TRANSPORTS)):
+            if getattr(self, name) not in known:
+                raise ValueError(f"parallel.{name}={getattr(self, name)!r}: choose one of {list(known)}")
+        for name in ("ulysses_degree", "ring_degree", "chunks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1, or null to derive it")
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run is, one field per Hydra group of experiments/conf: the model (its
+    attention inside, `model.attention`, the group `attention`), how its blocks run, the data, the
+    training, offload and parallelism. train.py trains it; plan.py predicts it from the same overrides."""
+
+    model: DiTConfig = field(default_factory=DiTConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """A training clip's token grid (T', H', W')."""
+        return self.model.token_grid(self.data.frames, self.data.height, self.data.width)
+
+    def validate(self) -> None:
+        """Every check of a training run that needs nothing but its configs: each config's own, the
+        clip's token grid against the patch size and the attention's window or kernel, the model's
+        input channels against the data's, and that training runs in one process. Scripts call it
+        before they create a folder or a W&B run."""
+        for cfg in (self.model, self.data, self.train, self.offload, self.parallel):
+            cfg.validate()
+        self.execution.validate(self.model.attention)
+        self.model.attention.validate(self.grid)
+        self.data.check_channels(self.model.in_channels)
+        if self.parallel.dp * self.parallel.sp != 1:
+            raise ValueError(f"parallel.dp={self.parallel.dp} x parallel.sp={self.parallel.sp}: training runs in one "
+                             f"process; set parallel.dp=1 parallel.sp=1 (sequence parallelism serves generation: "
+                             f"experiments/generate_full.py)")
+
+
+def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, offload: OffloadConfig,
+                      execution: ExecutionConfig | None = None) -> None:
+    """`RunConfig.validate` of these parts (the default execution and parallelism where not given)."""
+    RunConfig(model, execution or ExecutionConfig(), data, train, offload).validate()
 
 
 def _require_at_least(cfg, key: str, minimum: int, *names: str) -> None:
@@ -324,10 +394,13 @@ def _coerce(tp, value, key: str):
 def from_dict(cls, data: dict[str, Any] | None, *, key: str = ""):
     """Build dataclass `cls` from a plain dict. Unknown keys are an error that lists the known ones; a
     value of the wrong type (2.5 or "abc" for an int) is an error naming it as `key`.<field>. A config
-    with a dict form of its own (AttentionConfig) reads it with its `parse`."""
+    with a dict form of its own (AttentionConfig) reads it with its `parse`; keys a config lists in its
+    `moved_keys` (DiTConfig: how the blocks run, now under execution.*) are dropped, so old saved configs load."""
     data = dict(data or {})
     if hasattr(cls, "parse"):
         return cls.parse(data)
+    for moved in getattr(cls, "moved_keys", ()):
+        data.pop(moved, None)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)

@@ -3,7 +3,12 @@ import dataclasses
 import pytest
 
 from megaslide.attention.dsa.module import DSAOptions
-from megaslide.config import AttentionConfig, DataConfig, DiTConfig, from_dict
+from megaslide.config import (
+    AttentionConfig,
+    DataConfig,
+    DiTConfig,
+    from_dict,
+)
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 

@@ -5,10 +5,14 @@ Shared: the projections, QK-norm, RoPE and the output projection. A variant is o
 - `name`, its registry name, and `Options`, a frozen dataclass of its own options whose
   `__post_init__` checks their values;
 - `attend(q, k, v, x, grid)`, the token mixing itself, and `reads_input`, whether it reads
-  x, the attention input (DSA's offset net does; a chunked block keeps x whole only then);
-- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `temporal_reach(options)`, `extra_params(...)`,
-  `extra_macs_per_token(...)` and `attend_memory(...)`: what config validation, FLOP,
-  parameter and activation-memory accounting need to know without building the module.
+  x, the attention input (DSA's offset net does; a chunked block keeps x whole only then). A variant
+  that reads x does so token-wise up to a halo along time, in `read_input(x, grid, t0, t1)` (frames
+  [t0, t1)), and its `attend` also takes `read=`, that for all frames, which the chunk runner
+  (megaslide/models/chunking.py) computes over runs of frames;
+- `check_grid(options, grid)`, `keys_per_query(options, grid)`, `temporal_reach(options)`,
+  `extra_macs_per_token(...)` and `attend_memory(...)`: what config validation, FLOP and
+  activation-memory accounting need to know without building the module (parameters are counted
+  on a meta-device build, `count_params`).
 Callers that need the projected heads (the KV-cached causal generator, sequence
 parallelism) use `project_qkv` and `project_out` around their own attention.
 """
@@ -18,7 +22,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from megaslide.nn import RMSNorm, apply_rope
 
@@ -83,16 +87,13 @@ class SelfAttention(nn.Module):
     Options: ClassVar[type] = NoOptions
     reads_input: ClassVar[bool] = False  # whether `attend` reads x (else a caller may pass None)
 
-    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = True, layer_idx: int = 0,
-                 chunk_tokens: int = 0, **options):
-        """`options` are this variant's own (`Options` fields); `layer_idx` is the block's index;
-        `chunk_tokens` (0: off) is the block's token chunk, over which a variant may run the
-        token-wise work inside `attend` (DSA: its offset net)."""
+    def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = True, layer_idx: int = 0, **options):
+        """`options` are this variant's own (`Options` fields); `layer_idx` is the block's index."""
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"num_heads={num_heads} does not divide dim={dim}")
         self.options = self.parse_options(options)
-        self.layer_idx, self.chunk_tokens = layer_idx, chunk_tokens
+        self.layer_idx = layer_idx
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
@@ -126,13 +127,9 @@ class SelfAttention(nn.Module):
     @classmethod
     def temporal_reach(cls, options) -> int | None:
         """How many token frames away from its query a key can be, at most (None: unbounded, the whole
-        clip). A block with `slab_frames` runs its attention over a slab of frames padded by this halo."""
+        clip). A block run with `execution.slab_frames` runs its attention over a slab of frames padded by
+        this halo."""
         return None
-
-    @classmethod
-    def extra_params(cls, options, dim: int, num_heads: int) -> int:
-        """Parameters beyond the shared projections and norms."""
-        return 0
 
     @classmethod
     def extra_macs_per_token(cls, options, dim: int, num_heads: int) -> int:
@@ -155,6 +152,10 @@ class SelfAttention(nn.Module):
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         return self.out(o.flatten(2))  # (B, N, h, d) -> (B, N, D)
+
+    def read_input(self, x: torch.Tensor, grid: Grid, t0: int, t1: int) -> torch.Tensor:
+        """What a variant that `reads_input` reads of x (B, N, D) for token frames [t0, t1), (B, t1 - t0, ...)."""
+        raise NotImplementedError(f"attention {self.name!r} reads no input (reads_input is False)")
 
     def attend(self, q, k, v, x, grid):
         """q, k, v (B, N, h, d); x (B, N, D) the attention input (None unless `reads_input`);

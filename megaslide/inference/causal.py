@@ -37,6 +37,7 @@ Entry point: experiments/generate_causal.py.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,11 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
 from megaslide.inference.fused import fused_project_qkv
 from megaslide.inference.kv_cache import KVCache
-from megaslide.inference.sharded import (Rope, TokenShard, forward_shard, gather_rows, shard_rope,
-                                         weight_sharing_copy)
+from megaslide.inference.sharded import Rope, TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
 from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
 from megaslide.parallel.apply import SequenceParallelAttention, parallelize_dit
@@ -223,7 +224,7 @@ class CausalGenerator:
                              f"use a number of ranks that divides the head count")
         self.config, self.batch = cfg, batch
         self.group = group if P > 1 else None
-        self.model = parallelize_dit(weight_sharing_copy(model), self.group, "ulysses",
+        self.model = parallelize_dit(weight_sharing_copy(model), self.group, ParallelConfig(sp=P, sp_mode="ulysses"),
                                      project_qkv=fused_project_qkv if cfg.fused_qk_rope else None)
         self.frames, self.height, self.width = frames, height, width
         self.num_chunks = frames // F_
@@ -311,7 +312,7 @@ class CausalGenerator:
         chunks = noise.shape[2] // F_
         for c in range(chunks):
             x = self.shard_rows(noise[:, :, c * F_:(c + 1) * F_].to(self.device))  # (B, n, pv*C)
-            x = euler_integrate(lambda x, t: self.forward_chunk(c, x, t, ctx, ctx_mask), x, ts)
+            x = euler_integrate(functools.partial(self.forward_chunk, c, ctx=ctx, ctx_mask=ctx_mask), x, ts)
             yield GeneratedChunk(c, c * F_, self.gather_chunk(x))
             if c + 1 < chunks:
                 self.forward_chunk(c, x, 0.0, ctx, ctx_mask, head=False)        # clean K/V into the cache

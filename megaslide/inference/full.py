@@ -15,17 +15,17 @@ Entry point: experiments/generate_full.py.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
 from megaslide.inference.fused import fused_project_qkv
 from megaslide.inference.sharded import Rope, TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
 from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
-from megaslide.parallel import check_options
 from megaslide.parallel.apply import parallelize_dit
 from megaslide.parallel.groups import group_size
 
@@ -33,12 +33,7 @@ from megaslide.parallel.groups import group_size
 @dataclass
 class FullConfig:
     timesteps: tuple[float, ...] = FEW_STEP_TIMESTEPS  # descending, in (0, 1]; the last step goes to 0
-    mode: str = "ulysses"                              # a sequence_parallel_attention mode
-    ulysses_degree: int | None = None                  # for mode hybrid / torus
-    ring_degree: int | None = None
-    placement: str = "ulysses_intra"                   # sequence_parallel_attention's placement, transport, chunks
-    transport: str = "p2p"
-    chunks: int | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the SP form: sp_mode, degrees, placement, ...
     precompute_rope: bool = True
     fused_qk_rope: bool = True
 
@@ -47,7 +42,7 @@ class FullConfig:
 
     def validate(self) -> None:
         check_timesteps(self.timesteps)
-        check_options(self.mode, self.placement, self.transport)
+        self.parallel.validate()
 
 
 class FullSequenceSampler:
@@ -65,9 +60,7 @@ class FullSequenceSampler:
         self.grid = mc.token_grid(frames, height, width)  # raises if the video does not patchify
         self.config, self.batch = cfg, batch
         self.group = group if group_size(group) > 1 else None
-        self.model = parallelize_dit(weight_sharing_copy(model), self.group, cfg.mode,
-                                     ulysses_degree=cfg.ulysses_degree, ring_degree=cfg.ring_degree,
-                                     placement=cfg.placement, transport=cfg.transport, chunks=cfg.chunks,
+        self.model = parallelize_dit(weight_sharing_copy(model), self.group, cfg.parallel,
                                      project_qkv=fused_project_qkv if cfg.fused_qk_rope else None)
         self.shape = (batch, mc.in_channels, frames, height, width)
         self.shard = TokenShard.of(math.prod(self.grid), self.group)

@@ -1,13 +1,31 @@
-"""Building blocks of the video DiT: embeddings, MLP, cross-attention, final layer."""
+"""Building blocks of the video DiT: embeddings, MLP, cross-attention, final layer, and `default_init`."""
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from megaslide.nn import RMSNorm, modulate
+
+
+def default_init(module: nn.Module) -> None:
+    """Define every parameter of `module`'s tree as the constructors do, drawing from the random stream in the
+    order they draw: a module with `reset_parameters` (torch's layers and ours that own parameters) resets its
+    whole tree; `nn.MultiheadAttention` resets after its `out_proj`, as its constructor does; any other module
+    after its children, in registration order. A module that owns parameters and has no `reset_parameters` is
+    an error: it would leave them undefined on a meta-device build."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+        return
+    for child in module.children():
+        default_init(child)
+    if isinstance(module, nn.MultiheadAttention):
+        module._reset_parameters()
+    elif next(module.parameters(recurse=False), None) is not None:
+        raise TypeError(f"{type(module).__name__} owns parameters but has no reset_parameters(): give it one that "
+                        f"defines them, in the order its constructor does")
 
 
 class PatchEmbed3D(nn.Module):
@@ -83,6 +101,11 @@ class FinalLayer(nn.Module):
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.modulation = nn.Parameter(torch.zeros(2, dim))  # per-layer (shift, scale) offsets
         self.linear = nn.Linear(dim, patch_volume * out_channels)
+
+    def reset_parameters(self) -> None:
+        """As the constructor defines them: zero modulation offsets, the linear's default init."""
+        nn.init.zeros_(self.modulation)
+        self.linear.reset_parameters()
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
         shift, scale = (self.modulation[None] + t_emb[:, None]).unbind(1)  # (B, D) each

@@ -12,7 +12,9 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
+
+from megaslide.models.layers import default_init
 
 PAD_ID, START_ID = 0, 1
 _WORD = re.compile(r"[a-z0-9]+")
@@ -53,18 +55,20 @@ class TextEncoder(nn.Module):
             for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
 
+    def reset_parameters(self) -> None:
+        """Every parameter as the constructor defines it, drawn in its order: the embedding, the positions
+        (normal, std 0.02), the layers, the final norm."""
+        self.embed.reset_parameters()
+        nn.init.normal_(self.pos, std=0.02)
+        default_init(self.layers)
+        self.norm.reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = ids != PAD_ID                                  # (B, L)
         x = self.embed(ids) + self.pos[: ids.shape[1]]        # (B, L, Dt)
         for layer in self.layers:
             x = layer(x, src_key_padding_mask=~mask)          # (B, L, Dt)
         return self.norm(x), mask
-
-
-def text_encoder_params(vocab_size: int, max_len: int, dim: int, layers: int) -> int:
-    """Analytic parameter count of `TextEncoder` (matches the module exactly)."""
-    per_layer = 4 * dim * dim + 4 * dim + 2 * (4 * dim * dim) + 4 * dim + dim + 4 * dim
-    return vocab_size * dim + max_len * dim + layers * per_layer + 2 * dim
 
 
 def load_text_embeddings(path: str | Path) -> dict[str, torch.Tensor]:

@@ -40,25 +40,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from megaslide.config import DiTConfig, OffloadConfig, TrainConfig
+from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
+from megaslide.config import DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from megaslide.device import precision_dtype
+from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
-from megaslide.perf.flops import StepBreakdown
-from megaslide.perf.memory import host_available_bytes
+from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DiTBlock, VideoDiT
-from megaslide.offload import planner
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
-from megaslide.diffusion.batches import Batch
-from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
-from megaslide.device import precision_dtype
+from megaslide.perf import planner
+from megaslide.perf.flops import StepBreakdown
+from megaslide.perf.memory import host_available_bytes
+
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_()
@@ -114,7 +116,8 @@ class OffloadEngine:
         self.streamer = BlockStreamer(model.blocks, self.host, self.lanes, device, self.compute_ctx,
                                       before_load=lambda i: self.updater.before_load(i),
                                       version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks,
-                                      offload_inputs=offload_cfg.activation_offload)
+                                      offload_inputs=offload_cfg.activation_offload,
+                                      run=lambda *inputs: self.model.runner.block(*inputs))
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
         self.hyper = AdamHyper(train_cfg.betas[0], train_cfg.betas[1], 1e-8, train_cfg.weight_decay)
@@ -130,7 +133,8 @@ class OffloadEngine:
     @classmethod
     def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
                     offload_cfg: OffloadConfig, grid: tuple[int, int, int],
-                    pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadEngine:
+                    pin_optimizer_state: bool | None = None, build_on_host: bool = False,
+                    execution: ExecutionConfig | None = None) -> OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
 
@@ -138,28 +142,29 @@ class OffloadEngine:
         caller's seed: the resident engine's initial weights bit for bit, at the price of the
         fp32 model in host RAM once. Without it no fp32 copy of the whole model is ever made: the
         model is built on the meta device, its stem (and block 0) come from a one-block model built
-        on the host, and every further block is built on the host one at a time, initialised by
-        `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
+        on the host, and every further block is built on the meta device one at a time, defined on the
+        host by `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
         so the same statistics and the same exact zeros (adaLN-Zero gates, final layer), though
-        not its random stream."""
+        not its random stream. `execution` says how the blocks run (`apply_execution`; its
+        checkpoint_blocks is moot: the engine recomputes every streamed block anyway)."""
+        execution = execution or ExecutionConfig()
         for cfg in (model_cfg, train_cfg, offload_cfg):
             cfg.validate()
+        execution.validate(model_cfg.attention)
         if train_cfg.ema_decay > 0:
             raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
-        plan = planner.plan_offload(model_cfg, batch=train_cfg.batch_size, grid=grid,
-                                    param_dtype=precision_dtype(train_cfg.precision, device),
-                                    optimizer_device=offload_cfg.optimizer_device, grad_clip=train_cfg.grad_clip > 0,
-                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
-                                    resident_blocks=offload_cfg.resident_blocks,
-                                    activation_offload=offload_cfg.activation_offload)
+        run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, grad_clip=train_cfg.grad_clip,
+                               execution=execution, offload=offload_cfg)
+        plan = planner.plan_offload(run, param_dtype=precision_dtype(train_cfg.precision, device),
+                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
               "pin_optimizer_state": pin_optimizer_state}
         if build_on_host:
-            return cls(VideoDiT(model_cfg), **kw)
+            return cls(apply_execution(VideoDiT(model_cfg), execution), **kw)
         with torch.device("meta"):
-            model = VideoDiT(model_cfg)
+            model = apply_execution(VideoDiT(model_cfg), execution)
         first = VideoDiT(dataclasses.replace(model_cfg, depth=1))  # the stem and block 0, initialised by the model
         for name, child in first.named_children():
             if name != "blocks":
@@ -373,9 +378,12 @@ class OffloadEngine:
 
 
 def _initialised_blocks(cfg: DiTConfig, first: DiTBlock) -> Iterator[DiTBlock]:
-    """`first` (block 0), then blocks 1.. of `cfg`, each built on the host and initialised when asked for."""
+    """`first` (block 0), then blocks 1.. of `cfg`, each built on the meta device and defined on the host by
+    `DiTBlock.initialize_weights` when asked for."""
     yield first
     for index in range(1, cfg.depth):
-        block = DiTBlock(cfg, index)
+        with torch.device("meta"):
+            block = DiTBlock(cfg, index)
+        block.to_empty(device="cpu")
         block.initialize_weights()
         yield block

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from megaslide.offload.host_state import BlockLayout, HostState, InputBuffers
 
@@ -278,12 +278,15 @@ class BlockStreamer:
     `before_load(l)` is called before block l's weights are copied in: the optimizer makes
     the copy wait for block l's pending update there. `version(l)` counts the updates
     submitted for block l, so a shell still holding the current weights is not reloaded.
-    With `offload_inputs` the saved block inputs are parked in `host.inputs` (`SavedInputs`)."""
+    With `offload_inputs` the saved block inputs are parked in `host.inputs` (`SavedInputs`).
+    `run(block, x, t_mod, ctx, ctx_mask, rope, grid)` runs a block (the model's `BlockRunner.block`:
+    token chunks and frame slabs as the execution config says; default: the block whole)."""
 
     def __init__(self, blocks: nn.ModuleList, host: HostState, lanes: Lanes, device: torch.device,
                  compute_ctx: Callable[[], contextlib.AbstractContextManager],
                  before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0,
-                 offload_inputs: bool = False):
+                 offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None):
+        self.run = run or (lambda block, *inputs: block(*inputs))
         if not 0 <= resident <= len(blocks):
             raise ValueError(f"offload.resident_blocks={resident} must be in [0, {len(blocks)}] (the model's depth)")
         self.blocks, self.host, self.lanes = blocks, host, lanes
@@ -338,11 +341,11 @@ class BlockStreamer:
                 if tail:
                     x = h.detach().requires_grad_()
                     with torch.enable_grad():
-                        out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
+                        out = self.run(block, x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
                     kept.append((x, out))
                     h = out.detach()
                 else:
-                    h = block(h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
+                    h = self.run(block, h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
             shell.free = compute.record()
             if index + 1 < len(self.blocks):
                 self.load(index + 1)
@@ -376,7 +379,7 @@ class BlockStreamer:
             with compute.timed():
                 if streamed:
                     with torch.enable_grad(), self.compute_ctx():
-                        out = block(x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
+                        out = self.run(block, x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
                 grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
                                             allow_unused=True)
                 grad_h, g_t_mod, g_ctx, param_grads = grads[0], grads[1], grads[2], grads[3:]

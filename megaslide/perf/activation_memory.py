@@ -27,7 +27,8 @@ attention backward (what precedes attention, the variant's `saved` and `backward
 gradients) and inside its forward (the variant's `forward`) are lower for every preset, and
 are the other candidates.
 
-Token-chunked blocks (`chunk_tokens` = c): the token-wise work runs over slices under
+Token-chunked blocks (`execution.chunk_tokens` = c; how the runner, megaslide/models/chunking.py, runs
+them, slabs included): the token-wise work runs over slices under
 checkpoints, so the whole sequence keeps only q, k, v (cat of the slices), the attention
 input where the variant reads it (fp32), the variant's `saved` and the block output; a slice
 of c tokens holds the token-wise activations above. These moments compete:
@@ -42,10 +43,9 @@ of c tokens holds the token-wise activations above. These moments compete:
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from megaslide.config import DiTConfig
+from megaslide.config import DiTConfig, ExecutionConfig
 
 
 @dataclass(frozen=True)
@@ -97,18 +97,20 @@ def _largest(moments: dict[str, dict[str, int]]) -> tuple[str, dict[str, int]]:
     return name, moments[name]
 
 
-def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: int = 1) -> BlockMemory:
+def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: int = 1,
+                 execution: ExecutionConfig | None = None) -> BlockMemory:
     """`DiTBlock(cfg)`'s activation bytes for `tokens` video tokens (batch x tokens per clip, of
-    `frames` token frames: it matters only with `slab_frames`) in the given dtypes (see the module
-    docstring for what is counted and why)."""
+    `frames` token frames: it matters only with `slab_frames`) in the given dtypes, run as `execution`
+    says (megaslide/models/chunking.py; default: whole). See the module docstring for what is counted and why."""
+    execution = execution or ExecutionConfig()
     D, F, heads = cfg.dim, cfg.ffn_dim, cfg.num_heads
     a, r = dtypes.act, dtypes.residual
     variant, options = cfg.attention.variant, cfg.attention.options
-    chunk = cfg.chunk_tokens
-    slabbed = 0 < cfg.slab_frames < frames
+    chunk, slab = execution.chunk_tokens, execution.slab_frames
+    slabbed = 0 < slab < frames
     if slabbed:   # the largest slab: s frames and a halo of r on each side; its slices are the whole slab if unset
-        span = min(frames, cfg.slab_frames + 2 * variant.temporal_reach(options))
-        wide, kept, tokens = r * D * tokens, tokens * cfg.slab_frames // frames, tokens * span // frames
+        span = min(frames, slab + 2 * variant.temporal_reach(options))
+        wide, kept, tokens = r * D * tokens, tokens * slab // frames, tokens * span // frames
         chunk = chunk or kept
     attend = variant.attend_memory(options, D, heads, a, chunked=bool(chunk))
     qk = cfg.qk_norm

@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig, validate_training
+from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
+from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig, validate_training
 from megaslide.data.build import build_dataset
 from megaslide.device import resolve_device
+from megaslide.diffusion.batches import make_batch
 from megaslide.diffusion.samplers import euler_sample
+from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import VideoDiT
 from megaslide.offload.engine import OffloadEngine
-from megaslide.diffusion.batches import make_batch
-from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine
@@ -36,21 +37,25 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
-                 grid: tuple[int, int, int]) -> StepEngine:
+                 grid: tuple[int, int, int], execution: ExecutionConfig | None = None) -> StepEngine:
     """The engine the offload config asks for, its model built on the host under the current
-    seed (the same initial weights either way). `grid` is a training clip's token grid (the
-    offload planner's check)."""
+    seed (the same initial weights either way) and run as `execution` says. `grid` is a training
+    clip's token grid (the offload planner's check)."""
+    execution = execution or ExecutionConfig()
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                         grid=grid, build_on_host=True)
-    return ResidentEngine(VideoDiT(model_cfg).to(device), device=device, train_cfg=train_cfg)
+                                         grid=grid, build_on_host=True, execution=execution)
+    model = apply_execution(VideoDiT(model_cfg), execution).to(device)
+    return ResidentEngine(model, device=device, train_cfg=train_cfg)
 
 
 class Trainer:
     def __init__(self, model_cfg: DiTConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out_dir: str | Path,
-                 logger: RunLogger | None = None, *, offload_cfg: OffloadConfig | None = None):
-        offload_cfg = offload_cfg or OffloadConfig()
-        validate_training(model_cfg, data_cfg, train_cfg, offload_cfg)
+                 logger: RunLogger | None = None, *, offload_cfg: OffloadConfig | None = None,
+                 execution: ExecutionConfig | None = None):
+        offload_cfg, execution = offload_cfg or OffloadConfig(), execution or ExecutionConfig()
+        validate_training(model_cfg, data_cfg, train_cfg, offload_cfg, execution)
+        self.execution = execution
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
         self.out_dir = Path(out_dir)
         self.device = resolve_device(train_cfg.device, key="train.device")
@@ -60,7 +65,8 @@ class Trainer:
         torch.manual_seed(train_cfg.seed)
         # the engine before the dataset: the offload planner refuses a model too big before anything is built
         grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
-        self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid)
+        self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
+                                   execution=execution)
         self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         self.logger = logger
 

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from megaslide.attention import build_attention  # noqa: E402
 from megaslide.attention.dsa import depthwise, depthwise_kernels  # noqa: E402
 from megaslide.attention.dsa.depthwise import depthwise_conv3d  # noqa: E402
+from megaslide.models.chunking import read_over_frame_runs  # noqa: E402
 from megaslide.testing import check_conv  # noqa: E402
 from tests.helpers import builds_for_sm90  # noqa: E402
 
@@ -76,8 +77,8 @@ def test_dsa_offset_net_same_with_either_backend():
     offsets = {}
     for backend in ("torch", "triton"):
         for chunk in (0, 24):  # 0: the whole grid; 24 tokens: runs of two frames
-            attn.net_backend, attn.chunk_tokens = backend, chunk
-            offsets[backend, chunk] = attn.offsets(x, grid)
+            attn.net_backend = backend
+            offsets[backend, chunk] = read_over_frame_runs(attn, x, grid, chunk)
     for key, got in offsets.items():
         torch.testing.assert_close(got, offsets["torch", 0], rtol=1e-5, atol=1e-5, msg=str(key))
 

@@ -2,7 +2,7 @@
 import time
 
 from experiments.oom_thresholds import run_isolated
-from megaslide.offload.planner import usable_hbm
+from megaslide.perf.planner import usable_hbm
 from tests.experiments.runner import load_result, run_script
 
 

@@ -12,7 +12,7 @@ from experiments.attention_time import AttendTimer
 from experiments.hydra_config import script_config
 from experiments.oom_thresholds import (OOMConfig, RowSpec, cell_ceilings, cells_of_row, model_configs, over_time,
                                         summary, with_timing)
-from megaslide.offload import planner
+from megaslide.perf import planner
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
 FORWARD_S, BACKWARD_S, OTHER_S = 0.03, 0.05, 0.1
@@ -66,7 +66,7 @@ def test_long_cells_take_the_long_timing_rule_and_record_it():
     assert (short.warmup_steps, short.timed_steps, short.timing_rule) == (1, 5, "1 warm-up, 5 timed")
     long = with_timing(cell, 21.0, cfg)
     assert (long.warmup_steps, long.timed_steps) == (0, 1) and long.timing_rule.startswith("floor 21.0 s > long_step_s")
-    assert cell.cfg.chunk_tokens == cfg.chunk_tokens and cell.cfg.slab_frames == cfg.slab_frames
+    assert cell.execution.chunk_tokens == cfg.chunk_tokens and cell.execution.slab_frames == cfg.slab_frames
     # a cell whose warm-up and first timed step the floor puts over the limit is not started
     assert over_time(short, 10.0, 19.9) and not over_time(short, 10.0, 20.0) and not over_time(long, 10.0, 10.0)
 

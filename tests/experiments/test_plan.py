@@ -1,55 +1,66 @@
-"""experiments/plan.py: the planner's command line (Hydra), composed in-process."""
+"""experiments/plan.py: the planner's command line (Hydra), composed in-process from train.py's overrides."""
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
-from experiments.hydra_config import script_config
-from experiments.plan import PlanConfig, make_plan, report
-from megaslide.offload.planner import Ceilings, compute_seconds
+from experiments.plan import PlanConfig, make_plan, plan_config, report
+from megaslide.perf.planner import Ceilings, ResidentPlan, compute_seconds
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
+BIG = ["model.in_channels=3", "offload=engine", "train.batch_size=1", "train.precision=bf16", "data.frames=16",
+       "data.height=64", "data.width=128"]   # a big preset on RGB clips, planned for the offload engine
 
 
-def plan_config(*overrides: str) -> PlanConfig:
+def composed(*overrides: str) -> PlanConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return script_config(PlanConfig, compose("plan", overrides=list(overrides)))
+        return plan_config(compose("plan", overrides=list(overrides)))
 
 
 def test_prints_the_plan_and_checks_this_machine(capsys):
-    assert report(plan_config("model=tiny", "frames=4", "height=16", "width=16", "precision=fp32", "check=true")) == 0
+    tiny = ["offload=engine", "data.frames=4", "data.height=16", "data.width=16", "train.precision=fp32"]
+    assert report(composed(*tiny, "check=true")) == 0
     out = capsys.readouterr().out
     assert "host RAM:" in out and "HBM:" in out and "floor = max" in out and "fits this machine" in out
-    assert report(plan_config("model=105B", "check=true")) == 1
+    assert report(composed("model=105B", *BIG, "check=true")) == 1
     assert "does not fit this machine" in capsys.readouterr().out
 
 
+def test_without_offload_it_plans_the_resident_trainer(capsys):
+    plan = make_plan(composed("data.frames=4"))
+    assert isinstance(plan, ResidentPlan) and plan.grid == (4, 16, 16)
+    assert report(composed("data.frames=4")) == 0
+    assert "resident trainer" in capsys.readouterr().out
+
+
 def test_groups_and_keys_reach_the_plan():
-    cfg = plan_config("model=7B", "model.depth=3", "attention=dsa", "resident_blocks=2", "optimizer_device=gpu",
-                      "ceilings.tflops=300")
+    keys = ["model=7B", "model.depth=3", "attention=dsa", "offload.resident_blocks=2", "offload.optimizer_device=gpu",
+            *BIG]
+    cfg = composed(*keys, "ceilings.tflops=300")
     plan = make_plan(cfg)
-    assert cfg.model_preset == "7B" and plan.cfg.depth == 3 and plan.cfg.attention.name == "dsa"
+    assert plan.cfg.depth == 3 and plan.cfg.attention.name == "dsa"
     assert plan.resident_blocks == 2 and plan.optimizer_device == "gpu"
-    default = make_plan(plan_config("model=7B", "model.depth=3", "attention=dsa", "resident_blocks=2",
-                                    "optimizer_device=gpu"))
+    default = make_plan(composed(*keys))
     matmul = compute_seconds(default.cfg, default.batch, default.grid, recomputed=1, ceilings=Ceilings())[1]["matmul"]
     assert plan.seconds["compute"] - default.seconds["compute"] == pytest.approx(matmul)  # only the matmul term doubles
-    assert plan_config("model=quality_gpu").model.depth == 8  # a group's own keys are kept
+    assert composed("model=quality_gpu").run.model.depth == 8  # a group's own keys are kept
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(HydraException, match="9B"):
-        plan_config("model=9B")
+        composed("model=9B")
     with pytest.raises(HydraException, match="resolution"):
-        plan_config("resolution=64x128")
-    with pytest.raises(ValueError, match="precision"):
-        make_plan(plan_config("precision=fp16"))
+        composed("resolution=64x128")
+    with pytest.raises(ValueError, match="train.precision"):
+        make_plan(composed("train.precision=fp16"))
+    with pytest.raises(ValueError, match="model.in_channels=16, but data=moving_shapes is RGB"):
+        composed("model=7B")                                    # as train.py refuses it
 
 
 def test_chunking_and_activation_offload_reach_the_plan():
-    cfg = plan_config("model=7B", "model.depth=6", "model.chunk_tokens=4096", "activation_offload=true")
+    cfg = composed("model=7B", "model.depth=6", *BIG, "execution.chunk_tokens=4096", "offload.activation_offload=true")
     plan = make_plan(cfg)
-    assert plan.cfg.chunk_tokens == 4096 and plan.activation_offload
+    assert plan.execution.chunk_tokens == 4096 and plan.activation_offload
     assert any(k.startswith("parked block inputs") for k in plan.host)
-    assert make_plan(plan_config("model=7B", "model.depth=6")).hbm_total > plan.hbm_total
+    assert make_plan(composed("model=7B", "model.depth=6", *BIG)).hbm_total > plan.hbm_total

@@ -9,9 +9,9 @@ import torch
 
 from experiments.claims import DSA_HEAD_GROUPS
 from experiments.results_io import descends_from
-from megaslide.config import AttentionConfig
+from megaslide.config import AttentionConfig, ExecutionConfig, OffloadConfig
 from megaslide.models.dit import DIT_PRESETS
-from megaslide.offload.planner import plan_offload, plan_resident
+from megaslide.perf.planner import grid_run, plan_offload, plan_resident
 
 GB = 1e9
 
@@ -36,13 +36,14 @@ def test_hbm_prediction_is_within_ten_percent_of_the_h200_oom_cells(config, cell
     counted in fp32 (SwinAttention.attend_memory)."""
     preset = cell["model"].split(" ")[0]                           # "7B width, depth 23": the 7B width
     depth = int(cell["model"].split("depth ")[1]) if "depth" in cell["model"] else DIT_PRESETS[preset].depth
-    cfg = dataclasses.replace(DIT_PRESETS[preset], depth=depth, attention=AttentionConfig(cell["attention"]),
-                              chunk_tokens=config["chunk_tokens"] if cell["mode"] == "chunked_offload" else 0,
-                              slab_frames=cell.get("slab_frames", 0))
+    cfg = dataclasses.replace(DIT_PRESETS[preset], depth=depth, attention=AttentionConfig(cell["attention"]))
+    execution = ExecutionConfig(chunk_tokens=config["chunk_tokens"] if cell["mode"] == "chunked_offload" else 0,
+                                slab_frames=cell.get("slab_frames", 0))
     grid = cfg.token_grid(cell["frames"], config["height"], config["width"])
     if cell["mode"] == "resident":
-        plan = plan_resident(cfg, batch=config["batch"], grid=grid, autocast=True)
+        plan = plan_resident(grid_run(cfg, grid, batch=config["batch"], execution=execution), autocast=True)
     else:
-        plan = plan_offload(cfg, batch=config["batch"], grid=grid, param_dtype=torch.bfloat16,
-                            activation_offload=cell["mode"] == "chunked_offload")
+        offload = OffloadConfig(enabled=True, activation_offload=cell["mode"] == "chunked_offload")
+        run = grid_run(cfg, grid, batch=config["batch"], execution=execution, offload=offload)
+        plan = plan_offload(run, param_dtype=torch.bfloat16)
     assert plan.hbm_total / GB == pytest.approx(cell["measured_peak_GB"], rel=0.10)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megaslide.attention.dense import DenseAttention
+from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.parallel.apply import SequenceParallelAttention
@@ -35,7 +36,8 @@ def test_full_sequence_sampler_equals_euler_sample_of_the_model(flags):
 
 def test_sampler_runs_a_parallelized_copy_and_leaves_the_model_alone():
     model = tiny_model()
-    sampler = FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(mode="ring"))
+    sampler = FullSequenceSampler(model, frames=3, height=6, width=8,
+                                  config=FullConfig(parallel=ParallelConfig(sp_mode="ring")))
     assert isinstance(sampler.model.blocks[0].attn, SequenceParallelAttention)
     assert isinstance(model.blocks[0].attn, DenseAttention)
     assert sampler.model.blocks[0].attn.inner.qkv.weight is model.blocks[0].attn.qkv.weight
@@ -43,12 +45,14 @@ def test_sampler_runs_a_parallelized_copy_and_leaves_the_model_alone():
 
 def test_errors():
     model = tiny_model()
-    with pytest.raises(ValueError, match="mode="):
-        FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(mode="nope"))
-    with pytest.raises(ValueError, match="placement="):
-        FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(placement="across"))
-    with pytest.raises(ValueError, match="transport="):
-        FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(transport="pigeon"))
+    with pytest.raises(ValueError, match="parallel.sp_mode="):
+        FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(parallel=ParallelConfig(sp_mode="no")))
+    with pytest.raises(ValueError, match="parallel.placement="):
+        FullSequenceSampler(model, frames=3, height=6, width=8,
+                            config=FullConfig(parallel=ParallelConfig(placement="across")))
+    with pytest.raises(ValueError, match="parallel.transport="):
+        FullSequenceSampler(model, frames=3, height=6, width=8,
+                            config=FullConfig(parallel=ParallelConfig(transport="pigeon")))
     with pytest.raises(ValueError, match="timesteps"):
         FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(timesteps=(1.0, 1.0)))
     with pytest.raises(ValueError, match="patch size"):

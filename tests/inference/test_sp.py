@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
@@ -56,9 +57,9 @@ def _check_causal(ctx, model, ids) -> int:
 def _check_full(ctx, model, ids) -> None:
     noise = _noise((1, 3, 5, 4, 10), 11)  # 5 x 2 x 5 = 50 tokens
     ref = euler_sample(model, noise, ids, timesteps=list(STEPS))
-    for sp in ({"mode": "ulysses"}, {"mode": "ring"}, {"mode": "torus", "chunks": 2}):  # 6 heads: 3 or 2 per rank
+    for sp in ({"sp_mode": "ulysses"}, {"sp_mode": "ring"}, {"sp_mode": "torus", "chunks": 2}):  # 6 heads: 3 or 2
         sampler = FullSequenceSampler(model, frames=5, height=4, width=10, group=ctx.group,
-                                      config=FullConfig(timesteps=STEPS, **sp))
+                                      config=FullConfig(timesteps=STEPS, parallel=ParallelConfig(**sp)))
         torch.testing.assert_close(sampler.sample(noise, ids), ref, **TOL)
 
 

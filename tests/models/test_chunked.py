@@ -1,12 +1,13 @@
-"""Token-chunked blocks (`model.chunk_tokens`): the same outputs and gradients as unchunked ones,
-less saved for backward, and a clear error for a bad chunk size."""
-import dataclasses
+"""Blocks run token-chunked (`execution.chunk_tokens`) and over frame slabs (`execution.slab_frames`) by the
+chunk runner: the same outputs and gradients as whole ones, less saved for backward, and a clear error for a
+bad chunk size."""
 
 import pytest
 import torch
 
 from megaslide.attention import build_attention
-from megaslide.config import DiTConfig
+from megaslide.config import DiTConfig, ExecutionConfig
+from megaslide.models.chunking import BlockRunner, frame_slabs, read_over_frame_runs
 from megaslide.models.dit import DiTBlock, build_dit
 from megaslide.nn import RopeTable
 from megaslide.parallel.apply import parallelize_dit
@@ -30,13 +31,24 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale + 1e-7)
 
 
-def _block_pair(attention: str, chunk: int) -> tuple[DiTBlock, DiTBlock, DiTConfig]:
+class Executed(torch.nn.Module):
+    """`block` run by a `BlockRunner` of `execution`, called as the block is."""
+
+    def __init__(self, block: DiTBlock, **execution):
+        super().__init__()
+        self.block, self.runner = block, BlockRunner(ExecutionConfig(**execution))
+
+    def forward(self, *inputs):
+        return self.runner.block(self.block, *inputs)
+
+
+def _block_pair(attention: str, chunk: int) -> tuple[DiTBlock, Executed, DiTConfig]:
     cfg = DiTConfig(dim=32, num_heads=2, ffn_dim=64, attention={"name": attention, **OPTIONS.get(attention, {})})
     plain = DiTBlock(cfg, layer_idx=1)  # an odd block: swin shifts its windows
     _randomise(plain)
-    chunked = DiTBlock(dataclasses.replace(cfg, chunk_tokens=chunk), layer_idx=1)
+    chunked = DiTBlock(cfg, layer_idx=1)
     chunked.load_state_dict(plain.state_dict())
-    return plain, chunked, cfg
+    return plain, Executed(chunked, chunk_tokens=chunk), cfg
 
 
 def _block_inputs(cfg: DiTConfig, grid=GRID, seed: int = 1):
@@ -87,14 +99,12 @@ def test_chunked_block_equals_unchunked(attention, chunk):
 def test_dsa_offset_net_over_frame_runs_equals_whole(chunk_tokens):
     """The depthwise 3x3x3 conv over runs of frames with a one-frame halo = over the whole grid."""
     grid = (5, 4, 4)
-    whole = build_attention("dsa", 32, 2)
-    _randomise(whole)
-    runs = build_attention("dsa", 32, 2, chunk_tokens=chunk_tokens)
-    runs.load_state_dict(whole.state_dict())
+    attn = build_attention("dsa", 32, 2)
+    _randomise(attn)
     x = torch.randn(2, 80, 32, requires_grad=True)
-    want = whole.offsets(x, grid)
+    want = attn.offsets(x, grid)
     (gx_want,) = torch.autograd.grad(want.sin().sum(), x)
-    got = runs.offsets(x, grid)
+    got = read_over_frame_runs(attn, x, grid, chunk_tokens)
     (gx_got,) = torch.autograd.grad(got.sin().sum(), x)
     _assert_close(got, want)
     _assert_close(gx_got, gx_want)
@@ -125,7 +135,7 @@ def test_chunked_video_dit_forward_backward_equals_unchunked(attention, checkpoi
 def _saved_bytes(block: DiTBlock, inputs) -> int:
     """Bytes of the distinct storages that autograd saves for backward of one block forward
     (views count once, with their base; the block's parameters are not counted)."""
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}  # Executed: the block's own
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -145,7 +155,8 @@ def test_chunked_block_saves_only_what_attention_needs():
     only the chunk inputs of the token-wise work: below 8 N D + chunk * ffn elements."""
     chunk = 32
     cfg = DiTConfig(dim=32, num_heads=2, ffn_dim=1024)
-    plain, chunked = DiTBlock(cfg, 0), DiTBlock(dataclasses.replace(cfg, chunk_tokens=chunk), 0)
+    plain = DiTBlock(cfg, 0)
+    chunked = Executed(plain, chunk_tokens=chunk)
     inputs = _block_inputs(cfg, grid=(4, 8, 8))
     B, N, D = inputs[0].shape
     elements = 4 * B                                      # fp32 bytes, per sample
@@ -165,17 +176,16 @@ def test_attention_override_and_parallelized_model_run_unchunked():
     with torch.no_grad():
         want = plain(x, t, ids)
         e = chunked.embed(x, t, ids)
-        block = chunked.blocks[0]
-        override = block(e.x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, attn=block.attn)
+        override = chunked.run_block(0, e.x, e, attn=chunked.blocks[0].attn)
         _assert_close(override, plain.blocks[0](e.x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid))
         _assert_close(parallelize_dit(chunked, None)(x, t, ids), want)
 
 
 @pytest.mark.parametrize("chunk_tokens", [-1, -64])
 def test_negative_chunk_tokens_is_a_clear_error(chunk_tokens):
-    with pytest.raises(ValueError, match=r"model\.chunk_tokens=-\d+ must be >= 0.*set 0"):
-        DiTConfig(chunk_tokens=chunk_tokens).validate()
-    with pytest.raises(ValueError, match=r"model\.chunk_tokens"):
+    with pytest.raises(ValueError, match=r"execution\.chunk_tokens=-\d+ must be >= 0.*set 0"):
+        ExecutionConfig(chunk_tokens=chunk_tokens).validate()
+    with pytest.raises(ValueError, match=r"execution\.chunk_tokens"):
         build_dit("tiny", chunk_tokens=chunk_tokens)
 
 
@@ -197,8 +207,9 @@ def test_slab_block_equals_unslabbed(attention, max_offset, weight_std, slab, ch
     with torch.no_grad():
         for name, p in plain.named_parameters():
             p.normal_(std=weight_std if name.startswith("attn.offset") else 0.1)
-    slabbed = DiTBlock(dataclasses.replace(cfg, slab_frames=slab, chunk_tokens=chunk), layer_idx=0)
+    slabbed = DiTBlock(cfg, layer_idx=0)
     slabbed.load_state_dict(plain.state_dict())
+    slabbed = Executed(slabbed, slab_frames=slab, chunk_tokens=chunk)
     inputs = _block_inputs(cfg, grid=SLAB_GRID)
     if attention == "dsa":
         offsets = plain.attn.offsets(torch.randn(1, 228, 32), SLAB_GRID)
@@ -207,7 +218,6 @@ def test_slab_block_equals_unslabbed(attention, max_offset, weight_std, slab, ch
 
 
 def test_frame_slabs_cover_the_clip_once():
-    from megaslide.models.dit import frame_slabs
     assert frame_slabs(10, 0, 3) == [(0, 0, 10, 10)]
     assert frame_slabs(10, 10, 3) == [(0, 0, 10, 10)]
     assert frame_slabs(10, 4, 3) == [(0, 0, 4, 7), (1, 4, 8, 10), (5, 8, 10, 10)]
@@ -215,7 +225,9 @@ def test_frame_slabs_cover_the_clip_once():
 
 @pytest.mark.parametrize("attention", ["dense", "swin"])
 def test_slab_frames_needs_a_bounded_attention(attention):
-    with pytest.raises(ValueError, match=r"model\.slab_frames=4 needs a self-attention.*set model\.slab_frames=0"):
-        DiTConfig(slab_frames=4, attention={"name": attention}).validate()
-    with pytest.raises(ValueError, match=r"model\.slab_frames=-1 must be >= 0"):
-        DiTConfig(slab_frames=-1).validate()
+    with pytest.raises(ValueError, match=r"execution\.slab_frames=4 needs a self-attention.*set execution\.slab_"):
+        ExecutionConfig(slab_frames=4).validate(DiTConfig(attention={"name": attention}).attention)
+    with pytest.raises(ValueError, match=r"execution\.slab_frames=4 needs"):
+        build_dit("tiny", attention=attention, slab_frames=4)
+    with pytest.raises(ValueError, match=r"execution\.slab_frames=-1 must be >= 0"):
+        ExecutionConfig(slab_frames=-1).validate()

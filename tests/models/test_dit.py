@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from megaslide.config import ExecutionConfig
+from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, build_dit, count_params
 
 NAMED_SIZES = {"1B": 1e9, "7B": 7e9, "14B": 14e9, "33B": 33e9, "105B": 105e9}
@@ -20,17 +22,11 @@ def test_count_params_within_two_percent_of_name(name):
     assert abs(count_params(DIT_PRESETS[name]) / NAMED_SIZES[name] - 1) < 0.02
 
 
-@pytest.mark.parametrize("name", ["tiny", "S", "wan-1.3b", "1B"])
-def test_count_params_equals_real_count(name):
-    with torch.device("meta"):
-        model = build_dit(name)
-    assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg)
-
-
-def test_count_params_with_each_attention():
-    for attn in ["dense", "dsa", "dsa_zero"]:
-        model = build_dit("tiny", attention=attn)
-        assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg), attn
+def test_count_params_allocates_nothing_and_counts_the_built_model():
+    for attention in ["dense", "dsa"]:
+        model = build_dit("tiny", attention=attention)
+        assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg), attention
+    assert count_params(DIT_PRESETS["105B"]) > 1e11         # on the meta device: no 400 GB allocated
 
 
 def test_wan_preset_shapes():
@@ -50,7 +46,7 @@ def test_precomputed_text_embeddings_and_checkpointing_match():
     out.square().sum().backward()
     g_ckpt = x.grad.clone()
     x.grad = None
-    model.cfg.checkpoint_blocks = False
+    apply_execution(model, ExecutionConfig())            # the same weights, run without checkpoints
     out2 = model(x, torch.tensor([300.0]), emb)
     out2.square().sum().backward()
     torch.testing.assert_close(out, out2)

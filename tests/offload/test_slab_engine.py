@@ -1,22 +1,22 @@
-"""The offload engine trains a DSA model over frame slabs (`model.slab_frames`) with token chunks and
+"""The offload engine trains a DSA model over frame slabs (`execution.slab_frames`) with token chunks and
 activation offload as it trains the same model whole: the long-clip configuration, checked on CPU."""
 import dataclasses
 
 import pytest
 import torch
 
-from megaslide.config import OffloadConfig
+from megaslide.config import ExecutionConfig, OffloadConfig
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 pytestmark = pytest.mark.usefixtures("torch_adamw")
 
 
-def _trainer(tmp_path, name, **model):
-    model_cfg = dataclasses.replace(tiny_model_cfg("dsa", max_offset=1.5), depth=4, **model)
-    offload = OffloadConfig(enabled=True, activation_offload=bool(model))
+def _trainer(tmp_path, name, **execution):
+    model_cfg = dataclasses.replace(tiny_model_cfg("dsa", max_offset=1.5), depth=4)
+    offload = OffloadConfig(enabled=True, activation_offload=bool(execution))
     return Trainer(model_cfg, tiny_data_cfg(frames=12, height=8, width=8, shape_size=4), tiny_train_cfg(steps=3, weight_decay=0.01),
-                   tmp_path / name, offload_cfg=offload)
+                   tmp_path / name, offload_cfg=offload, execution=ExecutionConfig(**execution))
 
 
 def test_slabbed_chunked_parked_engine_equals_the_whole_clip_engine(tmp_path):

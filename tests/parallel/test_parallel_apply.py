@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megaslide.attention.dense import DenseAttention
+from megaslide.config import ParallelConfig
 from megaslide.inference.sharded import TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
 from megaslide.inference.weights import random_weights_
 from megaslide.models.dit import build_dit, patchify, unpatchify
@@ -38,11 +39,11 @@ def test_one_rank_form_is_the_models_forward_and_reapplying_replaces_it():
     model = _model()
     x, t, ids = _inputs(model, (1, 3, 2, 6, 8))
     want = model(x, t, ids)
-    sp = parallelize_dit(weight_sharing_copy(model), None, "ring")
-    sp = parallelize_dit(sp, None, "torus", chunks=2)
+    sp = parallelize_dit(weight_sharing_copy(model), None, ParallelConfig(sp_mode="ring"))
+    sp = parallelize_dit(sp, None, ParallelConfig(sp_mode="torus", chunks=2))
     attn = sp.blocks[0].attn
     assert isinstance(attn, SequenceParallelAttention) and isinstance(attn.inner, DenseAttention)
-    assert (attn.mode, attn.world) == ("torus", 1)
+    assert (attn.parallel.sp_mode, attn.world) == ("torus", 1)
     assert attn.inner.qkv.weight is model.blocks[0].attn.qkv.weight  # weights shared, not copied
     assert isinstance(model.blocks[0].attn, DenseAttention)          # the original is untouched
     torch.testing.assert_close(sp(x, t, ids), want, **TOL)
@@ -52,9 +53,9 @@ def test_refuses_what_has_no_sequence_parallel_form():
     with pytest.raises(ValueError, match="'dsa' has no sequence-parallel form"):
         parallelize_dit(_model(attention="dsa"), None)
     with pytest.raises(ValueError, match="mode='zigzag'"):
-        parallelize_dit(_model(), None, "zigzag")
+        parallelize_dit(_model(), None, ParallelConfig(sp_mode="zigzag"))
     with pytest.raises(ValueError, match="transport="):
-        parallelize_dit(_model(), None, transport="pigeon")
+        parallelize_dit(_model(), None, ParallelConfig(transport="pigeon"))
     hand_made = SPMesh(1, 1, "ulysses_intra", ((0,),), None, None, 0, 0)
     with pytest.raises(ValueError, match="build_mesh"):
         parallelize_dit(_model(), hand_made)
@@ -67,8 +68,8 @@ def _sharded_forward_over_a_mesh(rank: int, world: int) -> None:
     want = model(x, t, ids)
     mesh = build_mesh(1, world)                                       # hybrid with ulysses_degree 1: a ring
     with pytest.raises(ValueError, match=f"ulysses_degree={world}, ring_degree=1"):
-        parallelize_dit(weight_sharing_copy(model), mesh, "ulysses")  # the mesh fixes the degrees
-    sp = parallelize_dit(weight_sharing_copy(model), mesh, "hybrid")
+        parallelize_dit(weight_sharing_copy(model), mesh, ParallelConfig(sp_mode="ulysses"))  # the mesh fixes the degrees
+    sp = parallelize_dit(weight_sharing_copy(model), mesh, ParallelConfig(sp_mode="hybrid"))
     grid = model.cfg.token_grid(*x.shape[2:])
     shard = TokenShard.of(45, dist.group.WORLD)
     assert shard.valid < shard.n or rank == 0                         # the last rank holds padding

@@ -4,11 +4,12 @@ import dataclasses
 import pytest
 import torch
 
-from megaslide.config import AttentionConfig, DiTConfig
-from megaslide.perf.activation_memory import ActivationDtypes, block_memory
-from megaslide.perf.live_bytes import LiveTensorBytes
+from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig
+from megaslide.models.chunking import BlockRunner
 from megaslide.models.dit import DIT_PRESETS, DiTBlock
 from megaslide.nn import RopeTable
+from megaslide.perf.activation_memory import ActivationDtypes, block_memory
+from megaslide.perf.live_bytes import LiveTensorBytes
 
 BF16_SHELLS = ActivationDtypes(act=2, residual=2)   # the offload engine: bf16 weights, bf16 autocast
 D, F, H = 4096, 16384, 32                           # the 7B width
@@ -46,7 +47,8 @@ def test_chunked_bf16_block_by_hand():
     the peak is the attention backward: + dq, dk, dv (6D), flash's fp32 dq accumulator (4D) and row sums
     (4h), dL/d(attention output) and the accumulated dL/d(block input) (2 x 2D)."""
     tokens, chunk = 522240, 16320
-    dense = block_memory(_seven_b("dense", chunk_tokens=chunk), tokens, BF16_SHELLS)
+    chunked = ExecutionConfig(chunk_tokens=chunk)
+    dense = block_memory(_seven_b("dense"), tokens, BF16_SHELLS, execution=chunked)
     assert dense.kept_total == tokens * (10 * D + 4 * H)
     assert dense.moment == "attention backward"
     assert dense.peak_total == tokens * (24 * D + 8 * H)
@@ -55,7 +57,7 @@ def test_chunked_bf16_block_by_hand():
     # per (query, sample) an entry of 8 fp32 words (ds, p, position, padding) and room for 8 int32 key-tile
     # records, per key tile an int32 cursor, start and fill cursor (at most one tile per token): one head's is
     # tokens x (64 x 27 + 12) bytes = 908 MB, so 1 at a time
-    dsa = block_memory(_seven_b("dsa", chunk_tokens=chunk), tokens, BF16_SHELLS)
+    dsa = block_memory(_seven_b("dsa"), tokens, BF16_SHELLS, execution=chunked)
     assert dsa.kept_total == tokens * (10 * D + 4 * H + 4 * D + 4 * H * K3)
     scratch = tokens * (64 * 27 + 12)
     assert scratch <= 2 ** 30 < 2 * scratch
@@ -64,9 +66,10 @@ def test_chunked_bf16_block_by_hand():
     assert dsa.peak_total < unchunked.peak_total / 2.5
 
 
-def _measured(cfg: DiTConfig, grid, dtype=torch.float32, layer_idx=0) -> tuple[int, int]:
+def _measured(cfg: DiTConfig, grid, dtype=torch.float32, layer_idx=0, **execution) -> tuple[int, int]:
     """(bytes kept after the forward, peak over forward and backward) of one block on CPU (bf16: bf16
-    weights under CPU autocast), beside its input, the incoming gradient and its parameters."""
+    weights under CPU autocast) run as `execution` says, beside its input, the incoming gradient and its
+    parameters."""
     torch.manual_seed(0)
     block = DiTBlock(cfg, layer_idx).to(dtype)
     tokens = grid[0] * grid[1] * grid[2]
@@ -75,7 +78,8 @@ def _measured(cfg: DiTConfig, grid, dtype=torch.float32, layer_idx=0) -> tuple[i
     ctx = torch.randn(1, 8, cfg.dim, dtype=dtype, requires_grad=True)
     rope, grad = RopeTable(cfg.head_dim, *grid).grid(grid), torch.randn(1, tokens, cfg.dim, dtype=dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), LiveTensorBytes() as live:
-        out = block(x, t_mod, ctx, torch.ones(1, 8, dtype=torch.bool), rope, grid)
+        out = BlockRunner(ExecutionConfig(**execution)).block(block, x, t_mod, ctx, torch.ones(1, 8, dtype=torch.bool),
+                                                              rope, grid)
         kept = live.current
         torch.autograd.grad(out, [x, t_mod, ctx, *block.parameters()], grad, allow_unused=True)
     return kept, live.peak
@@ -86,11 +90,10 @@ def _measured(cfg: DiTConfig, grid, dtype=torch.float32, layer_idx=0) -> tuple[i
 def test_fp32_block_matches_a_block_measured_on_cpu(attention, options, chunk):
     """fp32 runs the same ops on CPU as on CUDA but for the kernels (QK-norm is unfused on CPU, so
     it is off here); parameters are small beside 2048 tokens, so their gradients hardly count."""
-    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=256, qk_norm=False, chunk_tokens=chunk,
-                    attention=AttentionConfig(attention, options))
+    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=256, qk_norm=False, attention=AttentionConfig(attention, options))
     grid = (8, 16, 16)
-    kept, peak = _measured(cfg, grid)
-    model = block_memory(cfg, 2048, ActivationDtypes(act=4, residual=4))
+    kept, peak = _measured(cfg, grid, chunk_tokens=chunk)
+    model = block_memory(cfg, 2048, ActivationDtypes(act=4, residual=4), execution=ExecutionConfig(chunk_tokens=chunk))
     assert model.kept_total == pytest.approx(kept, rel=0.01)
     assert model.peak_total == pytest.approx(peak, rel=0.06)
 
@@ -130,10 +133,10 @@ def test_swin_bf16_attend_matches_cpu_measurement(heads):
 def test_chunked_bf16_swin_block_matches_cpu_measurement(layer_idx):
     """A token-chunked Swin block in bf16 (bf16 weights, CPU autocast) measured with LiveTensorBytes: the
     whole-sequence attention sets its peak; the unshifted layer peaks lower (no rolled copies or masks)."""
-    cfg = DiTConfig(dim=512, num_heads=4, ffn_dim=2048, qk_norm=False, chunk_tokens=512,
+    cfg = DiTConfig(dim=512, num_heads=4, ffn_dim=2048, qk_norm=False,
                     attention=AttentionConfig("swin", {"window": (2, 4, 4)}))
-    kept, peak = _measured(cfg, (8, 16, 16), dtype=torch.bfloat16, layer_idx=layer_idx)
-    model = block_memory(cfg, 2048, BF16_SHELLS)
+    kept, peak = _measured(cfg, (8, 16, 16), dtype=torch.bfloat16, layer_idx=layer_idx, chunk_tokens=512)
+    model = block_memory(cfg, 2048, BF16_SHELLS, execution=ExecutionConfig(chunk_tokens=512))
     assert model.kept_total == pytest.approx(kept, rel=0.01)
     assert model.peak_total == pytest.approx(peak, rel=0.02 if layer_idx else 0.12)
     assert model.peak_total >= peak * 0.99
@@ -141,7 +144,7 @@ def test_chunked_bf16_swin_block_matches_cpu_measurement(layer_idx):
 
 @pytest.mark.parametrize("chunk,slab,ffn", [(0, 2, 256), (512, 2, 256), (0, 1, 64), (128, 1, 64), (256, 3, 64)])
 def test_fp32_slab_block_matches_a_block_measured_on_cpu(monkeypatch, chunk, slab, ffn):
-    """A block over frame slabs (`slab_frames`), measured: dense attention made to declare a reach of 2
+    """A block over frame slabs (`execution.slab_frames`), measured: dense attention made to declare a reach of 2
     frames (its memory is what the model knows for CPU; its outputs do not matter here) on 8 x 16 x 16,
     beside the whole clip's slab outputs and input gradient. A wide MLP puts the peak in the finishing
     slices' backward, a narrow one in the slab's attention backward."""
@@ -156,12 +159,11 @@ def test_fp32_slab_block_matches_a_block_measured_on_cpu(monkeypatch, chunk, sla
             return 2
 
     monkeypatch.setitem(registry._REGISTRY, ReachTwo.name, ReachTwo)
-    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=ffn, qk_norm=False, chunk_tokens=chunk, slab_frames=slab,
-                    attention=AttentionConfig(ReachTwo.name))
-    kept, peak = _measured(cfg, (8, 16, 16))
+    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=ffn, qk_norm=False, attention=AttentionConfig(ReachTwo.name))
+    kept, peak = _measured(cfg, (8, 16, 16), chunk_tokens=chunk, slab_frames=slab)
     fp32 = ActivationDtypes(act=4, residual=4)
-    model = block_memory(cfg, 2048, fp32, frames=8)
-    whole = block_memory(dataclasses.replace(cfg, slab_frames=0, chunk_tokens=chunk or 2048), 2048, fp32, frames=8)
+    model = block_memory(cfg, 2048, fp32, frames=8, execution=ExecutionConfig(chunk_tokens=chunk, slab_frames=slab))
+    whole = block_memory(cfg, 2048, fp32, frames=8, execution=ExecutionConfig(chunk_tokens=chunk or 2048))
     assert model.kept_total == pytest.approx(kept, rel=0.01)
     assert model.peak_total == pytest.approx(peak, rel=0.05)
     assert model.moment == ("slab attention backward" if ffn == 64 else "slab finishing slices' backward")

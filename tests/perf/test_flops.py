@@ -7,10 +7,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megaslide.perf.flops import StepBreakdown, dit_flops, keys_per_query, mfu, token_path_flops
-from megaslide.perf.memory import (host_available_bytes, host_rss_bytes, host_total_bytes, memory_report,
-                                      peak_hbm_bytes)
 from megaslide.models.dit import VideoDiT
+from megaslide.perf.flops import StepBreakdown, dit_flops, keys_per_query, mfu, token_path_flops
+from megaslide.perf.memory import host_available_bytes, host_rss_bytes, host_total_bytes, memory_report, peak_hbm_bytes
 from tests.helpers import tiny_model_cfg
 
 

@@ -13,16 +13,20 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch import nn
 
 from megaslide.attention import register_attention
 from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
 from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
-from megaslide.attention.dsa.op import (BACKENDS, SCRATCH_BYTES, backward_scratch_bytes, deformable_slide_attention,
-                                        neighborhood_attention)
+from megaslide.attention.dsa.op import (
+    BACKENDS,
+    SCRATCH_BYTES,
+    backward_scratch_bytes,
+    deformable_slide_attention,
+    neighborhood_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,6 @@ class DSAAttention(SelfAttention):
         return kt + (0 if cls.fixed_zero_offsets else math.ceil(options.max_offset))
 
     @classmethod
-    def extra_params(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
-        out = num_heads * math.prod(options.kernel_size) * 3
-        return (27 * dim + dim) + (dim * out + out)           # depthwise 3^3 Conv3d, offset Linear
-
-    @classmethod
     def extra_macs_per_token(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
         return 27 * dim + dim * num_heads * math.prod(options.kernel_size) * 3
 
@@ -104,24 +103,15 @@ class DSAAttention(SelfAttention):
                             scratch_cap=SCRATCH_BYTES, heads=num_heads)
 
     def offsets(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-        """x (B, N, D) -> offsets (B, T, H, W, heads, K, 3) in token units, |.| < max_offset.
+        """x (B, N, D) -> offsets (B, T, H, W, heads, K, 3) in token units, |.| < max_offset. A chunked block
+        runs the net over runs of frames instead (`read_input`, megaslide/models/chunking.py)."""
+        return self.read_input(x, grid, 0, grid[0])
 
-        With `chunk_tokens` set, the net runs over runs of whole frames of about that many tokens
-        (at least one frame), each under its own checkpoint: backward keeps x and the offsets, no
-        grid-wide conv or GELU output."""
-        T, H, W = grid
-        if not self.chunk_tokens:
-            return self._frame_offsets(x, grid, 0, T)
-        step = max(1, self.chunk_tokens // (H * W))  # frames per run
-        runs = [checkpoint(self._frame_offsets, x, grid, t0, min(t0 + step, T), use_reentrant=False)
-                for t0 in range(0, T, step)]
-        return torch.cat(runs, dim=1)                # (B, T, H, W, heads, K, 3)
-
-    def _frame_offsets(self, x: torch.Tensor, grid: Grid, t0: int, t1: int) -> torch.Tensor:
+    def read_input(self, x: torch.Tensor, grid: Grid, t0: int, t1: int) -> torch.Tensor:
         """Offsets (B, t1 - t0, H, W, heads, K, 3) of frames [t0, t1) of x (B, N, D), read from frames
         [t0 - 1, t1 + 1): the 3x3x3 conv's one-frame halo. The conv's zero padding along t is then
         used only at the clip's ends, as over the whole grid."""
-        B, N, D = x.shape
+        B, _, D = x.shape
         T, H, W = grid
         a, b = max(t0 - 1, 0), min(t1 + 1, T)
         h = x[:, a * H * W:b * H * W].reshape(B, b - a, H, W, D)    # (B, b-a, H, W, D), in place
@@ -132,14 +122,17 @@ class DSAAttention(SelfAttention):
         o = o.view(B, t1 - t0, H, W, self.num_heads, self.num_samples, 3)  # (B, t1-t0, H, W, heads, K, 3)
         return bounded_offsets(o, self.options.max_offset, backend=self.net_backend)  # fp32
 
-    def attend(self, q, k, v, x, grid):
+    def attend(self, q, k, v, x, grid, read: torch.Tensor | None = None):
+        """As `SelfAttention.attend`; `read`: the offsets (`read_input` of every frame) when the caller
+        computed them (a chunked block), else they come from x."""
         B, N, h, d = q.shape
         q6, k6, v6 = (t.reshape(B, *grid, h, d) for t in (q, k, v))  # (B, T, H, W, h, d)
         kernel_size, backend = self.options.kernel_size, self.options.backend
         if self.fixed_zero_offsets:
             o = neighborhood_attention(q6, k6, v6, kernel_size, backend=backend)  # (B, T, H, W, h, d)
         else:
-            o = deformable_slide_attention(q6, k6, v6, self.offsets(x, grid), kernel_size, backend=backend)
+            offsets = self.offsets(x, grid) if read is None else read             # (B, T, H, W, h, K, 3)
+            o = deformable_slide_attention(q6, k6, v6, offsets, kernel_size, backend=backend)
         return o.reshape(B, N, h, d)                                  # (B, N, h, d)
 
 

@@ -1,6 +1,8 @@
 """Will a training run fit, and how fast can it go? Predicted before anything is allocated.
 
-Its command line is experiments/plan.py (`python -m experiments.plan model=7B check=true`).
+Its command line is experiments/plan.py, which plans the `RunConfig` that train.py's overrides make
+(`python -m experiments.plan model=7B model.in_channels=3 offload=engine check=true`); a table of cells
+plans each with `grid_run`.
 
 Host RAM (offload engine): the exact bytes of the engine's arenas (`HostState.arena_sizes`: per
 block parameter 16 B, see host_state.py), the block inputs that activation offload parks
@@ -47,13 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megaslide.config import DiTConfig
+from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, TrainConfig
+from megaslide.models.chunking import frame_slabs
+from megaslide.models.dit import DiTBlock, count_params
+from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
+from megaslide.offload.streamer import parked_inputs
 from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
 from megaslide.perf.flops import DiTFlops, dit_flops, keys_per_query
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
-from megaslide.models.dit import DiTBlock, count_params, frame_slabs
-from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
-from megaslide.offload.streamer import parked_inputs
 
 GB = 1e9
 HOST_RESERVE_BYTES = 4 * 2 ** 30   # torch + CUDA runtime + data + Python beside the host state
@@ -101,11 +104,12 @@ ELEMENTWISE_BYTES = 660.0
 """HBM bytes the memory-bound work of one block moves per token and width element in one pass: calibrated
 as (step - matmul - attention) x HBM ceiling / (tokens x dim x depth x passes) on the 1B dense
 chunked-offload 16-frame cell of results/oom_thresholds/h200_headline_256.json (657; 4 passes: forward,
-recompute, 2 for the backward); tests/offload/test_planner.py re-derives it from that file."""
+recompute, 2 for the backward); tests/perf/test_planner.py re-derives it from that file."""
 
 
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
-                    ceilings: Ceilings, backward: bool = True) -> tuple[float, dict[str, float]]:
+                    ceilings: Ceilings, backward: bool = True,
+                    execution: ExecutionConfig | None = None) -> tuple[float, dict[str, float]]:
     """The compute floor of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
     trainer's checkpointed ones), or without `backward` of one forward pass (no grad: nothing re-runs):
@@ -116,18 +120,20 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     plus once more if recomputed, plus once more with several slabs (`slab_frames`: each slab re-runs
     in the backward); its backward counts 2x its forward. A chunked block (`chunk_tokens` or
     `slab_frames`) re-runs its token-wise slices in the backward: every weight's forward once more.
-    Slabs read their halo frames too: the QKV projection and `attend` run over `halo` x the tokens."""
+    Slabs read their halo frames too: the QKV projection and `attend` run over `halo` x the tokens.
+    `execution` (default: whole) says how the blocks run."""
+    execution = execution or ExecutionConfig()
     flops = dit_flops(cfg, batch, grid)
     tokens, depth, a, D = batch * math.prod(grid), cfg.depth, cfg.attention, cfg.dim
-    reach = a.variant.temporal_reach(a.options) if cfg.slab_frames else None
-    slabs = frame_slabs(grid[0], cfg.slab_frames, reach)
+    reach = a.variant.temporal_reach(a.options) if execution.slab_frames else None
+    slabs = frame_slabs(grid[0], execution.slab_frames, reach)
     halo = sum(b - t for t, _, _, b in slabs) / grid[0]          # frames read per frame kept
     forwards = 1 + (recomputed / depth + (len(slabs) > 1) if backward else 0)  # a block's forward passes
     passes = forwards + 2 * backward                              # counting the backward as 2 forwards
     counted = 4.0 * tokens * keys_per_query(a, grid) * D * depth  # attend's forward, counted
     own = 2.0 * tokens * a.variant.extra_macs_per_token(a.options, D, cfg.num_heads) * depth
     qkv = 2.0 * tokens * 3 * D * D * depth
-    rerun_slices = backward and bool(cfg.chunk_tokens or cfg.slab_frames)
+    rerun_slices = backward and bool(execution.chunk_tokens or execution.slab_frames)
     executed = (flops.forward * passes + (flops.weights + (halo - 1) * qkv) * rerun_slices
                 + (halo - 1) * (qkv + counted + own) * passes)
     rate = ceilings.attention_rate(a.name)
@@ -179,14 +185,15 @@ def _clip_and_rope(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], act: 
     return batch * tokens * patch_values * (3 * 4 + act) + tokens * cfg.head_dim * 4
 
 
-def _final_layer(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes) -> int:
+def _final_layer(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, chunk: int) -> int:
     """The final layer at the peak of its backward (the modulation's): LayerNorm's fp32 input copy (of
     a bf16 input) and output, and the fp32 gradients of the modulation's output and input; with
-    `chunk_tokens`, those of one slice, beside a slice's input gradient made full size to be summed in."""
+    `chunk` tokens per slice (execution.chunk_tokens), those of one slice, beside a slice's input gradient
+    made full size to be summed in."""
     per_token = (4 if dtypes.autocast and dtypes.residual < 4 else 0) + 4 + 8
-    if not cfg.chunk_tokens or tokens <= cfg.chunk_tokens:
+    if not chunk or tokens <= chunk:
         return tokens * cfg.dim * per_token
-    return cfg.chunk_tokens * cfg.dim * per_token + tokens * cfg.dim * dtypes.residual
+    return chunk * cfg.dim * per_token + tokens * cfg.dim * dtypes.residual
 
 
 def _block_items(memory: BlockMemory, which: str) -> dict[str, int]:
@@ -208,6 +215,13 @@ class PhasedHBM:
     @property
     def peak_phase(self) -> str:
         return max(self.hbm_phases, key=self.hbm_phases.get)
+
+    def hbm_lines(self) -> list[str]:
+        """The HBM part of a plan's table: each phase's peak, and the items at the peak."""
+        lines = ["HBM: by phase " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in self.hbm_phases.items()),
+                 f"  at the peak ({self.peak_phase}):"]
+        lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.hbm.items()]
+        return [*lines, f"  {'total (peak of max_memory_allocated)':<72} {self.hbm_total / GB:9.2f} GB"]
 
 
 @dataclass
@@ -231,6 +245,7 @@ class OffloadPlan(PhasedHBM):
     resident_blocks: int        # last blocks kept on the device through backward (no recompute, no re-stream)
     activation_offload: bool    # saved block inputs parked in pinned host RAM
     executed_flops: float       # model FLOPs plus the recomputed forward of the other blocks
+    execution: ExecutionConfig  # how the blocks run
 
     @property
     def host_total(self) -> int:
@@ -251,7 +266,7 @@ class OffloadPlan(PhasedHBM):
     def as_dict(self) -> dict:
         return {"params": self.params, "block_params": self.block_params, "tokens": self.tokens,
                 "param_dtype": str(self.param_dtype), "optimizer_device": self.optimizer_device,
-                "activation_offload": self.activation_offload, "chunk_tokens": self.cfg.chunk_tokens,
+                "activation_offload": self.activation_offload, "chunk_tokens": self.execution.chunk_tokens,
                 "host_bytes": self.host, "host_total_bytes": self.host_total, "pinned_bytes": self.pinned_bytes,
                 "host_bytes_per_block_param": host_bytes_per_param(self.param_dtype),
                 "hbm_bytes": self.hbm, "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
@@ -263,18 +278,15 @@ class OffloadPlan(PhasedHBM):
 
     def table(self) -> str:
         c = self.cfg
-        lines = [f"model: dim {c.dim}, depth {c.depth}, heads {c.num_heads}, ffn {c.ffn_dim}, attention "
-                 f"{c.attention.name}; {self.params / 1e9:.3f} B params ({self.block_params / 1e9:.3f} B in blocks)",
-                 f"step: batch {self.batch} x grid {self.grid} = {self.tokens} tokens; {self.param_dtype}; "
-                 f"optimizer on {self.optimizer_device}; clipping {'on' if self.grad_clip else 'off'}; chunk "
-                 f"{c.chunk_tokens or 'off'}; activation offload {'on' if self.activation_offload else 'off'}",
-                 "host RAM:"]
+        model = (f"model: dim {c.dim}, depth {c.depth}, heads {c.num_heads}, ffn {c.ffn_dim}, attention "
+                 f"{c.attention.name}; {self.params / 1e9:.3f} B params ({self.block_params / 1e9:.3f} B in blocks)")
+        step = (f"step: batch {self.batch} x grid {self.grid} = {self.tokens} tokens; {self.param_dtype}; "
+                f"optimizer on {self.optimizer_device}; clipping {'on' if self.grad_clip else 'off'}; chunk "
+                f"{self.execution.chunk_tokens or 'off'}; activation offload {'on' if self.activation_offload else 'off'}")
+        lines = [model, step, "host RAM:"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
-                  "HBM: by phase " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in self.hbm_phases.items()),
-                  f"  at the peak ({self.peak_phase}):"]
-        lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.hbm.items()]
-        lines += [f"  {'total (peak of max_memory_allocated)':<72} {self.hbm_total / GB:9.2f} GB", "step time (s):"]
+                  *self.hbm_lines(), "step time (s):"]
         lines += [f"  {k:<72} {v:9.3f}" for k, v in self.seconds.items()]
         lines += [f"  {'floor = max (' + self.bound + ')':<72} {self.floor_s:9.3f}",
                   f"  {'serial = sum':<72} {self.serial_s:9.3f}"]
@@ -282,12 +294,13 @@ class OffloadPlan(PhasedHBM):
 
 
 def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes: ActivationDtypes, n: int,
-                 resident: int, k: int, activation_offload: bool, optimizer_device: str) -> dict[str, dict[str, int]]:
+                 resident: int, k: int, activation_offload: bool, optimizer_device: str,
+                 execution: ExecutionConfig) -> dict[str, dict[str, int]]:
     """Device bytes by item for each phase of an offloaded step (see the module docstring)."""
     tokens = batch * math.prod(grid)
     w, D, depth = dtypes.residual, cfg.dim, cfg.depth
     x = tokens * D * w                                        # one (B, N, D) block input / output / gradient
-    memory = block_memory(cfg, tokens, dtypes, grid[0])
+    memory = block_memory(cfg, tokens, dtypes, grid[0], execution)
     streamed = depth - k
     fixed = {f"block shells ({2 + k}): weights and flat gradients": 2 * (2 + k) * n * w,
              "resident stem: fp32 weights, AdamW moments": 12 * resident,
@@ -315,7 +328,7 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
     last = {"dL/d(last output)": x} if k else {"last block output and its gradient": 2 * x}
     phases = {"forward": {**fixed, **saved, **forward},
               "loss": {**fixed, **saved, **tail, **last,
-                       "final layer and its backward": _final_layer(cfg, tokens, dtypes)},
+                       "final layer and its backward": _final_layer(cfg, tokens, dtypes, execution.chunk_tokens)},
               "backward": {**fixed, f"saved block inputs on the device ({peak_inputs})": peak_inputs * x, **outputs,
                            "dL/d(last output), this block's output gradient": (2 if previous else 1) * x,
                            "previous block's parameter gradients": n * w if previous else 0, **block}}
@@ -328,16 +341,33 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
     return {name: {item: v for item, v in items.items() if v} for name, items in phases.items()}
 
 
-def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], param_dtype: torch.dtype,
-                 optimizer_device: str = "cpu", grad_clip: bool = True, pin_optimizer_state: bool | None = None,
-                 build_on_host: bool = False, resident_blocks: int = 0, activation_offload: bool = False,
-                 ceilings: Ceilings = Ceilings()) -> OffloadPlan:
-    """Host RAM, HBM and step-time floor of one offloaded training step (allocates nothing)."""
+def grid_run(model: DiTConfig, grid: tuple[int, int, int], *, batch: int = 1, grad_clip: float = 1.0,
+             execution: ExecutionConfig | None = None, offload: OffloadConfig | None = None) -> RunConfig:
+    """The `RunConfig` of training steps of `batch` clips of token grid `grid` (T', H', W'), for a table of cells
+    planned without a data set: its data is the clip that patchifies to `grid`; `offload` defaults to the
+    engine with its defaults."""
+    pt, ph, pw = model.patch_size
+    data = DataConfig(frames=grid[0] * pt, height=grid[1] * ph, width=grid[2] * pw)
+    return RunConfig(model, execution or ExecutionConfig(), data, TrainConfig(batch_size=batch, grad_clip=grad_clip),
+                     offload or OffloadConfig(enabled=True))
+
+
+def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings = Ceilings(),
+                 pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadPlan:
+    """Host RAM, HBM and step-time floor of one training step of `run` on the offload engine (allocates
+    nothing): its model, how its blocks run, its offload settings (optimizer_device, resident_blocks,
+    activation_offload), train.batch_size clips of its data's token grid, and clipping (train.grad_clip > 0).
+    `param_dtype`: the streamed block weights' (the run's precision on its device); `build_on_host`: the
+    fp32 model is first built in host RAM; `pin_optimizer_state`: default, pinned for the GPU optimizer."""
+    cfg, execution, offload = run.model, run.execution, run.offload
+    batch, grid, grad_clip = run.train.batch_size, run.grid, run.train.grad_clip > 0
+    optimizer_device, resident_blocks, activation_offload = (offload.optimizer_device, offload.resident_blocks,
+                                                             offload.activation_offload)
     cfg.validate()
+    execution.validate(cfg.attention)
+    offload.validate()
     if not 0 <= resident_blocks <= cfg.depth:
         raise ValueError(f"offload.resident_blocks={resident_blocks} must be in [0, {cfg.depth}] (the model's depth)")
-    if optimizer_device not in ("cpu", "gpu"):
-        raise ValueError(f"optimizer_device={optimizer_device!r}: choose cpu or gpu")
     pin_state = optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
     layout = block_layout(cfg)
     n, depth, w = layout.numel, cfg.depth, torch.finfo(param_dtype).bits // 8
@@ -357,7 +387,7 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
     host["process reserve"] = HOST_RESERVE_BYTES
 
     dtypes = ActivationDtypes(act=w, residual=w)   # bf16 shells run under bf16 autocast; fp32 ones without
-    phases = _offload_hbm(cfg, batch, grid, dtypes, n, resident, k, activation_offload, optimizer_device)
+    phases = _offload_hbm(cfg, batch, grid, dtypes, n, resident, k, activation_offload, optimizer_device, execution)
     hbm_phases = {name: sum(items.values()) for name, items in phases.items()}
 
     flops = dit_flops(cfg, batch, grid)
@@ -372,14 +402,15 @@ def plan_offload(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], para
         optimizer_s = depth * n * 28 / (ceilings.hbm_TBps * 1e12)
     else:
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
-    executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k, ceilings=ceilings)
+    executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k, ceilings=ceilings,
+                                        execution=execution)
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
     pinned = arenas["pinned"] + parked * input_bytes
     peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), param_dtype, optimizer_device, grad_clip, params, block_params,
                        host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
-                       executed)
+                       executed, execution)
 
 
 @dataclass
@@ -398,21 +429,31 @@ class ResidentPlan(PhasedHBM):
                 "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
                 "hbm_peak_phase": self.peak_phase}
 
+    def table(self) -> str:
+        c = self.cfg
+        head = (f"resident trainer: dim {c.dim}, depth {c.depth}, heads {c.num_heads}, ffn {c.ffn_dim}, attention "
+                f"{c.attention.name}; {self.params / 1e9:.3f} B params; batch {self.batch} x grid {self.grid} = "
+                f"{self.tokens} tokens")
+        return "\n".join([head, *self.hbm_lines()])
 
-def plan_resident(cfg: DiTConfig, *, batch: int, grid: tuple[int, int, int], autocast: bool = True) -> ResidentPlan:
-    """HBM of a steady-state step of the resident trainer on `cfg` with checkpoint_blocks (allocates nothing).
+
+def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
+    """HBM of a steady-state step of the resident trainer on `run` (train.batch_size clips of its data's
+    token grid) with checkpoint_blocks, its blocks otherwise run as run.execution says (allocates nothing).
 
     fp32 weights, gradients and AdamW moments of every parameter stay on the device. Under bf16
     autocast the forward caches a bf16 copy of every weight until it ends (the recompute casts one
     block's again), the fp32 gates make the residual stream fp32, and the previous step's
     gradients live until `zero_grad`, which comes after the forward. The optimizer step adds
     foreach AdamW's temporary (sqrt of the second moment) for every parameter."""
+    cfg, execution, batch, grid = run.model, run.execution, run.train.batch_size, run.grid
     cfg.validate()
+    execution.validate(cfg.attention)
     params = count_params(cfg)
     block = block_layout(cfg).param_count
     tokens = batch * math.prod(grid)
     dtypes = ActivationDtypes(act=2 if autocast else 4, residual=4)
-    memory = block_memory(cfg, tokens, dtypes, grid[0])
+    memory = block_memory(cfg, tokens, dtypes, grid[0], execution)
     x = tokens * cfg.dim * 4
     cast = 2 if autocast else 0
     state = {"fp32 weights and AdamW moments": 12 * params,
@@ -445,9 +486,10 @@ def usable_hbm(available: int) -> int:
     return int(available * (1 - HBM_MARGIN))
 
 
-def check_fits(plan: OffloadPlan, *, host_available: int, hbm_available: int | None) -> None:
-    """Raise ValueError, with the numbers and a fix, when the plan exceeds host RAM or HBM."""
-    if plan.host_total > host_available:
+def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_available: int | None) -> None:
+    """Raise ValueError, with the numbers and a fix, when the plan exceeds host RAM (the offload engine's
+    host state) or HBM."""
+    if isinstance(plan, OffloadPlan) and plan.host_total > host_available:
         items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.host.items())
         arenas = plan.host["block state, pinned arena"] + plan.host["block state, pageable arena"]
         others = plan.host_total - arenas - HOST_RESERVE_BYTES   # what the host holds besides arenas and reserve
@@ -465,11 +507,11 @@ def check_fits(plan: OffloadPlan, *, host_available: int, hbm_available: int | N
         raise ValueError(f"the step does not fit device memory: its {plan.peak_phase} needs "
                          f"{plan.hbm_total / GB:.1f} GB of HBM ({items}) but {hbm_available / GB:.1f} GB is free, "
                          f"{usable_hbm(hbm_available) / GB:.1f} GB usable ({HBM_MARGIN:.0%} kept for the allocator). "
-                         f"Use fewer tokens per step (batch, frames, resolution), model.chunk_tokens, "
+                         f"Use fewer tokens per step (batch, frames, resolution), execution.chunk_tokens, "
                          f"offload.activation_offload, or raise offload.gpu_memory_fraction")
 
 
-def require_fit(plan: OffloadPlan, device: torch.device, gpu_memory_fraction: float = 0.0) -> None:
+def require_fit(plan: OffloadPlan | ResidentPlan, device: torch.device, gpu_memory_fraction: float = 0.0) -> None:
     """`check_fits` against this machine: MemAvailable and the device's free memory (under the cap)."""
     check_fits(plan, host_available=host_available_bytes(),
                hbm_available=hbm_available_bytes(device, gpu_memory_fraction))

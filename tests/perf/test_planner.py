@@ -7,15 +7,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaslide.config import AttentionConfig, OffloadConfig
+from megaslide.config import AttentionConfig, ExecutionConfig, OffloadConfig
+from megaslide.models.dit import DIT_PRESETS, VideoDiT, count_params
+from megaslide.offload import engine as engine_module
+from megaslide.offload.host_state import BlockLayout, HostState
+from megaslide.perf import planner
 from megaslide.perf.activation_memory import ActivationDtypes, block_memory
 from megaslide.perf.flops import dit_flops
-from megaslide.models.dit import DIT_PRESETS, VideoDiT, count_params
-from megaslide.offload import planner
-from megaslide.offload.host_state import BlockLayout, HostState
-from megaslide.offload.planner import (HBM_MARGIN, AttentionRate, Ceilings, check_fits, largest_depth, phase_over,
-                                       plan_offload, plan_resident)
-from megaslide.offload import engine as engine_module
+from megaslide.perf.planner import (
+    HBM_MARGIN,
+    AttentionRate,
+    Ceilings,
+    check_fits,
+    grid_run,
+    largest_depth,
+    phase_over,
+    plan_offload,
+    plan_resident,
+)
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
@@ -26,7 +35,7 @@ GB = 1e9
                                                     (torch.float32, "cpu")])
 def test_host_bytes_are_exactly_what_the_host_state_allocates(dtype, optimizer_device):
     cfg = dataclasses.replace(tiny_model_cfg("dsa"), depth=3)
-    plan = plan_offload(cfg, batch=2, grid=(4, 8, 8), param_dtype=dtype, optimizer_device=optimizer_device)
+    plan = _plan(cfg, (4, 8, 8), batch=2, param_dtype=dtype, optimizer_device=optimizer_device)
     layout = BlockLayout.from_module(VideoDiT(cfg).blocks[0])
     host = HostState(layout, 3, dtype, pin=False, pin_optimizer_state=optimizer_device == "gpu")
     arenas = plan.host["block state, pinned arena"] + plan.host["block state, pageable arena"]
@@ -38,7 +47,7 @@ def test_host_bytes_are_exactly_what_the_host_state_allocates(dtype, optimizer_d
 def test_step_floor_is_the_max_of_compute_pcie_and_optimizer():
     cfg = DIT_PRESETS["7B"]
     c = Ceilings(tflops=500.0, h2d_GBps=40.0, d2h_GBps=20.0, cpu_adam_gparams=2.0)
-    plan = plan_offload(cfg, batch=1, grid=(16, 32, 64), param_dtype=torch.bfloat16, ceilings=c)
+    plan = _plan(cfg, (16, 32, 64), ceilings=c)
     n = planner.block_layout(cfg).numel
     assert plan.h2d_bytes == 2 * n * (2 * cfg.depth - 2)
     assert plan.d2h_bytes == 2 * n * cfg.depth
@@ -49,7 +58,7 @@ def test_step_floor_is_the_max_of_compute_pcie_and_optimizer():
     assert plan.floor_s == max(plan.seconds.values()) and plan.serial_s == pytest.approx(sum(plan.seconds.values()))
     assert plan.bound == "compute"
     # the ablation moves master + moments both ways: more PCIe, and no CPU optimizer
-    gpu = plan_offload(cfg, batch=1, grid=(16, 32, 64), param_dtype=torch.bfloat16, optimizer_device="gpu", ceilings=c)
+    gpu = _plan(cfg, (16, 32, 64), optimizer_device="gpu", ceilings=c)
     assert gpu.h2d_bytes == plan.h2d_bytes + cfg.depth * n * (12 + 2)
     assert gpu.d2h_bytes == plan.d2h_bytes + cfg.depth * n * (12 + 2)
     assert gpu.seconds["optimizer"] < plan.seconds["optimizer"] / 50
@@ -71,7 +80,7 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     assert parts["attention"] == pytest.approx(2 * counted / 2e12 + 2 * counted / 0.5e12)
     assert parts["attention"] == pytest.approx(0.289910292)
     assert parts["matmul"] == pytest.approx((executed - 4 * (counted + own)) / 500e12)
-    plan = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, ceilings=measured)
+    plan = _plan(cfg, grid, ceilings=measured)
     # memory-bound work: ELEMENTWISE_BYTES per token and width element per block pass, 4 passes, at 4.3 TB/s
     assert parts["elementwise"] == pytest.approx(planner.ELEMENTWISE_BYTES * tokens * D * 4 * 4 / 4.3e12)
     assert plan.seconds["compute"] == pytest.approx(sum(parts.values()))
@@ -84,8 +93,8 @@ def test_compute_floor_runs_attention_at_its_own_rate():
     assert default["matmul"] == pytest.approx((executed - 4 * counted) / 500e12)
     # slabs of 4 frames, each padded by DSA's reach of 3 + 4 frames: frames [0, 11), [0, 15), [1, 16), [5, 16)
     # read, 52 for 16 kept; every block's backward re-runs its slabs (a third forward) and its slices
-    slabbed = dataclasses.replace(cfg, slab_frames=4)
-    slab_executed, slab = planner.compute_seconds(slabbed, 1, grid, recomputed=4, ceilings=measured)
+    slabs = ExecutionConfig(slab_frames=4)
+    slab_executed, slab = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=measured, execution=slabs)
     halo, qkv = 52 / 16, 2 * tokens * 3 * D * D * 4
     assert slab["attention"] == pytest.approx(halo * (3 * counted / 2e12 + 2 * counted / 0.5e12))
     f = dit_flops(cfg, 1, grid)
@@ -93,7 +102,8 @@ def test_compute_floor_runs_attention_at_its_own_rate():
                                           + (halo - 1) * qkv)
     assert slab["matmul"] == pytest.approx((slab_executed - halo * (counted + own) * 5) / 500e12)
     # one forward pass (no grad): attend's forward once, nothing re-runs, even with slabs and chunks
-    one_executed, one = planner.compute_seconds(slabbed, 1, grid, recomputed=4, ceilings=measured, backward=False)
+    one_executed, one = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=measured, backward=False,
+                                                execution=slabs)
     assert one_executed == pytest.approx(f.forward + (halo - 1) * (qkv + counted + own))
     assert one["attention"] == pytest.approx(halo * counted / 2e12)
     assert one["matmul"] == pytest.approx((one_executed - halo * (counted + own)) / 500e12)
@@ -135,9 +145,9 @@ def test_elementwise_bytes_are_the_calibration_cells_and_the_floor_holds_on_the_
 
 def test_resident_tail_trades_hbm_for_recompute_and_pcie():
     cfg, grid = DIT_PRESETS["7B"], (16, 32, 64)
-    base = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16)
+    base = _plan(cfg, grid)
     k = 4
-    kept = plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, resident_blocks=k)
+    kept = _plan(cfg, grid, resident_blocks=k)
     n, tokens, f = planner.block_layout(cfg).numel, 16 * 32 * 64, dit_flops(cfg, 1, grid)
     x, D, F = tokens * cfg.dim * 2, cfg.dim, cfg.ffn_dim                   # x: one bf16 block input
     graph = block_memory(cfg, tokens, ActivationDtypes(2, 2)).kept_total  # one kept block graph (output included)
@@ -153,29 +163,27 @@ def test_resident_tail_trades_hbm_for_recompute_and_pcie():
     assert kept.executed_flops == pytest.approx(f.train + f.forward * (cfg.depth - k) / cfg.depth)
     assert kept.seconds["compute"] < base.seconds["compute"] and base.executed_flops == pytest.approx(f.executed)
     with pytest.raises(ValueError, match="resident_blocks"):
-        plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, resident_blocks=cfg.depth + 1)
+        _plan(cfg, grid, resident_blocks=cfg.depth + 1)
 
 
 def test_host_ram_error_gives_the_numbers_and_a_depth_that_fits():
     cfg = DIT_PRESETS["7B"]
-    plan = plan_offload(cfg, batch=1, grid=(16, 32, 64), param_dtype=torch.bfloat16)
+    plan = _plan(cfg, (16, 32, 64))
     available = int(60 * GB)
     with pytest.raises(ValueError, match=r"does not fit host RAM: it needs 1\d\d\.\d GB") as err:
         check_fits(plan, host_available=available, hbm_available=None)
     depth = int(str(err.value).split("model.depth=")[1].split()[0])
     assert depth == largest_depth(cfg, host_budget=available, param_dtype=torch.bfloat16, pin_optimizer_state=False)
-    smaller = plan_offload(dataclasses.replace(cfg, depth=depth), batch=1, grid=(16, 32, 64),
-                           param_dtype=torch.bfloat16)
+    smaller = _plan(dataclasses.replace(cfg, depth=depth), (16, 32, 64))
     check_fits(smaller, host_available=available, hbm_available=None)      # the suggestion fits
-    bigger = plan_offload(dataclasses.replace(cfg, depth=depth + 1), batch=1, grid=(16, 32, 64),
-                          param_dtype=torch.bfloat16)
+    bigger = _plan(dataclasses.replace(cfg, depth=depth + 1), (16, 32, 64))
     with pytest.raises(ValueError, match="host RAM"):
         check_fits(bigger, host_available=available, hbm_available=None)   # and it is the largest
 
 
 def test_host_ram_error_when_not_one_block_fits_names_a_smaller_width_not_depth_0():
     cfg = DIT_PRESETS["105B"]
-    plan = plan_offload(cfg, batch=1, grid=(4, 8, 8), param_dtype=torch.bfloat16)
+    plan = _plan(cfg, (4, 8, 8))
     available = int(5 * GB)                # less than one block's host state at dim 12288
     assert largest_depth(cfg, host_budget=available, param_dtype=torch.bfloat16, pin_optimizer_state=False) == 0
     with pytest.raises(ValueError, match=r"Not even one block of this width \(model.dim=12288\) fits: use a "
@@ -185,7 +193,7 @@ def test_host_ram_error_when_not_one_block_fits_names_a_smaller_width_not_depth_
 
 
 def test_hbm_error_names_the_items():
-    plan = plan_offload(DIT_PRESETS["7B"], batch=4, grid=(16, 64, 64), param_dtype=torch.bfloat16)
+    plan = _plan(DIT_PRESETS["7B"], (16, 64, 64), batch=4)
     with pytest.raises(ValueError, match=r"does not fit device memory.*saved block inputs.*fewer tokens"):
         check_fits(plan, host_available=10 ** 13, hbm_available=int(40 * GB))
     check_fits(plan, host_available=10 ** 13, hbm_available=None)  # no HBM figure on CPU: no check
@@ -217,14 +225,16 @@ H200_PEAKS = [("dsa", 4, 32, 34.9e9), ("dsa", 4, 64, 63.4e9), ("dense", 20, 16, 
 @pytest.mark.parametrize("attention,depth,frames,measured", H200_PEAKS)
 def test_hbm_prediction_is_within_ten_percent_of_h200_peaks(attention, depth, frames, measured):
     cfg = dataclasses.replace(DIT_PRESETS["7B"], depth=depth, attention=AttentionConfig(attention))
-    plan = plan_offload(cfg, batch=1, grid=cfg.token_grid(frames, 64, 128), param_dtype=torch.bfloat16)
+    plan = _plan(cfg, cfg.token_grid(frames, 64, 128))
     assert plan.peak_phase == "backward"
     assert plan.hbm_total == pytest.approx(measured, rel=0.10)
     assert plan.hbm_total == pytest.approx(measured, rel=0.04)   # today's model: 1-3% below
 
 
-def _planned(cfg, grid, **kw):
-    return plan_offload(cfg, batch=1, grid=grid, param_dtype=torch.bfloat16, **kw)
+def _plan(cfg, grid, *, batch=1, param_dtype=torch.bfloat16, ceilings=None, execution=None, **offload):
+    """plan_offload of `batch` clips of token grid `grid` on the engine with the `offload` settings."""
+    run = grid_run(cfg, grid, batch=batch, execution=execution, offload=OffloadConfig(enabled=True, **offload))
+    return plan_offload(run, param_dtype=param_dtype, ceilings=ceilings or Ceilings())
 
 
 def test_activation_offload_parks_inputs_on_the_host():
@@ -233,13 +243,13 @@ def test_activation_offload_parks_inputs_on_the_host():
     of depth - 1; each parked input crosses PCIe once each way."""
     cfg, grid = dataclasses.replace(DIT_PRESETS["7B"], depth=12), (16, 32, 64)
     x = 16 * 32 * 64 * cfg.dim * 2
-    base, parked = _planned(cfg, grid), _planned(cfg, grid, activation_offload=True)
+    base, parked = _plan(cfg, grid), _plan(cfg, grid, activation_offload=True)
     assert parked.host_total - base.host_total == 10 * x
     assert parked.pinned_bytes - base.pinned_bytes == 10 * x
     assert base.hbm_total - parked.hbm_total == (11 - 3) * x
     assert parked.h2d_bytes - base.h2d_bytes == 10 * x and parked.d2h_bytes - base.d2h_bytes == 10 * x
     few = dataclasses.replace(cfg, depth=2)                  # nothing to park: the last two stay on the device
-    assert _planned(few, grid, activation_offload=True).host_total == _planned(few, grid).host_total
+    assert _plan(few, grid, activation_offload=True).host_total == _plan(few, grid).host_total
 
 
 def test_chunking_plans_the_chunked_block_and_its_recompute():
@@ -249,7 +259,7 @@ def test_chunking_plans_the_chunked_block_and_its_recompute():
     cfg, grid = dataclasses.replace(DIT_PRESETS["7B"], depth=6), (32, 34, 60)
     tokens, D, F, heads = 32 * 34 * 60, cfg.dim, cfg.ffn_dim, cfg.num_heads
     n = planner.block_layout(cfg).numel
-    plain, chunked = _planned(cfg, grid), _planned(dataclasses.replace(cfg, chunk_tokens=8160), grid)
+    plain, chunked = _plan(cfg, grid), _plan(cfg, grid, execution=ExecutionConfig(chunk_tokens=8160))
     unchunked_block = tokens * (56 * D + 6 * F + 36 + 8 * heads)
     chunked_block = tokens * (24 * D + 8 * heads)
     assert plain.hbm_total - chunked.hbm_total == unchunked_block - chunked_block + F * D * 2 - n * 2
@@ -261,19 +271,20 @@ def test_chunking_plans_the_chunked_block_and_its_recompute():
 def test_a_clip_longer_than_host_ram_holds_is_refused_before_allocating():
     """With activation offload the parked inputs grow with the clip: 256 latent frames of 1080p at the
     7B width need ~0.4 TB of parked inputs; the host check says so (and suggests a shorter clip)."""
-    cfg = dataclasses.replace(DIT_PRESETS["7B"], depth=27, attention=AttentionConfig("dsa"), chunk_tokens=16320)
+    cfg = dataclasses.replace(DIT_PRESETS["7B"], depth=27, attention=AttentionConfig("dsa"))
+    chunked = ExecutionConfig(chunk_tokens=16320)
     grid = cfg.token_grid(256, 136, 240)
     start = time.perf_counter()
-    plan = _planned(cfg, grid, activation_offload=True)
+    plan = _plan(cfg, grid, activation_offload=True, execution=chunked)
     with pytest.raises(ValueError, match=r"does not fit host RAM.*parked block inputs.*shorter clip"):
         check_fits(plan, host_available=128 * 2 ** 30, hbm_available=None)
-    short = _planned(cfg, cfg.token_grid(4, 136, 240), activation_offload=True)
+    short = _plan(cfg, cfg.token_grid(4, 136, 240), activation_offload=True, execution=chunked)
     check_fits(short, host_available=128 * 2 ** 30, hbm_available=None)
     assert time.perf_counter() - start < 10
 
 
 def test_hbm_check_keeps_the_allocator_margin():
-    plan = _planned(dataclasses.replace(DIT_PRESETS["1B"], depth=2), (8, 32, 64))
+    plan = _plan(dataclasses.replace(DIT_PRESETS["1B"], depth=2), (8, 32, 64))
     room = int(plan.hbm_total / (1 - HBM_MARGIN)) + 1
     check_fits(plan, host_available=10 ** 13, hbm_available=room)
     with pytest.raises(ValueError, match=r"5% kept for the allocator"):
@@ -287,7 +298,7 @@ def test_resident_plan_phases_by_hand():
     cfg, grid = dataclasses.replace(DIT_PRESETS["1B"], depth=4), (8, 34, 60)
     tokens, p = 8 * 34 * 60, count_params(cfg)
     clip = tokens * 16 * 4 * (3 * 4 + 2) + tokens * cfg.head_dim * 4    # x0, noise, x_t, bf16 patches; RoPE
-    plan = plan_resident(cfg, batch=1, grid=grid)
+    plan = plan_resident(grid_run(cfg, grid))
     assert plan.hbm_phases["optimizer"] == 20 * p + clip
     block = block_memory(cfg, tokens, ActivationDtypes(act=2, residual=4)).forward_total
     assert plan.hbm_phases["forward"] == 18 * p + clip + 4 * tokens * cfg.dim * 4 + block
@@ -303,7 +314,6 @@ def test_chunked_final_layer_holds_one_slice_and_a_full_size_gradient_share():
     copy, output and two gradients (16 D bytes a token) and one bf16 full-size input-gradient share."""
     cfg, grid = DIT_PRESETS["1B"], (64, 68, 120)
     tokens, chunk, D = 64 * 68 * 120, 16320, DIT_PRESETS["1B"].dim
-    whole = plan_offload(dataclasses.replace(cfg, chunk_tokens=0), batch=1, grid=grid, param_dtype=torch.bfloat16)
-    sliced = plan_offload(dataclasses.replace(cfg, chunk_tokens=chunk), batch=1, grid=grid,
-                          param_dtype=torch.bfloat16)
+    whole = _plan(cfg, grid)
+    sliced = _plan(cfg, grid, execution=ExecutionConfig(chunk_tokens=chunk))
     assert whole.hbm_phases["loss"] - sliced.hbm_phases["loss"] == tokens * 16 * D - (chunk * 16 * D + tokens * 2 * D)

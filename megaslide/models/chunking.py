@@ -1,0 +1,156 @@
+"""How the blocks of a built model run: whole, token-chunked, over frame slabs, checkpointed.
+
+The model computes the same function whichever way it runs; `apply_execution(model, execution)` picks
+the way from an `ExecutionConfig` after the model is built (as torchtitan applies checkpointing), and the
+model's `run_block` and `head` hand every call to the `BlockRunner` it installs. The runner is a plain
+object, not a module: it holds no weights, so state-dict names never depend on how a model runs.
+
+Token chunking (`chunk_tokens` = c > 0). Apart from self-attention, everything in a block acts on each
+token alone: modulation, norms, the QKV and output projections, QK-norm + RoPE, cross-attention to the
+caption and the MLP. The runner runs that work over slices of c tokens, each slice under its own
+non-reentrant checkpoint, so autograd keeps only a slice's inputs (its run of x and of the attention
+output), never a whole-sequence intermediate such as the MLP's ffn-wide hidden or the cross-attention's
+scores. Self-attention (dense, swin, dsa) still sees the whole sequence, and the block keeps whole only
+what it needs: q, k, v, the attention input if the variant reads it (`reads_input`: DSA's offset net,
+which the runner runs over runs of whole frames of about c tokens, `read_input`), the output and what the
+op saves (lse, DSA's offsets). A block's activation memory in forward and backward is then
+O(c x (dim + ffn)) plus O(N x dim) for self-attention, instead of O(N x ffn); the price is one more
+forward of each slice's token-wise work in backward. Under `checkpoint_blocks` the recomputed forward is
+chunked the same way (the checkpoints nest). Outputs and gradients equal the unchunked block's up to
+rounding. Every slice launches the block's small kernels again, and a DSA frame run also convolves its
+two halo frames, so slices should be large: several frames, enough tokens that their matmuls keep the
+device busy.
+
+Frame slabs (`slab_frames` = s > 0, for an attention of bounded temporal reach r: DSA's window plus its
+largest offset). A key more than r frames from a query never meets it, so the block's output on frames
+[t0, t0 + s) depends only on its input on [t0 - r, t0 + s + r). The block then runs slab by slab, each
+under its own checkpoint: the slab with its halo goes through the token-wise projections and the
+attention (on that sub-grid: RoPE keeps the global positions, and the attention's clamps at the clip's
+ends fall where they fall on the whole grid, because a halo is cut only there), and only the kept frames
+go on through the output projection, cross-attention and MLP. Nothing of the attention is ever
+whole-clip: a block's memory is O((s + 2r) x per-token state) plus its input, output and their
+gradients. The price: the halo's projections and attention are computed for each of its two slabs
+((s + 2r) / s), and one more forward of the token-wise work in backward (the slab checkpoint around the
+slice checkpoints).
+
+The final layer (`head`) runs over slices of c rows too, each under a checkpoint: its LayerNorm keeps
+fp32 copies of whole rows, too much over millions of tokens. An `attn=` override (KV-cached and
+sequence-parallel inference) and a self-attention that is not a `SelfAttention` (the sequence-parallel
+form of `parallelize_dit`) run the block whole.
+
+What this costs in memory, per block and item, is modelled in megaslide/perf/activation_memory.py
+(`block_memory`) and, for the final layer and the step, in the planner (megaslide/perf/planner.py);
+both take the same `ExecutionConfig`.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megaslide.attention import SelfAttention
+from megaslide.config import ExecutionConfig
+
+
+def frame_slabs(frames: int, slab: int, reach: int | None) -> list[tuple[int, int, int, int]]:
+    """The slabs (a, t0, t1, b) of a clip of `frames` token frames: slab i keeps frames [t0, t1) =
+    [i * slab, (i + 1) * slab) and reads [a, b), those padded by `reach` frames on each side (cut at
+    the clip's ends). One slab (0, 0, T, T) when `slab` is 0 or covers the clip."""
+    if not slab or slab >= frames:
+        return [(0, 0, frames, frames)]
+    return [(max(0, t0 - reach), t0, min(t0 + slab, frames), min(frames, t0 + slab + reach))
+            for t0 in range(0, frames, slab)]
+
+
+def read_over_frame_runs(attn: SelfAttention, h: torch.Tensor, grid, chunk_tokens: int) -> torch.Tensor:
+    """What `attn` reads of its input h (B, N, D) (`read_input`), over runs of whole frames of about
+    `chunk_tokens` tokens (at least one frame), each under its own checkpoint: backward keeps h and what
+    was read, nothing grid-wide in between. Whole in one call when `chunk_tokens` is 0."""
+    T, H, W = grid
+    if not chunk_tokens:
+        return attn.read_input(h, grid, 0, T)
+    step = max(1, chunk_tokens // (H * W))  # frames per run
+    runs = [checkpoint(attn.read_input, h, grid, t0, min(t0 + step, T), use_reentrant=False)
+            for t0 in range(0, T, step)]
+    return torch.cat(runs, dim=1)            # (B, T, ...)
+
+
+class BlockRunner:
+    """Runs blocks and the final layer as `execution` says; the default runs them whole (see the module
+    docstring)."""
+
+    def __init__(self, execution: ExecutionConfig | None = None):
+        self.execution = execution or ExecutionConfig()
+
+    def run_block(self, block, x, e, attn=None, *, training: bool = False) -> torch.Tensor:
+        """Block `block` on tokens x (B, N, D) with the embedded inputs `e` (`Embedded`); with
+        `checkpoint_blocks`, in training with grad, under a checkpoint of the whole block."""
+        args = (block, x, e.t_mod, e.ctx, e.ctx_mask, e.rope, e.grid, attn)
+        if self.execution.checkpoint_blocks and training and torch.is_grad_enabled():
+            return checkpoint(self.block, *args, use_reentrant=False)
+        return self.block(*args)
+
+    def block(self, block, x, t_mod, ctx, ctx_mask, rope, grid, attn=None) -> torch.Tensor:
+        """`block(x, t_mod, ctx, ctx_mask, rope, grid, attn)` (B, N, D), chunked and slabbed as configured."""
+        ex = self.execution
+        if attn is not None or not (ex.chunk_tokens or ex.slab_frames) or not isinstance(block.attn, SelfAttention):
+            return block(x, t_mod, ctx, ctx_mask, rope, grid, attn)
+        mod = block.modulation[None] + t_mod                                         # (B, 9, D)
+        reach = block.attn.temporal_reach(block.attn.options) if ex.slab_frames else None
+        slabs = frame_slabs(grid[0], ex.slab_frames, reach)
+        if len(slabs) == 1:
+            return self._run_slab(block, x, mod, ctx, ctx_mask, rope, grid, slice(None))
+        _, H, W = grid
+        fr = H * W                                                                    # tokens per frame
+        cos, sin = rope                                                              # (N, d/2) each
+        out = [checkpoint(self._run_slab, block, x[:, a * fr:b * fr], mod, ctx, ctx_mask,
+                          (cos[a * fr:b * fr], sin[a * fr:b * fr]), (b - a, H, W),
+                          slice((t0 - a) * fr, (t1 - a) * fr), use_reentrant=False)
+               for a, t0, t1, b in slabs]                                            # (B, (t1-t0)*fr, D) each
+        return torch.cat(out, dim=1)                                                 # (B, N, D)
+
+    def head(self, final, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        """`final(x, t_emb)`: tokens (B, n, D) -> rows (B, n, pv*C); with `chunk_tokens`, over slices of
+        that many rows, each under a checkpoint."""
+        step = self.execution.chunk_tokens
+        if not step or x.shape[1] <= step:
+            return final(x, t_emb)
+        return torch.cat([checkpoint(final, x[:, s:s + step], t_emb, use_reentrant=False)
+                          for s in range(0, x.shape[1], step)], dim=1)     # (B, n, pv*C)
+
+    def _run_slab(self, block, x, mod, ctx, ctx_mask, rope, grid, keep: slice):
+        """The block over x (B, n, D), a run of whole frames (grid (t, H, W)), returning only the rows
+        `keep` (B, n_keep, D): the halo rows outside it are there for the attention of the kept ones."""
+        cos, sin = rope                                                              # (n, d/2) each
+        step = self.execution.chunk_tokens or len(range(x.shape[1])[keep])  # unset: slices of the kept rows' size
+        spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
+        parts = [checkpoint(_project_slice, block, x[:, s], mod, cos[s], sin[s], use_reentrant=False)
+                 for s in spans]
+        q, k, v, *h = (torch.cat(p, dim=1) for p in zip(*parts))                    # (B, n, h, d) x 3[, (B, n, D)]
+        del parts  # the slices: only their concatenations stay alive through attention
+        read = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
+        o = block.attn.attend(q, k, v, None, grid, **read)[:, keep]                 # (B, n_keep, h, d)
+        x = x[:, keep]                                                               # (B, n_keep, D)
+        spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
+        out = [checkpoint(_finish_slice, block, x[:, s], o[:, s], mod, ctx, ctx_mask, use_reentrant=False)
+               for s in spans]
+        return torch.cat(out, dim=1)                                                 # (B, n_keep, D)
+
+
+def _project_slice(block, x, mod, cos, sin):
+    """A slice x (B, n, D) -> q, k, v (B, n, heads, d), and the attention input (B, n, D) if the variant reads it."""
+    h = block.pre_attention(x, mod)                                                # (B, n, D)
+    q, k, v = block.attn.project_qkv(h, (cos, sin))                                 # (B, n, h, d) each
+    return (q, k, v, h) if block.attn.reads_input else (q, k, v)
+
+
+def _finish_slice(block, x, o, mod, ctx, ctx_mask):
+    """A slice x (B, n, D) and its attention output o (B, n, heads, d) -> the block output (B, n, D)."""
+    return block.post_attention(x, block.attn.project_out(o), mod, ctx, ctx_mask)
+
+
+def apply_execution(model, execution: ExecutionConfig):
+    """Run `model`'s blocks and final layer as `execution` says, checked against its attention first;
+    returns the model. Weights and their names are untouched."""
+    execution.validate(model.cfg.attention)
+    model.runner = BlockRunner(execution)
+    return model
