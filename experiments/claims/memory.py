@@ -12,7 +12,7 @@ from experiments.claims.common import link, load, read_results
 from experiments.results_io import descends_from
 from megaslide.config import DiTConfig
 from megaslide.models.dit import DIT_PRESETS, count_params
-from megaslide.offload import planner
+from megaslide.perf import planner
 
 TB = 1e12
 QUADRATIC_SLOPE = 1.8   # C2: a log-log slope of dense time over tokens at least this counts as quadratic
@@ -165,7 +165,7 @@ def floor_text(cells: list[tuple[str, dict]]) -> str:
         return "step-time floor: no measured cell to check"
     worst, c = max(ratios, key=lambda rc: abs(rc[0] - 1))
     return (f"step-time floor, today's compute model on {len(ratios)} measured cells (its elementwise term calibrated "
-            f"on one of them, see megaslide/offload/planner.py ELEMENTWISE_BYTES): "
+            f"on one of them, see megaslide/perf/planner.py ELEMENTWISE_BYTES): "
             f"{'met' if abs(worst - 1) <= FLOOR_TARGET else 'not met'} (worst floor/step = {worst:.2f} at "
             f"{_cell_name(c)}: {todays_floor(c):.1f} vs {c['step_s']:.1f} s; target within {100 * FLOOR_TARGET:.0f}%)")
 

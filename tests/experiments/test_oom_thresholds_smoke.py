@@ -49,7 +49,6 @@ def sleep_then_answer(seconds: float, queue) -> None:
 
 
 def test_a_cell_over_its_time_limit_is_stopped_and_reported():
-    start = time.perf_counter()
-    assert run_isolated(sleep_then_answer, (30.0,), time_limit_s=1.0)["status"] == "time limit"
-    assert time.perf_counter() - start < 20
-    assert run_isolated(sleep_then_answer, (0.0,), time_limit_s=20.0) == {"status": "fits"}
+    """The sleeper would answer "fits" after 10 minutes: "time limit" means it was stopped at its limit."""
+    assert run_isolated(sleep_then_answer, (600.0,), time_limit_s=1.0)["status"] == "time limit"
+    assert run_isolated(sleep_then_answer, (0.0,), time_limit_s=600.0) == {"status": "fits"}
