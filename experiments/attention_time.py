@@ -131,7 +131,8 @@ def attend_rate(cfg: DiTConfig, grid: tuple[int, int, int], device: torch.device
     counted = 4.0 * tokens * keys_per_query(a, grid) * D    # QK^T and PV, as megaslide/perf/flops.py counts them
     forward_s = backward_s = 0.0
     for layer in (0, 1):
-        module = build_attention(a.name, D, heads, qk_norm=cfg.qk_norm, layer_idx=layer, **dataclasses.asdict(a.options))
+        module = build_attention(a.name, D, heads, qk_norm=cfg.qk_norm, layer_idx=layer,
+                                 **dataclasses.asdict(a.options))
         if hasattr(module, "initialize_weights"):
             module.initialize_weights()
         module = module.to(device=device, dtype=dtype)

@@ -95,7 +95,8 @@ def check_correctness(device: torch.device, steps: int) -> dict:
             weight_rel = _max_rel(eng.engine.model_state_dict(), ref_weights)
             rows.append({"precision": precision, "variant": variant, "losses": losses, "reference_losses": ref_losses,
                          "max_loss_rel_diff": loss_rel, "max_weight_rel_diff": weight_rel,
-                         "passed": None if precision == "bf16" else bool(max(loss_rel, weight_rel) <= CORRECTNESS_RTOL)})
+                         "passed": None if precision == "bf16"
+                         else bool(max(loss_rel, weight_rel) <= CORRECTNESS_RTOL)})
             eng.close()
             progress(f"correctness {precision} {variant}: loss rel diff {loss_rel:.2e}, "
                      f"weight rel diff {weight_rel:.2e}")
@@ -189,7 +190,8 @@ def print_table(p: dict) -> None:
               f"{r['overlap_efficiency']:>7.2f} {r['h2d_GBps']:>9.1f} {frac:>7} {r['memory']['peak_hbm_GB']:>7.1f} "
               f"{r['predicted']['floor_s']:>7.3f} {r['predicted']['hbm_GB']:>7.1f}")
     if p.get("overlap_speedup_vs_serial"):
-        print(f"overlap speedup vs serial: {p['overlap_speedup_vs_serial']:.2f}x (target {TARGETS['overlap_speedup_vs_serial']}x)")
+        print(f"overlap speedup vs serial: {p['overlap_speedup_vs_serial']:.2f}x "
+              f"(target {TARGETS['overlap_speedup_vs_serial']}x)")
 
 
 @script_main("mfu_overlap")
@@ -235,7 +237,8 @@ def main(cfg: DictConfig) -> None:
     print(plan.table(), flush=True)
     fraction = bench.gpu_memory_fraction if cuda else 0.0
     for p in plans.values():
-        planner.check_fits(p, host_available=host_available_bytes(), hbm_available=hbm_available_bytes(device, fraction))
+        planner.check_fits(p, host_available=host_available_bytes(),
+                           hbm_available=hbm_available_bytes(device, fraction))
     flops = dit_flops(model_cfg, bench.batch, grid)
 
     # 4. memory wall, under the cap the engine will run under

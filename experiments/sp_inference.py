@@ -265,7 +265,7 @@ class Bench:
         flops = causal_flops(self.model.cfg, self.setup, self.steps, None)
         ranks = 1 if gen.group is None else self.ctx.world
         self.record(variant, ranks, {**flags_of(gen), "cuda_graphs_status": graphs_status(gen)}, ttff, total, flops)
-        del gen
+        gen = None  # release the generator's caches before the next variant
         release(self.ctx.device)
 
     def time_full(self, group) -> None:
@@ -275,7 +275,7 @@ class Bench:
         ranks = 1 if sampler.group is None else self.ctx.world
         flags = {"precompute_rope": sampler.config.precompute_rope, "fused_qk_rope": sampler.config.fused_qk_rope}
         self.record(FULL, ranks, flags, total, total, full_flops(self.model.cfg, self.setup, self.steps))
-        del sampler
+        sampler = None  # release the sampler before the next variant
         release(self.ctx.device)
 
 

@@ -245,7 +245,7 @@ def time_variant(v: Variant, n: int, cfg, device, dtype, world: int, topo: Topol
     except torch.cuda.OutOfMemoryError as e:  # with several ranks, one rank's OOM can stall the others
         return {**row, "status": "oom", "reason": str(e).splitlines()[0]}
     finally:
-        del q, k, vv
+        q = k = vv = None  # release the inputs before the next size
         release_symm_mem_workspaces()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -302,13 +302,15 @@ def print_tables(payload: dict) -> None:
         ms = f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-"
         vs = f"{r['speedup_vs_usp']:.2f}x" if r.get("speedup_vs_usp") else "-"
         diff = f"{r['max_abs_diff']:.2e}" if "max_abs_diff" in r else "-"
-        print(f"{r['variant']:>18} {r['latent_frames']:>6} {r['tokens']:>8} {r['status']:>11} {ms:>10} {vs:>7} {diff:>10}")
+        print(f"{r['variant']:>18} {r['latent_frames']:>6} {r['tokens']:>8} {r['status']:>11} {ms:>10} {vs:>7} "
+              f"{diff:>10}")
     print(f"\nmeasured on {payload['world_size']} rank(s), {payload['device']}, {payload['dtype']}, block attention "
           f"{payload['attention_backend']['name']}; one-sided: {payload['symm_mem']['reason']}; "
           f"correctness {'PASSED' if all(c['passed'] for c in payload['correctness']) else 'FAILED'}")
     for c in payload["correctness"]:
         if not c["passed"]:
-            print(f"  FAILED {c['variant']} causal={c['causal']}: error {c['err_vs_ref']} vs SDPA's {c['sdpa_err_vs_ref']}")
+            print(f"  FAILED {c['variant']} causal={c['causal']}: error {c['err_vs_ref']} "
+                  f"vs SDPA's {c['sdpa_err_vs_ref']}")
     print(f"{'variant':>18} {'N':>9} {'status':>11} {'ms':>10} {'pred ms':>10} {'meas/pred':>9} {'vs USP':>7}")
     for r in payload["timings"]:
         ms = f"{r['time_s'] * 1e3:.2f}" if "time_s" in r else "-"
@@ -428,7 +430,8 @@ def main(cfg: DictConfig) -> None:
     elif config.world_size > 1:
         spawn(run_rank, config.world_size, (config,), backend=None, timeout_s=None)
     else:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
         run_rank(0, 1, config)
 
 

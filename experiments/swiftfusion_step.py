@@ -81,7 +81,7 @@ def measure_denoising_steps(rows: list[dict], variants: list, unavailable: dict[
                          "max_abs_diff": (latents - reference).abs().max().item(), "diff_vs": reference_name})
             if step_s > step.max_seconds:
                 too_slow[v.name] = f"{step_s:.2f} s at {tokens} tokens > step.max_seconds={step.max_seconds}"
-            del sampler
+            sampler = None  # release the sampler before the next mode
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         usp = next((r.get("step_s") for r in rows if r["latent_frames"] == frames and r["variant"] == "usp"), None)

@@ -49,11 +49,13 @@ def test_unknown_config_key_lists_known():
 
 
 def test_attention_config_reads_the_flat_hydra_form_and_its_own_asdict_form():
-    flat = from_dict(AttentionConfig, {"name": "dsa", "kernel_size": [3, 5, 5], "max_offset": 2, "backend": "reference"})
+    flat = from_dict(AttentionConfig, {"name": "dsa", "kernel_size": [3, 5, 5], "max_offset": 2,
+                                       "backend": "reference"})
     assert flat.options == DSAOptions((3, 5, 5), 2.0, "reference")
     assert from_dict(AttentionConfig, dataclasses.asdict(flat)) == flat
     assert from_dict(AttentionConfig, {}) == AttentionConfig("dense")
-    assert from_dict(DiTConfig, {"attention": {"name": "swin", "window": [1, 2, 2]}}).attention.options.window == (1, 2, 2)
+    swin = from_dict(DiTConfig, {"attention": {"name": "swin", "window": [1, 2, 2]}})
+    assert swin.attention.options.window == (1, 2, 2)
 
 
 def test_attention_config_refuses_an_option_of_another_variant():

@@ -93,7 +93,9 @@ def swift(which):
                    f"({link(results_dir, 'swiftfusion', main[0])})")
         layer = {v: _speedups(w["timings"], v, "speedup_vs_usp", "seq_len") for v in ("torus", "swiftfusion")}
         step = {v: _speedups(w.get("denoising_step", []), v, "speedup_vs_usp", "tokens") for v in ("torus",)}
-        fmt = lambda d: ", ".join(f"{tokens_text(n)} {x:.2f}x" for n, x in sorted(d.items())) or "none measured"
+
+        def fmt(d: dict) -> str:
+            return ", ".join(f"{tokens_text(n)} {x:.2f}x" for n, x in sorted(d.items())) or "none measured"
         if which == "F2":
             at64 = layer["torus"].get(65536)
             return ((f"{P} H200s, Torus vs USP, attention layer: {fmt(layer['torus'])}; denoising step: "

@@ -129,7 +129,8 @@ def farneback_flow(prev: np.ndarray, nxt: np.ndarray) -> np.ndarray:
     import cv2
 
     return cv2.calcOpticalFlowFarneback(
-        _gray(prev), _gray(nxt), None, pyr_scale=0.5, levels=3, winsize=9, iterations=5, poly_n=5, poly_sigma=1.1, flags=0
+        _gray(prev), _gray(nxt), None, pyr_scale=0.5, levels=3, winsize=9, iterations=5, poly_n=5, poly_sigma=1.1,
+        flags=0
     )
 
 

@@ -282,7 +282,8 @@ class OffloadPlan(PhasedHBM):
                  f"{c.attention.name}; {self.params / 1e9:.3f} B params ({self.block_params / 1e9:.3f} B in blocks)")
         step = (f"step: batch {self.batch} x grid {self.grid} = {self.tokens} tokens; {self.param_dtype}; "
                 f"optimizer on {self.optimizer_device}; clipping {'on' if self.grad_clip else 'off'}; chunk "
-                f"{self.execution.chunk_tokens or 'off'}; activation offload {'on' if self.activation_offload else 'off'}")
+                f"{self.execution.chunk_tokens or 'off'}; "
+                f"activation offload {'on' if self.activation_offload else 'off'}")
         lines = [model, step, "host RAM:"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",

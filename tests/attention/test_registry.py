@@ -28,7 +28,8 @@ def test_swin_loads_through_its_entry_point_and_the_core_never_imports_baselines
                                                ("dsa", "kernel", r"\['kernel_size', 'max_offset', 'backend'\]"),
                                                ("dsa_zero", "window", r"\['kernel_size', 'max_offset', 'backend'\]")])
 def test_an_option_the_variant_does_not_take_names_it_the_variant_and_the_known_ones(name, option, known):
-    with pytest.raises(ValueError, match=rf"\['{option}'\] unknown to the '{name}' attention, which takes only {known}"):
+    message = rf"\['{option}'\] unknown to the '{name}' attention, which takes only {known}"
+    with pytest.raises(ValueError, match=message):
         build_attention(name, 64, 4, **{option: 3})
 
 
@@ -37,10 +38,11 @@ def test_dense_takes_no_options():
         build_attention("dense", 64, 4, window=(2, 4, 4))
 
 
-@pytest.mark.parametrize("options,message", [({"kernel_size": (3, 2, 3)}, r"attention.kernel_size=\(3, 2, 3\) must be"),
-                                             ({"kernel_size": (3, 3)}, "attention.kernel_size"),
-                                             ({"max_offset": -1.0}, r"attention.max_offset=-1.0 must be >= 0"),
-                                             ({"backend": "cuda"}, r"attention.backend='cuda': choose one of \['auto'")])
+@pytest.mark.parametrize("options,message", [
+    ({"kernel_size": (3, 2, 3)}, r"attention.kernel_size=\(3, 2, 3\) must be"),
+    ({"kernel_size": (3, 3)}, "attention.kernel_size"),
+    ({"max_offset": -1.0}, r"attention.max_offset=-1.0 must be >= 0"),
+    ({"backend": "cuda"}, r"attention.backend='cuda': choose one of \['auto'")])
 def test_dsa_option_values_are_checked(options, message):
     with pytest.raises(ValueError, match=message):
         DSAOptions(**options)

@@ -106,7 +106,8 @@ def test_classify_shapes_names_rendered_shapes_sharp_and_blurred(size):
     for shape in SHAPES:
         centers = np.stack([rng.uniform(0, height, 6), rng.uniform(0, width, 6)], axis=1)  # (6, 2)
         centers[0] = [0.3, width - 0.4]  # across both borders
-        video = render_video(height, width, torch.from_numpy(centers).float()[None], [{"color": "white", "shape": shape}],
+        video = render_video(height, width, torch.from_numpy(centers).float()[None],
+                             [{"color": "white", "shape": shape}],
                              size)  # (3, 6, H, W) in [0, 255]
         for name, weights in kernels.items():
             coverage = np.stack([np.rint(_torus_blur(f, weights)) / 255.0 for f in video[0].numpy()])  # (6, H, W)

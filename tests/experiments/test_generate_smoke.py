@@ -13,7 +13,8 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "
 VIDEO = ["frames=6", "height=8", "width=8", "device=cpu"]
 
 
-@pytest.mark.parametrize("script, sp", [("generate_full", ["parallel.sp_mode=torus"]), ("generate_causal", ["chunk_frames=2"])])
+@pytest.mark.parametrize("script, sp", [("generate_full", ["parallel.sp_mode=torus"]),
+                                        ("generate_causal", ["chunk_frames=2"])])
 def test_two_ranks_match_one_process_and_write_the_video(tmp_path, script, sp):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     run_script([f"experiments/{script}.py", *VIDEO, *sp, f"out={one}"])

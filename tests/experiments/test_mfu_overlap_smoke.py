@@ -32,7 +32,7 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
         assert r["h2d_GBps"] == pytest.approx(r["h2d_bytes"] / r["h2d_s"] / 1e9)
         # the engine moves exactly the bytes the planner predicts, in every mode
         assert r["h2d_bytes"] == r["predicted"]["h2d_bytes"] and r["d2h_bytes"] == r["predicted"]["d2h_bytes"]
-        assert all(l == l for l in r["losses"])  # finite (no NaN)
+        assert all(loss == loss for loss in r["losses"])  # finite (no NaN)
         # every timed step is timed on its own: the mean lies within their spread
         assert r["timed_steps"] == b["timed_steps"] == 2
         assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]

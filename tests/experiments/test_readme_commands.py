@@ -11,7 +11,8 @@ For each command of a Hydra script of experiments/:
    scripts without a tiny size get step 1 only.
 argparse scripts (report.py, claims.py) run with their output redirected into a temporary folder;
 any other module must at least be a command-line entry point (`--help` prints a usage). Installs, the test
-suite itself and shell scripts (`bash experiments/gpu/*.sh`, tested in their own files) are skipped. W&B is disabled and every output lands in a temporary folder.
+suite itself and shell scripts (`bash experiments/gpu/*.sh`, tested in their own files) are skipped. W&B is disabled
+and every output lands in a temporary folder.
 """
 from __future__ import annotations
 

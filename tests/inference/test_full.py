@@ -46,7 +46,8 @@ def test_sampler_runs_a_parallelized_copy_and_leaves_the_model_alone():
 def test_errors():
     model = tiny_model()
     with pytest.raises(ValueError, match="parallel.sp_mode="):
-        FullSequenceSampler(model, frames=3, height=6, width=8, config=FullConfig(parallel=ParallelConfig(sp_mode="no")))
+        FullSequenceSampler(model, frames=3, height=6, width=8,
+                            config=FullConfig(parallel=ParallelConfig(sp_mode="no")))
     with pytest.raises(ValueError, match="parallel.placement="):
         FullSequenceSampler(model, frames=3, height=6, width=8,
                             config=FullConfig(parallel=ParallelConfig(placement="across")))

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.usefixtures("torch_adamw")
 def _trainer(tmp_path, name, **execution):
     model_cfg = dataclasses.replace(tiny_model_cfg("dsa", max_offset=1.5), depth=4)
     offload = OffloadConfig(enabled=True, activation_offload=bool(execution))
-    return Trainer(model_cfg, tiny_data_cfg(frames=12, height=8, width=8, shape_size=4), tiny_train_cfg(steps=3, weight_decay=0.01),
+    return Trainer(model_cfg, tiny_data_cfg(frames=12, height=8, width=8, shape_size=4),
+                   tiny_train_cfg(steps=3, weight_decay=0.01),
                    tmp_path / name, offload_cfg=offload, execution=ExecutionConfig(**execution))
 
 

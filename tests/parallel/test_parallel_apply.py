@@ -68,7 +68,8 @@ def _sharded_forward_over_a_mesh(rank: int, world: int) -> None:
     want = model(x, t, ids)
     mesh = build_mesh(1, world)                                       # hybrid with ulysses_degree 1: a ring
     with pytest.raises(ValueError, match=f"ulysses_degree={world}, ring_degree=1"):
-        parallelize_dit(weight_sharing_copy(model), mesh, ParallelConfig(sp_mode="ulysses"))  # the mesh fixes the degrees
+        # the mesh fixes the degrees
+        parallelize_dit(weight_sharing_copy(model), mesh, ParallelConfig(sp_mode="ulysses"))
     sp = parallelize_dit(weight_sharing_copy(model), mesh, ParallelConfig(sp_mode="hybrid"))
     grid = model.cfg.token_grid(*x.shape[2:])
     shard = TokenShard.of(45, dist.group.WORLD)

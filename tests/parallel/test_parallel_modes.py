@@ -173,7 +173,8 @@ def _extra_checks() -> dict[str, float]:
     res["mesh_is_cached"] = float(build_mesh(2, 2, "ring_intra") is not mesh)
     ring_members = dist.get_process_group_ranks(mesh.ring_group)
     res["ring_intra_rings_are_consecutive"] = float(ring_members != [rank // 2 * 2, rank // 2 * 2 + 1])
-    res["ring_intra_ulysses_strided"] = float(dist.get_process_group_ranks(mesh.ulysses_group) != [rank % 2, rank % 2 + 2])
+    strided = dist.get_process_group_ranks(mesh.ulysses_group) != [rank % 2, rank % 2 + 2]
+    res["ring_intra_ulysses_strided"] = float(strided)
     return res
 
 
