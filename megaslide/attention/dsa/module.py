@@ -21,8 +21,8 @@ from megaslide.attention import register_attention
 from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
 from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
-from megaslide.attention.dsa.op import (BACKENDS, SCRATCH_BYTES, backward_scratch_bytes, deformable_slide_attention,
-                                        neighborhood_attention)
+from megaslide.attention.dsa.constants import SCRATCH_BYTES, backward_scratch_bytes
+from megaslide.attention.dsa.op import BACKENDS, deformable_slide_attention, neighborhood_attention
 
 
 @dataclass(frozen=True)
