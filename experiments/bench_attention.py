@@ -16,7 +16,7 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   how far samples spread;
 - sweep: `sweep_variants` on 1080p latents (8x VAE, patch 2: 68 x 120 tokens per latent frame) at
   `frames` latent frames, for the log-log slope of time against tokens;
-- gather: the gather floor (`megaslide.attention.dsa.gather_floor`): a kernel that makes only the fused
+- gather: the gather floor (`experiments.kernels.gather_floor`): a kernel that makes only the fused
   forward's corner-row loads (the same launch, positions and rows; the backward's query pass makes the same
   loads again), timed at the target grid in both row layouts at +-4 and at each of `offset_bounds` at the
   forward's launch, and at +-4 and the smallest bound at each of `gather_launches`, after a check against
@@ -53,7 +53,7 @@ from experiments.hydra_config import script_config, script_main
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
-from megaslide.attention.dsa.op import ENTRY_FLOATS
+from megaslide.attention.dsa.constants import ENTRY_FLOATS
 from megaslide.testing import deterministic_algorithms, within_tolerance
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
@@ -252,7 +252,7 @@ def offset_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda ro
 def gather_check(device) -> dict:
     """The gather-floor kernel against its reference (the op with q = 0, float64) on a small odd grid, fp32,
     both layouts: max abs error and pass / fail (1e-4, fp32 accumulation of 432 rows). CUDA only."""
-    from megaslide.attention.dsa import gather_floor
+    from experiments.kernels import gather_floor
     g = torch.Generator(device=device).manual_seed(1)
     shape, K = (1, 5, 9, 11, 2, 64), math.prod(KERNEL)
     k, v = (torch.randn(shape, generator=g, device=device) for _ in range(2))
@@ -266,14 +266,14 @@ def gather_check(device) -> dict:
 def gather_rows(grid, heads, d, dtype, device, repeats, bounds, launches, on_row=lambda rows: None):
     """The gather floor at `grid` (CUDA; on CPU one skipped row): `gathered_sum` in each row layout with offsets
     uniform in +-b for b = 4 (the targets') and each of `bounds`, at the forward's default launch; then at +-4
-    and at the smallest bound at each of `launches` (kernels.LaunchConfig). Each row records its launch."""
+    and at the smallest bound at each of `launches` (launch.LaunchConfig). Each row records its launch."""
     n = math.prod(grid)
     if device.type != "cuda":
         rows = [{"variant": "gather", "grid": list(grid), "tokens": n, "status": "skipped: Triton kernels need CUDA"}]
         on_row(rows)
         return rows
-    from megaslide.attention.dsa.gather_floor import LAYOUTS, gathered_sum
-    from megaslide.attention.dsa.kernels import forward_launch_config
+    from experiments.kernels.gather_floor import LAYOUTS, gathered_sum
+    from megaslide.attention.dsa.launch import forward_launch_config
     default = forward_launch_config(n, d)
     swept = [(b, default) for b in dict.fromkeys([4.0, *bounds])]
     swept += [(b, launch) for b in dict.fromkeys([4.0, min([4.0, *bounds])])
@@ -295,23 +295,23 @@ def gather_rows(grid, heads, d, dtype, device, repeats, bounds, launches, on_row
 
 
 def key_tile(grid, head_dim: int) -> tuple[int, int, int]:
-    """The fused backward's default key tile on a (T, H, W) grid (`binned.key_config`)."""
-    from megaslide.attention.dsa import binned
-    return binned.key_config(tuple(grid), head_dim).tile
+    """The fused backward's default key tile on a (T, H, W) grid (`launch.key_config`)."""
+    from megaslide.attention.dsa import launch
+    return launch.key_config(tuple(grid), head_dim).tile
 
 
 def tile_rows(grid, heads: int, head_dims) -> list[dict]:
     """The fused DSA kernels' default launches on a (T, H, W) grid per head dim: the forward
-    (`kernels.forward_launch_config`), the backward's query pass (`kernels.query_launch_config`), its key
-    tiles (`binned.key_config`), heads per backward launch (`kernels.heads_per_group`, batch 1) and the
-    zero-offset kernels (`kernels.launch_config`)."""
-    from megaslide.attention.dsa import binned, kernels
+    (`launch.forward_launch_config`), the backward's query pass (`launch.query_launch_config`), its key
+    tiles (`launch.key_config`), heads per backward launch (`backward.heads_per_group`, batch 1) and the
+    zero-offset kernels (`launch.launch_config`)."""
+    from megaslide.attention.dsa import backward, launch
     n_tokens = math.prod(grid)
-    return [{"head_dim": d, "forward": asdict(kernels.forward_launch_config(n_tokens, d)),
-             "query_pass": asdict(kernels.query_launch_config(n_tokens, d)),
-             "key_pass": asdict(binned.key_config(tuple(grid), d)),
-             "zero_offset": asdict(kernels.launch_config(n_tokens, d)),
-             "bwd_heads_per_launch": kernels.heads_per_group(1, n_tokens, heads, math.prod(KERNEL))}
+    return [{"head_dim": d, "forward": asdict(launch.forward_launch_config(n_tokens, d)),
+             "query_pass": asdict(launch.query_launch_config(n_tokens, d)),
+             "key_pass": asdict(launch.key_config(tuple(grid), d)),
+             "zero_offset": asdict(launch.launch_config(n_tokens, d)),
+             "bwd_heads_per_launch": backward.heads_per_group(1, n_tokens, heads, math.prod(KERNEL))}
             for d in sorted(set(head_dims))]
 
 
@@ -362,18 +362,18 @@ def dsa_roofline(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dic
 def tiles_touched(tile: tuple[int, int, int]) -> float:
     """Mean key tiles a sample's 2 x 2 x 2 corners touch for key tiles of `tile` tokens, with the
     sample's lower corner uniform over a tile: per axis the upper corner leaves the tile with
-    probability 1 / size (binned.py lists an entry once per touched tile)."""
+    probability 1 / size (backward.py lists an entry once per touched tile)."""
     return math.prod(1 + 1 / s for s in tile)
 
 
 def gather_bound(n_tokens: int, heads: int, d: int, K: int, elem: int, ceil: dict,
                  tile: tuple[int, int, int] = (4, 4, 4)) -> dict:
-    """A bound on fused DSA fwd+bwd as the kernels are built (kernels.py forward, binned.py backward),
+    """A bound on fused DSA fwd+bwd as the kernels are built (forward.py, backward.py),
     for key tiles of `tile` tokens, with r = `tiles_touched(tile)` entry records per (query, sample):
     - gathers: every sample reads its 8 corner rows of K and V (elem B each) from L2, in the forward
       and again in the backward's query pass;
     - key rows: the key pass reads the query row q_n and dO_n of each record (2 d elem B);
-    - scratch: each entry (ds, p, position: one 32-byte sector, `op.ENTRY_FLOATS`) written once, read by
+    - scratch: each entry (ds, p, position: one 32-byte sector, `constants.ENTRY_FLOATS`) written once, read by
       the binning pass (the capped lists; the exact passes, for overflowing lists, are not counted) and per
       record by the key pass; int32 records written, read, and a slot taken with an atomic (4 B each).
     Time `ms`: the slowest of the idealised roofline's HBM bytes at the HBM rate, all L2 traffic at the

@@ -17,18 +17,18 @@ def candidate_fields(candidate, required: int, defaults: tuple, parameter: str) 
 
 
 def key_of(candidate):
-    """The binned.KeyConfig of a key candidate [t, y, x, BLOCK_E, warps] or [t, y, x, BLOCK_E, warps, maxnreg]
+    """The launch.KeyConfig of a key candidate [t, y, x, BLOCK_E, warps] or [t, y, x, BLOCK_E, warps, maxnreg]
     (key tiles of t x y x tokens; maxnreg 0 or left out: the compiler's register count)."""
-    from megaslide.attention.dsa import binned
+    from megaslide.attention.dsa import launch
     t, y, x, block_e, num_warps, maxnreg = candidate_fields(candidate, 5, (0,), "key_candidates")
-    return binned.KeyConfig(tile=(t, y, x), block_e=block_e, num_warps=num_warps, maxnreg=maxnreg or None)
+    return launch.KeyConfig(tile=(t, y, x), block_e=block_e, num_warps=num_warps, maxnreg=maxnreg or None)
 
 
 def launch_of(candidate, head_dim: int, parameter: str = "launch_candidates"):
-    """The kernels.LaunchConfig of a sweep candidate [BLOCK_Q, warps], [BLOCK_Q, warps, block_y] (query
+    """The launch.LaunchConfig of a sweep candidate [BLOCK_Q, warps], [BLOCK_Q, warps, block_y] (query
     patches of block_y rows; 1 when left out) or [BLOCK_Q, warps, block_y, maxnreg] (0: the compiler's
     register count) at head dim d. A malformed candidate is refused naming `parameter`, the config key."""
-    from megaslide.attention.dsa import kernels
+    from megaslide.attention.dsa import launch
     block_q, num_warps, block_y, maxnreg = candidate_fields(candidate, 2, (1, 0), parameter)
-    return kernels.LaunchConfig(block_q=block_q, block_d=kernels.head_dim_block(head_dim),
-                                num_warps=num_warps, block_y=block_y, maxnreg=maxnreg or None)
+    return launch.LaunchConfig(block_q=block_q, block_d=launch.head_dim_block(head_dim),
+                               num_warps=num_warps, block_y=block_y, maxnreg=maxnreg or None)

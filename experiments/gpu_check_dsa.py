@@ -10,7 +10,7 @@ the kernel's max error may be at most 2x the error of the same-dtype PyTorch ref
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
 an offset gradient, many query blocks and (3, 5, 5) windows; the op's backward takes the key tiles
-`binned.key_config` picks for each grid (4 x 4 x 4, 1 x 8 x 8 on one frame), and
+`launch.key_config` picks for each grid (4 x 4 x 4, 1 x 8 x 8 on one frame), and
 every key configuration the sweep times is also checked on one case (rows named `..._keys_...`), and
 with `sweep=true` every query block it times, on one case of each op (rows `..._launch_...`).
 `sweep=true` also times the kernels' launch configurations (the zero-offset kernels' too), the
@@ -39,7 +39,8 @@ from experiments.dsa_candidates import key_of, launch_of
 from experiments.harness import ExperimentRun, copy_gbps, kernel_check_device, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
-from megaslide.attention.dsa.op import select_backend
+from megaslide.attention.dsa.op import BACKENDS
+from megaslide.backends import select_backend
 from megaslide.testing import TOLERANCE_RULE, deterministic_algorithms, rounding_floor, within_tolerance
 
 F64 = torch.float64
@@ -91,7 +92,7 @@ KEY_CASE = GPU_CASES[0]  # the case every swept key configuration is checked on
 SMOKE_KEY_CANDIDATES = [[1, 2, 4, 16, 1], [2, 2, 2, 32, 1, 128]]
 OVERFLOW_CAPACITY = 8
 """Records per capped key-tile list in one more check of each dtype: far fewer than a list holds, so the
-backward falls back to its exact lists (binned.py), as it does where offsets pile samples onto a tile."""
+backward falls back to its exact lists (backward.py), as it does where offsets pile samples onto a tile."""
 SMOKE_LAUNCHES = [(16, 1), (16, 1, 4, 128)]  # rows of queries; 4 x 4 query patches, registers capped
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
 
@@ -123,20 +124,20 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int 
 
 def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str, key_config=None, launch=None):
     """Output and gradients of one backend of `op` (dsa: offsets as drawn; dsa_zero: none), inputs cast to
-    dtype; `key_config` (a binned.KeyConfig) or `launch` (a kernels.LaunchConfig): the fused kernels called
+    dtype; `key_config` (a launch.KeyConfig) or `launch` (a launch.LaunchConfig): the fused kernels called
     directly with these key tiles or query blocks."""
     q, k, v, grad_out = (x.to(dtype) for x in (inputs[0], inputs[1], inputs[2], inputs[4]))
     offsets = inputs[3].to(torch.float32 if case.fp32_offsets and dtype != F64 else dtype)
     if key_config is not None or launch is not None:
-        from megaslide.attention.dsa import kernels, zero_kernels
+        from megaslide.attention.dsa import backward, forward, zero_kernels
         scale = case.shape[-1] ** -0.5
         if op == "dsa_zero":
             out, lse = zero_kernels.na_forward(q, k, v, case.kernel_size, scale, config=launch)
             return [out, *zero_kernels.na_backward(q, k, v, out, lse, grad_out, case.kernel_size, scale,
                                                    config=launch)]
-        out, lse = kernels.dsa_forward(q, k, v, offsets, case.kernel_size, scale, config=launch)
-        grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, case.kernel_size, scale,
-                                     case.offsets_grad, config=launch, key_config=key_config)
+        out, lse = forward.dsa_forward(q, k, v, offsets, case.kernel_size, scale, config=launch)
+        grads = backward.dsa_backward(q, k, v, offsets, out, lse, grad_out, case.kernel_size, scale,
+                                      case.offsets_grad, config=launch, key_config=key_config)
         return [out, *(g for g in grads if g is not None)]
     leaves = [q, k, v] + ([offsets] if case.offsets_grad and op == "dsa" else [])
     for x in leaves:
@@ -197,7 +198,7 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     zero_bwd_ms), then of the backward's key configs (`swept_key_configs`) with each
     kernel's profiled time. `on_row(sweep)` gets the sweep so far after each timed row, so a run cut short
     keeps what it timed."""
-    from megaslide.attention.dsa import binned, kernels, zero_kernels
+    from megaslide.attention.dsa import backward, forward, launch, zero_kernels
 
     shape = (1, 1, 4, 4, 1, 16) if smoke else (1, 16, 128, 128, 16, 64)  # smoke: one program per query block
     kernel_size = (1, 3, 3) if smoke else (3, 3, 3)
@@ -209,24 +210,24 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
     q, k, v, dout = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
     offsets = (8 * torch.rand((B, T, H, W, heads, K, 3), generator=g, device=device) - 4).to(dtype)
     scale = d ** -0.5
-    default = kernels.launch_config(T * H * W, d)
+    default = launch.launch_config(T * H * W, d)
     rows, key_rows = [], []
     sweep = {"shape": list(shape), "kernel_size": list(kernel_size), "dtype": str(dtype),
              "default_config": asdict(default),
-             "forward_default_config": asdict(kernels.forward_launch_config(T * H * W, d)),
-             "query_default_config": asdict(kernels.query_launch_config(T * H * W, d)),
-             "default_key_config": asdict(binned.key_config((T, H, W), d)),
+             "forward_default_config": asdict(launch.forward_launch_config(T * H * W, d)),
+             "query_default_config": asdict(launch.query_launch_config(T * H * W, d)),
+             "default_key_config": asdict(launch.key_config((T, H, W), d)),
              "hbm_copy_gbps": copy_gbps(device, 1 << 20 if smoke else 1 << 30), "configs": rows,
              "key_configs": key_rows}
     for candidate in candidates:
         cfg = launch_of(candidate, d)
-        out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg)
-        fwd_s = timed(lambda: kernels.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg), device).median
-        def backward():
-            return kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad=True,
-                                        config=cfg)
-        bwd_s = timed(backward, device).median
-        bwd_kernels = kernel_ms(backward, device)
+        out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg)
+        fwd_s = timed(lambda: forward.dsa_forward(q, k, v, offsets, kernel_size, scale, config=cfg), device).median
+        def run_backward():
+            return backward.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad=True,
+                                         config=cfg)
+        bwd_s = timed(run_backward, device).median
+        bwd_kernels = kernel_ms(run_backward, device)
         out, lse = zero_kernels.na_forward(q, k, v, kernel_size, scale, config=cfg)
         zero_fwd_s = timed(lambda: zero_kernels.na_forward(q, k, v, kernel_size, scale, config=cfg), device).median
         zero_bwd_s = timed(lambda: zero_kernels.na_backward(q, k, v, out, lse, dout, kernel_size, scale, config=cfg),
@@ -238,14 +239,14 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                      "zero_bwd_ms": zero_bwd_s * 1e3, "query_pass_ms": bwd_kernels.get("_query_kernel")})
         on_row(sweep)
     for keys in swept_key_configs(smoke, key_candidates):
-        out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
+        out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale)
 
-        def backward():
-            return kernels.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad=True,
-                                        key_config=keys)
+        def run_backward():
+            return backward.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad=True,
+                                         key_config=keys)
         key_rows.append({"tile": list(keys.tile), "block_e": keys.block_e, "num_warps": keys.num_warps,
-                         "maxnreg": keys.maxnreg,
-                         "bwd_ms": timed(backward, device).median * 1e3, "kernel_ms": kernel_ms(backward, device)})
+                         "maxnreg": keys.maxnreg, "bwd_ms": timed(run_backward, device).median * 1e3,
+                         "kernel_ms": kernel_ms(run_backward, device)})
         on_row(sweep)
     return sweep
 
@@ -313,15 +314,15 @@ def check(cfg: GpuCheckConfig) -> int:
     run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
 
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
-    auto_backend = select_backend("auto", probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
+    auto_backend = select_backend("auto", BACKENDS, probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     key_case = cases[0] if cfg.smoke else KEY_CASE
     jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops for case in cases
             for dtype in dtypes]
     if "dsa" in cfg.ops:
-        from megaslide.attention.dsa import binned
+        from megaslide.attention.dsa import launch
         jobs += [lambda k=k, d=dtype: check_case(key_case, d, device, "dsa", k)
                  for k in checked_key_configs(cfg.smoke, cfg.key_candidates) for dtype in dtypes]
-        overflow = replace(binned.key_config(key_case.shape[1:4], key_case.shape[-1]), capacity=OVERFLOW_CAPACITY)
+        overflow = replace(launch.key_config(key_case.shape[1:4], key_case.shape[-1]), capacity=OVERFLOW_CAPACITY)
         jobs += [lambda d=dtype: check_case(key_case, d, device, "dsa", overflow) for dtype in dtypes]
     candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
     launches = [launch_of(c, key_case.shape[-1]) for c in candidates]  # a malformed candidate fails here, first

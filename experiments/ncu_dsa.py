@@ -74,7 +74,7 @@ class NcuConfig:
 def run_kernels(cfg: NcuConfig) -> None:
     """The child: one forward and one backward of each op, in the order of `ops`, on bf16 inputs (offsets
     U(-4, 4)); ncu profiles the first `launch_count` launches in that order."""
-    from megaslide.attention.dsa import kernels, zero_kernels
+    from megaslide.attention.dsa import backward, forward, zero_kernels
 
     B, T, H, W, heads, d = cfg.shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -83,8 +83,8 @@ def run_kernels(cfg: NcuConfig) -> None:
     for op in cfg.ops:
         if op == "dsa":
             offsets = (8 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, device="cuda") - 4).to(torch.bfloat16)
-            out, lse = kernels.dsa_forward(q, k, v, offsets, window, scale)
-            kernels.dsa_backward(q, k, v, offsets, out, lse, dout, window, scale, offsets_grad=True)
+            out, lse = forward.dsa_forward(q, k, v, offsets, window, scale)
+            backward.dsa_backward(q, k, v, offsets, out, lse, dout, window, scale, offsets_grad=True)
         else:
             out, lse = zero_kernels.na_forward(q, k, v, window, scale)
             zero_kernels.na_backward(q, k, v, out, lse, dout, window, scale)

@@ -1,4 +1,5 @@
-"""Backend choice for the fused ops (3D-DSA, fused QK-norm + RoPE), NATTEN / xformers style.
+"""Backend choice, NATTEN / xformers style: the one mechanism of every op with several implementations
+(3D-DSA and its offset net's kernels, fused QK-norm + RoPE, the sequence-parallel attention brick).
 
 An op lists its backends in the order "auto" tries them; each has a `can_run(*inputs,
 explicit) -> (ok, reason)` check. Asking by name for a backend that cannot run, or "auto"
@@ -23,16 +24,26 @@ class Backend:
     run: Callable[..., Any]
 
 
-def select_backend(name: str, backends: tuple[Backend, ...], *inputs: torch.Tensor) -> Backend:
+def select_backend(name: str, backends: tuple[Backend, ...], *inputs) -> Backend:
     """The backend called `name`, or for "auto" the first in `backends` that can run `inputs`."""
+    return choose_backend(name, backends, *inputs)[0]
+
+
+def choose_backend(name: str, backends: tuple[Backend, ...], *inputs) -> tuple[Backend, dict[str, str]]:
+    """`select_backend`'s choice and, for each backend tried before it, why it cannot run: the record a
+    benchmark keeps of what ran and why nothing faster did."""
     known = ["auto", *(b.name for b in backends)]
     if name not in known:
         raise ValueError(f"backend={name!r} is unknown; choose 'auto' to take the first that can run, "
                          f"or one of: {', '.join(map(repr, known))}")
     explicit = name != "auto"
+    passed: dict[str, str] = {}
     for backend in backends:
-        if name in ("auto", backend.name) and backend.can_run(*inputs, explicit)[0]:
-            return backend
+        if name in ("auto", backend.name):
+            ok, why = backend.can_run(*inputs, explicit)
+            if ok:
+                return backend, passed
+            passed[backend.name] = why
     reasons = []
     for backend in backends:
         ok, why = backend.can_run(*inputs, explicit)

@@ -41,7 +41,7 @@ class AttendMemory:
     (intermediates, input gradients, accumulators);
     scratch, scratch_cap, heads: buffers that the backward keeps within `scratch_cap` bytes (0: no
     bound) by running whole heads at a time, at least one (DSA's fp32 ds, p and key-tile entry lists
-    over head groups, binned.py)."""
+    over head groups, dsa/backward.py)."""
 
     keeps: str
     saved: int

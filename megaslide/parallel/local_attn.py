@@ -9,10 +9,11 @@ positions the rows of a block hold: a tuple of `Segment`s, in row order. Padding
 masks are expressed through positions, so the same code serves contiguous shards (ring),
 gathered shards (Ulysses) and interleaved shards (hybrid with ring_intra placement).
 
-Kernels, NATTEN-style: `_BACKENDS` is walked in order, each has `can_run(q, k, v) -> (ok, why)`:
+Backends: `megaslide.backends.Backend` records, walked in order (FORWARD_BACKENDS for the forward,
+BACKWARD_BACKENDS for the backward); each `can_run(q, k, v, explicit) -> (ok, why)`:
 - `cudnn` (forward only): `torch.ops.aten._scaled_dot_product_cudnn_attention` with its lse,
-  the kernel PyTorch's SDPA picks on Hopper; probed like `flash`. Backward falls through to
-  the next backend, which needs only the merged out and lse.
+  the kernel PyTorch's SDPA picks on Hopper; probed like `flash`. The backward takes the next
+  backend, which needs only the merged out and lse.
 - `flash`: `torch.ops.aten._scaled_dot_product_flash_attention` and its backward (CUDA, fp16 /
   bf16), which return / accept the lse. It is probed once per device and dtype against the
   explicit path and used only if it agrees.
@@ -22,10 +23,11 @@ Kernels, NATTEN-style: `_BACKENDS` is walked in order, each has `can_run(q, k, v
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from megaslide.backends import Backend, choose_backend
 
 
 @dataclass(frozen=True)
@@ -196,12 +198,12 @@ def _probe(forward, backward, device: str, dtype: torch.dtype) -> tuple[bool, st
         return False, f"op failed: {type(e).__name__}: {e}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_probe(device: str, dtype: torch.dtype) -> tuple[bool, str]:
     return _probe(_flash_forward, _flash_backward, device, dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cudnn_probe(device: str, dtype: torch.dtype) -> tuple[bool, str]:
     return _probe(_cudnn_forward, None, device, dtype)
 
@@ -217,51 +219,41 @@ def _fused_kernel_check(q) -> tuple[bool, str]:
     return True, "ok"
 
 
-def _cudnn_can_run(q, k, v) -> tuple[bool, str]:
+def _cudnn_can_run(q, k, v, explicit: bool) -> tuple[bool, str]:
     ok, why = _fused_kernel_check(q)
     if ok and q.shape[-1] > 128:
         ok, why = False, f"needs head_dim <= 128, got {q.shape[-1]}"
     return _cudnn_probe(str(q.device), q.dtype) if ok else (ok, why)
 
 
-def _flash_can_run(q, k, v) -> tuple[bool, str]:
+def _flash_can_run(q, k, v, explicit: bool) -> tuple[bool, str]:
     ok, why = _fused_kernel_check(q)
     return _flash_probe(str(q.device), q.dtype) if ok else (ok, why)
 
 
-def _explicit_can_run(q, k, v) -> tuple[bool, str]:
+def _explicit_can_run(q, k, v, explicit: bool) -> tuple[bool, str]:
     return True, "ok"
 
 
-@dataclass(frozen=True)
-class _Backend:
-    name: str
-    can_run: Callable[..., tuple[bool, str]]
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None  # None: forward only
-
-
-_BACKENDS = (
-    _Backend("cudnn", _cudnn_can_run, _cudnn_forward, None),
-    _Backend("flash", _flash_can_run, _flash_forward, _flash_backward),
-    _Backend("explicit", _explicit_can_run, _explicit_forward, _explicit_backward),
+FORWARD_BACKENDS = (
+    Backend("cudnn", _cudnn_can_run, _cudnn_forward),
+    Backend("flash", _flash_can_run, _flash_forward),
+    Backend("explicit", _explicit_can_run, _explicit_forward),
 )
+"""Forward of one pair, (q, k, v, causal, scale) -> (out, lse), in the order they are tried."""
+BACKWARD_BACKENDS = (
+    Backend("flash", _flash_can_run, _flash_backward),
+    Backend("explicit", _explicit_can_run, _explicit_backward),
+)
+"""Backward of one pair, (dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), in the order they are
+tried (cuDNN's forward has no backward here)."""
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   backward: bool = False) -> tuple[_Backend, dict[str, str]]:
-    """The first backend that can run these tensors (and their backward, if asked), and why
-    each earlier one could not."""
-    why_not: dict[str, str] = {}
-    for backend in _BACKENDS:
-        if backward and backend.backward is None:
-            why_not[backend.name] = "forward only"
-            continue
-        ok, reason = backend.can_run(q, k, v)
-        if ok:
-            return backend, why_not
-        why_not[backend.name] = reason
-    raise RuntimeError(f"no attention backend can run: {why_not}")
+                   backward: bool = False) -> tuple[Backend, dict[str, str]]:
+    """The first backend that can run these tensors' forward (or backward), and why each earlier one
+    could not."""
+    return choose_backend("auto", BACKWARD_BACKENDS if backward else FORWARD_BACKENDS, q, k, v)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -271,7 +263,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     Returns out (B, h, Nq, d) and lse (B, h, Nq), both in the accumulation dtype (fp32, or fp64
     for fp64 inputs)."""
     backend, _ = select_backend(q, k, v)
-    out, lse = backend.forward(q, k, v, causal, scale)
+    out, lse = backend.run(q, k, v, causal, scale)
     cdt = compute_dtype(q.dtype)
     return out.to(cdt), lse.to(cdt)
 
@@ -284,7 +276,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     full gradients. Returns dq (B, h, Nq, d), dk and dv (B, h, Nk, d) in the accumulation dtype."""
     backend, _ = select_backend(q, k, v, backward=True)
     cdt = compute_dtype(q.dtype)
-    return tuple(g.to(cdt) for g in backend.backward(dout, q, k, v, out, lse, causal, scale))
+    return tuple(g.to(cdt) for g in backend.run(dout, q, k, v, out, lse, causal, scale))
 
 
 def merge_into_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""The binned (atomic-free) fused DSA backward (binned.py) under the Triton interpreter: dq, dk, dv and
+"""The binned (atomic-free) fused DSA backward (backward.py) under the Triton interpreter: dq, dk, dv and
 d(offsets) against the float64 reference at chosen key tiles and entry blocks, the binning against a
 plain PyTorch construction of the key tiles' entry lists, and the kernels' sm_90 build.
 
@@ -6,28 +6,22 @@ Tolerances as tests/attention/test_dsa_triton.py (megaslide.testing.within_toler
 same-dtype reference's error plus a rounding floor)."""
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
 import torch
 
-from megaslide.attention.dsa.op import ENTRY_FLOATS, backward_scratch_bytes
+from megaslide.attention.dsa.constants import ENTRY_FLOATS, LOG2E, SCRATCH_BYTES, backward_scratch_bytes
 from megaslide.attention.dsa.reference import base_positions, trilinear_corners
 from megaslide.testing import deterministic_algorithms, rounding_floor, within_tolerance
-from tests.attention.test_dsa_triton import FLOOR_ULPS, kernels, make_inputs, run
+from tests.attention.test_dsa_triton import FLOOR_ULPS, backward, forward, launch, make_inputs, run
 from tests.helpers import builds_for_sm90
-
-from megaslide.attention.dsa import binned  # noqa: E402  (after test_dsa_triton set TRITON_INTERPRET)
-
-if not binned.INTERPRETED or binned._sample_axes is not kernels._sample_axes:  # built before the interpreter
-    binned = importlib.reload(binned)
 
 F64 = torch.float64
 
 
 def assert_backward_matches(shape, kernel_size, dtype, tile, block_e, offsets_dtype=None, half_tokens=False,
-                            capacity=None, scratch_bytes=kernels.SCRATCH_BYTES, **input_kw):
+                            capacity=None, scratch_bytes=SCRATCH_BYTES, **input_kw):
     """dsa_backward with key tiles `tile`, `block_e` entries per dot and `capacity` records per capped list:
     every gradient within tolerance of the float64 reference. half_tokens: offsets rounded to multiples of
     0.5 (zero-weight corners); scratch_bytes: the head groups' scratch bound."""
@@ -39,9 +33,9 @@ def assert_backward_matches(shape, kernel_size, dtype, tile, block_e, offsets_dt
     q, k, v, grad_out = (inputs[i] for i in (0, 1, 2, 4))
     offsets = inputs[3].to(offsets_dtype or dtype)
     scale = shape[-1] ** -0.5
-    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
-    grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, scale, offsets_grad=True,
-                                 key_config=binned.KeyConfig(tile, block_e, num_warps=1, capacity=capacity),
+    out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale)
+    grads = backward.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, scale, offsets_grad=True,
+                                 key_config=launch.KeyConfig(tile, block_e, num_warps=1, capacity=capacity),
                                  scratch_bytes=scratch_bytes)
     for name, want, ref, got in zip(["dq", "dk", "dv", "doffsets"], truth[1:], same_dtype[1:], grads):
         assert got.dtype == ref.dtype and got.shape == ref.shape, name
@@ -63,8 +57,8 @@ def test_overflowing_lists_fall_back_to_exact_ones(monkeypatch):
     device flag after each binning); the backward then reads the exact lists, and every gradient still
     matches: odd 3 x 4 x 5 grid, bf16, far offsets."""
     flags = []
-    bin_entries = binned.bin_entries
-    monkeypatch.setattr(binned, "bin_entries", lambda *a, **kw: (bin_entries(*a, **kw), flags.append(int(a[8]))))
+    bin_entries = backward.bin_entries
+    monkeypatch.setattr(backward, "bin_entries", lambda *a, **kw: (bin_entries(*a, **kw), flags.append(int(a[8]))))
     assert_backward_matches((1, 3, 4, 5, 2, 16), (1, 3, 3), torch.bfloat16, (2, 2, 4), 16, capacity=5,
                             scratch_bytes=60 * backward_scratch_bytes(9), far_fraction=0.3, offset_std=2.0)
     assert flags == [1, 1]
@@ -72,11 +66,11 @@ def test_overflowing_lists_fall_back_to_exact_ones(monkeypatch):
 
 def test_a_capacity_past_the_records_buffer_is_refused():
     q, k, v, offsets, grad_out = make_inputs((1, 2, 3, 4, 1, 16), (1, 3, 3), torch.float32)
-    out, lse = kernels.dsa_forward(q, k, v, offsets, (1, 3, 3), 0.25)
+    out, lse = forward.dsa_forward(q, k, v, offsets, (1, 3, 3), 0.25)
     for capacity in (0, 2 * 24 * 9 * 8):
         with pytest.raises(ValueError, match="key_config.capacity"):
-            kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, (1, 3, 3), 0.25, True,
-                                 key_config=binned.KeyConfig((1, 2, 4), 16, 1, capacity=capacity))
+            backward.dsa_backward(q, k, v, offsets, out, lse, grad_out, (1, 3, 3), 0.25, True,
+                                 key_config=launch.KeyConfig((1, 2, 4), 16, 1, capacity=capacity))
 
 
 def test_one_key_tiles_bf16_d40():
@@ -100,15 +94,15 @@ def test_axes_of_one_token():
 
 def test_default_key_tiles_through_the_op():
     """The op's default key tiles and entry blocks (key_config) on a multi-frame grid, bf16."""
-    assert binned.key_config((5, 6, 7), 16).tile == (4, 4, 4)
-    assert binned.key_config((16, 128, 128), 64).tile == (4, 4, 4)
-    assert binned.key_config((16, 128, 128), 64).maxnreg == binned.KEY_MAXNREG
-    assert binned.key_config((16, 128, 128), 80).maxnreg is None  # block_d 128: uncapped (kernels.capped_registers)
-    assert binned.key_config((1, 6, 300), 64).tile == (1, 8, 8)
-    assert binned.key_config((2, 64, 64), 64).tile == (2, 4, 8)
-    assert binned.key_config((1, 1, 5), 64).tile == (1, 1, 8)
-    assert_backward_matches((1, 5, 6, 7, 1, 16), (3, 3, 3), torch.bfloat16, binned.key_config((5, 6, 7), 16).tile,
-                            binned.key_config((5, 6, 7), 16).block_e)
+    assert launch.key_config((5, 6, 7), 16).tile == (4, 4, 4)
+    assert launch.key_config((16, 128, 128), 64).tile == (4, 4, 4)
+    assert launch.key_config((16, 128, 128), 64).maxnreg == launch.KEY_MAXNREG
+    assert launch.key_config((16, 128, 128), 80).maxnreg is None  # block_d 128: uncapped (launch.capped_registers)
+    assert launch.key_config((1, 6, 300), 64).tile == (1, 8, 8)
+    assert launch.key_config((2, 64, 64), 64).tile == (2, 4, 8)
+    assert launch.key_config((1, 1, 5), 64).tile == (1, 1, 8)
+    assert_backward_matches((1, 5, 6, 7, 1, 16), (3, 3, 3), torch.bfloat16, launch.key_config((5, 6, 7), 16).tile,
+                            launch.key_config((5, 6, 7), 16).block_e)
 
 
 def clamped_positions(offsets: torch.Tensor, kernel_size) -> torch.Tensor:
@@ -138,10 +132,10 @@ def test_query_pass_entries():
     K, N = math.prod(kernel_size), T * H * W
     q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0, far_fraction=0.3)
     scale = d ** -0.5
-    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, scale)
+    out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale)
     dsp = torch.full((B * heads * K * N * ENTRY_FLOATS,), float("nan"))
-    binned.query_pass(q, k, v, offsets, out, grad_out, lse, torch.empty_like(q), torch.empty_like(offsets), dsp,
-                      kernel_size, scale, scale * kernels.LOG2E, True, kernels.launch_config(N, d))
+    backward.query_pass(q, k, v, offsets, out, grad_out, lse, torch.empty_like(q), torch.empty_like(offsets), dsp,
+                      kernel_size, scale, scale * LOG2E, True, launch.launch_config(N, d))
     entries = dsp.view(B, heads, K, N, ENTRY_FLOATS)
     pos = clamped_positions(offsets, kernel_size).permute(0, 4, 5, 1, 2, 3, 6).reshape(B, heads, K, N, 3)
     assert torch.equal(entries[..., 2:5], pos)
@@ -179,14 +173,14 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile, capacity):
     g = torch.Generator().manual_seed(0)
     offsets = torch.randn((B, *grid, heads, K, 3), generator=g) * 2
     offsets = torch.where(torch.rand(offsets.shape, generator=g) < 0.5, (offsets * 2).round() / 2, offsets)
-    tiles = math.prod(binned.tiles_per_axis(grid, tile))
+    tiles = math.prod(backward.tiles_per_axis(grid, tile))
     lists = B * heads * tiles
-    capacity = capacity or binned.list_capacity(math.prod(grid), K, tiles)
+    capacity = capacity or backward.list_capacity(math.prod(grid), K, tiles)
     cursors = torch.empty(lists, dtype=torch.int32)
     starts = torch.empty(2 * lists + 1, dtype=torch.int32)
     records = torch.full((B * heads * math.prod(grid) * K * 8,), -1, dtype=torch.int32)
     flag = torch.empty(1, dtype=torch.int32)
-    binned.bin_entries(scratch_entries(offsets, kernel_size), (B, *grid, heads), kernel_size, tile, capacity,
+    backward.bin_entries(scratch_entries(offsets, kernel_size), (B, *grid, heads), kernel_size, tile, capacity,
                        cursors, starts, records, flag)
     exact = bool(flag)
     assert exact == (capacity == 6)
@@ -215,7 +209,7 @@ def test_sort_lists_orders_each_list_in_place():
     lists = [torch.randperm(50, generator=g)[:n].to(torch.int32) for n in lengths]
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     records = torch.cat([*lists, torch.full((4,), -7, dtype=torch.int32)])
-    binned.sort_lists(starts, records)
+    backward.sort_lists(starts, records)
     for i, entries in enumerate(lists):
         assert records[starts[i]:starts[i + 1]].tolist() == sorted(entries.tolist())
     assert (records[-4:] == -7).all()
@@ -226,14 +220,14 @@ def test_deterministic_algorithms_sort_the_lists(monkeypatch):
     gradients equal the unsorted run's (in the interpreter both orders are fixed)."""
     shape, kernel_size = (1, 3, 4, 5, 2, 16), (3, 3, 3)
     q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0)
-    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, 0.25)
+    out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, 0.25)
     args = (q, k, v, offsets, out, lse, grad_out, kernel_size, 0.25, True)
-    plain = kernels.dsa_backward(*args)
+    plain = backward.dsa_backward(*args)
     calls = []
-    sort = binned.sort_lists
-    monkeypatch.setattr(binned, "sort_lists", lambda *a: (calls.append(1), sort(*a)))
+    sort = backward.sort_lists
+    monkeypatch.setattr(backward, "sort_lists", lambda *a: (calls.append(1), sort(*a)))
     with deterministic_algorithms():
-        sorted_run = kernels.dsa_backward(*args)
+        sorted_run = backward.dsa_backward(*args)
     assert not torch.are_deterministic_algorithms_enabled()
     assert calls, "the deterministic run did not sort its lists"
     for a, b in zip(plain, sorted_run):
@@ -244,33 +238,33 @@ def test_binned_kernels_compile_for_sm90():
     """Build the query, both binning and the key kernels to sm_90 SASS (bf16 and fp32 rows, the default and
     swept key tiles) in a process without TRITON_INTERPRET."""
     assert builds_for_sm90("""
-        from megaslide.attention.dsa import binned, kernels
+        from megaslide.attention.dsa import backward, constants, launch
 
         common = {"T": "i32", "H": "i32", "W": "i32", "HEADS": "i32"}
         window = {"KT": 3, "KH": 3, "KW": 3}
-        cfg = kernels.launch_config(262144, 64)
+        cfg = launch.launch_config(262144, 64)
         query = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "off_ptr", "out_ptr", "dout_ptr"]},
                  "lse_ptr": "*fp32", "dq_ptr": "*bf16", "doff_ptr": "*fp32", "dsp_ptr": "*fp32", **common,
                  "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32", "scale": "fp32", "qk_scale": "fp32"}
-        build(binned._query_kernel, query, {**window, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
-                                            "OFFSET_GRAD": True, "ENTRY": binned.ENTRY_FLOATS,
+        build(backward._query_kernel, query, {**window, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
+                                            "OFFSET_GRAD": True, "ENTRY": constants.ENTRY_FLOATS,
                                             "WIDE": False, "EVEN_D": True, "BLOCK_Y": 1}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
         tiles = {"TILES_Y": "i32", "TILES_X": "i32", "TILES": "i32"}
         bins = {"dsp_ptr": "*fp32", "slot_ptr": "*i32", "records_ptr": "*i32", "flag_ptr": "*i32", "T": "i32",
                 "H": "i32", "W": "i32", **tiles}
-        bin_const = {"K": 27, "TT": 4, "TY": 4, "TX": 4, "BLOCK": binned.BIN_BLOCK, "ENTRY": binned.ENTRY_FLOATS}
+        bin_const = {"K": 27, "TT": 4, "TY": 4, "TX": 4, "BLOCK": launch.BIN_BLOCK, "ENTRY": constants.ENTRY_FLOATS}
         capped = {("cursor_ptr" if n == "slot_ptr" else n): t for n, t in bins.items()}
-        build(binned._bin_capped_kernel, {**capped, "CAP": "i32"}, bin_const, 4)
+        build(backward._bin_capped_kernel, {**capped, "CAP": "i32"}, bin_const, 4)
         for fill in (False, True):
-            build(binned._bin_kernel, {**bins, "BLOCKS": "i32"}, {**bin_const, "FILL": fill}, 4)
+            build(backward._bin_kernel, {**bins, "BLOCKS": "i32"}, {**bin_const, "FILL": fill}, 4)
         for dtype, tile, block_e, block_d in [("bf16", (4, 4, 4), 32, 64), ("bf16", (2, 4, 8), 64, 128),
                                               ("bf16", (1, 1, 1), 16, 64), ("fp32", (4, 4, 4), 32, 64)]:
             keys = {"q_ptr": "*" + dtype, "dout_ptr": "*" + dtype, "dsp_ptr": "*fp32", "cursor_ptr": "*i32",
                     "starts_ptr": "*i32", "flag_ptr": "*i32", "records_ptr": "*i32", "dk_ptr": "*" + dtype,
                     "dv_ptr": "*" + dtype, **common, "D": "i32", "stride_tok": "i32", **tiles, "CAP": "i32"}
-            const = {"K": 27, "TT": tile[0], "TY": tile[1], "TX": tile[2], "PX": binned.padded_x(tile),
-                     "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": binned.ENTRY_FLOATS,
+            const = {"K": 27, "TT": tile[0], "TY": tile[1], "TX": tile[2], "PX": backward.padded_x(tile),
+                     "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": constants.ENTRY_FLOATS,
                      "WIDE": False, "EVEN_D": True}
-            build(binned._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
+            build(backward._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
     """) == 8

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
-from megaslide.attention.dsa.op import NA_BACKENDS, NA_SCORES_PER_SAMPLE, select_backend
+from megaslide.attention.dsa.op import NA_BACKENDS, NA_SCORES_PER_SAMPLE
+from megaslide.backends import select_backend
 from tests.attention.test_dsa_op import random_inputs, smooth_offsets
 
 F64 = torch.float64
@@ -171,6 +172,6 @@ def test_neighborhood_auto_takes_masked_attention_only_for_small_grids():
     large = torch.zeros(1, 4, 16, 16, 1, 4, dtype=F64)  # N = 1024 > 32 x 27
     for q, name in ((small, "scores"), (large, "gather")):
         offsets = q.new_zeros(()).expand(*q.shape[:5], 27, 3)
-        assert select_backend("auto", q, offsets, NA_BACKENDS).name == name
-    assert select_backend("scores", large, offsets, NA_BACKENDS).name == "scores"
+        assert select_backend("auto", NA_BACKENDS, q, offsets).name == name
+    assert select_backend("scores", NA_BACKENDS, large, offsets).name == "scores"
     assert NA_SCORES_PER_SAMPLE * 27 < 1024

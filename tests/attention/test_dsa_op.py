@@ -12,8 +12,9 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 from megaslide.attention.dsa import deformable_slide_attention  # noqa: E402
-from megaslide.attention.dsa.op import select_backend  # noqa: E402
+from megaslide.attention.dsa.op import BACKENDS  # noqa: E402
 from megaslide.attention.dsa.reference import base_positions  # noqa: E402
+from megaslide.backends import select_backend  # noqa: E402
 
 F64 = torch.float64
 
@@ -234,8 +235,8 @@ def test_input_validation():
 def test_backend_choice_and_errors():
     shape, ks = (1, 3, 3, 3, 1, 4), (3, 3, 3)
     q, k, v, offsets = random_inputs(shape, ks)
-    assert select_backend("auto", q, offsets).name == "scores"  # CPU: never the interpreter
-    assert select_backend("reference", q, offsets).name == "reference"
+    assert select_backend("auto", BACKENDS, q, offsets).name == "scores"  # CPU: never the interpreter
+    assert select_backend("reference", BACKENDS, q, offsets).name == "reference"
     with pytest.raises(ValueError, match=r"backend='flash' is unknown.*'auto', 'triton', 'scores', 'gather', "
                                          r"'reference'"):
         deformable_slide_attention(q, k, v, offsets, ks, backend="flash")
@@ -250,8 +251,8 @@ def test_auto_takes_score_matrices_only_for_small_grids():
     """The score-matrix backend (O(B heads N^2)) beats the gathers only while a query's row of
     N' padded scores is short next to its 8 K corner reads; past MAX_SCORES it cannot run."""
     q, _, _, offsets = random_inputs((1, 2, 3, 3, 1, 2), (1, 1, 1))  # N' = 48 > 2 x 8 reads
-    assert select_backend("auto", q, offsets).name == "gather"
-    assert select_backend("scores", q, offsets).name == "scores"  # asked for by name it runs
+    assert select_backend("auto", BACKENDS, q, offsets).name == "gather"
+    assert select_backend("scores", BACKENDS, q, offsets).name == "scores"  # asked for by name it runs
     big = torch.zeros(1, 16, 16, 16, 4, 1, dtype=F64)  # 4 heads x 4096 x 4913 scores > 2**24
     with pytest.raises(ValueError, match=r"scores: cannot run \(score matrices of .* exceed"):
-        select_backend("scores", big, torch.zeros(1, 16, 16, 16, 4, 1, 3, dtype=F64))
+        select_backend("scores", BACKENDS, big, torch.zeros(1, 16, 16, 16, 4, 1, 3, dtype=F64))

@@ -19,12 +19,14 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from megaslide.attention.dsa import deformable_slide_attention, kernels  # noqa: E402
+from megaslide.attention.dsa import backward, deformable_slide_attention, forward, launch, rows, sampling  # noqa: E402
+from megaslide.attention.dsa import zero_kernels  # noqa: E402
 from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
 from tests.helpers import builds_for_sm90, needs_inductor  # noqa: E402
 
-if not kernels.INTERPRETED:  # built earlier in this process without the interpreter
-    kernels = importlib.reload(kernels)
+if not launch.INTERPRETED:  # built earlier in this process without the interpreter: rebuild, dependencies first
+    for module in (launch, rows, sampling, forward, backward, zero_kernels):
+        importlib.reload(module)
 
 F64 = torch.float64
 FLOOR_ULPS = 2
@@ -104,10 +106,10 @@ def test_several_query_blocks_with_partial_last_block():
     """Programs tile the N = 35 queries by 16: masks of the last, partial block."""
     shape, kernel_size = (1, 1, 5, 7, 1, 16), (1, 1, 3)
     q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0)
-    config = kernels.LaunchConfig(block_q=16, block_d=16, num_warps=1)
-    out, lse = kernels.dsa_forward(q, k, v, offsets, kernel_size, 0.25, config=config)
-    grads = kernels.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, 0.25,
-                                 offsets_grad=True, config=config)
+    config = launch.LaunchConfig(block_q=16, block_d=16, num_warps=1)
+    out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, 0.25, config=config)
+    grads = backward.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, 0.25,
+                                  offsets_grad=True, config=config)
     leaves = [x.to(F64).requires_grad_() for x in (q, k, v, offsets)]
     want = deformable_slide_attention(*leaves, kernel_size, scale=0.25, backend="reference")
     want_grads = torch.autograd.grad(want, leaves, grad_out.to(F64))
@@ -120,19 +122,19 @@ def test_kernels_compile_for_sm90():
     with Triton's bundled ptxas (no GPU needed) in a process without TRITON_INTERPRET (the
     backward's kernels: tests/attention/test_dsa_binned.py)."""
     assert builds_for_sm90("""
-        from megaslide.attention.dsa import kernels
+        from megaslide.attention.dsa import forward, launch
 
         common = {"T": "i32", "H": "i32", "W": "i32", "HEADS": "i32", "D": "i32",
                   "stride_tok": "i32", "stride_off_tok": "i32"}
         fwd = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "off_ptr", "out_ptr"]},
                "lse_ptr": "*fp32", **common, "qk_scale": "fp32"}
-        cfg = kernels.launch_config(262144, 64)
+        cfg = launch.launch_config(262144, 64)
         tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
                  "WIDE": False, "EVEN_D": True, "BLOCK_Y": 1}
-        build(kernels._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True}, cfg.num_warps,
+        build(forward._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True}, cfg.num_warps,
               aligned_ints=("D", "stride_tok"))
         # the patch candidate of the sweep (4 x 4 queries), int64 rows, a padded head dim
-        build(kernels._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True, "BLOCK_Y": 4, "WIDE": True,
+        build(forward._dsa_fwd_kernel, fwd, {**tiles, "STORE_LSE": True, "BLOCK_Y": 4, "WIDE": True,
                                              "EVEN_D": False}, cfg.num_warps, aligned_ints=("D", "stride_tok"))
     """) == 2
 

@@ -4,7 +4,6 @@ with zero offsets (tolerance rule as tests/attention/test_dsa_triton.py), a dete
 backward, the forward-only path of both ops, and the dsa_zero module's wiring."""
 from __future__ import annotations
 
-import importlib
 import math
 import os
 
@@ -15,17 +14,14 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from megaslide.attention.dsa import deformable_slide_attention, kernels, neighborhood_attention  # noqa: E402
-from megaslide.attention.dsa import zero_kernels  # noqa: E402
+from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention  # noqa: E402
 from megaslide.attention.dsa.module import DSAAttention, DSAZeroAttention  # noqa: E402
-from megaslide.attention.dsa.op import NA_BACKENDS, select_backend  # noqa: E402
+from megaslide.attention.dsa.op import NA_BACKENDS  # noqa: E402
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference  # noqa: E402
+from megaslide.backends import select_backend  # noqa: E402
 from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
+from tests.attention.test_dsa_triton import forward, launch, zero_kernels  # noqa: E402  (built for the interpreter)
 from tests.helpers import builds_for_sm90  # noqa: E402
-
-if not (kernels.INTERPRETED and zero_kernels.INTERPRETED):  # built earlier without the interpreter
-    kernels = importlib.reload(kernels)
-    zero_kernels = importlib.reload(zero_kernels)  # it calls kernels' helpers
 
 F64 = torch.float64
 FLOOR_ULPS = 2
@@ -83,7 +79,7 @@ def test_matches_reference_bf16():
 def test_blocks_with_different_inverse_ranges():
     """Blocks of 16 keys (the last one partial): blocks away from the edges loop over fewer
     queries per axis than edge blocks (up to 2k - 1), each to its own longest range."""
-    config = kernels.LaunchConfig(block_q=16, block_d=16, num_warps=1)
+    config = launch.LaunchConfig(block_q=16, block_d=16, num_warps=1)
     assert_matches_reference((1, 3, 6, 9, 1, 16), (3, 3, 3), config=config)
 
 
@@ -128,8 +124,7 @@ def test_forward_only_stores_no_lse(monkeypatch):
 
 
 def test_general_op_forward_only_stores_no_lse_and_equals_training_forward(monkeypatch):
-    from megaslide.attention.dsa import kernels
-    calls = _lse_spy(monkeypatch, kernels, "dsa_forward")
+    calls = _lse_spy(monkeypatch, forward, "dsa_forward")
     q, k, v, _ = make_inputs((1, 3, 4, 5, 1, 16), torch.float32, seed=3)
     offsets = torch.randn(1, 3, 4, 5, 1, 27, 3, generator=torch.Generator().manual_seed(4))
     leaves = [x.clone().requires_grad_() for x in (q, k, v, offsets)]
@@ -156,7 +151,7 @@ def test_pytorch_backends_without_offsets(backend):
 def test_backend_choice_and_errors():
     q = torch.zeros(1, 3, 3, 3, 1, 4, dtype=F64)
     offsets = q.new_zeros(()).expand(1, 3, 3, 3, 1, 27, 3)
-    assert select_backend("auto", q, offsets, NA_BACKENDS).name == "scores"  # CPU: never the interpreter
+    assert select_backend("auto", NA_BACKENDS, q, offsets).name == "scores"  # CPU: never the interpreter
     with pytest.raises(ValueError, match=r"triton: cannot run \(dtypes .*float64.*\); scores: can run"):
         neighborhood_attention(q, q, q, (3, 3, 3), backend="triton")
     with pytest.raises(ValueError, match=r"kernel_size kh=5 must be odd, >= 1 and <= the grid size H=3"):
@@ -199,13 +194,13 @@ def test_op_inside_torch_compile():
 def test_kernels_compile_for_sm90():
     """The interpreter cannot catch GPU lowering errors (the while loops, say): build the three kernels."""
     assert builds_for_sm90("""
-        from megaslide.attention.dsa import zero_kernels as zk
+        from megaslide.attention.dsa import launch, zero_kernels as zk
 
         sizes = {"T": "i32", "H": "i32", "W": "i32", "HEADS": "i32", "D": "i32", "stride_tok": "i32"}
         bf16 = lambda *names: {n: "*bf16" for n in names}
         fp32 = lambda *names: {n: "*fp32" for n in names}
         scales = {"scale": "fp32", "qk_scale": "fp32"}
-        cfg = zk.launch_config(262144, 64)
+        cfg = launch.launch_config(262144, 64)
         tiles = {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d,
                  "WIDE": False, "EVEN_D": True, "BLOCK_Y": 1}
         for fn, sig, const in [

@@ -206,7 +206,7 @@ def test_tiles_at_the_target_grid():
     assert all(t["key_pass"]["tile"] == (4, 4, 4) for t in tiles)
     assert all({"block_q", "block_d", "num_warps", "block_y", "maxnreg"} <= t[launch].keys()
                for t in tiles for launch in ("forward", "query_pass", "zero_offset"))
-    # registers capped at block_d 64 only (kernels.capped_registers)
+    # registers capped at block_d 64 only (launch.capped_registers)
     assert [(t["query_pass"]["maxnreg"], t["key_pass"]["maxnreg"]) for t in tiles] == [(128, 128), (None, None)]
 
 

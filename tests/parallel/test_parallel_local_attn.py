@@ -138,7 +138,8 @@ def test_cpu_selects_explicit_and_says_why_not_the_fused_kernels():
     assert backend.name == "explicit"
     assert "CUDA" in why_not["flash"] and "CUDA" in why_not["cudnn"]
     backend, why_not = select_backend(q, q, q, backward=True)
-    assert backend.name == "explicit" and why_not["cudnn"] == "forward only"
+    assert backend.name == "explicit" and set(why_not) == {"flash"}  # cuDNN has no backward here
+    assert "CUDA" in why_not["flash"]
 
 
 @pytest.mark.parametrize("causal", [False, True])

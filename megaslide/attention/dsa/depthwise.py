@@ -7,9 +7,8 @@ output frames as the whole clip.
 
 Why a kernel of its own: the block input is channels-last (tokens, then channels), and cuDNN's
 depthwise Conv3d is slow on that layout for bf16 (its weight gradient) and needs a transposed
-contiguous copy for NCDHW; with cuDNN the conv was most of the offset net's time
-(experiments/bench_offset_net.py times both). The Triton kernels (depthwise_kernels.py) read the
-tokens in place, accumulate in fp32 and compute the weight gradient without atomics.
+contiguous copy for NCDHW (experiments/bench_offset_net.py times both; docs/dsa_kernels.md). The Triton
+kernels (depthwise_kernels.py) read the tokens in place, accumulate in fp32 and compute the weight gradient without atomics.
 
 Backends: "torch" (F.conv3d, the reference; CPU's default, where oneDNN runs the channels-last view
 well) and "triton" (CUDA, or the CPU interpreter when asked for by name); "auto" takes triton on
@@ -25,13 +24,13 @@ import torch.nn.functional as F
 from megaslide.backends import Backend, device_guard, select_backend, triton_kernels_check
 
 CONV_BLOCK = (16, 128, 4)
-"""(BLOCK_X tokens, BLOCK_C channels, warps) of a forward / input-gradient program on the GPU: the first of
-the tilings `python -m experiments.bench_offset_net sweep=true` times (results/attention/h200_offset_net_v2.json)."""
+"""(BLOCK_X tokens, BLOCK_C channels, warps) of a forward / input-gradient program on the GPU, picked by
+`python -m experiments.bench_offset_net sweep=true` (docs/dsa_kernels.md)."""
 WGRAD_BLOCK = (8, 64, 4)
-"""(BLOCK_X, BLOCK_C, warps) of a weight-gradient program on the GPU (the sweep's first; its 27
-tap tiles of 8 x 64 fp32 take about 108 registers a thread)."""
+"""(BLOCK_X, BLOCK_C, warps) of a weight-gradient program on the GPU (picked by the same sweep): each program
+holds 27 tap tiles of 8 x 64 fp32."""
 WGRAD_PROGRAMS = 256
-"""Row chunks of the weight gradient (at most): each writes its own (taps, C) fp32 partial sum (the sweep's first)."""
+"""Row chunks of the weight gradient (at most): each writes its own (taps, C) fp32 partial sum."""
 
 
 def _kernels():

@@ -20,13 +20,8 @@ from megaslide.attention import register_attention
 from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
 from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
-from megaslide.attention.dsa.op import (
-    BACKENDS,
-    SCRATCH_BYTES,
-    backward_scratch_bytes,
-    deformable_slide_attention,
-    neighborhood_attention,
-)
+from megaslide.attention.dsa.constants import SCRATCH_BYTES, backward_scratch_bytes
+from megaslide.attention.dsa.op import BACKENDS, deformable_slide_attention, neighborhood_attention
 
 
 @dataclass(frozen=True)
@@ -92,7 +87,8 @@ class DSAAttention(SelfAttention):
         # fp32 input (read in place, depthwise.py) and the GELU and Linear inputs; its bound keeps
         # only the offsets the op keeps (bounded.py). Forward: the Linear output (chunked: the offsets
         # of the runs before their concatenation). Backward: dq, dk, dv and fp32 d(offsets), and a scratch
-        # of 32-byte entries and the key tiles' entry lists (binned.py) of at most SCRATCH_BYTES, head group by group
+        # of 32-byte entries and the key tiles' entry lists (backward.py) of at most SCRATCH_BYTES, head group by
+        # group
         offsets = 4 * num_heads * math.prod(options.kernel_size) * 3
         saved = act * dim + 4 * num_heads + offsets
         forward = offsets if chunked else offsets * act // 4

@@ -1,14 +1,17 @@
-"""The public 3D-DSA ops: input checks, backend choice and the Triton autograd Functions.
+"""The public 3D-DSA ops: input checks, backend choice and the Triton custom ops and autograd Functions.
 
-`deformable_slide_attention` is the general op (kernels.py); `neighborhood_attention` is its
-special case with offsets exactly zero (`dsa_zero`), with its own kernels (zero_kernels.py:
-one key row per sample, no offset gradient, a deterministic backward) and, off CUDA, dense
-attention with the window as a mask (scores.py) on small grids, else the general PyTorch
-backends called with zero offsets. Backends are `megaslide.backends.Backend`
-records with a `can_run(q, offsets, explicit)` check, walked in preference order for "auto";
-an explicit request that cannot run raises a ValueError that says why for every backend.
-The Triton kernels are imported on first use, so importing this module does not build them
-(tests choose TRITON_INTERPRET before that).
+`deformable_slide_attention` is the general op (forward.py, backward.py); `neighborhood_attention` is its
+special case with offsets exactly zero (`dsa_zero`), with its own kernels (zero_kernels.py: one key row per
+sample, no offset gradient, a deterministic backward) and, off CUDA, dense attention with the window as a
+mask (scores.py) on small grids, else the general PyTorch backends called with zero offsets. Backends are
+`megaslide.backends.Backend` records with a `can_run(q, offsets, explicit)` check, walked in preference
+order for "auto"; an explicit request that cannot run raises a ValueError that says why for every backend.
+
+Layers: the kernels' host launchers (forward.py, backward.py, zero_kernels.py) -> custom ops (opaque to
+torch.compile) -> autograd Functions -> the public functions. The custom ops import the kernel modules when
+they first run, not with this module: triton is an optional dependency, and `@triton.jit` decides whether a
+kernel runs in the CPU interpreter when the kernel is built, after tests have set TRITON_INTERPRET. Imports
+point one way: this module -> kernels -> launch.py, sampling.py, rows.py -> constants.py.
 
 Forward only. When no input needs a gradient (none requires grad, or under torch.no_grad /
 inference_mode, as in sampling) the Triton backends skip the autograd Function: nothing is
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -26,39 +29,12 @@ from megaslide.attention.dsa.gather import deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
                                              neighborhood_attention_scores, score_elements)
-from megaslide.backends import Backend, triton_kernels_check
-from megaslide.backends import select_backend as choose_backend
+from megaslide.backends import Backend, select_backend, triton_kernels_check
 
 KernelSize = tuple[int, int, int]
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TRITON_MAX_HEAD_DIM = 128
-SCRATCH_BYTES = 1 << 30
-"""Bound on the fused backward's scratch (binned.py: fp32 ds, p and the key tiles' entry lists),
-kept through head groups (kernels.py, "Head groups"); here, not in kernels.py, so that the memory
-model reads it without importing Triton."""
-MAX_TILES_PER_ENTRY = 8
-"""Key tiles one (query, sample) can touch: one per trilinear corner (binned.py)."""
-ENTRY_FLOATS = 8
-"""fp32 words of a (query, sample)'s scratch entry: ds, p, the clamped (t, y, x) position and 3 words of
-padding, so that one entry is one aligned 32-byte sector (binned.py)."""
-
-
-def backward_scratch_bytes(num_samples: int) -> int:
-    """Upper bound of the fused backward's scratch per token and head for K = num_samples: an entry of
-    ENTRY_FLOATS fp32 words per sample, an int32 record per key tile a sample touches (at most 8), and
-    three int32 per key tile (at most one tile per token): a cursor, a start and a fill cursor (binned.py)."""
-    return num_samples * (4 * ENTRY_FLOATS + 4 * MAX_TILES_PER_ENTRY) + 3 * 4
-
-
-def _kernels():
-    from megaslide.attention.dsa import kernels
-    return kernels
-
-
-def _zero_kernels():
-    from megaslide.attention.dsa import zero_kernels
-    return zero_kernels
 
 
 def _needs_grad(*inputs: torch.Tensor) -> bool:
@@ -72,7 +48,8 @@ def _needs_grad(*inputs: torch.Tensor) -> bool:
 @torch.library.custom_op("megaslide::dsa_fused_forward", mutates_args=())
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                    kernel_size: list[int], scale: float, store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _kernels().dsa_forward(q, k, v, offsets, tuple(kernel_size), scale, store_lse=store_lse)
+    from megaslide.attention.dsa import forward  # on first use (module docstring)
+    out, lse = forward.dsa_forward(q, k, v, offsets, tuple(kernel_size), scale, store_lse=store_lse)
     return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
 
 
@@ -87,8 +64,9 @@ def _fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
                     out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, kernel_size: list[int],
                     scale: float, offsets_grad: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, doff = _kernels().dsa_backward(q, k, v, offsets, out, lse, dout, tuple(kernel_size), scale,
-                                               offsets_grad=offsets_grad)
+    from megaslide.attention.dsa import backward  # on first use (module docstring)
+    dq, dk, dv, doff = backward.dsa_backward(q, k, v, offsets, out, lse, dout, tuple(kernel_size), scale,
+                                             offsets_grad=offsets_grad)
     return dq, dk, dv, doff if offsets_grad else offsets.new_empty(0)  # an op returns tensors only
 
 
@@ -101,7 +79,8 @@ def _(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad):
 @torch.library.custom_op("megaslide::na_fused_forward", mutates_args=())
 def _na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: list[int], scale: float,
                 store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _zero_kernels().na_forward(q, k, v, tuple(kernel_size), scale, store_lse=store_lse)
+    from megaslide.attention.dsa import zero_kernels  # on first use (module docstring)
+    out, lse = zero_kernels.na_forward(q, k, v, tuple(kernel_size), scale, store_lse=store_lse)
     return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
 
 
@@ -115,7 +94,8 @@ def _(q, k, v, kernel_size, scale, store_lse):
 def _na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  dout: torch.Tensor, kernel_size: list[int], scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _zero_kernels().na_backward(q, k, v, out, lse, dout, tuple(kernel_size), scale)
+    from megaslide.attention.dsa import zero_kernels  # on first use (module docstring)
+    return zero_kernels.na_backward(q, k, v, out, lse, dout, tuple(kernel_size), scale)
 
 
 @_na_backward.register_fake
@@ -224,15 +204,15 @@ def can_run_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tu
     """The fused kernels need triton, fp32/fp16/bf16, d <= 128 and a launch grid within
     CUDA's limits, on CUDA; on CPU only under the Triton interpreter (TRITON_INTERPRET=1)
     and only when asked for by name."""
-    return _can_run_kernels(q, offsets, explicit, "kernels")
+    return _can_run_kernels(q, offsets, explicit)
 
 
 def can_run_na_triton(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     """The zero-offset kernels run where the fused kernels run (`can_run_triton`)."""
-    return _can_run_kernels(q, offsets, explicit, "zero_kernels")
+    return _can_run_kernels(q, offsets, explicit)
 
 
-def _can_run_kernels(q: torch.Tensor, offsets: torch.Tensor, explicit: bool, module: str) -> tuple[bool, str]:
+def _can_run_kernels(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     if not TRITON_AVAILABLE:
         return False, "triton is not installed"
     if q.dtype not in TRITON_DTYPES or offsets.dtype not in TRITON_DTYPES:
@@ -243,7 +223,7 @@ def _can_run_kernels(q: torch.Tensor, offsets: torch.Tensor, explicit: bool, mod
         return False, f"head dim d={d} exceeds {TRITON_MAX_HEAD_DIM}"
     if B * heads > 65535 or T * H * W >= 2**31:
         return False, f"B * heads = {B * heads} > 65535 or T * H * W = {T * H * W} >= 2**31"
-    return triton_kernels_check(f"megaslide.attention.dsa.{module}", q.device, explicit, "fused kernels")
+    return triton_kernels_check("megaslide.attention.dsa.launch", q.device, explicit, "fused kernels")
 
 
 BACKENDS: tuple[Backend, ...] = (
@@ -259,11 +239,6 @@ NA_BACKENDS: tuple[Backend, ...] = (Backend("triton", can_run_na_triton, _na_tri
                                     *BACKENDS[2:])
 """`neighborhood_attention`'s backends, in the order "auto" tries them: its own kernels, masked dense
 attention (scores.py), then the general PyTorch backends, given zero offsets that need no gradient."""
-
-
-def select_backend(name: str, q: torch.Tensor, offsets: torch.Tensor, backends=BACKENDS) -> Backend:
-    """The backend `name` of `backends` (DSA's by default; "auto": the first that can run q and offsets)."""
-    return choose_backend(name, backends, q, offsets)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
@@ -350,7 +325,7 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
     scale = check_scale(scale, q)
-    return select_backend(backend, q, offsets).run(q, k, v, offsets, kernel_size, scale)
+    return select_backend(backend, BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
 
 
 def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -378,4 +353,4 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel_size = check_qkv(q, k, v, kernel_size)
     scale = check_scale(scale, q)
     offsets = q.new_zeros(()).expand(*q.shape[:5], math.prod(kernel_size), 3)  # (B, T, H, W, heads, K, 3), no memory
-    return select_backend(backend, q, offsets, NA_BACKENDS).run(q, k, v, offsets, kernel_size, scale)
+    return select_backend(backend, NA_BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)

@@ -9,7 +9,7 @@ tokens, and the query takes a softmax over its K samples.
 
 This path materialises the sampled keys and values, (B, T, H, W, heads, K, d) each, and
 lets autograd differentiate it. It runs on any device and dtype (float64 included); the
-fused Triton kernels in kernels.py are tested against it.
+fused Triton kernels (forward.py, backward.py, zero_kernels.py) are tested against it.
 """
 from __future__ import annotations
 

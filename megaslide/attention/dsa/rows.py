@@ -11,7 +11,7 @@ h * BLOCK_D / 2 + 2 i + parity). Padded columns are 0. Every row operation the k
 per token, a weighted sum of rows) is elementwise over the 4 tiles, so the split is never undone in
 between; only a store interleaves the tiles back.
 
-Why. The kernels' cost is instruction issue (ncu, results/attention/h200_ncu_v7.json), and much of it is
+Why. The kernels' cost is instruction issue (Nsight Compute: docs/dsa_kernels.md), and much of it is
 per token, not per element: the corner indices, the trilinear weights and their derivatives, the
 cross-thread reductions. A (BQ, BLOCK_D // 2) tile puts half as many threads on a token's row as a
 (BQ, BLOCK_D) tile does at the same 16-byte vectors, so each thread holds 16 elements of one token
@@ -69,7 +69,7 @@ def _split_half(half):
 
 @triton.jit
 def _load_split(ptr, tok, stride_tok, D, BLOCK_D: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr):
-    """The split row of tokens tok (BQ,) (valid tokens: `kernels._query_block`) of the tensor whose
+    """The split row of tokens tok (BQ,) (valid tokens: `sampling._query_block`) of the tensor whose
     (batch, head)'s token 0 is at ptr, with token stride stride_tok (elements)."""
     HALF: tl.constexpr = BLOCK_D // 2
     QW: tl.constexpr = BLOCK_D // 4

@@ -174,7 +174,8 @@ class DSAScoresFunction(torch.autograd.Function):
             # d loss / d weight of each corner = d_scores * S + attn * dP there; along an axis, the
             # position moves weight from the lower to the upper corner, in proportion to the other
             # axes' weights: d pos = sum over the lower face of (upper - lower) x those weights
-            dw = dp_at.mul_(attn).addcmul_(s_at, d_scores).to(factors.dtype).view(2, 2, 2, -1)  # (2, 2, 2, M), BITS order
+            # (2, 2, 2, M), BITS order
+            dw = dp_at.mul_(attn).addcmul_(s_at, d_scores).to(factors.dtype).view(2, 2, 2, -1)
             t, y, x = factors.flatten(2)  # (2, M) each
             d_pos = torch.stack([((dw[1] - dw[0]) * (y[:, None] * x[None])).sum((0, 1)),
                                  ((dw[:, 1] - dw[:, 0]) * (t[:, None] * x[None])).sum((0, 1)),

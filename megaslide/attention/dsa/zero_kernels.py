@@ -5,7 +5,7 @@ trilinear corners: query n = (t, y, x) attends to the kt x kh x kw tokens of its
 window (along an axis of size S with kernel k the window of query i starts at
 clamp(i - k // 2, 0, S - k)), and there is no offset gradient.
 
-Layout (as kernels.py). q, k, v, out and their gradients are contiguous
+Layout (as forward.py). q, k, v, out and their gradients are contiguous
 (B, T, H, W, heads, d): token rows are heads * d apart. The log-sum-exp of the forward is
 fp32 (B, heads, N) with N = T * H * W, in log2 units; the backward's delta = <dO, out> has
 the same layout. Dot products, softmax and accumulators are fp32 whatever the input dtype
@@ -39,14 +39,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-from megaslide.attention.dsa.kernels import LOG2E, LaunchConfig, _query_block, _softmax_step, launch_config, query_programs
+from megaslide.attention.dsa.constants import LOG2E
+from megaslide.attention.dsa.launch import LaunchConfig, launch_config, query_programs
 from megaslide.attention.dsa.rows import _load_rows, _token_rows, row_flags
+from megaslide.attention.dsa.sampling import _query_block, _softmax_step
 from megaslide.backends import device_guard
-
-INTERPRETED: bool = bool(knobs.runtime.interpret)
-"""True when this module's kernels were built for the CPU interpreter (TRITON_INTERPRET=1)."""
 
 
 @triton.jit
@@ -59,7 +57,7 @@ def _window_starts(t, y, x, T, H, W, KT: tl.constexpr, KH: tl.constexpr, KW: tl.
 
 @triton.jit
 def _load_pair(a_ptr, b_ptr, rows, col_ok, EVEN_D: tl.constexpr):
-    """The tiles at `rows` (valid tokens: `kernels._load_rows`) of two tensors, fp32."""
+    """The tiles at `rows` (valid tokens: `rows._load_rows`) of two tensors, fp32."""
     return (_load_rows(a_ptr + rows, col_ok, EVEN_D).to(tl.float32),
             _load_rows(b_ptr + rows, col_ok, EVEN_D).to(tl.float32))
 

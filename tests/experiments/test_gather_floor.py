@@ -1,5 +1,5 @@
-"""The gather-floor kernel (dsa/gather_floor.py) against its reference, the op with zero queries (every sample
-weighted 1 / K): out = K * deformable_slide_attention(0, k, k + v, offsets), computed in float64
+"""The gather-floor kernel (experiments/kernels/gather_floor.py) against its reference, the op with zero
+queries (every sample weighted 1 / K): out = K * deformable_slide_attention(0, k, k + v, offsets), computed in float64
 (`gathered_sum_reference`), on CPU through the Triton interpreter; and its sm_90 build."""
 from __future__ import annotations
 
@@ -13,19 +13,18 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built
 pytest.importorskip("triton")
 
-from megaslide.attention.dsa import gather_floor, kernels  # noqa: E402
+from tests.attention.test_dsa_triton import launch, sampling  # noqa: E402  (built for the interpreter)
+from experiments.kernels import gather_floor  # noqa: E402  (after them)
 from tests.helpers import builds_for_sm90  # noqa: E402
 
-if not kernels.INTERPRETED:  # built earlier in this process without the interpreter
-    kernels = importlib.reload(kernels)
-if gather_floor._sample_axes is not kernels._sample_axes:  # bound to the kernels of before the reload
+if gather_floor._sample_axes is not sampling._sample_axes:  # bound to the helpers of before their rebuild
     gather_floor = importlib.reload(gather_floor)
 
 
 @pytest.mark.parametrize("layout", gather_floor.LAYOUTS)
 @pytest.mark.parametrize("dtype,shape,kernel_size,config", [
     (torch.float32, (2, 3, 5, 7, 2, 24), (3, 3, 3), None),             # odd grid, d = 24 padded to 32
-    (torch.bfloat16, (1, 2, 4, 5, 1, 32), (1, 3, 3), kernels.LaunchConfig(16, 32, 1, block_y=4)),  # patches
+    (torch.bfloat16, (1, 2, 4, 5, 1, 32), (1, 3, 3), launch.LaunchConfig(16, 32, 1, block_y=4)),  # patches
 ])
 def test_gathered_sum_matches_reference(layout, dtype, shape, kernel_size, config):
     g = torch.Generator().manual_seed(sum(shape))
@@ -49,11 +48,12 @@ def test_bad_layout_is_refused():
 def test_gathered_sum_compiles_for_sm90():
     """Both layouts build to sm_90 SASS at the forward's default launch (bf16, d = 64)."""
     assert builds_for_sm90("""
-        from megaslide.attention.dsa import gather_floor, kernels
+        from experiments.kernels import gather_floor
+        from megaslide.attention.dsa import launch
 
         sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "off_ptr": "*fp32", "out_ptr": "*bf16", "T": "i32", "H": "i32",
                "W": "i32", "HEADS": "i32", "D": "i32", "stride_tok": "i32", "stride_off_tok": "i32"}
-        cfg = kernels.forward_launch_config(262144, 64)
+        cfg = launch.forward_launch_config(262144, 64)
         for split in (True, False):
             build(gather_floor._gathered_sum_kernel, sig,
                   {"KT": 3, "KH": 3, "KW": 3, "BLOCK_Q": cfg.block_q, "BLOCK_D": cfg.block_d, "WIDE": False,

@@ -1,7 +1,8 @@
 """The gather floor of the fused 3D-DSA kernels: a kernel that makes only their corner-row loads.
 
-The fused forward (kernels.py) and the backward's query pass (binned.py) read, for every query, head and
-sample, the 8 trilinear corner rows of K and of V. `gathered_sum` runs the forward's launch, query blocks,
+A benchmark instrument, not part of the library: the fused forward (megaslide/attention/dsa/forward.py) and
+the backward's query pass (backward.py) read, for every query, head and sample, the 8 trilinear corner rows
+of K and of V. `gathered_sum` runs the forward's launch, query blocks,
 sample positions and corner rows, and only adds the rows up:
 
     out_n = sum_j sum_c w_c (K_c + V_c)        (n a query, j its K samples, c their 8 corners)
@@ -9,12 +10,12 @@ sample positions and corner rows, and only adds the rows up:
 so its time is what those loads cost on a device, measured, with no softmax, no dot products and nothing
 stored but one row per query: a floor under any kernel that gathers corner rows this way.
 `experiments/bench_attention.py` times it beside the forward (its `gather` table and the bound "gather
-floor"). Its reference (`gathered_sum_reference`) is the op itself: with q = 0 every sample gets weight 1 / K,
-so out = K * deformable_slide_attention(0, k, k + v, offsets) (tests/attention/test_dsa_gather_floor.py).
+floor"). Its reference (`gathered_sum_reference`) is the op itself: with q = 0 every sample gets weight
+1 / K, so out = K * deformable_slide_attention(0, k, k + v, offsets) (tests/experiments/test_gather_floor.py).
 
 Two row layouts (`layout`):
-- "split": the rows load as the forward and query pass load them (rows.py): split rows, 4 threads on a
-  row of 64, one instruction reading half of the rows of 8 tokens (64 bytes of each, in bf16);
+- "split": the rows load as the forward and query pass load them (megaslide/attention/dsa/rows.py): split
+  rows, 4 threads on a row of 64, one instruction reading half of the rows of 8 tokens (64 bytes of each, in bf16);
 - "full": each row loads as one (BLOCK_Q, BLOCK_D) tile, 8 threads on a row of 64 bf16 with one 16-byte
   vector each: an instruction reads whole 128-byte rows of 4 tokens.
 Comparing the two tells what the split rows' half-row loads cost in the memory pipeline.
@@ -27,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.kernels import (LaunchConfig, _corner_axes, _query_block, _sample_axes, _window_start,
-                                             forward_launch_config, query_programs)
+from megaslide.attention.dsa.launch import LaunchConfig, forward_launch_config, query_programs
+from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_zeros, _store_split, _token_rows,
                                           row_flags)
-from megaslide.attention.dsa.reference import deformable_slide_attention_reference
+from megaslide.attention.dsa.sampling import _corner_axes, _query_block, _sample_axes, _window_start
 from megaslide.backends import device_guard
 
 LAYOUTS = ("split", "full")
@@ -105,9 +106,9 @@ def _gathered_sum_kernel(k_ptr, v_ptr, off_ptr, out_ptr, T, H, W, HEADS, D, stri
 def gathered_sum(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, kernel_size: tuple[int, int, int],
                  layout: str = "split", config: LaunchConfig | None = None) -> torch.Tensor:
     """sum_j sum_c w_c (K_c + V_c) of every query: k, v contiguous (B, T, H, W, heads, d), offsets contiguous
-    (B, T, H, W, heads, K, 3) as `kernels.dsa_forward` takes them. Returns (B, T, H, W, heads, d) in k's dtype.
+    (B, T, H, W, heads, K, 3) as `forward.dsa_forward` takes them. Returns (B, T, H, W, heads, d) in k's dtype.
     `layout` picks how rows load (module docstring); `config` the launch (default: the forward's,
-    `kernels.forward_launch_config`)."""
+    `launch.forward_launch_config`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: choose one of {list(LAYOUTS)}")
     B, T, H, W, heads, d = k.shape

@@ -1,8 +1,21 @@
 """The fused 3D-DSA backward without float atomics: a query pass, key-tile binning and a key pass.
 
-Layout as kernels.py: q, k, v, out, dout and their gradients contiguous (B, T, H, W, heads, d),
+Why this shape. Each query's softmax is over its own K samples, so a query pass
+recomputes the probabilities p_j = exp(s_j - lse) from the saved log-sum-exp and finishes dq
+and d(offsets) for its queries without any communication (dq = sum_j scale * ds_j * K_j, with
+ds_j = p_j (<dO, V_j> - <dO, out>); like flash-attention, <dO, out> uses the stored out, rounded
+to the input dtype). The offset gradient is the derivative of the trilinear weights:
+d(weight of corner c)/d(position_t) = +-w_y w_x (sign + for the upper neighbour), times 1 where
+the raw position lies inside [0, S - 1] and 0 where the clamp is active (torch.clamp's gradient,
+boundaries inclusive). Only dK and dV cross programs: sample j of query n adds
+w_c * scale * ds_j * q_n to dK and w_c * p_j * dO_n to dV at each of its 8 corner tokens. The
+query pass stores ds_j, p_j and the sample's clamped position; the (query, sample) entries are
+binned by the key tiles their corners touch; a key pass per key tile sums its entries'
+contributions with tensor-core dots and writes dk / dv once: no float atomics.
+
+Layout as forward.py: q, k, v, out, dout and their gradients contiguous (B, T, H, W, heads, d),
 offsets and d(offsets) contiguous (B, T, H, W, heads, K, 3). Every launch sees one head group
-(`kernels.dsa_backward`): its q-like pointers start at the group's first head and keep the full
+(`dsa_backward`): its q-like pointers start at the group's first head and keep the full
 tensors' token strides, HEADS is the group's size. An entry is one (query n, sample j) of one
 (batch, head), numbered e = j * N + n (int32, < K * N).
 
@@ -30,7 +43,7 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    makes dK / dV the same bits from run to run.
 3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
    (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: reads each entry,
-   takes its corners and 1D weights from the stored position (kernels._axis_corners, as the forward),
+   takes its corners and 1D weights from the stored position (sampling._axis_corners, as the forward),
    builds the coefficients C[key, e] = w_t(key_t, e) w_y(key_y, e) w_x(key_x, e), the entry's
    trilinear weight at that key (0 off its corners), as outer products of the per-axis weights (a tile
    is a box, so each axis needs only its own extent's weights), gathers the entries' query rows q_n
@@ -38,71 +51,39 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    cores; the next block's list slots are loaded before this block's dots. fp16 / bf16 rows are exact
    in their dtype; the fp32 coefficients C * ds and C * p are rounded to that dtype for the dot (fp32
    accumulation), as flash-attention's backward rounds P and dS for its dK / dV dots: each product is
-   then good to the input dtype's precision, as dk / dv themselves are (an earlier hi + lo split, two
-   dots for ~16 significant bits, cost twice the dots); fp32 inputs use an IEEE fp32 dot. It writes
-   dk / dv once, in the input dtype: no zero fill, no fp32 dK / dV buffer.
+   then good to the input dtype's precision, as dk / dv themselves are; fp32 inputs use an IEEE fp32
+   dot. It writes dk / dv once, in the input dtype: no zero fill, no fp32 dK / dV buffer.
 
-Scratch per head group (bounded by `op.SCRATCH_BYTES` through the group size, `op.backward_scratch_bytes`):
-dsp 32 bytes per entry, records 4 bytes per (entry, tile) with room for 8 tiles per entry (the
-worst case; about 1.95 on average for 4 x 4 x 4 tiles, 2.8 for 2 x 2 x 4), the capped lists' cursors, the
-exact lists' starts and their cursors 4 bytes per tile each.
+Head groups. The backward's scratch (a 32-byte entry per (query, sample), the key tiles' entry
+lists: `constants.backward_scratch_bytes` per token and head) of all heads could exceed memory, so the
+backward runs over groups of heads: one set of launches per group, reusing one scratch of at
+most `constants.SCRATCH_BYTES` (never less than one head). A launch sees only its group: the q-like
+pointers (q, k, v, out, dout, dq, dk, dv, offsets, d(offsets)) start at the group's first head
+and keep the full tensors' token strides, HEADS is the group's size and the lse is the group's
+(B, group, N). A program does exactly the work it did in one launch over all heads.
+
+Scratch per head group (bounded by `constants.SCRATCH_BYTES` through the group size,
+`constants.backward_scratch_bytes`): dsp 32 bytes per entry, records 4 bytes per (entry, tile) with room
+for 8 tiles per entry (the worst case; about 1.95 on average for 4 x 4 x 4 tiles, 2.8 for 2 x 2 x 4), the
+capped lists' cursors, the exact lists' starts and their cursors 4 bytes per tile each.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.kernels import (INTERPRETED, LaunchConfig, _axis_corners, _corner_axes, _query_block,
-                                             _sample_axes, _window_start, capped_registers, query_programs)
+from megaslide.attention.dsa.constants import (ENTRY_FLOATS, LOG2E, MAX_TILES_PER_ENTRY, SCRATCH_BYTES,
+                                               backward_scratch_bytes)
+from megaslide.attention.dsa.launch import (BIN_BLOCK, INTERPRETED, KeyConfig, LaunchConfig, exact_programs,
+                                            query_launch_config, query_programs)
+from megaslide.attention.dsa.launch import key_config as default_key_config
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_dot, _split_zeros, _store_split,
                                           _token_rows, row_flags)
-from megaslide.attention.dsa.op import ENTRY_FLOATS, MAX_TILES_PER_ENTRY
-
-KEY_TILE_KEYS = 64
-"""Keys per default key tile: the M of the key pass's dots. The H200 sweep at the benchmark shape
-(results/attention/h200_split_v6.json) puts 4 x 4 x 4 tiles with 128 entries per block first, key pass and
-binning together: a larger tile builds more coefficient rows per entry (the pass is bound by its L1 /
-shared-memory traffic, ncu), but each entry is listed in fewer tiles (about 1.95 against 2.8 for 2 x 2 x 4)."""
-KEY_MAXNREG = 128
-"""Registers per thread of the default key programs. Uncapped the key pass takes about 221 (ncu,
-results/attention/h200_ncu_v8.json): 2 programs of 4 warps per SM; at 128, 4 fit, for a few spilled words.
-The H200 sweep (results/attention/h200_regs_v1.json) timed it faster than uncapped or at 168."""
-
-
-@dataclass(frozen=True)
-class KeyConfig:
-    """Tiles of the binning and key pass: key tiles of tile = (t, y, x) tokens (powers of two),
-    BLOCK_E entries per dot, num_warps per key program; `capacity` records per capped list (None:
-    `list_capacity`, the records buffer split evenly; a small one forces the exact lists, for tests);
-    maxnreg caps the key program's registers per thread (as `kernels.LaunchConfig.maxnreg`)."""
-
-    tile: tuple[int, int, int]
-    block_e: int
-    num_warps: int
-    capacity: int | None = None
-    maxnreg: int | None = None
-
-
-def key_config(grid: tuple[int, int, int], head_dim: int) -> KeyConfig:
-    """Default key tiles for a (T, H, W) grid and head dim d: KEY_TILE_KEYS keys, grown by doubling x, y, t in
-    turn while an axis tile stays within the grid's next power of two (4 x 4 x 4 on a large grid,
-    1 x 8 x 8 on one frame); 128 entries per block (64 in the interpreter), 4 warps, KEY_MAXNREG registers
-    where `kernels.capped_registers` allows."""
-    tile, limits = [1, 1, 1], [triton.next_power_of_2(s) for s in grid]
-    while tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS:
-        grown = False
-        for axis in (2, 1, 0):
-            if tile[0] * tile[1] * tile[2] < KEY_TILE_KEYS and tile[axis] < limits[axis]:
-                tile[axis] *= 2
-                grown = True
-        if not grown:
-            break
-    return KeyConfig(tile=tuple(tile), block_e=64 if INTERPRETED else 128, num_warps=4,
-                     maxnreg=capped_registers(head_dim, KEY_MAXNREG))
+from megaslide.attention.dsa.sampling import _axis_corners, _corner_axes, _query_block, _sample_axes, _window_start
+from megaslide.backends import device_guard
 
 
 def padded_x(tile: tuple[int, int, int]) -> int:
@@ -395,15 +376,6 @@ def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, sca
     )
 
 
-BIN_BLOCK = 256
-"""Entries per binning program: 2 per thread of 4 warps. Its entry loads and its atomics are
-latency-bound, so it pays to keep many programs resident (1024 entries took 127-143 registers a
-thread and 19-25% occupancy on the H200, by ncu)."""
-EXACT_PROGRAMS_PER_SM = 16
-"""Programs per SM of an exact binning launch (`exact_programs`): 64 warps of 4, as many as an SM holds, so
-that a launch with no overflowed list costs one wave of programs that return."""
-
-
 def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
     """Sort every list records[starts[i]:starts[i + 1]] in place (ascending entries), keeping the lists
     where they are: one sort of (list index, entry) int64 keys, which are unique. The key pass then sums
@@ -419,14 +391,6 @@ def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
     keys = (lists << 32) | records[:total].long()
     records[:total] = (torch.sort(keys).values & 0xFFFFFFFF).to(torch.int32)
 
-
-def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
-    """Programs along the entry blocks of an exact binning launch: EXACT_PROGRAMS_PER_SM per SM over all
-    (batch, head)s on a GPU (each walks blocks at the grid's stride), 2 in the interpreter (to walk the loop)."""
-    if device.type != "cuda":
-        return min(blocks, 2)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(blocks, EXACT_PROGRAMS_PER_SM * sms // lists_groups))
 
 
 def list_capacity(n_tokens: int, num_samples: int, tiles: int) -> int:
@@ -452,7 +416,8 @@ def bin_entries(dsp, shape, kernel_size, tile, capacity: int, cursors, starts, r
     lists = B * g * tiles
     blocks = triton.cdiv(T * H * W * K, BIN_BLOCK)
     geometry = (T, H, W, tiles_y, tiles_x, tiles)
-    constexprs = dict(K=K, TT=tile[0], TY=tile[1], TX=tile[2], BLOCK=BIN_BLOCK, ENTRY=ENTRY_FLOATS, num_warps=4)
+    constexprs = {"K": K, "TT": tile[0], "TY": tile[1], "TX": tile[2], "BLOCK": BIN_BLOCK, "ENTRY": ENTRY_FLOATS,
+                  "num_warps": 4}
     if deterministic:
         flag.fill_(1)
     else:
@@ -486,3 +451,66 @@ def key_pass(q, dout, dsp, capacity: int, cursors, starts, flag, records, dk, dv
         UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps, maxnreg=config.maxnreg,
         **row_flags(T * H * W, q.stride(3), d, head_dim_block),
     )
+
+
+def heads_per_group(batch: int, n_tokens: int, heads: int, num_samples: int,
+                    scratch_bytes: int = SCRATCH_BYTES) -> int:
+    """Heads per backward group: as many as keep the scratch (`backward_scratch_bytes(K)` per token
+    and head) within `scratch_bytes`, at least one."""
+    per_head = batch * n_tokens * backward_scratch_bytes(num_samples)
+    return max(1, min(heads, scratch_bytes // per_head))
+
+
+def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 kernel_size: tuple[int, int, int], scale: float, offsets_grad: bool,
+                 config: LaunchConfig | None = None, scratch_bytes: int = SCRATCH_BYTES,
+                 key_config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The fused backward (module docstring). Inputs as `dsa_forward` (contiguous) plus its out and lse and the
+    output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and shape of q, k, v
+    and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when `offsets_grad` is False.
+    `config` overrides the query pass's tiles and `key_config` (a `launch.KeyConfig`) the key tiles
+    (for tuning); `scratch_bytes` bounds the scratch (`heads_per_group`). Under
+    `torch.use_deterministic_algorithms(True)` the key tiles' entry lists are sorted
+    (`sort_lists`), so dk / dv are the same bits from run to run."""
+    B, T, H, W, heads, d = q.shape
+    N = T * H * W
+    kt, kh, kw = kernel_size
+    K = kt * kh * kw
+    dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
+    doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
+    cfg = config or query_launch_config(N, d)
+    key_cfg = key_config or default_key_config((T, H, W), d)
+    group = heads_per_group(B, N, heads, K, scratch_bytes)
+    tiles = math.prod(tiles_per_axis((T, H, W), key_cfg.tile))
+    records_bound = B * group * N * K * MAX_TILES_PER_ENTRY
+    if records_bound >= 2 ** 31:  # one head (the group never exceeds the scratch cap otherwise): the clip is too long
+        raise ValueError(f"DSA's backward indexes its key tiles' entry lists with int32: batch {B} x {N} tokens x "
+                         f"K={K} samples x {MAX_TILES_PER_ENTRY} tiles = {records_bound} >= 2**31 per head; "
+                         f"attend over fewer tokens per call: a smaller batch, or frame slabs (execution.slab_frames)")
+    dsp = torch.empty(B * group * K * N * ENTRY_FLOATS, dtype=torch.float32, device=q.device)  # a group's entries
+    capacity = list_capacity(N, K, tiles) if key_cfg.capacity is None else key_cfg.capacity
+    room = records_bound // (B * group * tiles)
+    if not 1 <= capacity <= room:
+        raise ValueError(f"key_config.capacity={capacity}: a capped list holds 1 to {room} records here (the "
+                         f"records buffer split over {B * group * tiles} key tiles); use None for that default")
+    records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
+    cursors = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)  # the capped lists' lengths
+    starts = torch.empty(2 * B * group * tiles + 1, dtype=torch.int32, device=q.device)  # the exact lists'
+    flag = torch.empty(1, dtype=torch.int32, device=q.device)  # set where the capped lists overflowed
+    with device_guard(q):
+        for h0 in range(0, heads, group):
+            g = min(group, heads - h0)
+            heads_of = (slice(None),) * 4 + (slice(h0, h0 + g),)  # (B, T, H, W, this group's heads, ...)
+            q_g, dout_g, offsets_g = q[heads_of], dout[heads_of], offsets[heads_of]
+            dsp_g = dsp[:B * g * K * N * ENTRY_FLOATS]  # (B, g, K, N, ENTRY_FLOATS)
+            query_pass(q_g, k[heads_of], v[heads_of], offsets_g, out[heads_of], dout_g,
+                       lse[:, h0:h0 + g].contiguous(), dq[heads_of], doff[heads_of], dsp_g,
+                       kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
+            cursors_g, starts_g = cursors[:B * g * tiles], starts[:2 * B * g * tiles + 1]
+            bin_entries(dsp_g, (B, T, H, W, g), kernel_size, key_cfg.tile, capacity, cursors_g, starts_g,
+                        records, flag, deterministic=torch.are_deterministic_algorithms_enabled())
+            key_pass(q_g, dout_g, dsp_g, capacity, cursors_g, starts_g, flag, records, dk[heads_of],
+                     dv[heads_of], kernel_size, cfg.block_d, key_cfg)
+    return dq, dk, dv, doff if offsets_grad else None

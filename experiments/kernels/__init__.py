@@ -1,0 +1,1 @@
+"""Benchmark-only Triton kernels: instruments the experiments time beside the library's kernels."""
