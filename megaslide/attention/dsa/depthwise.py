@@ -8,7 +8,8 @@ output frames as the whole clip.
 Why a kernel of its own: the block input is channels-last (tokens, then channels), and cuDNN's
 depthwise Conv3d is slow on that layout for bf16 (its weight gradient) and needs a transposed
 contiguous copy for NCDHW (experiments/bench_offset_net.py times both; docs/dsa_kernels.md). The Triton
-kernels (depthwise_kernels.py) read the tokens in place, accumulate in fp32 and compute the weight gradient without atomics.
+kernels (depthwise_kernels.py) read the tokens in place, accumulate in fp32 and compute the weight gradient
+without atomics.
 
 Backends: "torch" (F.conv3d, the reference; CPU's default, where oneDNN runs the channels-last view
 well) and "triton" (CUDA, or the CPU interpreter when asked for by name); "auto" takes triton on
