@@ -32,8 +32,9 @@ def script_main(config_name: str):
     """`hydra.main` for a script of experiments/ with its config experiments/conf/<config_name>.yaml.
 
     The project's ValueError (a bad config value, named with its key and fix) reaches the user as
-    the message alone on stderr with exit status 2, not inside a Hydra traceback; set
-    HYDRA_FULL_ERROR=1 for the traceback. The script's config keeps Hydra from writing anything
+    the message alone on stderr with exit status 2, not inside a Hydra traceback, and a training step
+    refused as non-finite (FloatingPointError, megaslide.train.engine.NonFiniteStep) likewise with exit
+    status 3; set HYDRA_FULL_ERROR=1 for the traceback. The script's config keeps Hydra from writing anything
     (`hydra.run.dir: .`, `hydra.output_subdir: null`, job logging disabled), so a refused config
     leaves no folder behind."""
     def decorate(task):
@@ -41,11 +42,11 @@ def script_main(config_name: str):
         def run(cfg: DictConfig):
             try:
                 return task(cfg)
-            except ValueError as err:
+            except (ValueError, FloatingPointError) as err:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 print(f"error: {err}", file=sys.stderr)
-                sys.exit(2)
+                sys.exit(2 if isinstance(err, ValueError) else 3)
         return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run)
     return decorate
 

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
 from experiments.hydra_config import model_config, script_main
-from experiments.step_runs import synthetic_batch
+from experiments.step_runs import non_finite, synthetic_batch
 from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
 from megaslide.diffusion.batches import Batch
 from megaslide.models.chunking import apply_execution
@@ -134,17 +134,17 @@ def run_variant(engine: OffloadEngine, name: str, batch: Batch, bench, flops_tra
     clip = bench.grad_clip if clip is None else clip
     engine.set_mode(overlap=overlap, optimizer_device=optimizer_device, grad_clip=clip)
     reset_peak_hbm(engine.device)
-    for _ in range(bench.warmup_steps):
-        engine.train_step(batch, bench.lr)
+    warm = [engine.train_step(batch, bench.lr) for _ in range(bench.warmup_steps)]
     start = engine.step
     outs = [engine.train_step(batch, bench.lr) for _ in range(bench.timed_steps + 1)]
     # one breakdown per timed step (each ends where the next one starts), so the step time has a spread
     per_step = [engine.breakdown(range(s, s + 1)) for s in range(start, start + bench.timed_steps)]
+    losses = [o["loss"].item() for o in warm + outs]
     parts = StepBreakdown(*(statistics.fmean(getattr(p, f.name) for p in per_step)
                             for f in dataclasses.fields(StepBreakdown)))
     steps_s = [p.step_s for p in per_step]
     row = {"variant": name, "overlap": overlap, "optimizer_device": optimizer_device, "grad_clip": clip,
-           "losses": [o["loss"].item() for o in outs], "grad_norms": [o["grad_norm"].item() for o in outs],
+           "losses": losses, "grad_norms": [o["grad_norm"].item() for o in warm + outs],
            **parts.as_dict(), "timed_steps": len(steps_s), "step_s_min": min(steps_s), "step_s_max": max(steps_s),
            "step_s_std": statistics.pstdev(steps_s),
            "mfu_vs_measured_peak": mfu(flops_train, parts.step_s, peak_tflops),
@@ -278,6 +278,12 @@ def main(cfg: DictConfig) -> None:
     for variant in bench.variants:
         try:
             row = run_variant(engine, variant, batch, bench, flops.train, peak, pcie, plans[variant])
+        except FloatingPointError as err:   # the engine is left refusing: no later variant can run
+            row = {"variant": variant, **non_finite(err, [])}
+            progress(f"{variant} failed: {row['error']}")
+            payload["variants"].append(row)
+            run.save(payload)
+            break
         except (torch.OutOfMemoryError, RuntimeError) as err:
             row = {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
             progress(f"{variant} failed: {row['error']}")

@@ -67,7 +67,7 @@ from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, Timing, copy_gbps, matmul_tflops, pcie_gbps, progress, sync
 from experiments.hydra_config import script_config, script_main
 from experiments.report import render
-from experiments.step_runs import Step, run_isolated, synthetic_batch
+from experiments.step_runs import Step, non_finite, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.models.chunking import apply_execution
@@ -244,11 +244,14 @@ def _build(cell: Cell, device: torch.device):
                                      execution=cell.execution)
 
 
-def _step_s(engine, batch, device: torch.device) -> float:
+def _step_s(engine, batch, device: torch.device, losses: list[float]) -> float:
+    """One step's seconds; its loss is appended to `losses` (read after the step's time is taken)."""
     start = time.perf_counter()
-    engine.train_step(batch, 1e-5)
+    out = engine.train_step(batch, 1e-5)
     sync(device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    losses.append(float(out["loss"]))
+    return seconds
 
 
 def fits_no_more(last_step_s: float, deadline: float) -> bool:
@@ -256,18 +259,20 @@ def fits_no_more(last_step_s: float, deadline: float) -> bool:
     return time.monotonic() + NEXT_STEP_MARGIN * last_step_s > deadline
 
 
-def timed_steps(cell: Cell, engine, batch, device: torch.device, deadline: float) -> tuple[dict, int | None]:
+def timed_steps(cell: Cell, engine, batch, device: torch.device, deadline: float,
+                losses: list[float]) -> tuple[dict, int | None]:
     """The cell's warm-up, then its timed steps (fewer where the next would pass `deadline`), with the
     attention op timed inside them, the CPU peak of live tensors and, on the offload engine, the compute
-    stream's busy time: the row's timing fields and the measured peak (CPU; None on CUDA)."""
-    warm = [_step_s(engine, batch, device) for _ in range(cell.warmup_steps)]
+    stream's busy time: the row's timing fields and the measured peak (CPU; None on CUDA). Every step's
+    loss goes to `losses`."""
+    warm = [_step_s(engine, batch, device, losses) for _ in range(cell.warmup_steps)]
     times, begin = [], engine.step
     live = LiveTensorBytes()              # CPU only: on CUDA the allocator counts, without slowing the steps
     attend = AttendTimer([block.attn for block in engine.model.blocks], device)
     with live if device.type == "cpu" else contextlib.nullcontext(), attend:
         live.track(*_persistent(engine), *(t for t in vars(batch).values() if isinstance(t, torch.Tensor)))
         while len(times) < cell.timed_steps and not (times and fits_no_more(times[-1], deadline)):
-            times.append(_step_s(engine, batch, device))
+            times.append(_step_s(engine, batch, device, losses))
     timing = Timing(tuple(times))
     rule = cell.timing_rule + ("" if len(times) == cell.timed_steps else
                                f"; stopped after {len(times)}: the next would pass the cell's time limit")
@@ -291,18 +296,21 @@ def run_cell(cell: Cell) -> dict:
     row = planner_verdict(cell, plan, device, budget)
     if "status" in row:
         return {**row, "measured_peak_GB": None}
-    engine = None
+    engine, losses = None, []
     try:
         engine = _build(cell, device)
         batch = synthetic_batch(cell.cfg, cell, device, engine.model.tokenizer)
-        timing, measured = timed_steps(cell, engine, batch, device, deadline)
-        row.update(status="fits", phase="", **timing)
+        timing, measured = timed_steps(cell, engine, batch, device, deadline, losses)
+        row.update(status="fits", phase="", losses=losses, **timing)
         if device.type == "cuda":
             measured = torch.cuda.max_memory_allocated(device)
     except torch.OutOfMemoryError as err:
         phase = (engine.phase if engine is not None else "") or "build"  # the step's part the engine was in
         row.update(status="OOM", phase=phase.replace(" step", ""), error=str(err).splitlines()[0][:200])
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    except FloatingPointError as err:    # the engine refused a non-finite loss or gradient norm
+        row.update(non_finite(err, losses))
+        measured = None
     except ValueError as err:            # the engine's own planner check refused it
         row.update(status="refused", phase="plan: engine check", error=str(err)[:300])
         measured = None

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress, sync, timed
 from experiments.hydra_config import script_config, script_main
-from experiments.step_runs import Step, run_isolated, synthetic_batch
+from experiments.step_runs import Step, non_finite, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS, count_params
@@ -119,7 +119,8 @@ def fraction(device: torch.device, job: Job) -> float:
 
 def run_job(job: Job, queue) -> None:
     """In a fresh process: plan; unless the planner refuses, build the engine, time the forward (full
-    HBM only) and run warm-up steps plus one: fits or OOM (phase) and the measured peak."""
+    HBM only) and run warm-up steps plus one (their losses in `losses`): fits, OOM (phase) or a
+    non-finite loss, and the measured peak."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = precision_dtype(job.precision, device)
     plan = planner.plan_offload(planner.grid_run(job.cfg, job.grid, batch=job.batch, execution=job.execution),
@@ -132,7 +133,7 @@ def run_job(job: Job, queue) -> None:
         return
     train = TrainConfig(lr=1e-5, grad_clip=1.0, batch_size=job.batch, device=device.type, precision=job.precision)
     offload = OffloadConfig(enabled=True, gpu_memory_fraction=fraction(device, job))
-    engine = None
+    engine, losses = None, []
     try:
         engine = OffloadEngine.from_config(job.cfg, device=device, train_cfg=train, offload_cfg=offload, grid=job.grid)
         batch = synthetic_batch(job.cfg, job, device, engine.model.tokenizer)
@@ -147,12 +148,14 @@ def run_job(job: Job, queue) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(job.warmup_steps + 1):
-            engine.train_step(batch, 1e-5)
+            losses.append(float(engine.train_step(batch, 1e-5)["loss"]))
         sync(device)
-        row.update(status="fits", phase="")
+        row.update(status="fits", phase="", losses=losses)
     except torch.OutOfMemoryError as err:
         phase = (engine.phase if engine is not None else "") or "build"  # the step's part the engine was in
         row.update(status="OOM", phase=phase.replace(" step", ""), error=str(err).splitlines()[0][:200])
+    except FloatingPointError as err:    # the engine refused a non-finite loss or gradient norm
+        row.update(non_finite(err, losses))
     except ValueError as err:
         row.update(status="OOM", phase="plan: engine check", error=str(err)[:300])
     finally:

@@ -1,6 +1,7 @@
 """What the scripts that time training steps of a synthetic clip share (mfu_overlap.py,
-oom_thresholds.py, scaling.py): the step's model and clip, its batch, and running it in a fresh process
-under a time limit."""
+oom_thresholds.py, scaling.py): the step's model and clip, its batch, the result of a cell whose loss
+went non-finite, and running it in a fresh process under a time limit. Each of them records the loss
+of every step it runs (warm-up and timed) in the cell's `losses`."""
 from __future__ import annotations
 
 import multiprocessing
@@ -39,6 +40,16 @@ def synthetic_batch(cfg: DiTConfig, bench, device: torch.device, tokenizer) -> B
     captions = ["a red ball bouncing on a wooden floor"] * bench.batch
     return Batch(torch.randn(shape, generator=g), tokenizer(captions), torch.rand(bench.batch, generator=g),
                  torch.randn(shape, generator=g), captions).to(device)
+
+
+NON_FINITE = "non-finite loss"   # a cell's status when a step's loss or gradient norm was not finite
+
+
+def non_finite(err: FloatingPointError, losses: list[float]) -> dict:
+    """The result fields of a cell whose engine refused a step (megaslide.train.engine.NonFiniteStep):
+    a failure, never "fits", with the losses of the steps before it."""
+    return {"status": NON_FINITE, "phase": f"step {getattr(err, 'step', '?')}", "error": str(err)[:300],
+            "losses": losses}
 
 
 def run_isolated(target, args: tuple, time_limit_s: float) -> dict:

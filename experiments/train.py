@@ -59,7 +59,12 @@ def main(cfg: DictConfig) -> None:
     config = {**dataclasses.asdict(run), **dataclasses.asdict(script)}
     trainer.logger = RunLogger(out_dir, project=script.wandb_project, name=script.name, config=config,
                                resume_step=trainer.resume_from[1] if trainer.resume_from else None)
-    last = trainer.fit()
+    try:
+        last = trainer.fit()
+    except FloatingPointError:  # a non-finite step: the run stops after its last good checkpoint (exit status 3)
+        trainer.logger.finish()
+        trainer.close()
+        raise
     samples = save_samples(trainer, script.sample_captions, out_dir, trainer.logger)
     print(f"trained {trainer.step} steps, final loss {last.get('loss', float('nan')):.4f}")
     print(f"checkpoints: {out_dir / 'checkpoints'}")

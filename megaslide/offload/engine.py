@@ -34,6 +34,20 @@ H2D waits only for block l's update. The gradient is scaled in its staging buffe
 the AdamW pass (in bf16 mode that rounds the scaled gradient to bf16 once). Without
 clipping (grad_clip=0) each block's update is queued as soon as its gradient has landed,
 and overlaps the rest of the backward.
+
+Non-finite steps (`NonFiniteStep`, megaslide/train/engine.py), checked without a host sync on the
+training thread. The loss is copied to the host right after it is computed, and the loss and global
+grad norm again once the norm is combined (`_share_health`). Block updates: with clipping every
+block's update waits for the clip coefficient anyway, and the CPU updater's worker refuses it when the
+loss or grad norm is not finite; without clipping a block's update is queued before the global norm
+exists, so the worker checks the loss and that block's own gradient. The resident parameters: on
+CUDA their AdamW is fused and its found_inf flag, set on the device from the loss and norm, skips the
+step (and every later one). After a refusal nothing more is updated, and the training thread raises
+the error at its next wait: the next step's first block load, or `flush` (which `save`,
+`breakdown` and `model_state_dict` call first), so no checkpoint of the refused step is written. On
+the CPU device the values are checked on the training thread as soon as each is computed: the loss
+before the backward, the norm before any clipped or resident update. The optimizer_device="gpu"
+ablation (`GpuUpdater`) applies block updates unchecked; the error still comes at the next `flush`.
 """
 from __future__ import annotations
 
@@ -56,7 +70,7 @@ from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
-from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, UpdateJob
+from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.memory import host_available_bytes
@@ -80,7 +94,7 @@ class OffloadEngine:
         offload_cfg.validate()
         self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
         self.param_dtype = precision_dtype(train_cfg.precision, device)
-        cuda = device.type == "cuda"
+        self.cuda = cuda = device.type == "cuda"
         if cuda and offload_cfg.gpu_memory_fraction > 0:
             torch.cuda.set_per_process_memory_fraction(offload_cfg.gpu_memory_fraction, torch.cuda.current_device())
         self.layout = BlockLayout.from_module(model.blocks[0])
@@ -118,8 +132,11 @@ class OffloadEngine:
                                       version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks,
                                       offload_inputs=offload_cfg.activation_offload,
                                       run=lambda *inputs: self.model.runner.block(*inputs))
+        # fused on CUDA: its found_inf flag skips a non-finite step on the device, with no host sync
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
-                                           weight_decay=train_cfg.weight_decay)
+                                           weight_decay=train_cfg.weight_decay, fused=True if cuda else None)
+        self._refused = torch.zeros((), device=device)   # 1 once a step was non-finite: resident updates stop
+        self._health: list[StepHealth] = []              # CUDA: steps whose values have not been checked here
         self.hyper = AdamHyper(train_cfg.betas[0], train_cfg.betas[1], 1e-8, train_cfg.weight_decay)
         self._cpu_adam = functools.partial(adamw_step_, num_threads=offload_cfg.cpu_threads or None)
         self.updater = self._make_updater(offload_cfg.optimizer_device)
@@ -208,6 +225,7 @@ class OffloadEngine:
         if not all(self.host.loaded):
             missing = [i for i, ok in enumerate(self.host.loaded) if not ok]
             raise ValueError(f"blocks {missing} have no weights yet; fill them with engine.host.load_block_")
+        self._check_health(wait=False)
         compute, tag = self.lanes.compute, self.step
         self._marks[tag] = compute.marker()
         self.lanes.tag = tag
@@ -226,13 +244,14 @@ class OffloadEngine:
             with self.compute_ctx():
                 v = self.model.unembed(h, dataclasses.replace(e, t_emb=t_emb))  # (B, C, T, H, W)
                 loss = F.mse_loss(v.float(), (batch.noise - batch.x0).float())
+            loss_health = self._share_health(loss.detach().float().reshape(1))
             # autograd.grad, not .backward: a leaf's .grad is copied into the leaf's layout, and the
             # blocks' reductions must see the gradient exactly as a resident backward passes it on
             grad_h, grad_t_emb, *grads = torch.autograd.grad(loss, [h, t_emb, *self.resident_params],
                                                              allow_unused=True)
             for p, g in zip(self.resident_params, grads):
                 p.grad = g
-        on_grads = functools.partial(self._on_block_grads, step=self.step + 1, lr=lr)
+        on_grads = functools.partial(self._on_block_grads, step=self.step + 1, lr=lr, health=loss_health)
         grads_to_host = self.clip > 0 or self.offload_cfg.optimizer_device == "cpu"
         self.phase = "backward"
         bw = self.streamer.backward(grad_h, kept, inp, grads_to_host=grads_to_host, on_block_grads=on_grads)
@@ -240,21 +259,52 @@ class OffloadEngine:
             torch.autograd.backward([e.x, e.t_mod, e.ctx, e.t_emb], [bw.grad_x, bw.grad_t_mod, bw.grad_ctx, grad_t_emb])
             self.phase = "optimizer step"
             grad_norm = self._global_norm(bw.norms)
+            values = torch.stack([loss.detach().float(), grad_norm.float()])   # (2,)
+            health = self._share_health(values)
             clip = self._clip_resident_and_share(grad_norm) if self.clip > 0 else None
-            self.optimizer.step()
+            self._resident_update(values, health)
         if clip is not None:
             for index in range(self.host.depth):
                 self._submit(UpdateJob(index, self.step + 1, lr, self._spans[index], tag, self._landed[index],
-                                       None, clip))
+                                       None, clip, health))
         self.step += 1
         return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
 
-    def _on_block_grads(self, index: int, shell, landed, used: list[bool], *, step: int, lr: float) -> None:
+    def _on_block_grads(self, index: int, shell, landed, used: list[bool], *, step: int, lr: float,
+                        health: StepHealth) -> None:
         self._landed[index] = landed
         self._spans[index] = self.layout.spans(used)
         if self.clip <= 0:
             device_grads = None if landed is not None else shell.grads
-            self._submit(UpdateJob(index, step, lr, self._spans[index], self.step, landed, device_grads))
+            self._submit(UpdateJob(index, step, lr, self._spans[index], self.step, landed, device_grads,
+                                   health=health))
+
+    # ---- the finiteness check (see "Non-finite steps" in the module docstring) ------------------------
+    def _share_health(self, values: torch.Tensor) -> StepHealth:
+        """`values` (the loss, then the grad norm) of step self.step + 1 on their way to the host. On the
+        CPU they are checked here and now; on CUDA no one waits for them here."""
+        health = StepHealth(self.step + 1, self.train_cfg.lr, torch.empty(values.shape, pin_memory=self.cuda),
+                            None)
+        health.host.copy_(values, non_blocking=True)
+        health.ready = self.lanes.compute.record()
+        if not self.cuda:
+            health.check()
+        return health
+
+    def _resident_update(self, values: torch.Tensor, health: StepHealth) -> None:
+        """The resident parameters' AdamW step, skipped on the device (fused AdamW's found_inf) from the
+        first step whose loss or grad norm is not finite on; the training thread checks the values later."""
+        if self.cuda:
+            self._refused = torch.maximum(self._refused, (~torch.isfinite(values)).any().float())
+            self.optimizer.found_inf = self._refused
+            self._health.append(health)
+        self.optimizer.step()
+
+    def _check_health(self, wait: bool) -> None:
+        """Raise `NonFiniteStep` for the first step whose values reached the host non-finite (CUDA; on the
+        CPU `_share_health` checked them); with `wait`, wait for all of them."""
+        while self._health and (wait or self._health[0].ready.query()):
+            self._health.pop(0).check()
 
     def _submit(self, job: UpdateJob) -> None:
         self.versions[job.block] += 1
@@ -296,9 +346,10 @@ class OffloadEngine:
 
     # ---- accounting ----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for every pending update and transfer."""
+        """Wait for every pending update and transfer; raise `NonFiniteStep` for a refused step."""
         self.updater.flush()
         self.lanes.synchronize()
+        self._check_health(wait=True)
 
     def breakdown(self, steps: range) -> StepBreakdown:
         """Per-step averages over `steps` (synchronises). The step time is the period between

@@ -18,6 +18,7 @@ import torch
 from megaslide.offload.cpu_adam import adamw_step_torch_
 from megaslide.offload.host_state import HostState
 from megaslide.offload.streamer import Lanes, elapsed
+from megaslide.train.engine import NonFiniteStep, check_finite
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,22 @@ class ClipCoefficient:
 
 
 @dataclass
+class StepHealth:
+    """A training step's loss and, once known, its global gradient norm, copied to the host: the
+    updater refuses the step's block updates when either is not finite (`check`)."""
+
+    step: int              # 1-based, as the metrics log numbers steps
+    lr: float              # train.lr, named in the refusal
+    host: torch.Tensor     # (1,) loss or (2,) loss and grad norm, fp32 on the CPU (pinned with CUDA)
+    ready: object          # event: `host` holds the values
+
+    def check(self) -> None:
+        """Wait for the values (the updater's thread, or the device already done) and refuse a non-finite one."""
+        self.ready.synchronize()
+        check_finite(self.step, self.lr, **dict(zip(("loss", "grad_norm"), self.host.tolist())))
+
+
+@dataclass
 class UpdateJob:
     """One AdamW update of one block's flat host state."""
 
@@ -47,14 +64,18 @@ class UpdateJob:
     landed: object = None            # event: the gradient is in host staging (None: it stays on the device)
     device_grads: torch.Tensor | None = None  # (numel,) gradient on the device (GpuUpdater without clipping)
     clip: ClipCoefficient | None = None
+    health: StepHealth | None = None  # checked before the update; None: unchecked (engine's own test paths)
 
 
 class CpuUpdater:
     """Runs AdamW on the host, on one worker thread, each block as soon as its job may run.
 
-    The worker waits for the gradient's D2H (and the clip coefficient), scales the gradient,
-    and runs `adam` over the block's flat buffers, writing bf16 weights straight into the
-    pinned weight buffer. `before_load(l)` blocks the caller until block l's update is done."""
+    The worker waits for the gradient's D2H (and the clip coefficient), refuses the update when the
+    step's loss or gradient norm (`job.health`) or, without clipping, the block's own gradient is not
+    finite, scales the gradient, and runs `adam` over the block's flat buffers, writing bf16 weights
+    straight into the pinned weight buffer. After a refusal it applies no update at all: the
+    `NonFiniteStep` reaches the training thread at its next `before_load` or `flush`.
+    `before_load(l)` blocks the caller until block l's update is done."""
 
     def __init__(self, host: HostState, hyper: AdamHyper, adam, serial: bool):
         self.host, self.hyper, self.adam, self.serial = host, hyper, adam, serial
@@ -63,6 +84,7 @@ class CpuUpdater:
             event.set()
         self._seconds: list[tuple[int, float]] = []
         self._error: BaseException | None = None
+        self._refused = False          # a step was refused: no later update is applied
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="megaslide-cpu-adam", daemon=True)
         self._thread.start()
@@ -84,8 +106,11 @@ class CpuUpdater:
             job.landed.synchronize()
             if job.clip is not None:
                 job.clip.ready.synchronize()
-            start = time.perf_counter()
             b, h = self.host.blocks[job.block], self.hyper
+            if self._refused:
+                return
+            self._check(job, b.grads)
+            start = time.perf_counter()
             if job.clip is not None:
                 b.grads.mul_(job.clip.host)
             for lo, hi in job.spans:
@@ -98,9 +123,23 @@ class CpuUpdater:
         finally:
             self._done[job.block].set()
 
+    def _check(self, job: UpdateJob, grads: torch.Tensor) -> None:
+        """Refuse the job's step when its loss or gradient norm, or (unclipped: the norm is not known yet)
+        its block's gradient, is not finite."""
+        try:
+            if job.health is not None:
+                job.health.check()
+                if job.clip is None and not all(bool(torch.isfinite(grads[lo:hi]).all()) for lo, hi in job.spans):
+                    raise NonFiniteStep(job.health.step, f"block {job.block}'s gradient", "not finite", job.health.lr)
+        except NonFiniteStep:
+            self._refused = True
+            raise
+
     def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, NonFiniteStep):
+                raise err
             raise RuntimeError("the CPU AdamW worker failed") from err
 
     def before_load(self, index: int) -> None:

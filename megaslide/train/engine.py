@@ -7,13 +7,30 @@ device; `OffloadEngine` (megaslide/offload/engine.py) keeps the blocks' state in
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from megaslide.models.dit import VideoDiT
 from megaslide.diffusion.batches import Batch
+from megaslide.models.dit import VideoDiT
+
+
+class NonFiniteStep(FloatingPointError):
+    """A step whose loss or global gradient norm is not finite, refused before its update is applied."""
+
+    def __init__(self, step: int, what: str, value: float | str, lr: float):
+        super().__init__(f"step {step}: {what} is {value}; lower train.lr (now {lr:.0e}) or check the data")
+        self.step = step
+
+
+def check_finite(step: int, lr: float, **values: float) -> None:
+    """Raise `NonFiniteStep` for the first of `values` (loss=..., grad_norm=..., host floats) that is
+    not finite; `step` is the 1-based step number the metrics log uses."""
+    for what, value in values.items():
+        if not math.isfinite(value):
+            raise NonFiniteStep(step, what.replace("_", " "), value, lr)
 
 
 class StepEngine(Protocol):
@@ -23,7 +40,9 @@ class StepEngine(Protocol):
 
     def train_step(self, batch: Batch, lr: float) -> dict:
         """One optimizer step on `batch` (on the engine's device) at learning rate `lr`;
-        returns loss and grad_norm (device tensors, not waited for) and lr."""
+        returns loss and grad_norm (device tensors, not waited for) and lr. A step whose loss or
+        gradient norm is not finite raises `NonFiniteStep` before its non-finite update is applied
+        (the offload engine on CUDA may raise it at a later call: see its docstring)."""
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                  context_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,14 +2,15 @@
 
 Training logs scalars per step (`log`) and sample videos; a benchmark or table script logs its
 result tables (`log_table`), its headline numbers (`summary`) and its plots (`log_image`).
-Only rank 0 logs. metrics.jsonl holds one run: a fresh run empties it, a resumed run keeps the
-rows up to the checkpoint it resumed from (those after it are logged again). The W&B mode comes
-from `WANDB_MODE` when set, else `offline`, so runs never need a network; upload them later with
+Only rank 0 logs. metrics.jsonl holds one run (a non-finite value is written as null: valid JSON): a fresh run
+empties it, a resumed run keeps the rows up to the checkpoint it resumed from (those after it are logged again).
+The W&B mode comes from `WANDB_MODE` when set, else `offline`, so runs never need a network; upload them later with
 `wandb sync <run folder>/wandb/offline-run-*`.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -33,7 +34,8 @@ class RunLogger:
     def log(self, metrics: dict, step: int) -> None:
         if not self.active:
             return
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        metrics = {k: _finite_or_none(v) for k, v in metrics.items()}
+        self.metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
         self.metrics_file.flush()
         if self.run is not None:
             self.run.log(metrics, step=step)
@@ -95,9 +97,14 @@ def _open_metrics(path: Path, resume_step: int | None):
             if step < resume_step or (step == resume_step and not at_resume):
                 kept.append(line + "\n")
                 at_resume = at_resume or step == resume_step
-    f = open(path, "w")
+    f = open(path, "w")  # noqa: SIM115  (the logger's file, open for the run, closed by finish)
     f.writelines(kept)
     return f
+
+
+def _finite_or_none(value):
+    """A metric as JSON can hold it: a non-finite float (NaN, inf) becomes null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _cell(value):

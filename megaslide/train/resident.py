@@ -1,6 +1,7 @@
 """The resident step engine: model, fp32 weights and AdamW state all on one device.
 
-bf16 autocast where train.precision asks for it, global gradient-norm clipping, an optional
+bf16 autocast where train.precision asks for it, global gradient-norm clipping, a refusal of a
+non-finite loss or gradient norm before the update (one host sync per step reads both), an optional
 EMA copy (sampled from when kept) and optional torch.compile of the blocks. It is the
 reference the offload engine (megaslide/offload) is tested against.
 """
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import torch
 
+from megaslide.checkpoint import load_checkpoint, save_checkpoint
 from megaslide.config import TrainConfig
+from megaslide.device import precision_dtype
+from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import flow_matching_loss
 from megaslide.models.dit import VideoDiT
-from megaslide.diffusion.batches import Batch
-from megaslide.checkpoint import load_checkpoint, save_checkpoint
-from megaslide.device import precision_dtype
+from megaslide.train.engine import check_finite
 
 
 def compile_blocks(model: VideoDiT) -> None:
@@ -64,6 +66,8 @@ class ResidentEngine:
         self.phase = "optimizer step"
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()  # one host sync
+        check_finite(self.step + 1, self.cfg.lr, loss=loss_value, grad_norm=norm_value)
         self.optimizer.step()
         if self.ema is not None:
             with torch.no_grad():   # one fused update over all parameters, not one launch per tensor

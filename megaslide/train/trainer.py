@@ -127,24 +127,26 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown)."""
+        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown).
+        A step the engine refuses as non-finite (`NonFiniteStep`, a FloatingPointError naming the step)
+        ends the run: it propagates before that step is logged or checkpointed, so the checkpoints
+        written are those of the finite steps before it."""
         self.maybe_resume()
         last: dict = {}
         first = self.step
-        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", dynamic_ncols=True)
-        while self.step < self.cfg.steps:
-            out = self.train_step()
-            bar.update(1)
-            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
-                last = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]), "lr": out["lr"],
-                        **self.engine.timings(range(first, self.step))}
-                first = self.step
-                bar.set_postfix(loss=f"{last['loss']:.4f}")
-                if self.logger:
-                    self.logger.log(last, self.step)
-            if self.step % self.cfg.ckpt_every == 0 or self.step == self.cfg.steps:
-                self.save()
-        bar.close()
+        with tqdm(total=self.cfg.steps, initial=self.step, desc="train", dynamic_ncols=True) as bar:
+            while self.step < self.cfg.steps:
+                out = self.train_step()
+                bar.update(1)
+                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+                    last = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]), "lr": out["lr"],
+                            **self.engine.timings(range(first, self.step))}
+                    first = self.step
+                    bar.set_postfix(loss=f"{last['loss']:.4f}")
+                    if self.logger:
+                        self.logger.log(last, self.step)
+                if self.step % self.cfg.ckpt_every == 0 or self.step == self.cfg.steps:
+                    self.save()
         return last
 
     def close(self) -> None:

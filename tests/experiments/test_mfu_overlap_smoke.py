@@ -1,4 +1,6 @@
 """Smoke run of experiments/mfu_overlap.py at its tiny size (CPU)."""
+import math
+
 import pytest
 
 from megaslide.config import DiTConfig, from_dict
@@ -32,7 +34,8 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
         assert r["h2d_GBps"] == pytest.approx(r["h2d_bytes"] / r["h2d_s"] / 1e9)
         # the engine moves exactly the bytes the planner predicts, in every mode
         assert r["h2d_bytes"] == r["predicted"]["h2d_bytes"] and r["d2h_bytes"] == r["predicted"]["d2h_bytes"]
-        assert all(loss == loss for loss in r["losses"])  # finite (no NaN)
+        assert len(r["losses"]) == len(r["grad_norms"]) == b["warmup_steps"] + b["timed_steps"] + 1  # every step
+        assert all(math.isfinite(v) for v in r["losses"] + r["grad_norms"])
         # every timed step is timed on its own: the mean lies within their spread
         assert r["timed_steps"] == b["timed_steps"] == 2
         assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]

@@ -1,4 +1,5 @@
 """Smoke run of experiments/oom_thresholds.py at its tiny size (CPU, stated HBM budget) and its cell isolation."""
+import math
 import time
 
 from experiments.oom_thresholds import run_isolated
@@ -22,6 +23,7 @@ def test_oom_thresholds_smoke_reaches_fitting_and_oom_cells(tmp_path):
         assert c["predicted_peak_GB"] <= budget and c["measured_peak_GB"] > 0
         assert c["timed_steps"] == 2 and 0 < c["step_s_min"] <= c["step_s"] <= c["step_s_max"]
         assert c["timing_rule"] == "1 warm-up, 2 timed" and c["first_step_s"] > 0
+        assert len(c["losses"]) == 3 and all(math.isfinite(v) for v in c["losses"])   # warm-up and timed
         assert 0 < c["attention_s"] < c["step_s"] and 0 < c["attention_share"] < 1
         assert c["predicted_floor_s"] >= c["predicted_matmul_s"] + c["predicted_attention_s"] > 0
         assert c["floor_over_step"] == c["predicted_floor_s"] / c["step_s"]
