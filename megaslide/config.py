@@ -9,6 +9,7 @@ the offending key and says how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -185,6 +186,8 @@ class DataConfig:
     def validate(self) -> None:
         if self.name not in ("moving_shapes", "video_folder"):
             raise ValueError(f"data.name={self.name!r}: choose moving_shapes or video_folder")
+        _require_finite(self, "data")
+        _require_seed(self.seed, "data.seed")
         _require_at_least(self, "data", 1, "frames", "height", "width", "num_videos", "num_shapes", "shape_size")
         _require_at_least(self, "data", 0, "speed")
         if self.name == "video_folder":
@@ -232,6 +235,8 @@ class TrainConfig:
         self.betas = tuple(float(b) for b in self.betas)
 
     def validate(self) -> None:
+        _require_finite(self, "train")
+        _require_seed(self.seed, "train.seed")
         _require_at_least(self, "train", 1, "steps", "batch_size", "log_every", "ckpt_every", "sample_steps")
         _require_at_least(self, "train", 0, "warmup_steps", "weight_decay", "cfg_scale", "keep_checkpoints")
         if self.grad_clip < 0:
@@ -345,6 +350,25 @@ def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, of
                       execution: ExecutionConfig | None = None) -> None:
     """`RunConfig.validate` of these parts (the default execution and parallelism where not given)."""
     RunConfig(model, execution or ExecutionConfig(), data, train, offload).validate()
+
+
+def _require_finite(cfg, key: str) -> None:
+    """Every float of `cfg` (and of its float tuples) is finite: a NaN passes every `<` check and would reach the
+    optimizer or turn a bound off silently."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ValueError(f"{key}.{f.name}={value!r} must be a finite number; give a value such as the default "
+                             f"{f.default!r}")
+
+
+SEED_LIMIT = 2 ** 63  # torch.manual_seed and numpy take seeds below this
+
+
+def _require_seed(seed: int, key: str) -> None:
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{key}={seed} must be in [0, 2**63): choose a smaller non-negative seed")
 
 
 def _require_at_least(cfg, key: str, minimum: int, *names: str) -> None:

@@ -76,3 +76,17 @@ def test_for_variant_keeps_the_options_the_other_variant_takes():
     assert dsa.for_variant("dsa_zero") == AttentionConfig("dsa_zero", dsa.options)
     assert dsa.for_variant("swin", window=(1, 2, 2)) == AttentionConfig("swin", {"window": (1, 2, 2)})
     assert dsa.for_variant("dense") == AttentionConfig("dense")
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (lambda: tiny_train_cfg(lr=float("nan")), r"train.lr=nan must be a finite number"),
+    (lambda: tiny_train_cfg(grad_clip=float("nan")), r"train.grad_clip=nan must be a finite number"),
+    (lambda: tiny_train_cfg(betas=(0.9, float("inf"))), r"train.betas=\(0.9, inf\) must be a finite number"),
+    (lambda: tiny_train_cfg(seed=2 ** 64), r"train.seed=18446744073709551616 must be in \[0, 2\*\*63\)"),
+    (lambda: tiny_train_cfg(seed=-1), r"train.seed=-1 must be in \[0, 2\*\*63\)"),
+    (lambda: tiny_data_cfg(speed=float("nan")), r"data.speed=nan must be a finite number"),
+    (lambda: tiny_data_cfg(seed=2 ** 63), r"data.seed=9223372036854775808 must be in")])
+def test_non_finite_values_and_overflowing_seeds_are_refused(cfg, match):
+    """NaN passes every `<` check (grad_clip=nan would turn clipping off silently); a seed past 2**63 overflows."""
+    with pytest.raises(ValueError, match=match):
+        cfg().validate()
