@@ -311,7 +311,8 @@ def with_rates(row: dict, flops: float, peak: float, ours: dict | None) -> dict:
 
 
 def print_table(p: dict) -> None:
-    print(f"\noffload_peers  device={p['device']}  {p['preset']} depth {p['depth']} ({p['params'] / 1e9:.2f} B params), "
+    print(f"\noffload_peers  device={p['device']}  {p['preset']} depth {p['depth']} "
+          f"({p['params'] / 1e9:.2f} B params), "
           f"{p['tokens']} tokens x batch {p['batch']}; matmul {p['ceilings']['matmul_TFLOPs']:.1f} TFLOP/s")
     print(f"{'row':<10} {'status':<16} {'step s':>8} {'min':>8} {'max':>8} {'MFU meas':>8} {'MFU ds':>7} "
           f"{'vs ours':>7} {'HBM GB':>7} {'RSS GB':>7}  step-0 loss / grad norm")
