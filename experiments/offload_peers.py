@@ -217,7 +217,8 @@ def build_deepspeed(run: RunConfig, device: torch.device):
         loss = flow_matching_loss(engine, batch.x0, batch.ids, batch.t, batch.noise)
         engine.backward(loss)
         engine.step()
-        return loss.detach(), torch.as_tensor(engine.get_global_grad_norm())
+        norm = engine.get_global_grad_norm()   # None where DeepSpeed computed none: recorded as nan, the row fails
+        return loss.detach(), torch.tensor(math.nan if norm is None else float(norm))
     setup = ("ZeRO-3, offload_param + offload_optimizer to pinned host memory, bf16, DeepSpeedCPUAdam (AdamW), "
              "DeepSpeed gradient clipping; activation checkpointing per block")
     return step, init_sum, setup, lambda: None
@@ -337,7 +338,8 @@ def main(cfg: DictConfig) -> None:
     grid, batch = run.grid, run.train.batch_size
     flops = dit_flops(run.model, batch, grid).train
     name = script.name or ("smoke" if script.smoke else f"{device.type}_{c['model']['preset']}_d{run.model.depth}")
-    experiment = ExperimentRun("offload_peers", name, c, c["wandb"]["dir"], c["wandb"]["project"])
+    config = {**{k: c[k] for k in RUN_GROUPS}, **dataclasses.asdict(script)}
+    experiment = ExperimentRun("offload_peers", name, config, c["wandb"]["dir"], c["wandb"]["project"])
 
     matmul_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak = matmul_tflops(device, n=script.matmul_n, dtype=matmul_dtype)
