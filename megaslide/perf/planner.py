@@ -4,9 +4,9 @@ Its command line is experiments/plan.py, which plans the `RunConfig` that train.
 (`python -m experiments.plan model=7B model.in_channels=3 offload=engine check=true`); a table of cells
 plans each with `grid_run`.
 
-Host RAM (offload engine): the exact bytes of the engine's arenas (`HostState.arena_sizes`: per
-block parameter 16 B, see host_state.py), the block inputs that activation offload parks
-there (`parked_inputs`), the fp32 model when it is first built on the host (`build_on_host`,
+Host RAM (offload engine): the exact bytes of the engine's arenas (per block parameter 16 B;
+megaslide/perf/host_memory.py, by which the engine allocates them), the block inputs that activation
+offload parks there (`parked_inputs`), the fp32 model when it is first built on the host (`build_on_host`,
 what `Trainer` asks of `OffloadEngine.from_config`), and a reserve for the process.
 
 HBM: the peak of `torch.cuda.max_memory_allocated`, phase by phase (forward, loss, backward,
@@ -51,15 +51,19 @@ import torch
 
 from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, TrainConfig
 from megaslide.models.chunking import frame_slabs
-from megaslide.models.dit import DiTBlock, count_params
-from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
-from megaslide.offload.streamer import parked_inputs
+from megaslide.models.dit import count_params
 from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
 from megaslide.perf.flops import DiTFlops, dit_flops, keys_per_query
+from megaslide.perf.host_memory import (
+    HOST_RESERVE_BYTES,
+    block_layout,
+    host_bytes,
+    host_bytes_per_param,
+    parked_inputs,
+)
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 
 GB = 1e9
-HOST_RESERVE_BYTES = 4 * 2 ** 30   # torch + CUDA runtime + data + Python beside the host state
 HBM_MARGIN = 0.05                  # share of the free HBM left to the caching allocator's fragmentation
 
 
@@ -148,28 +152,6 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
 def elementwise_seconds(cfg: DiTConfig, tokens: int, passes: float, ceilings: Ceilings) -> float:
     """The memory-bound work of `passes` passes of every block over `tokens` tokens at the HBM ceiling."""
     return ELEMENTWISE_BYTES * tokens * cfg.dim * cfg.depth * passes / (ceilings.hbm_TBps * 1e12)
-
-
-def block_layout(cfg: DiTConfig) -> BlockLayout:
-    """The flat layout of one block of `cfg` (built on the meta device, allocates nothing)."""
-    with torch.device("meta"):
-        return BlockLayout.from_module(DiTBlock(cfg, 0))
-
-
-def host_bytes(layout: BlockLayout, depth: int, param_dtype: torch.dtype, pin_optimizer_state: bool) -> dict:
-    """Bytes of the engine's host arenas: {"pinned": ..., "pageable": ...}."""
-    pinned, pageable = HostState.arena_sizes(layout, depth, param_dtype, pin_optimizer_state)
-    return {"pinned": HostArena.total_bytes(pinned), "pageable": HostArena.total_bytes(pageable)}
-
-
-def require_host_fit(arenas: dict, available: int, what: str) -> None:
-    """Raise if the arenas plus the process reserve exceed the available host RAM."""
-    need = arenas["pinned"] + arenas["pageable"] + HOST_RESERVE_BYTES
-    if need > available:
-        raise ValueError(f"{what} needs {need / GB:.1f} GB of host RAM ({arenas['pinned'] / GB:.1f} GB pinned + "
-                         f"{arenas['pageable'] / GB:.1f} GB pageable + {HOST_RESERVE_BYTES / GB:.1f} GB reserve) but "
-                         f"only {available / GB:.1f} GB is available (MemAvailable); use a smaller model (fewer "
-                         f"blocks: python -m experiments.plan check=true names the largest depth) or more RAM")
 
 
 def phase_over(phases: dict[str, int], budget: int) -> str | None:
@@ -379,7 +361,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     k = resident_blocks
     parked = parked_inputs(depth, k) if activation_offload else 0
     input_bytes = tokens * cfg.dim * w
-    arenas = host_bytes(layout, depth, param_dtype, pin_state)
+    arenas = host_bytes(n, depth, param_dtype, pin_state)
     host = {"block state, pinned arena": arenas["pinned"], "block state, pageable arena": arenas["pageable"]}
     if parked:
         host[f"parked block inputs, pinned ({parked} x {input_bytes / GB:.2f} GB)"] = parked * input_bytes
@@ -477,7 +459,7 @@ def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
 def largest_depth(cfg: DiTConfig, *, host_budget: int, param_dtype: torch.dtype, pin_optimizer_state: bool) -> int:
     """The most blocks of `cfg`'s width whose host state and reserve fit in `host_budget` bytes (0 if none)."""
     layout = block_layout(cfg)
-    per_block = host_bytes(layout, 1, param_dtype, pin_optimizer_state)
+    per_block = host_bytes(layout.numel, 1, param_dtype, pin_optimizer_state)
     per_block_bytes = per_block["pinned"] + per_block["pageable"]
     return max(0, int((host_budget - HOST_RESERVE_BYTES) // per_block_bytes))
 
