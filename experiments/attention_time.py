@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from experiments.harness import MIN_REPEATS, sync
+from megaslide.perf.timing import MIN_REPEATS, sync
 from megaslide.attention import build_attention
 from megaslide.attention.base import SelfAttention
 from megaslide.config import DiTConfig

@@ -48,7 +48,8 @@ from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
 from experiments.dsa_candidates import launch_of
-from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, matmul_tflops, measure, timed
+from experiments.harness import ExperimentRun
+from megaslide.perf.timing import MIN_REPEATS, copy_gbps, matmul_tflops, measure, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention

@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import ExperimentRun, copy_gbps, timed
+from experiments.harness import ExperimentRun
+from megaslide.perf.timing import copy_gbps, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.offload import cpu_adam
 

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, kernel_check_device, measure
+from experiments.harness import ExperimentRun, kernel_check_device
+from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.testing import check_conv
 
@@ -117,7 +118,6 @@ SMOKE_CANDIDATES = ([(4, 8, 1)], [(4, 8, 1, 4)])
 def sweep_tiles(grid, channels: int, device, repeats: int, smoke: bool) -> list[dict]:
     """Each Triton launch alone per candidate tiling: forward and input gradient (CONV_BLOCK), weight
     gradient (WGRAD_BLOCK, WGRAD_PROGRAMS), bf16 activations on the GPU."""
-    from experiments.harness import timed
     from megaslide.attention.dsa import depthwise as dw
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)

@@ -36,7 +36,8 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.dsa_candidates import key_of, launch_of
-from experiments.harness import ExperimentRun, copy_gbps, kernel_check_device, timed
+from experiments.harness import ExperimentRun, kernel_check_device
+from megaslide.perf.timing import copy_gbps, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
 from megaslide.attention.dsa.op import BACKENDS

@@ -6,7 +6,7 @@ with the optimizer on the GPU; and the memory wall: the resident trainer on the 
     python -m experiments.mfu_overlap tiny=true         # CPU smoke test, seconds
 
 Order:
-1. ceilings, measured in this run (experiments/harness.py): bf16 matmul (8192^3) and pinned PCIe
+1. ceilings, measured in this run (megaslide/perf/timing.py): bf16 matmul (8192^3) and pinned PCIe
    (1 GiB, page-locked the way the engine pins its arena) H2D, D2H and both at once;
 2. correctness: the engine against the resident `Trainer` on the tiny model in fp32, for
    every variant (losses and weights within 1e-4 relative; bit-identical on CPU), else stop;
@@ -36,7 +36,8 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress
+from experiments.harness import ExperimentRun, pcie_ceiling, progress
+from megaslide.perf.timing import matmul_tflops
 from experiments.hydra_config import model_config, script_main
 from experiments.step_runs import non_finite, synthetic_batch
 from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
@@ -210,7 +211,7 @@ def main(cfg: DictConfig) -> None:
     # 1. ceilings
     matmul_dtype = torch.bfloat16 if cuda else torch.float32  # the engine computes in fp32 on a CPU
     peak = matmul_tflops(device, n=bench.matmul_n, dtype=matmul_dtype)
-    pcie = pcie_gbps(device, bench.pcie_probe_MiB * 2 ** 20) if cuda else None
+    pcie = pcie_ceiling(device, bench.pcie_probe_MiB * 2 ** 20) if cuda else None
     progress(f"ceilings: matmul {peak:.1f} TFLOP/s; pcie {pcie}")
 
     # 2. correctness

@@ -36,7 +36,7 @@ of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and the 
 The fit decision: on CUDA the run itself (the planner refuses only cells it puts beyond
 `refuse_over` x the free HBM, and any that host RAM cannot hold); on CPU, which has no allocator to
 run out of, the planner against the stated `hbm_budget_GB`. The same run re-measures the ceilings:
-matmul and PCIe (experiments/harness.py) and, per model and attention, `attend` alone on a clip of
+matmul and PCIe (megaslide/perf/timing.py) and, per model and attention, `attend` alone on a clip of
 `probe_frames` frames (the floor's attention rate). The summary gives, per row, the most frames,
 and whether the transfers hide: step <= `hide_ratio` x compute-only on every cell of at least
 `hide_min_tokens` tokens. Writes results/oom_thresholds/<name>.json (tables: cells, summary),
@@ -64,7 +64,8 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.attention_time import AttendTimer, attend_rate
-from experiments.harness import ExperimentRun, Timing, copy_gbps, matmul_tflops, pcie_gbps, progress, sync
+from experiments.harness import ExperimentRun, pcie_ceiling, progress
+from megaslide.perf.timing import Timing, copy_gbps, matmul_tflops, sync
 from experiments.hydra_config import script_config, script_main
 from experiments.report import render
 from experiments.step_runs import Step, non_finite, run_isolated, synthetic_batch
@@ -348,7 +349,7 @@ def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, tuple], precisi
         except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
             row["error"] = f"{type(err).__name__}: {err}"[:200]
         attention.append(row)
-    queue.put({"matmul_TFLOPs": peak, "pcie": pcie_gbps(device, probe_MiB * 2 ** 20) if cuda else None,
+    queue.put({"matmul_TFLOPs": peak, "pcie": pcie_ceiling(device, probe_MiB * 2 ** 20) if cuda else None,
                "hbm_copy_GBps": copy_gbps(device) if cuda else None,
                "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                "hbm_free_GB": hbm_available_bytes(device) / GB if cuda else None, "attention": attention})

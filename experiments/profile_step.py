@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 from torch.profiler import ProfilerActivity, profile
 
-from experiments.harness import ExperimentRun, sync, timed
+from experiments.harness import ExperimentRun
+from megaslide.perf.timing import sync, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.report import markdown_table
 from megaslide.config import DataConfig, DiTConfig, TrainConfig

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import ExperimentRun, matmul_tflops, pcie_gbps, progress, sync, timed
+from experiments.harness import ExperimentRun, pcie_ceiling, progress
+from megaslide.perf.timing import matmul_tflops, sync, timed
 from experiments.hydra_config import script_config, script_main
 from experiments.step_runs import Step, non_finite, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
@@ -172,7 +173,7 @@ def _ceilings(matmul_n: int, probe_MiB: int, queue) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     queue.put({"matmul_TFLOPs": matmul_tflops(device, n=matmul_n, dtype=torch.bfloat16 if cuda else torch.float32),
-               "pcie": pcie_gbps(device, probe_MiB * 2 ** 20) if cuda else None,
+               "pcie": pcie_ceiling(device, probe_MiB * 2 ** 20) if cuda else None,
                "hbm_total_GB": torch.cuda.get_device_properties(device).total_memory / GB if cuda else None})
 
 

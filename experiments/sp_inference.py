@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from experiments.harness import ExperimentRun, Timing, matmul_tflops, sync
+from experiments.harness import ExperimentRun
+from megaslide.perf.timing import Timing, matmul_tflops, sync
 from experiments.hydra_config import script_config, script_main
 from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from experiments.harness import ExperimentRun, timed
+from experiments.harness import ExperimentRun
+from megaslide.perf.timing import timed
 from experiments.hydra_config import script_config, script_main
 from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps
 from megaslide.config import DiTConfig, ParallelConfig

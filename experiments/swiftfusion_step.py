@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from experiments.harness import timed
+from megaslide.perf.timing import timed
 from megaslide.config import DiTConfig
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.weights import random_weights_

@@ -10,9 +10,10 @@ from pathlib import Path
 from experiments.claims.common import link, load, read_results, tokens_text
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import count_params
+from megaslide.perf.timing import MIN_REPEATS
 
 PAPER_MFU, PAPER_MFU_SERIAL, PAPER_MFU_GPU_OPT = 0.61, 0.28, 0.15   # C4, C5 as the paper states them
-MIN_TIMED_STEPS = 5     # fewer timed steps give no median and spread (experiments/harness.py)
+MIN_TIMED_STEPS = MIN_REPEATS   # fewer timed steps give no median and spread
 
 
 PAPER_STEP_S, PAPER_PARAMS = 3.1, 105e9   # C4 as the paper states it: 3.1 s per step of its 105B model

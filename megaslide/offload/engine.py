@@ -69,10 +69,11 @@ from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
-from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed, parked_inputs
+from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
+from megaslide.perf.host_memory import host_bytes, parked_inputs, require_host_fit
 from megaslide.perf.memory import host_available_bytes
 
 
@@ -103,8 +104,8 @@ class OffloadEngine:
             raise ValueError(f"offload.resident_blocks={offload_cfg.resident_blocks} exceeds the model's "
                              f"{depth} blocks; use at most {depth}")
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
-        planner.require_host_fit(planner.host_bytes(self.layout, depth, self.param_dtype, pin_state),
-                                 host_available_bytes(), what=f"the host state of {depth} blocks")
+        require_host_fit(host_bytes(self.layout.numel, depth, self.param_dtype, pin_state),
+                         host_available_bytes(), what=f"the host state of {depth} blocks")
         parked = parked_inputs(depth, offload_cfg.resident_blocks) if offload_cfg.activation_offload else 0
         self.host = HostState(self.layout, depth, self.param_dtype, pin=cuda, pin_optimizer_state=pin_state,
                               input_buffers=parked)

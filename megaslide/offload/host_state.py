@@ -9,6 +9,7 @@ Per transformer block l, each a flat (numel,) buffer laid out by `BlockLayout`:
 In the fp32 mode `weights` IS `master` (the master is streamed directly), so the fused CPU
 AdamW writes the next step's weights either way: into `weights` through its bf16 output,
 or in place. Bytes per parameter: bf16 mode 2 + 2 + 4 + 4 + 4 = 16; fp32 mode 4 + 4 + 4 + 4 = 16.
+The sizes are counted in megaslide/perf/host_memory.py, which the planner shares.
 
 All pinned buffers are carved from ONE arena, allocated once: a pageable allocation that
 is first touched (zeroed, in parallel) and then page-locked with `cudaHostRegister`. The
@@ -34,15 +35,16 @@ import torch
 from torch import nn
 
 from megaslide.checkpoint import flat_layout
+from megaslide.perf.host_memory import (
+    ARENA_ALIGN,
+    PARAM_ALIGN,
+    arena_bytes,
+    arena_sizes,
+    host_bytes_per_param,
+    round_up,
+)
 
-PARAM_ALIGN = 64      # elements: each parameter starts on a 64-element boundary of its block buffer
-ARENA_ALIGN = 4096    # bytes: each buffer starts on a page
 FP32 = torch.float32
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return (x + multiple - 1) // multiple * multiple
-
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -125,15 +127,6 @@ class BlockLayout:
         return out
 
 
-def host_bytes_per_param(param_dtype: torch.dtype) -> dict[str, int]:
-    """Persistent host bytes per block parameter, by buffer (padding aside)."""
-    w = torch.finfo(param_dtype).bits // 8
-    if param_dtype == FP32:
-        return {"weights = master (fp32)": 4, "grads (fp32)": 4, "exp_avg": 4, "exp_avg_sq": 4}
-    return {f"weights ({param_dtype})": w, f"grads ({param_dtype})": w, "master (fp32)": 4,
-            "exp_avg": 4, "exp_avg_sq": 4}
-
-
 class HostArena:
     """One host allocation, carved into aligned buffers; page-locked when `pin`.
 
@@ -141,7 +134,7 @@ class HostArena:
 
     def __init__(self, sizes: list[int], pin: bool):
         self.offsets = self.offsets_of(sizes)
-        self.nbytes = total = self.total_bytes(sizes)
+        self.nbytes = total = arena_bytes(sizes)
         self.buffer = torch.empty(total, dtype=torch.uint8)  # (nbytes,)
         self.buffer.zero_()  # first touch in parallel: pages are mapped here, not inside cudaHostRegister
         self.pinned = pin and total > 0
@@ -156,12 +149,8 @@ class HostArena:
         offsets, end = [], 0
         for size in sizes:
             offsets.append(end)
-            end = _round_up(end + size, ARENA_ALIGN)
+            end = round_up(end + size, ARENA_ALIGN)
         return offsets
-
-    @staticmethod
-    def total_bytes(sizes: list[int]) -> int:
-        return sum(_round_up(size, ARENA_ALIGN) for size in sizes)
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = self.offsets[self._next]
@@ -249,7 +238,7 @@ class HostState:
             raise ValueError(f"param_dtype={param_dtype} is not supported; use torch.bfloat16 or torch.float32")
         self.layout, self.depth, self.param_dtype = layout, depth, param_dtype
         n, aliased = layout.numel, param_dtype == FP32
-        pinned_sizes, pageable_sizes = self.arena_sizes(layout, depth, param_dtype, pin_optimizer_state)
+        pinned_sizes, pageable_sizes = arena_sizes(n, depth, param_dtype, pin_optimizer_state)
         self.pinned_arena = HostArena(pinned_sizes, pin)
         self.pageable_arena = HostArena(pageable_sizes, False)
         pinned = self.pinned_arena
@@ -265,15 +254,6 @@ class HostState:
             block.exp_avg, block.exp_avg_sq = state.take(n, FP32), state.take(n, FP32)
         self.loaded = [False] * depth
         self.inputs = InputBuffers(input_buffers, pin)
-
-    @staticmethod
-    def arena_sizes(layout: BlockLayout, depth: int, param_dtype: torch.dtype,
-                    pin_optimizer_state: bool) -> tuple[list[int], list[int]]:
-        """Byte sizes of the buffers of the pinned and the pageable arena, in carving order."""
-        n, w = layout.numel, torch.finfo(param_dtype).bits // 8
-        pinned = [n * w, n * w] * depth                                   # weights (= master in fp32), grads
-        state = [n * 4] * ((2 if param_dtype == FP32 else 3) * depth)    # [master], exp_avg, exp_avg_sq
-        return (pinned + state, []) if pin_optimizer_state else (pinned, state)
 
     # ---- contents ----------------------------------------------------------------------------
     def load_block_(self, index: int, master: torch.Tensor) -> None:

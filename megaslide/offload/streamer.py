@@ -180,14 +180,6 @@ class BackwardResult:
     norms: list[dict[int, torch.Tensor]]     # per block: parameter slot -> () gradient norm (fp32)
 
 
-def parked_inputs(depth: int, resident_blocks: int) -> int:
-    """How many block inputs a training step with activation offload parks on the host, each
-    copied D2H in the forward and H2D in the backward: those of the streamed blocks but the
-    last two, whose inputs the backward starts with while they are still on the device (as
-    their weights are still in the shells)."""
-    return max(0, depth - resident_blocks - 2)
-
-
 class SavedInputs:
     """The inputs of the streamed blocks that a training forward keeps for the backward's recompute.
 

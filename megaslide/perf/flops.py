@@ -15,7 +15,7 @@ Training FLOPs = 3 x forward (backward = 2 x forward). This is "6 x params x tok
 attention". The recomputation of the offload engine (one more forward) is NOT counted as
 model FLOPs; `executed` adds it, for the compute floor of the planner.
 MFU = training FLOPs / step time / peak, against a peak measured in the same run (bf16
-matmul: experiments/harness.py matmul_tflops) and against the datasheet.
+matmul: megaslide/perf/timing.py matmul_tflops) and against the datasheet.
 """
 from __future__ import annotations
 

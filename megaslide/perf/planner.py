@@ -4,9 +4,9 @@ Its command line is experiments/plan.py, which plans the `RunConfig` that train.
 (`python -m experiments.plan model=7B model.in_channels=3 offload=engine check=true`); a table of cells
 plans each with `grid_run`.
 
-Host RAM (offload engine): the exact bytes of the engine's arenas (`HostState.arena_sizes`: per
-block parameter 16 B, see host_state.py), the block inputs that activation offload parks
-there (`parked_inputs`), the fp32 model when it is first built on the host (`build_on_host`,
+Host RAM (offload engine): the exact bytes of the engine's arenas (per block parameter 16 B;
+megaslide/perf/host_memory.py, by which the engine allocates them), the block inputs that activation
+offload parks there (`parked_inputs`), the fp32 model when it is first built on the host (`build_on_host`,
 what `Trainer` asks of `OffloadEngine.from_config`), and a reserve for the process.
 
 HBM: the peak of `torch.cuda.max_memory_allocated`, phase by phase (forward, loss, backward,
@@ -27,8 +27,15 @@ check keeps `HBM_MARGIN` of the free memory for the caching allocator's fragment
 The resident trainer (`plan_resident`: fp32 weights, gradients and AdamW moments on the device,
 bf16 autocast, per-block checkpointing) is planned with the same block model.
 
-Step-time floor: max(compute, H2D, D2H, CPU AdamW) from executed FLOPs, bytes moved (weights,
-gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective,
+Step time, two figures kept apart:
+- the lower bound (`OffloadPlan.lower_bound`, `compute_lower_bound_s`), from ceilings only: every executed
+  FLOP (attention's counted ones and DSA's offset net included) at the matmul ceiling, the bytes each PCIe
+  direction moves at its ceiling, and the GPU optimizer's bytes at the HBM ceiling; no fitted constant, and
+  nothing for the CPU AdamW (no ceiling of it is measured). A step cannot run faster at those ceilings;
+- the estimate (`floor_s`, `seconds`), below: fitted, so a measured step may beat it.
+
+Step-time estimate ("floor" in its field names): max(compute, H2D, D2H, CPU AdamW) from executed FLOPs,
+bytes moved (weights, gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective,
 50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic). Compute (`compute_seconds`) has
 three terms, run one after the other on one stream:
 - attention: every block's `attend` (the variant's token mixing, DSA's offset net included) at the
@@ -51,15 +58,19 @@ import torch
 
 from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, TrainConfig
 from megaslide.models.chunking import frame_slabs
-from megaslide.models.dit import DiTBlock, count_params
-from megaslide.offload.host_state import BlockLayout, HostArena, HostState, host_bytes_per_param
-from megaslide.offload.streamer import parked_inputs
+from megaslide.models.dit import count_params
 from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
 from megaslide.perf.flops import DiTFlops, dit_flops, keys_per_query
+from megaslide.perf.host_memory import (
+    HOST_RESERVE_BYTES,
+    block_layout,
+    host_bytes,
+    host_bytes_per_param,
+    parked_inputs,
+)
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 
 GB = 1e9
-HOST_RESERVE_BYTES = 4 * 2 ** 30   # torch + CUDA runtime + data + Python beside the host state
 HBM_MARGIN = 0.05                  # share of the free HBM left to the caching allocator's fragmentation
 
 
@@ -145,31 +156,18 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     return executed, {"matmul": matmul, "attention": attention, "elementwise": elementwise}
 
 
+def compute_lower_bound_s(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
+                          ceilings: Ceilings, backward: bool = True, execution: ExecutionConfig | None = None) -> float:
+    """A lower bound on the compute of the step `compute_seconds` describes: its executed FLOPs, attention's
+    included, at the matmul ceiling (no fitted constant, no variant's own rate)."""
+    executed, _ = compute_seconds(cfg, batch, grid, recomputed=recomputed, ceilings=ceilings, backward=backward,
+                                  execution=execution)
+    return executed / (ceilings.tflops * 1e12)
+
+
 def elementwise_seconds(cfg: DiTConfig, tokens: int, passes: float, ceilings: Ceilings) -> float:
     """The memory-bound work of `passes` passes of every block over `tokens` tokens at the HBM ceiling."""
     return ELEMENTWISE_BYTES * tokens * cfg.dim * cfg.depth * passes / (ceilings.hbm_TBps * 1e12)
-
-
-def block_layout(cfg: DiTConfig) -> BlockLayout:
-    """The flat layout of one block of `cfg` (built on the meta device, allocates nothing)."""
-    with torch.device("meta"):
-        return BlockLayout.from_module(DiTBlock(cfg, 0))
-
-
-def host_bytes(layout: BlockLayout, depth: int, param_dtype: torch.dtype, pin_optimizer_state: bool) -> dict:
-    """Bytes of the engine's host arenas: {"pinned": ..., "pageable": ...}."""
-    pinned, pageable = HostState.arena_sizes(layout, depth, param_dtype, pin_optimizer_state)
-    return {"pinned": HostArena.total_bytes(pinned), "pageable": HostArena.total_bytes(pageable)}
-
-
-def require_host_fit(arenas: dict, available: int, what: str) -> None:
-    """Raise if the arenas plus the process reserve exceed the available host RAM."""
-    need = arenas["pinned"] + arenas["pageable"] + HOST_RESERVE_BYTES
-    if need > available:
-        raise ValueError(f"{what} needs {need / GB:.1f} GB of host RAM ({arenas['pinned'] / GB:.1f} GB pinned + "
-                         f"{arenas['pageable'] / GB:.1f} GB pageable + {HOST_RESERVE_BYTES / GB:.1f} GB reserve) but "
-                         f"only {available / GB:.1f} GB is available (MemAvailable); use a smaller model (fewer "
-                         f"blocks: python -m experiments.plan check=true names the largest depth) or more RAM")
 
 
 def phase_over(phases: dict[str, int], budget: int) -> str | None:
@@ -246,10 +244,23 @@ class OffloadPlan(PhasedHBM):
     activation_offload: bool    # saved block inputs parked in pinned host RAM
     executed_flops: float       # model FLOPs plus the recomputed forward of the other blocks
     execution: ExecutionConfig  # how the blocks run
+    ceilings: Ceilings = Ceilings()  # the rates both step-time figures assume
 
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def lower_bound(self) -> dict[str, float]:
+        """Seconds per step no resource can beat at the ceilings (module docstring): executed FLOPs at the
+        matmul ceiling, each PCIe direction's bytes, and (GPU optimizer) its HBM traffic."""
+        bound = {"compute": self.executed_flops / (self.ceilings.tflops * 1e12), "h2d": self.seconds["h2d"],
+                 "d2h": self.seconds["d2h"]}
+        return {**bound, "optimizer": self.seconds["optimizer"]} if self.optimizer_device == "gpu" else bound
+
+    @property
+    def lower_bound_s(self) -> float:
+        return max(self.lower_bound.values())
 
     @property
     def floor_s(self) -> float:
@@ -274,6 +285,7 @@ class OffloadPlan(PhasedHBM):
                 "model_flops_per_step": self.flops.train, "executed_flops_per_step": self.executed_flops,
                 "resident_blocks": self.resident_blocks,
                 "seconds": self.seconds, "floor_s": self.floor_s, "serial_s": self.serial_s, "bound": self.bound,
+                "lower_bound_seconds": self.lower_bound, "lower_bound_s": self.lower_bound_s,
                 "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
 
     def table(self) -> str:
@@ -287,10 +299,13 @@ class OffloadPlan(PhasedHBM):
         lines = [model, step, "host RAM:"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
-                  *self.hbm_lines(), "step time (s):"]
+                  *self.hbm_lines(), "step time, fitted estimate (s):"]
         lines += [f"  {k:<72} {v:9.3f}" for k, v in self.seconds.items()]
         lines += [f"  {'floor = max (' + self.bound + ')':<72} {self.floor_s:9.3f}",
-                  f"  {'serial = sum':<72} {self.serial_s:9.3f}"]
+                  f"  {'serial = sum':<72} {self.serial_s:9.3f}",
+                  "step time, lower bound from ceilings only (s):"]
+        lines += [f"  {k:<72} {v:9.3f}" for k, v in self.lower_bound.items()]
+        lines += [f"  {'lower bound = max':<72} {self.lower_bound_s:9.3f}"]
         return "\n".join(lines)
 
 
@@ -379,7 +394,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     k = resident_blocks
     parked = parked_inputs(depth, k) if activation_offload else 0
     input_bytes = tokens * cfg.dim * w
-    arenas = host_bytes(layout, depth, param_dtype, pin_state)
+    arenas = host_bytes(n, depth, param_dtype, pin_state)
     host = {"block state, pinned arena": arenas["pinned"], "block state, pageable arena": arenas["pageable"]}
     if parked:
         host[f"parked block inputs, pinned ({parked} x {input_bytes / GB:.2f} GB)"] = parked * input_bytes
@@ -411,7 +426,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), param_dtype, optimizer_device, grad_clip, params, block_params,
                        host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
-                       executed, execution)
+                       executed, execution, ceilings)
 
 
 @dataclass
@@ -477,7 +492,7 @@ def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
 def largest_depth(cfg: DiTConfig, *, host_budget: int, param_dtype: torch.dtype, pin_optimizer_state: bool) -> int:
     """The most blocks of `cfg`'s width whose host state and reserve fit in `host_budget` bytes (0 if none)."""
     layout = block_layout(cfg)
-    per_block = host_bytes(layout, 1, param_dtype, pin_optimizer_state)
+    per_block = host_bytes(layout.numel, 1, param_dtype, pin_optimizer_state)
     per_block_bytes = per_block["pinned"] + per_block["pageable"]
     return max(0, int((host_budget - HOST_RESERVE_BYTES) // per_block_bytes))
 
