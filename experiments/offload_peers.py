@@ -26,7 +26,7 @@ Step 0 is the check: its loss must be finite and within `loss_rtol` of ours, and
 `grad_norm_rtol` of ours, else the row fails with both values and is not timed. At adaLN-Zero
 initialisation the output layer is zero, so the step-0 loss is the same for any weights (it checks the batch
 and the loss function); the gradient norm depends on every block and checks the weights. Then warm-up steps,
-then `timed_steps` steps timed one by one (experiments/harness.timed: median, min, max, std). Every step's
+then `timed_steps` steps timed one by one (megaslide/perf/timing.timed: median, min, max, std). Every step's
 loss and gradient norm is recorded; a non-finite one fails the row. MFU counts model FLOPs only
 (megaslide/perf/flops.py) against the bf16 matmul peak measured in this run and the H200 datasheet; each row
 also gives its step time over ours, its peak HBM and its peak host RSS.
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.harness import MIN_REPEATS, ExperimentRun, matmul_tflops, progress, timed
+from experiments.harness import ExperimentRun, progress
 from experiments.hydra_config import RUN_GROUPS, run_config, script_main
 from experiments.step_runs import NON_FINITE, non_finite, run_isolated
 from megaslide.config import RunConfig, from_dict
@@ -58,6 +58,7 @@ from megaslide.diffusion.batches import Batch, make_batch
 from megaslide.diffusion.flow import flow_matching_loss
 from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import VideoDiT, count_params
+from megaslide.perf.timing import MIN_REPEATS, matmul_tflops, timed
 from megaslide.models.text import HashTokenizer
 from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, dit_flops, mfu
 from megaslide.perf.memory import peak_hbm_bytes, reset_peak_hbm
