@@ -21,7 +21,7 @@ from megaslide.attention.dense import DenseAttention  # noqa: E402
 from megaslide.nn import qk_rope  # noqa: E402
 from megaslide.nn.qk_rope import choose_backend, qk_norm_rope  # noqa: E402
 from megaslide.nn.rope import RopeTable, apply_rope  # noqa: E402
-from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
+from megaslide.testing import check_qk_rope  # noqa: E402
 from tests.helpers import builds_for_sm90  # noqa: E402
 
 F64 = torch.float64
@@ -58,15 +58,6 @@ def make_inputs(B, N, heads, d, norm, layout, seed):
     return q, k, qw, kw, cos, sin, grads
 
 
-def outputs_and_grads(backend, q, k, qw, kw, cos, sin, grads, heads, dtype):
-    """q, k out and the gradients of q, k and the weights present, with q, k in `dtype` (the same rounded values)."""
-    x = [t.to(dtype).requires_grad_() for t in (q, k)]
-    w = [None if t is None else t.to(F64 if dtype == F64 else torch.float32).requires_grad_() for t in (qw, kw)]
-    out = qk_norm_rope(*x, *w, cos, sin, heads=heads, eps=EPS, backend=backend)
-    leaves = x + [t for t in w if t is not None]
-    return [o.detach() for o in out] + list(torch.autograd.grad(out, leaves, [g.to(dtype) for g in grads]))
-
-
 CASES = [  # (B, N, heads, d, norm, layout)
     (2, 7, 3, 10, True, "qkv-slice"),           # D = 30: 15 pairs in a block of 16; 14 rows over 3 programs
     (1, 1, 1, 6, True, "qkv-slice"),            # one token, one head
@@ -82,18 +73,9 @@ CASES = [  # (B, N, heads, d, norm, layout)
 @pytest.mark.parametrize("B, N, heads, d, norm, layout", CASES)
 def test_fused_matches_the_float64_reference_within_the_error_rule(B, N, heads, d, norm, layout, dtype):
     q, k, qw, kw, cos, sin, grads = make_inputs(B, N, heads, d, norm, layout, seed=B * 100 + N * 10 + d)
-    q, k = q.to(dtype).to(F64), k.to(dtype).to(F64)   # the rounded values all three paths see
-    args = (q, k, qw, kw, cos, sin, [g.to(dtype).to(F64) for g in grads], heads)
-    truth = outputs_and_grads("reference", *args, F64)
-    same = outputs_and_grads("reference", *args, dtype)
-    fused = outputs_and_grads("triton", *args, dtype)
-    names = ["q", "k", "dq", "dk"] + (["dq_weight", "dk_weight"] if norm else [])
-    assert len(fused) == len(names)
-    for name, want, ref, got in zip(names, truth, same, fused):
-        assert got.shape == want.shape and got.dtype == ref.dtype, name
-        err, ref_err = (got.to(F64) - want).abs().max().item(), (ref.to(F64) - want).abs().max().item()
-        floor = rounding_floor(dtype, want)
-        assert within_tolerance(err, ref_err, floor), f"{name}: fused error {err:.3g} vs eager {ref_err:.3g}"
+    check = check_qk_rope(q, k, qw, kw, cos, sin, grads, heads, dtype, eps=EPS)
+    assert list(check["errors"]) == ["q", "k", "dq", "dk"] + (["dq_weight", "dk_weight"] if norm else [])
+    assert check["passed"], {name: e for name, e in check["errors"].items() if not e["ok"]}
 
 
 def test_reference_is_the_eager_rmsnorm_and_rope():
