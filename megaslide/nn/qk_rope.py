@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from megaslide.backends import Backend, device_guard, triton_kernels_check
+from megaslide.backends import Backend, device_guard, triton_device_check, triton_kernels_check
 from megaslide.backends import choose_backend as choose_among
 from megaslide.nn.qk_rope_reference import qk_norm_rope_reference
 
@@ -99,6 +99,8 @@ def can_run_triton(q: torch.Tensor, explicit: bool) -> tuple[bool, str]:
         return False, f"dtype {q.dtype} not supported (use float32, float16 or bfloat16)"
     if q.shape[-1] > MAX_ROW:
         return False, f"row width D={q.shape[-1]} exceeds {MAX_ROW}"
+    if q.device.type == "cuda":   # decided without asking triton's runtime: torch.compile traces this choice
+        return triton_device_check(q.device, explicit, False, "fused kernels")
     return triton_kernels_check(KERNELS, q.device, explicit, "fused kernels")
 
 

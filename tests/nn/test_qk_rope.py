@@ -158,20 +158,21 @@ def test_bad_input_and_backend_errors(monkeypatch):
 
 
 @pytest.mark.slow
-def test_fused_op_inside_torch_compile():
-    """Under torch.compile (regional compile of project_qkv, train.compile) the custom ops stay opaque
-    calls: the same output and gradients as eager, through the traced autograd graph (aot_eager)."""
-    q, k, qw, kw, cos, sin, grads = make_inputs(1, 5, 2, 6, True, "qkv-slice", seed=3)
-
-    def project(q, k, qw, kw):
-        out = qk_norm_rope(q * 2, k, qw, kw, cos, sin, heads=2, eps=EPS, backend="triton")
-        return out[0] + 1, out[1]
-
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_project_qkv_inside_torch_compile(backend):
+    """Under torch.compile (regional compile of project_qkv, train.compile) the backend choice traces and the
+    custom ops stay opaque calls: one graph (fullgraph), the same output and gradients as eager (aot_eager)."""
+    attn = DenseAttention(30, 3)
+    attn.qk_rope_backend = backend
+    torch.nn.init.normal_(attn.q_norm.weight, 1, 0.3)
+    rope = rope_rows(5, 10, torch.Generator().manual_seed(4))
+    h = torch.randn(2, 5, 30)
+    params = [attn.qkv.weight, attn.q_norm.weight, attn.k_norm.weight]
     results = []
-    for fn in (project, torch.compile(project, backend="aot_eager", fullgraph=True)):
-        leaves = [t.float().requires_grad_() for t in (q, k, qw, kw)]
-        out = fn(*leaves)
-        results.append([o.detach() for o in out] + list(torch.autograd.grad(out, leaves, [g.float() for g in grads])))
+    for fn in (attn.project_qkv, torch.compile(attn.project_qkv, backend="aot_eager", fullgraph=True)):
+        x = h.clone().requires_grad_()
+        out = fn(x, rope)
+        results.append([o.detach() for o in out] + list(torch.autograd.grad(sum(o.sum() for o in out), [x, *params])))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager)
 
