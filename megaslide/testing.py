@@ -3,7 +3,8 @@
 - `within_tolerance(err, ref_err, floor)`: the one accuracy rule of a kernel against an fp32/fp64 truth;
   `rounding_floor` its floor at rounding level; `TOLERANCE_RULE` the rule in words, for result files.
 - `deterministic_algorithms()`: a block under `torch.use_deterministic_algorithms(True)`.
-- `check_conv(...)`: the offset net's Triton depthwise Conv3d against F.conv3d by that rule.
+- `check_conv(...)`: the offset net's Triton depthwise Conv3d against F.conv3d by that rule;
+  `check_qk_rope(...)`: fused QK-norm + RoPE against its eager reference by that rule.
 - `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
 
 It lives in the library (not in experiments/) so that tests import only `megaslide` and `baselines`.
@@ -91,6 +92,40 @@ def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
         errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
     return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."),
             "passed": all(e["ok"] for e in errors.values()), "errors": errors}
+
+
+def qk_rope_and_grads(backend: str, q, k, q_weight, k_weight, cos, sin, grads, heads: int, dtype, eps: float):
+    """`qk_norm_rope`'s q, k and the gradients of q, k and the weights present on one backend, q and k in
+    `dtype`; the weights stay fp32 (as the module keeps them under autocast), float64 for a float64 run."""
+    from megaslide.nn.qk_rope import qk_norm_rope
+    x = [t.to(dtype).requires_grad_() for t in (q, k)]
+    w = [None if t is None else t.to(F64 if dtype == F64 else torch.float32).requires_grad_()
+         for t in (q_weight, k_weight)]
+    out = qk_norm_rope(*x, *w, cos, sin, heads=heads, eps=eps, backend=backend)
+    leaves = x + [t for t in w if t is not None]
+    return [o.detach() for o in out] + list(torch.autograd.grad(out, leaves, [g.to(dtype) for g in grads]))
+
+
+def check_qk_rope(q, k, q_weight, k_weight, cos, sin, grads, heads: int, dtype, eps: float = 1e-6) -> dict:
+    """The fused kernels ("triton") against the eager reference in float64 (the truth) and in `dtype`, on q, k
+    (B, N, D) rounded to dtype, weights (D,) or None, cos / sin (N, d/2) and output gradients (B, N, heads, d):
+    per output (q, k, dq, dk, dq_weight, dk_weight), both max errors, the rounding floor and whether
+    `within_tolerance` holds."""
+    q, k = (t.to(dtype).to(F64) for t in (q, k))
+    grads = [g.to(dtype).to(F64) for g in grads]
+    args = (q, k, q_weight, k_weight, cos, sin, grads, heads)
+    truth, same, fused = (qk_rope_and_grads(backend, *args, dt, eps)
+                          for backend, dt in (("reference", F64), ("reference", dtype), ("triton", dtype)))
+    names = ["q", "k", "dq", "dk"] + ["dq_weight", "dk_weight"][:len(truth) - 4]
+    errors = {}
+    for name, want, ref, got in zip(names, truth, same, fused):
+        err = (got.to(F64) - want).abs().max().item()
+        ref_err = (ref.to(F64) - want).abs().max().item()
+        floor = rounding_floor(dtype, want)
+        ok = got.shape == want.shape and got.dtype == ref.dtype and within_tolerance(err, ref_err, floor)
+        errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
+    return {"shape": list(q.shape), "heads": heads, "dtype": str(dtype).removeprefix("torch."),
+            "passed": len(fused) == len(names) and all(e["ok"] for e in errors.values()), "errors": errors}
 
 
 # ----------------------------------------------------------------------------- processes

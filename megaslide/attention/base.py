@@ -24,9 +24,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from megaslide.nn import RMSNorm, apply_rope
+from megaslide.nn import RMSNorm
+from megaslide.nn.qk_rope import qk_norm_rope
 
 Grid = tuple[int, int, int]
+QK_NORM_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +99,9 @@ class SelfAttention(nn.Module):
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
-        self.q_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(dim, eps=QK_NORM_EPS) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(dim, eps=QK_NORM_EPS) if qk_norm else nn.Identity()
+        self.qk_rope_backend = "auto"  # of `qk_norm_rope`; a test may ask for "triton" on CPU (the interpreter)
 
     @classmethod
     def parse_options(cls, given: Any = None):
@@ -142,12 +145,17 @@ class SelfAttention(nn.Module):
         element (2 under bf16 autocast, 4 in fp32), in a block run whole or token-chunked."""
         raise NotImplementedError(f"attention {cls.name!r} does not describe its activation memory (attend_memory)")
 
-    def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """x (B, N, D) -> q, k, v (B, N, heads, d), RoPE applied to q and k."""
+    def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
+                    qk_rope_backend: str | None = None):
+        """x (B, N, D), rope: cos, sin (N, d/2) -> q, k, v (B, N, heads, d), QK-norm and RoPE applied to q
+        and k by `megaslide.nn.qk_rope.qk_norm_rope` on backend `qk_rope_backend` (None: the module's
+        `qk_rope_backend`, "auto": the fused kernels on CUDA where they run, else the eager reference;
+        `megaslide.nn.qk_rope.choose_backend` says which and why)."""
         B, N, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)                                       # (B, N, D) each
-        q = apply_rope(self.q_norm(q).view(B, N, self.num_heads, self.head_dim), *rope)  # (B, N, h, d)
-        k = apply_rope(self.k_norm(k).view(B, N, self.num_heads, self.head_dim), *rope)  # (B, N, h, d)
+        q_weight, k_weight = (norm.weight if isinstance(norm, RMSNorm) else None for norm in (self.q_norm, self.k_norm))
+        q, k = qk_norm_rope(q, k, q_weight, k_weight, *rope, heads=self.num_heads, eps=QK_NORM_EPS,
+                            backend=qk_rope_backend or self.qk_rope_backend)   # (B, N, h, d) each
         return q, k, v.view(B, N, self.num_heads, self.head_dim)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:

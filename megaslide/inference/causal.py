@@ -29,8 +29,9 @@ ValueError.
 
 Optimisations, each switchable for the ablation (`CausalConfig`): RoPE rows precomputed per
 chunk on the device (else looked up on the host and copied every forward, as
-`VideoDiT.embed` does); fused QK-norm + RoPE (`fused.py`); no host synchronisation (cache
-positions are Python ints; the ablation reads a device index with `.item()` in every layer);
+`VideoDiT.embed` does); fused QK-norm + RoPE (`megaslide.nn.qk_rope`, the model's own path on
+CUDA; the ablation runs the eager ops); no host synchronisation (cache positions are Python ints;
+the ablation reads a device index with `.item()` in every layer);
 CUDA graphs of the per-chunk forward (static shapes per cache slot; CUDA only).
 
 Entry point: experiments/generate_causal.py.
@@ -48,9 +49,9 @@ import torch.nn.functional as F
 
 from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
-from megaslide.inference.fused import fused_project_qkv
 from megaslide.inference.kv_cache import KVCache
-from megaslide.inference.sharded import Rope, TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
+from megaslide.inference.sharded import (Rope, TokenShard, forward_shard, gather_rows, shard_rope,
+                                         unfused_project_qkv, weight_sharing_copy)
 from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
 from megaslide.parallel.apply import SequenceParallelAttention, parallelize_dit
@@ -225,7 +226,7 @@ class CausalGenerator:
         self.config, self.batch = cfg, batch
         self.group = group if P > 1 else None
         self.model = parallelize_dit(weight_sharing_copy(model), self.group, ParallelConfig(sp=P, sp_mode="ulysses"),
-                                     project_qkv=fused_project_qkv if cfg.fused_qk_rope else None)
+                                     project_qkv=None if cfg.fused_qk_rope else unfused_project_qkv)
         self.frames, self.height, self.width = frames, height, width
         self.num_chunks = frames // F_
         self.chunk_tokens = math.prod(self.chunk_grid)

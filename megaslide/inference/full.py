@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from megaslide.config import ParallelConfig
 from megaslide.diffusion.samplers import FEW_STEP_TIMESTEPS, check_timesteps, euler_integrate, model_timesteps
-from megaslide.inference.fused import fused_project_qkv
-from megaslide.inference.sharded import Rope, TokenShard, forward_shard, gather_rows, shard_rope, weight_sharing_copy
+from megaslide.inference.sharded import (Rope, TokenShard, forward_shard, gather_rows, shard_rope,
+                                         unfused_project_qkv, weight_sharing_copy)
 from megaslide.models.dit import VideoDiT, patchify, unpatchify
 from megaslide.nn.rope import RopeTable
 from megaslide.parallel.apply import parallelize_dit
@@ -61,7 +61,7 @@ class FullSequenceSampler:
         self.config, self.batch = cfg, batch
         self.group = group if group_size(group) > 1 else None
         self.model = parallelize_dit(weight_sharing_copy(model), self.group, cfg.parallel,
-                                     project_qkv=fused_project_qkv if cfg.fused_qk_rope else None)
+                                     project_qkv=None if cfg.fused_qk_rope else unfused_project_qkv)
         self.shape = (batch, mc.in_channels, frames, height, width)
         self.shard = TokenShard.of(math.prod(self.grid), self.group)
         self.device = next(model.parameters()).device

@@ -32,6 +32,12 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 AttnFn = Callable[[torch.Tensor, Rope, tuple[int, int, int]], torch.Tensor]
 
 
+def unfused_project_qkv(attn, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attn.project_qkv(h, rope)` with QK-norm and RoPE as separate PyTorch ops (the eager reference of
+    `megaslide.nn.qk_rope`), where the model's own path fuses them on CUDA: the ablation `fused_qk_rope=False`."""
+    return attn.project_qkv(h, rope, qk_rope_backend="reference")
+
+
 @dataclass(frozen=True)
 class TokenShard:
     """Rank `rank`'s contiguous, tail-padded shard of a `seq_len`-token sequence over `world` ranks."""

@@ -1,6 +1,7 @@
 """Primitives shared by the model and the attention variants: the lowest layer of megaslide.
 
-RMSNorm, 3D RoPE tables and their rotation, and adaLN modulation. Nothing here imports
+RMSNorm, 3D RoPE tables and their rotation, adaLN modulation, and fused QK-norm + RoPE (qk_rope.py, imported
+by its own path: its kernels need triton). Nothing here imports
 `megaslide.models` or `megaslide.attention`; both import from here.
 """
 from megaslide.nn.modulation import modulate
