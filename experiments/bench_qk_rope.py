@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import MIN_REPEATS, ExperimentRun, copy_gbps, kernel_check_device, measure
+from experiments.harness import ExperimentRun, kernel_check_device
 from experiments.hydra_config import script_config, script_main
 from megaslide.nn.rope import RopeTable
+from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure
 from megaslide.testing import check_qk_rope
 
 BACKENDS = ("triton", "reference")
