@@ -66,6 +66,7 @@ def peak_hbm_bytes(device: torch.device) -> int:
 
 def reset_peak_hbm(device: torch.device) -> None:
     if device.type == "cuda":
+        torch.cuda.init()  # a fresh process has no allocator stats to reset until CUDA is initialised
         torch.cuda.reset_peak_memory_stats(device)
 
 
