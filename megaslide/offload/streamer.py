@@ -28,7 +28,8 @@ and re-runs their forward without grad from the stored input of block s, keeping
 above. The same ops on the same inputs: the gradients equal stride 1's bit for bit. Host bytes of
 parked inputs fall from about L to L/k block inputs, at the price of k-1 blocks' forward and H2D
 per segment; the device holds a segment's k inputs at once (`backward_ops`, `weight_loads`,
-`inputs_on_device` and `parked_inputs` count all of this for the planner).
+`inputs_on_device` and `parked_inputs` count all of this for the planner). Segments cover the
+streamed blocks only: a resident tail (below) keeps its graphs and goes first, as with stride 1.
 
 The shell a streamed block runs in is chosen as it is loaded: one already holding its current
 weights, else the shell the block before it did not use. So consecutive blocks alternate shells
