@@ -269,6 +269,7 @@ class OffloadConfig:
     gpu_memory_fraction: float = 0.0   # >0 caps usable HBM to emulate a smaller card
     resident_blocks: int = 0           # the last k blocks keep weights + activations on the GPU through backward
     activation_offload: bool = False   # park the block inputs saved for recompute in pinned host RAM
+    boundary_stride: int = 1           # keep the inputs of blocks 0, k, 2k, ...; the backward re-runs the rest
 
     def validate(self) -> None:
         if self.resident_blocks < 0:
@@ -277,6 +278,9 @@ class OffloadConfig:
             raise ValueError(f"offload.optimizer_device={self.optimizer_device!r}: choose cpu or gpu")
         if not 0 <= self.gpu_memory_fraction <= 1:
             raise ValueError(f"offload.gpu_memory_fraction={self.gpu_memory_fraction} must be in [0, 1]")
+        if self.boundary_stride < 1:
+            raise ValueError(f"offload.boundary_stride={self.boundary_stride} must be >= 1 (1: keep every block's "
+                             f"input; k: keep every k-th and re-run the forward of the others in the backward)")
         if self.activation_offload and not self.enabled:
             raise ValueError("offload.activation_offload=true needs the offload engine, but offload.enabled=false: "
                              "set offload.enabled=true, or offload.activation_offload=false")

@@ -4,8 +4,10 @@ One training step (`OffloadEngine.train_step`):
 1. the resident stem (patch embed, timestep MLPs, text encoder, caption projection) runs
    on the device with autograd; its outputs t_mod, ctx, t_emb enter the rest as leaves;
 2. streamed forward (no grad) over the blocks, keeping each block's input (with
-   offload.activation_offload parked in pinned host RAM and brought back one block ahead of
-   the backward: HBM holds about two block inputs whatever the depth);
+   offload.boundary_stride = k only those of blocks 0, k, 2k, ...: the backward re-runs the
+   others' forward segment by segment; with offload.activation_offload parked in pinned host
+   RAM and brought back one block ahead of the backward: HBM holds about max(2, k) block inputs
+   whatever the depth);
 3. unembed + loss with autograd: gradients of the last hidden state and of t_emb, and the
    final layer's parameter gradients;
 4. streamed backward: block l is recomputed from its input and backpropagated; its flat
@@ -73,8 +75,9 @@ from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapse
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
-from megaslide.perf.host_memory import host_bytes, parked_inputs, require_host_fit
+from megaslide.perf.host_memory import host_bytes, require_host_fit
 from megaslide.perf.memory import host_available_bytes
+from megaslide.perf.stream_schedule import parked_inputs
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -106,7 +109,8 @@ class OffloadEngine:
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
         require_host_fit(host_bytes(self.layout.numel, depth, self.param_dtype, pin_state),
                          host_available_bytes(), what=f"the host state of {depth} blocks")
-        parked = parked_inputs(depth, offload_cfg.resident_blocks) if offload_cfg.activation_offload else 0
+        stride = offload_cfg.boundary_stride
+        parked = parked_inputs(depth, offload_cfg.resident_blocks, stride) if offload_cfg.activation_offload else 0
         self.host = HostState(self.layout, depth, self.param_dtype, pin=cuda, pin_optimizer_state=pin_state,
                               input_buffers=parked)
         for index, block in enumerate(model.blocks):
@@ -132,7 +136,7 @@ class OffloadEngine:
                                       before_load=lambda i: self.updater.before_load(i),
                                       version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks,
                                       offload_inputs=offload_cfg.activation_offload,
-                                      run=lambda *inputs: self.model.runner.block(*inputs))
+                                      run=lambda *inputs: self.model.runner.block(*inputs), stride=stride)
         # fused on CUDA: its found_inf flag skips a non-finite step on the device, with no host sync
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay, fused=True if cuda else None)

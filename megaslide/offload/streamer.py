@@ -9,9 +9,9 @@ lanes are plain contexts and events are no-ops; CI tests the scheduling logic th
 Two shells (double buffering): block l always computes in shell l % 2, a flat device
 buffer whose views are block l's parameters (`BlockLayout.mount`). While block l computes,
 block l +- 1 is copied into the other shell.
-- forward (no grad): keeps only each block's input (`SavedInputs`: on the device, or with
-  activation offload parked in pinned host memory and brought back one block ahead of the
-  backward, so HBM holds about two block inputs whatever the depth);
+- forward (no grad): keeps only block inputs (`SavedInputs`: on the device, or with activation
+  offload parked in pinned host memory and brought back one block ahead of the backward, so
+  HBM holds about two block inputs whatever the depth);
 - backward: re-streams blocks in reverse, recomputes block l from its saved input with
   grad enabled (not for a resident tail, below), and produces the gradients of its input,
   of the shared modulation t_mod and of the caption features ctx (summed over blocks in
@@ -19,6 +19,22 @@ block l +- 1 is copied into the other shell.
   gradient, and per-parameter gradient norms (on the device, for global-norm clipping). The
   flat gradient is sent D2H into the block's pinned staging buffer, and a callback hands it
   on to the optimizer.
+
+Boundaries (`stride=k`, offload.boundary_stride): the forward keeps the inputs of blocks 0, k,
+2k, ... only (and all inputs of the last segment, which the backward starts with). The backward
+takes the streamed blocks segment by segment, [s, s+k) in reverse: it re-streams blocks s..s+k-2
+and re-runs their forward without grad from the stored input of block s, keeping their outputs
+(the inputs of blocks s+1..s+k-1) on the device, then recomputes and backpropagates s+k-1..s as
+above. The same ops on the same inputs: the gradients equal stride 1's bit for bit. Host bytes of
+parked inputs fall from about L to L/k block inputs, at the price of k-1 blocks' forward and H2D
+per segment; the device holds a segment's k inputs at once (megaslide/perf/stream_schedule.py
+counts all of this for the planner). Segments cover the
+streamed blocks only: a resident tail (below) keeps its graphs and goes first, as with stride 1.
+
+The shell a streamed block runs in is chosen as it is loaded: one already holding its current
+weights, else the shell the block before it did not use. So consecutive blocks alternate shells
+(the H2D of the next block overlaps this one's compute) also where the backward jumps from block s
+to the re-run of block s-k.
 
 Resident tail (`resident=k`, offload.resident_blocks): the last k blocks each get a shell of
 their own and, in a training forward, run with grad enabled and keep their autograd graph.
@@ -36,6 +52,7 @@ import torch
 from torch import nn
 
 from megaslide.offload.host_state import BlockLayout, HostState, InputBuffers
+from megaslide.perf.stream_schedule import backward_ops, last_segment_start
 
 
 class DoneEvent:
@@ -181,29 +198,36 @@ class BackwardResult:
 
 
 class SavedInputs:
-    """The inputs of the streamed blocks that a training forward keeps for the backward's recompute.
+    """The block inputs that a training forward keeps for the backward's recompute, with those the
+    backward's re-run adds (see `inputs_on_device` for how many are on the device when).
 
-    Without `host` each stays on the device until its block's backward. With `host`
-    (offload.activation_offload) input l < host.count goes to host buffer l on the D2H lane
-    while block l computes, and comes back on the H2D lane one block ahead of the backward,
-    beside the weight prefetch. `live` holds the inputs on the device; with `host`, at most two:
-    - forward: before input l is saved, compute waits for the D2H of input l-2, which is then
-      dropped (its copy overlapped blocks l-2 and l-1);
-    - backward: input l-1 is allocated on the compute lane as block l's backward begins, filled
-      on the H2D lane while block l recomputes, and dropped after block l-1's backward.
-    The next forward rewrites host buffer l only after the H2D that read it."""
+    The forward keeps the inputs of blocks 0, k, 2k, ... (k = `stride`) and of the whole last segment
+    (from `last`). Without `host` each stays on the device until its block's backward. With `host`
+    (offload.activation_offload) the input of block j*k, j < host.count, goes to host buffer j on the
+    D2H lane while its block computes, and comes back on the H2D lane during the last block of the
+    segment after it, beside the weight prefetch. `live` holds the inputs on the device:
+    - forward: before input l is saved, compute waits for the D2H of any parked input <= l-2, which
+      is then dropped (its copy overlapped at least blocks l-2 and l-1);
+    - backward: a parked input is allocated on the compute lane as the block before it in the
+      backward begins, filled on the H2D lane while that block recomputes, and dropped after its own
+      block's backward; the re-run's outputs (`hold`) stay until their blocks' backward.
+    The next forward rewrites a host buffer only after the H2D that read it."""
 
-    def __init__(self, lanes: Lanes, host: InputBuffers | None):
-        self.lanes, self.host = lanes, host
+    def __init__(self, lanes: Lanes, host: InputBuffers | None, stride: int = 1, last: int = 0):
+        self.lanes, self.host, self.stride, self.last = lanes, host, stride, last
         self.live: dict[int, torch.Tensor] = {}   # block -> its input on the device
         self.peak = 0                              # most entries of `live` at once since `reset`
         parked = host.count if host is not None else 0
-        self._parked: list[torch.Tensor | None] = [None] * parked  # block -> its input in its host buffer
-        self._stored: list = [None] * parked       # block -> event: its D2H is done
-        self._read: list = [None] * parked         # block -> event: its H2D is done (the buffer may be rewritten)
+        self._parked: list[torch.Tensor | None] = [None] * parked  # buffer j -> block j*k's input in it
+        self._stored: list = [None] * parked       # buffer j -> event: its D2H is done
+        self._read: list = [None] * parked         # buffer j -> event: its H2D is done (it may be rewritten)
+
+    def keeps(self, index: int) -> bool:
+        """Whether the forward saves block `index`'s input (a streamed block's)."""
+        return index % self.stride == 0 or index >= self.last
 
     def parks(self, index: int) -> bool:
-        return 0 <= index < len(self._parked)
+        return index % self.stride == 0 and 0 <= index // self.stride < len(self._parked)
 
     def reset(self, like: torch.Tensor) -> None:
         """Before a training forward whose block inputs are like `like` (B, N, D)."""
@@ -220,43 +244,47 @@ class SavedInputs:
         self.peak = max(self.peak, len(self.live))
 
     def _drop(self, index: int) -> None:
-        self.lanes.compute.wait(self._stored[index])  # the D2H has read it; its memory may be reused
+        self.lanes.compute.wait(self._stored[index // self.stride])  # the D2H has read it; its memory may be reused
         del self.live[index]
 
     def save(self, index: int, h: torch.Tensor) -> None:
         """Keep block `index`'s input h (B, N, D), computed by the work issued so far."""
-        if self.parks(index - 2):
-            self._drop(index - 2)
+        for done in [i for i in self.live if self.parks(i) and i <= index - 2]:
+            self._drop(done)
         self._add(index, h)
         if not self.parks(index):
             return
-        d2h = self.lanes.d2h
+        d2h, slot = self.lanes.d2h, index // self.stride
         d2h.wait(self.lanes.compute.record())  # h is computed
-        d2h.wait(self._read[index])            # the last step's H2D out of the buffer is done
-        dst = self._parked[index] = self.host.view(index, h)
+        d2h.wait(self._read[slot])             # the last step's H2D out of the buffer is done
+        dst = self._parked[slot] = self.host.view(slot, h)
         with d2h.timed(h.nbytes):
             dst.copy_(h, non_blocking=True)
-        self._stored[index] = d2h.record()
+        self._stored[slot] = d2h.record()
+
+    def hold(self, index: int, h: torch.Tensor) -> None:
+        """Keep block `index`'s input h (B, N, D), re-run in the backward, on the device until its backward."""
+        self._add(index, h)
 
     def prefetch(self, index: int) -> None:
         """Start bringing block `index`'s input back to the device, unless it is there."""
         if index in self.live or not self.parks(index):
             return
-        compute, h2d = self.lanes.compute, self.lanes.h2d
-        src = self._parked[index]
+        compute, h2d, slot = self.lanes.compute, self.lanes.h2d, index // self.stride
+        src = self._parked[slot]
         x = torch.empty_like(src, device=self.lanes.device)  # (B, N, D), allocated on the compute lane
         h2d.wait(compute.record())       # the memory x reuses is free
-        h2d.wait(self._stored[index])
+        h2d.wait(self._stored[slot])
         with h2d.timed(x.nbytes):
             x.copy_(src, non_blocking=True)
-        self._read[index] = h2d.record()
+        self._read[slot] = h2d.record()
         self._add(index, x)
 
     def take(self, index: int) -> torch.Tensor:
         """Block `index`'s input (B, N, D) on the device; later compute waits for its H2D."""
         self.prefetch(index)
         if self.parks(index):
-            self.lanes.compute.wait(self._read[index])
+            self.lanes.compute.wait(self._read[index // self.stride])
         return self.live[index]
 
     def release(self, index: int) -> None:
@@ -270,30 +298,49 @@ class BlockStreamer:
     `before_load(l)` is called before block l's weights are copied in: the optimizer makes
     the copy wait for block l's pending update there. `version(l)` counts the updates
     submitted for block l, so a shell still holding the current weights is not reloaded.
-    With `offload_inputs` the saved block inputs are parked in `host.inputs` (`SavedInputs`).
+    With `offload_inputs` the saved block inputs are parked in `host.inputs` (`SavedInputs`); `stride`
+    is offload.boundary_stride (see the module docstring).
     `run(block, x, t_mod, ctx, ctx_mask, rope, grid)` runs a block (the model's `BlockRunner.block`:
     token chunks and frame slabs as the execution config says; default: the block whole)."""
 
     def __init__(self, blocks: nn.ModuleList, host: HostState, lanes: Lanes, device: torch.device,
                  compute_ctx: Callable[[], contextlib.AbstractContextManager],
                  before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0,
-                 offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None):
+                 offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None, stride: int = 1):
         self.run = run or (lambda block, *inputs: block(*inputs))
         if not 0 <= resident <= len(blocks):
             raise ValueError(f"offload.resident_blocks={resident} must be in [0, {len(blocks)}] (the model's depth)")
-        self.blocks, self.host, self.lanes = blocks, host, lanes
+        if stride < 1:
+            raise ValueError(f"offload.boundary_stride={stride} must be >= 1")
+        self.blocks, self.host, self.lanes, self.stride = blocks, host, lanes, stride
         self.compute_ctx, self.before_load, self.version = compute_ctx, before_load, version
-        self.first_resident = len(blocks) - resident
+        self.first_resident = streamed = len(blocks) - resident
         layout = host.layout
         self.shells = [BlockShell(layout, device, host.param_dtype) for _ in range(2 + resident)]
+        self._placed = [self.shells[2 + index - streamed] if index >= streamed else self.shells[index % 2]
+                        for index in range(len(blocks))]  # block -> the shell it is mounted on
+        self._busy = self.shells[1]                        # the streamed shell chosen last
         for index, block in enumerate(blocks):
-            layout.mount(block, self.shell(index).params)
-        self.inputs = SavedInputs(lanes, host.inputs if offload_inputs else None)
+            layout.mount(block, self._placed[index].params)
+        self.inputs = SavedInputs(lanes, host.inputs if offload_inputs else None, stride,
+                                  last_segment_start(streamed, stride))
 
     def shell(self, index: int) -> BlockShell:
+        """The shell block `index` computes in (chosen by its last `load`)."""
+        return self._placed[index]
+
+    def _place(self, index: int, tag: tuple[int, int]) -> BlockShell:
+        """Where block `index` runs next: its own shell in the resident tail; else a streamed shell that
+        holds `tag` (its current weights), else the one the last streamed block chosen did not take. The
+        block is mounted there."""
         if index >= self.first_resident:
-            return self.shells[2 + index - self.first_resident]
-        return self.shells[index % 2]
+            return self._placed[index]
+        held = [shell for shell in self.shells[:2] if shell.holds == tag]
+        self._busy = held[0] if held else self.shells[1] if self._busy is self.shells[0] else self.shells[0]
+        if self._placed[index] is not self._busy:
+            self.host.layout.mount(self.blocks[index], self._busy.params)
+            self._placed[index] = self._busy
+        return self._busy
 
     def invalidate(self) -> None:
         """Forget what the shells hold (after host weights changed outside the optimizer)."""
@@ -302,7 +349,8 @@ class BlockStreamer:
 
     def load(self, index: int) -> None:
         """Copy block `index`'s weights into its shell on the H2D lane, unless already there."""
-        shell, tag = self.shell(index), (index, self.version(index))
+        tag = (index, self.version(index))
+        shell = self._place(index, tag)
         if shell.holds == tag:
             return
         self.before_load(index)
@@ -318,7 +366,7 @@ class BlockStreamer:
     def forward(self, h: torch.Tensor, inp: BlockInputs, keep_inputs: bool) -> tuple[torch.Tensor, list]:
         """h (B, N, D) through all blocks -> (output (B, N, D), for the resident tail if
         `keep_inputs`: per block (input leaf, output with graph)). With `keep_inputs` the streamed
-        blocks' inputs go to `self.inputs` for the backward."""
+        blocks' inputs that the backward starts from go to `self.inputs` (`SavedInputs.keeps`)."""
         compute, kept = self.lanes.compute, []
         if keep_inputs:
             self.inputs.reset(h)
@@ -326,7 +374,7 @@ class BlockStreamer:
         for index, block in enumerate(self.blocks):
             shell = self.shell(index)
             tail = keep_inputs and index >= self.first_resident
-            if keep_inputs and not tail:
+            if keep_inputs and not tail and self.inputs.keeps(index):
                 self.inputs.save(index, h)   # before the wait for the weights: its D2H needs only h
             compute.wait(shell.ready)
             with compute.timed(), self.compute_ctx():
@@ -351,18 +399,29 @@ class BlockStreamer:
         For each block, after its flat gradient is in `shell.grads`, and (if `grads_to_host`)
         once its D2H into the host staging buffer is issued: `on_block_grads(l, shell, landed,
         used)` with `landed` the event of that D2H (None without it) and `used[i]` whether
-        parameter i got a gradient (one that did not is zero in `shell.grads`)."""
+        parameter i got a gradient (one that did not is zero in `shell.grads`).
+
+        The resident tail goes first, then the streamed blocks as `backward_ops` orders them: a
+        segment's re-run (`_rerun`) before its blocks' backward."""
         compute, d2h, layout = self.lanes.compute, self.lanes.d2h, self.host.layout
-        depth = len(self.blocks)
+        depth, stride = len(self.blocks), self.stride
         grad_t_mod = grad_ctx = None
         norms: list[dict[int, torch.Tensor]] = [{} for _ in range(depth)]
-        self.load(depth - 1)
-        for index in reversed(range(depth)):
+        ops = [(index, True) for index in reversed(range(self.first_resident, depth))]
+        ops += backward_ops(self.first_resident, stride)
+        self.load(ops[0][0])
+        for position, (index, with_grad) in enumerate(ops):
+            following = ops[position + 1][0] if position + 1 < len(ops) else None
+            if not with_grad:
+                self._rerun(index, inp)
+                self.load(following)
+                continue
             shell, block = self.shell(index), self.blocks[index]
-            self.inputs.prefetch(index - 1)  # first: its H2D waits only for the compute issued so far
+            streamed = index < self.first_resident
+            if streamed and index % stride == 0:
+                self.inputs.prefetch(index - stride)  # first: its H2D waits only for the compute issued so far
             compute.wait(shell.ready)
             compute.wait(shell.grads_free)
-            streamed = index < self.first_resident
             if streamed:
                 x = self.inputs.take(index).requires_grad_()                               # (B, N, D)
             else:
@@ -399,6 +458,17 @@ class BlockStreamer:
                 landed = d2h.record()
             on_block_grads(index, shell, landed, used)
             shell.grads_free = landed if grads_to_host else compute.record()
-            if index > 0:
-                self.load(index - 1)
+            if following is not None:
+                self.load(following)
         return BackwardResult(grad_h, grad_t_mod, grad_ctx, norms)
+
+    def _rerun(self, index: int, inp: BlockInputs) -> None:
+        """Block `index`'s forward again, without grad, from its saved input: its output is the next
+        block's input, kept on the device for that block's backward."""
+        compute, shell = self.lanes.compute, self.shell(index)
+        x = self.inputs.take(index)                                                        # (B, N, D)
+        compute.wait(shell.ready)
+        with compute.timed(), torch.no_grad(), self.compute_ctx():
+            out = self.run(self.blocks[index], x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)
+        self.inputs.hold(index + 1, out)                                                   # (B, N, D)
+        shell.free = compute.record()

@@ -5,7 +5,7 @@ Per block parameter the host holds 16 bytes (`host_bytes_per_param`): bf16 weigh
 plus fp32 master and AdamW moments, or in the fp32 mode weights (= master), gradients and moments.
 Each block's buffers are flat, every parameter starting on a `PARAM_ALIGN`-element boundary
 (`block_layout` gives the length); each buffer of an arena starts on a page (`ARENA_ALIGN`).
-Activation offload parks `parked_inputs` block inputs beside them, and `HOST_RESERVE_BYTES`
+Activation offload parks `stream_schedule.parked_inputs` block inputs beside them, and `HOST_RESERVE_BYTES`
 is kept for the rest of the process.
 """
 from __future__ import annotations
@@ -76,14 +76,6 @@ def host_bytes(numel: int, depth: int, param_dtype: torch.dtype, pin_optimizer_s
     """Bytes of the engine's host arenas for `depth` blocks of `numel` elements: {"pinned": ..., "pageable": ...}."""
     pinned, pageable = arena_sizes(numel, depth, param_dtype, pin_optimizer_state)
     return {"pinned": arena_bytes(pinned), "pageable": arena_bytes(pageable)}
-
-
-def parked_inputs(depth: int, resident_blocks: int) -> int:
-    """How many block inputs a training step with activation offload parks on the host, each
-    copied D2H in the forward and H2D in the backward: those of the streamed blocks but the
-    last two, whose inputs the backward starts with while they are still on the device (as
-    their weights are still in the shells)."""
-    return max(0, depth - resident_blocks - 2)
 
 
 def require_host_fit(arenas: dict, available: int, what: str) -> None:

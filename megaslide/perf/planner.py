@@ -17,8 +17,10 @@ megaslide/perf/activation_memory.py (what each op saves, the variant's share fro
 - the block shells (weights and flat gradients), the stem (fp32 weights and AdamW moments;
   its gradients exist only after the blocks' backward), the clip tensors and RoPE tables;
 - the saved block inputs still on the device (all the streamed ones; with activation offload
-  two, plus the stem's output, which the stem's backward keeps), the last block's output,
-  the engine's dL/d(output) and the current one, and a resident tail's inputs and outputs;
+  two, plus the stem's output, which the stem's backward keeps; with offload.boundary_stride = k
+  `inputs_on_device`'s: a segment's k, and without activation offload the boundaries before it),
+  the last block's output, the engine's dL/d(output) and the current one, and a resident tail's
+  inputs and outputs;
 - the previous block's parameter gradients and the current block's so far.
 Checked against H200 peaks of the offload engine at the 7B width (dim 4096, ffn 16384, 32
 heads), bf16, batch 1: DSA 3x3x3, 4 blocks, 65,536 tokens: 34.2 GB predicted, 34.9 measured;
@@ -35,7 +37,8 @@ Step time, two figures kept apart:
 - the estimate (`floor_s`, `seconds`), below: fitted, so a measured step may beat it.
 
 Step-time estimate ("floor" in its field names): max(compute, H2D, D2H, CPU AdamW) from executed FLOPs,
-bytes moved (weights, gradients, parked block inputs) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective,
+bytes moved (weights, gradients, parked block inputs; a boundary stride's re-run blocks count one more
+forward and weight H2D each) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective,
 50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic). Compute (`compute_seconds`) has
 three terms, run one after the other on one stream:
 - attention: every block's `attend` (the variant's token mixing, DSA's offset net included) at the
@@ -66,9 +69,9 @@ from megaslide.perf.host_memory import (
     block_layout,
     host_bytes,
     host_bytes_per_param,
-    parked_inputs,
 )
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.stream_schedule import backward_ops, inputs_on_device, parked_inputs, weight_loads
 
 GB = 1e9
 HBM_MARGIN = 0.05                  # share of the free HBM left to the caching allocator's fragmentation
@@ -245,6 +248,7 @@ class OffloadPlan(PhasedHBM):
     executed_flops: float       # model FLOPs plus the recomputed forward of the other blocks
     execution: ExecutionConfig  # how the blocks run
     ceilings: Ceilings = Ceilings()  # the rates both step-time figures assume
+    boundary_stride: int = 1    # block inputs kept every k blocks; the backward re-runs the others' forward
 
     @property
     def host_total(self) -> int:
@@ -283,7 +287,7 @@ class OffloadPlan(PhasedHBM):
                 "hbm_bytes": self.hbm, "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
                 "hbm_peak_phase": self.peak_phase,
                 "model_flops_per_step": self.flops.train, "executed_flops_per_step": self.executed_flops,
-                "resident_blocks": self.resident_blocks,
+                "resident_blocks": self.resident_blocks, "boundary_stride": self.boundary_stride,
                 "seconds": self.seconds, "floor_s": self.floor_s, "serial_s": self.serial_s, "bound": self.bound,
                 "lower_bound_seconds": self.lower_bound, "lower_bound_s": self.lower_bound_s,
                 "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
@@ -295,7 +299,8 @@ class OffloadPlan(PhasedHBM):
         step = (f"step: batch {self.batch} x grid {self.grid} = {self.tokens} tokens; {self.param_dtype}; "
                 f"optimizer on {self.optimizer_device}; clipping {'on' if self.grad_clip else 'off'}; chunk "
                 f"{self.execution.chunk_tokens or 'off'}; "
-                f"activation offload {'on' if self.activation_offload else 'off'}")
+                f"activation offload {'on' if self.activation_offload else 'off'}; "
+                f"boundary stride {self.boundary_stride}")
         lines = [model, step, "host RAM:"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
@@ -311,7 +316,7 @@ class OffloadPlan(PhasedHBM):
 
 def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes: ActivationDtypes, n: int,
                  resident: int, k: int, activation_offload: bool, optimizer_device: str,
-                 execution: ExecutionConfig) -> dict[str, dict[str, int]]:
+                 execution: ExecutionConfig, stride: int = 1) -> dict[str, dict[str, int]]:
     """Device bytes by item for each phase of an offloaded step (see the module docstring)."""
     tokens = batch * math.prod(grid)
     w, D, depth = dtypes.residual, cfg.dim, cfg.depth
@@ -325,10 +330,12 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
         # two slots of master, moments, gradient and weights; the update's fp32 gradient, sqrt and quotient
         # (without clipping an update runs during the backward)
         fixed["GPU optimizer slots (2) + AdamW temporaries"] = 2 * n * (12 + 2 * w) + (12 if w < 4 else 8) * n
-    parks = activation_offload and parked_inputs(depth, k) > 0
-    # inputs on the device after the forward: with activation offload the last two streamed ones and the
-    # stem's output (the stem's backward keeps it); else every streamed one (the first is the stem's output)
-    kept_inputs = 3 if parks else streamed
+    parks = activation_offload and parked_inputs(depth, k, stride) > 0
+    # inputs on the device after the forward (`inputs_on_device`: with activation offload the last segment's
+    # and the boundary before it; else every kept one, the first being the stem's output), and with activation
+    # offload the stem's output (parked as block 0's input, but the stem's backward keeps it)
+    after, segment, _ = inputs_on_device(depth, k, stride, parks)
+    kept_inputs = after + parks
     saved = {f"saved block inputs on the device ({kept_inputs})": kept_inputs * x}
     tail = {"resident tail: kept graphs, input": k * memory.kept_total + x} if k else {}
     # the peak block's own parameter gradients so far: fc2's in an unchunked MLP backward, none in a
@@ -336,8 +343,9 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
     own = {"MLP backward": cfg.ffn_dim * D * w, "forward end": 0, "attention forward": 0}.get(memory.moment, n * w)
     block = {"this block's parameter gradients so far": own, **_block_items(memory, "peak")}
     previous = k > 0 or streamed >= 2                        # the peak block has a block before it in backward
-    # without activation offload and a tail, the peak block (the second in backward) has one input fewer
-    peak_inputs = kept_inputs if (parks or k or not previous) else streamed - 1
+    # the peak block: the second in the backward (without a tail it has one input fewer than after the
+    # forward), or the first of a segment that was re-run (`segment`: its inputs, beside earlier boundaries)
+    peak_inputs = (max(after - (not k), segment) if previous else after) + parks
     outputs = {f"resident tail: input and outputs ({k + 1})": (k + 1) * x} if k else {"last block output": x}
     # the forward's peak: a streamed block's forward, or the end of the tail's (its graphs all kept)
     forward = tail if sum(tail.values()) > memory.forward_total else _block_items(memory, "forward")
@@ -392,7 +400,8 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     resident = params - block_params
     tokens = batch * math.prod(grid)
     k = resident_blocks
-    parked = parked_inputs(depth, k) if activation_offload else 0
+    stride = offload.boundary_stride
+    parked = parked_inputs(depth, k, stride) if activation_offload else 0
     input_bytes = tokens * cfg.dim * w
     arenas = host_bytes(n, depth, param_dtype, pin_state)
     host = {"block state, pinned arena": arenas["pinned"], "block state, pageable arena": arenas["pageable"]}
@@ -403,14 +412,16 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     host["process reserve"] = HOST_RESERVE_BYTES
 
     dtypes = ActivationDtypes(act=w, residual=w)   # bf16 shells run under bf16 autocast; fp32 ones without
-    phases = _offload_hbm(cfg, batch, grid, dtypes, n, resident, k, activation_offload, optimizer_device, execution)
+    phases = _offload_hbm(cfg, batch, grid, dtypes, n, resident, k, activation_offload, optimizer_device, execution,
+                          stride)
     hbm_phases = {name: sum(items.values()) for name, items in phases.items()}
 
     flops = dit_flops(cfg, batch, grid)
     weights_bytes = n * w
     grads_to_host = grad_clip or optimizer_device == "cpu"
-    # forward + backward; the backward re-streams neither the kept blocks nor the two last streamed ones
-    h2d = weights_bytes * (depth + max(0, depth - k - 2)) + parked * input_bytes
+    # forward + backward (`weight_loads`): the backward re-streams neither the kept blocks nor what the shells
+    # still hold; with a boundary stride it re-streams the re-run blocks of each segment but the last
+    h2d = weights_bytes * weight_loads(depth, k, stride) + parked * input_bytes
     d2h = (weights_bytes * depth if grads_to_host else 0) + parked * input_bytes
     if optimizer_device == "gpu":
         h2d += depth * n * 12 + (depth * weights_bytes if grad_clip else 0)
@@ -418,7 +429,8 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
         optimizer_s = depth * n * 28 / (ceilings.hbm_TBps * 1e12)
     else:
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
-    executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k, ceilings=ceilings,
+    reruns = sum(not grad for _, grad in backward_ops(depth - k, stride))  # forwards re-run without grad
+    executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k + reruns, ceilings=ceilings,
                                         execution=execution)
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
@@ -426,7 +438,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), param_dtype, optimizer_device, grad_clip, params, block_params,
                        host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
-                       executed, execution, ceilings)
+                       executed, execution, ceilings, stride)
 
 
 @dataclass

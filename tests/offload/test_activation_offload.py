@@ -11,7 +11,7 @@ import torch
 
 from megaslide.config import OffloadConfig
 from megaslide.offload.host_state import InputBuffers
-from megaslide.perf.host_memory import parked_inputs
+from megaslide.perf.stream_schedule import parked_inputs
 from megaslide.train import trainer as trainer_module
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg

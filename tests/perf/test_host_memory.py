@@ -14,7 +14,6 @@ from megaslide.perf.host_memory import (
     block_layout,
     host_bytes,
     host_bytes_per_param,
-    parked_inputs,
     require_host_fit,
 )
 from tests.helpers import tiny_model_cfg
@@ -44,11 +43,6 @@ def test_host_bytes_are_what_the_host_state_allocates(dtype, pin_state):
 def test_arenas_round_each_buffer_up_to_a_page():
     assert arena_bytes([]) == 0
     assert arena_bytes([1, ARENA_ALIGN, ARENA_ALIGN + 1]) == 4 * ARENA_ALIGN
-
-
-def test_parked_inputs_leave_the_last_two_streamed_blocks_on_the_device():
-    assert [parked_inputs(depth, 0) for depth in range(5)] == [0, 0, 0, 1, 2]
-    assert parked_inputs(6, 2) == 2 and parked_inputs(4, 4) == 0
 
 
 def test_host_fit_counts_the_reserve_and_names_the_fix():

@@ -11,6 +11,7 @@ from megaslide.config import AttentionConfig, ExecutionConfig, OffloadConfig
 from megaslide.models.dit import DIT_PRESETS, VideoDiT, count_params
 from megaslide.offload import engine as engine_module
 from megaslide.offload.host_state import BlockLayout, HostState
+from megaslide.perf.stream_schedule import weight_loads
 from megaslide.perf import planner
 from megaslide.perf.activation_memory import ActivationDtypes, block_memory
 from megaslide.perf.flops import dit_flops
@@ -255,6 +256,43 @@ def test_activation_offload_parks_inputs_on_the_host():
     assert parked.h2d_bytes - base.h2d_bytes == 10 * x and parked.d2h_bytes - base.d2h_bytes == 10 * x
     few = dataclasses.replace(cfg, depth=2)                  # nothing to park: the last two stay on the device
     assert _plan(few, grid, activation_offload=True).host_total == _plan(few, grid).host_total
+
+
+@pytest.mark.parametrize("stride,parked,after,segment", [(1, 10, 2, 2), (2, 4, 3, 2), (3, 2, 4, 3), (5, 1, 3, 5),
+                                                          (12, 0, 12, 0)])
+def test_boundary_stride_parks_every_kth_input(stride, parked, after, segment):
+    """Hand-derived: depth 12, 16 x 32 x 64 tokens, activation offload. Stride k parks the inputs of
+    blocks 0, k, 2k, ... but the last two segments' (ceil(12 / k) - 2); after the forward the device
+    holds the last segment's inputs and the boundary before it (with the stem's output), at the peak
+    block a segment's k or the second block's; every re-run block (k - 1 per segment but the last)
+    adds one forward and one weight H2D."""
+    cfg, grid = dataclasses.replace(DIT_PRESETS["7B"], depth=12), (16, 32, 64)
+    x, n = 16 * 32 * 64 * cfg.dim * 2, planner.block_layout(cfg).numel
+    one, plan = _plan(cfg, grid, activation_offload=True), _plan(cfg, grid, activation_offload=True,
+                                                                 boundary_stride=stride)
+    assert plan.host_total - one.host_total == (parked - 10) * x
+    assert plan.pinned_bytes - one.pinned_bytes == (parked - 10) * x
+    stem = parked > 0
+    assert plan.hbm_phases["loss"] - one.hbm_phases["loss"] == (after + stem - 3) * x
+    assert plan.hbm_phases["backward"] - one.hbm_phases["backward"] == (max(after - 1, segment) + stem - 3) * x
+    reruns = (-(-12 // stride) - 1) * (stride - 1)
+    f = dit_flops(cfg, 1, grid)
+    assert plan.executed_flops == pytest.approx(one.executed_flops + f.forward * reruns / 12)
+    loads = weight_loads(12, 0, stride)
+    assert plan.h2d_bytes == 2 * n * loads + parked * x and plan.d2h_bytes == 2 * n * 12 + parked * x
+    assert plan.as_dict()["boundary_stride"] == stride and f"boundary stride {stride}" in plan.table()
+
+
+def test_boundary_stride_without_activation_offload_keeps_fewer_inputs_on_the_device():
+    """Depth 12, stride 3, nothing parked: after the forward the device holds boundaries 0, 3, 6 and the
+    last segment's 3 inputs (6, not 12); the peak block, re-run segment 6..8's first, its 3 beside
+    boundaries 0 and 3 (5, not 11)."""
+    cfg, grid = dataclasses.replace(DIT_PRESETS["7B"], depth=12), (16, 32, 64)
+    x = 16 * 32 * 64 * cfg.dim * 2
+    one, plan = _plan(cfg, grid), _plan(cfg, grid, boundary_stride=3)
+    assert one.hbm_phases["loss"] - plan.hbm_phases["loss"] == (12 - 6) * x
+    assert one.hbm_phases["backward"] - plan.hbm_phases["backward"] == (11 - 5) * x
+    assert plan.host_total == one.host_total
 
 
 def test_chunking_plans_the_chunked_block_and_its_recompute():
