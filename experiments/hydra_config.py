@@ -1,5 +1,6 @@
-"""Hydra/OmegaConf -> MegaSlide's typed configs, and `script_main`, the Hydra entry point of every
-script. Nothing below experiments/ sees OmegaConf."""
+"""Hydra/OmegaConf -> MegaSlide's typed configs, `script_main`, the Hydra entry point of every
+script, and `compose_run`, the one way a script makes a run: its config (or a RunConfig) plus train.py-style
+overrides, composed as train.py composes them. Nothing below experiments/ sees OmegaConf."""
 from __future__ import annotations
 
 import copy
