@@ -1,7 +1,9 @@
-"""Hydra/OmegaConf -> MegaSlide's typed configs, and `script_main`, the Hydra entry point of every
-script. Nothing below experiments/ sees OmegaConf."""
+"""Hydra/OmegaConf -> MegaSlide's typed configs, `script_main`, the Hydra entry point of every
+script, and `compose_run`, the one way a script makes a run: its config (or a RunConfig) plus train.py-style
+overrides, composed as train.py composes them. Nothing below experiments/ sees OmegaConf."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -9,6 +11,10 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from megaslide.config import (
@@ -56,10 +62,7 @@ def model_config(model: dict, attention: dict) -> DiTConfig:
     A key set to null keeps the preset's value (every model group file lists each DiTConfig field as
     null, conf/model/fields.yaml, so that `model.depth=22` needs no `+`)."""
     model = {k: v for k, v in model.items() if v is not None}
-    moved = [f"model.{k} is now {where}" for k, where in DiTConfig.moved_keys.items() if k in model]
-    if moved:
-        raise ValueError(f"{'; '.join(moved)} (how the blocks run, not the model): set "
-                         f"{', '.join(DiTConfig.moved_keys[k] + '=...' for k in DiTConfig.moved_keys if k in model)}")
+    refuse_moved(model, DiTConfig.moved_keys, prefix="model.", why="how the blocks run, not the model")
     preset = model.pop("preset", "tiny")
     if preset not in DIT_PRESETS:
         raise ValueError(f"model.preset={preset!r} is unknown; known: {sorted(DIT_PRESETS)}")
@@ -71,13 +74,29 @@ def model_config(model: dict, attention: dict) -> DiTConfig:
     return config
 
 
+def refuse_moved(given: dict, moved: dict[str, str], *, prefix: str = "", why: str = "") -> None:
+    """Refuse keys of `given` that have moved (`moved`: old key -> new key) and are set (not null), with an
+    error naming each one's new key: a config file keeps a moved key as null so that an old command line
+    reaches this error and not Hydra's unknown-key one."""
+    found = [k for k in moved if given.get(k) is not None]
+    if found:
+        raise ValueError(f"{'; '.join(f'{prefix}{k} is now {moved[k]}' for k in found)}{f' ({why})' if why else ''}"
+                         f": set {', '.join(moved[k] + '=...' for k in found)}")
+
+
 def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
     """A table script's typed config `cls` from its Hydra config, `overrides` (a smoke preset) merged
     over it: a `wandb` group, where the script logs a run, becomes `wandb_dir` and `wandb_project`;
     a `model` group, where the script builds a model, becomes a DiTConfig in `model` (with
-    `attention`, dense when absent) and its preset name in `model_preset`. Field types are checked
-    (from_dict), and the config's own `validate()`, where it has one, runs before the script does anything."""
+    `attention`, dense when absent) and its preset name in `model_preset`. A script whose config holds
+    RunConfig's groups (`run_groups` in its defaults; they become its runs, compose_run) leaves them out:
+    `cls` holds its own keys, and those in `cls.moved_keys` (now RunConfig fields) are refused when set.
+    Field types are checked (from_dict), and the config's own `validate()`, where it has one, runs before the
+    script does anything."""
     c = OmegaConf.to_container(OmegaConf.merge(cfg, overrides or {}), resolve=True)
+    if "execution" in c:
+        c = {k: v for k, v in c.items() if k not in RUN_GROUPS}
+    refuse_moved(c, getattr(cls, "moved_keys", {}), why="a field of the run, as on train.py")
     fields = dict(c)
     if "wandb" in c:
         wandb = fields.pop("wandb")
@@ -92,6 +111,8 @@ def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
 
 
 RUN_GROUPS = ("model", "attention", "execution", "data", "train", "offload", "parallel")  # RunConfig's groups
+GROUP_CONFIGS = {"execution": ExecutionConfig, "data": DataConfig, "train": TrainConfig, "offload": OffloadConfig,
+                 "parallel": ParallelConfig}   # the groups that are a RunConfig field each (model holds attention)
 
 
 def run_config(cfg: DictConfig | dict, *, check_device: bool = True) -> RunConfig:
@@ -99,9 +120,7 @@ def run_config(cfg: DictConfig | dict, *, check_device: bool = True) -> RunConfi
     (`RunConfig.validate` and, with `check_device`, train.device on this machine): a training script
     calls it before it writes anything; experiments/plan.py, which only predicts, without `check_device`."""
     c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
-    parts = {key: from_dict(cls, c.get(key, {}), key=key) for key, cls in
-             (("execution", ExecutionConfig), ("data", DataConfig), ("train", TrainConfig),
-              ("offload", OffloadConfig), ("parallel", ParallelConfig))}
+    parts = {key: from_dict(cls, c.get(key, {}), key=key) for key, cls in GROUP_CONFIGS.items()}
     run = RunConfig(model=model_config(c["model"], c["attention"]), **parts)
     run.validate()
     if check_device:
@@ -113,3 +132,112 @@ def typed_configs(cfg: DictConfig) -> tuple[DiTConfig, DataConfig, TrainConfig, 
     """(model, data, train, offload) of `run_config(cfg)`: for study scripts that run the blocks whole."""
     run = run_config(cfg)
     return run.model, run.data, run.train, run.offload
+
+
+# ---- one run of a script: its base config plus train.py-style overrides -----------------------------------
+def compose_run(base: DictConfig | RunConfig, changes: list[str]) -> RunConfig:
+    """The RunConfig of `base` changed by `changes`, train.py-style overrides (`model=7B`, `attention=dsa`,
+    `offload=engine`, `execution.chunk_tokens=16320`, `data.frames=256`, ...): train.yaml composed by Hydra with
+    `train_overrides(base, changes)`, so it is exactly the run that `python experiments/train.py` (and
+    `python -m experiments.plan`) makes with those overrides. `base` is a script's composed config (its
+    RunConfig groups, run_groups.yaml, and any keys of its own) or a RunConfig. Validated for any device."""
+    return run_config(_compose_train(train_overrides(base, changes)), check_device=False)
+
+
+def train_overrides(base: DictConfig | RunConfig, changes: list[str]) -> list[str]:
+    """The train.py overrides that make `base` changed by `changes`: base_overrides(base), then `changes`; of
+    two overrides of one key the later stays, at its place (a change replaces the base's value)."""
+    keyed = {}
+    for line, override in zip([*base_overrides(base), *changes], _parse([*base_overrides(base), *changes])):
+        keyed.pop(override.key_or_group, None)
+        keyed[override.key_or_group] = line
+    return list(keyed.values())
+
+
+def base_overrides(base: DictConfig | RunConfig) -> list[str]:
+    """train.py overrides that make `base`'s run: its model, attention and offload options (`model=<preset>`,
+    `attention=<name>`, `offload=engine|none`), then each value that differs from that composition: every model
+    field `base` sets (a script config's non-null model keys; a RunConfig's fields that differ from its nearest
+    preset), and the other groups' values that differ from train.yaml's (`+key=value` for a field train.yaml
+    does not list)."""
+    tree = run_tree(base)
+    choices = [f"model={tree['model']['preset']}", f"attention={tree['attention']['name']}",
+               f"offload={'engine' if tree['offload'].get('enabled') else 'none'}"]
+    ref = _compose_train(choices)
+    out = list(choices)
+    for group in RUN_GROUPS:
+        listed = ref[group]
+        known = {**_field_defaults(GROUP_CONFIGS[group]), **listed} if group in GROUP_CONFIGS else listed
+        for key, value in tree[group].items():
+            if (group == "model" and value is None) or (key in known and value == known[key]):
+                continue
+            out.append(f"{'' if key in listed else '+'}{group}.{key}={_override_value(value)}")
+    return out
+
+
+def run_tree(base: DictConfig | RunConfig) -> dict[str, dict]:
+    """RunConfig's groups of `base` as plain dicts, in the form of the Hydra groups: a script config's own; a
+    RunConfig's with its model as its nearest preset (fewest differing fields) plus the fields that differ."""
+    if not isinstance(base, RunConfig):
+        c = OmegaConf.to_container(base, resolve=True) if isinstance(base, DictConfig) else base
+        tree = {group: dict(c[group]) for group in RUN_GROUPS}
+        tree["model"].setdefault("preset", "tiny")
+        return tree
+    model = _plain(dataclasses.asdict(base.model))
+    attention = model.pop("attention")
+    preset = min(DIT_PRESETS, key=lambda p: sum(v != model[k] for k, v in _preset_fields(p).items()))
+    tree = {"model": {"preset": preset, **{k: v for k, v in model.items() if v != _preset_fields(preset)[k]}},
+            "attention": {"name": attention["name"], **attention["options"]}}
+    tree.update({group: _plain(dataclasses.asdict(getattr(base, group))) for group in GROUP_CONFIGS})
+    return tree
+
+
+def _preset_fields(preset: str) -> dict:
+    fields = _plain(dataclasses.asdict(DIT_PRESETS[preset]))
+    fields.pop("attention")
+    return fields
+
+
+def _field_defaults(cls) -> dict:
+    return _plain(dataclasses.asdict(cls()))
+
+
+def _plain(value):
+    """Tuples as lists, recursively: values as a Hydra config holds them."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _parse(overrides: list[str]):
+    return OverridesParser.create().parse_overrides(overrides)
+
+
+def _override_value(value) -> str:
+    """`value` as the right-hand side of an override that Hydra reads back as `value`."""
+    if isinstance(value, list):
+        return f"[{','.join(_override_value(v) for v in value)}]"
+    if isinstance(value, str):
+        try:
+            if _parse([f"k={value}"])[0].value() == value:
+                return value
+        except OverrideParseException:   # not in the grammar unquoted
+            pass
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, bool) or value is None:
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
+
+
+def _compose_train(overrides: list[str]) -> dict:
+    """train.yaml composed by Hydra with `overrides`, as a plain dict (a fresh copy: the scripts compose a run
+    per cell, mostly from the same few lists)."""
+    return copy.deepcopy(_composed_train(tuple(overrides)))
+
+
+@functools.lru_cache(maxsize=256)
+def _composed_train(overrides: tuple[str, ...]) -> dict:
+    if GlobalHydra.instance().is_initialized():    # inside a script: Hydra is set up on experiments/conf
+        return OmegaConf.to_container(compose("train", overrides=list(overrides)), resolve=True)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return OmegaConf.to_container(compose("train", overrides=list(overrides)), resolve=True)

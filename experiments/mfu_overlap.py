@@ -2,8 +2,14 @@
 with the optimizer on the GPU; and the memory wall: the resident trainer on the same model.
 
     python -m experiments.mfu_overlap                   # H200: the largest DiT host RAM holds
-    python -m experiments.mfu_overlap bench.depth=12    # a fixed depth at the preset's width
+    python -m experiments.mfu_overlap model.depth=12    # a fixed depth at the preset's width
     python -m experiments.mfu_overlap tiny=true         # CPU smoke test, seconds
+
+The engine's run is one of train.py's config: the script's own (its RunConfig groups: model, attention,
+data.frames, train.lr, offload.gpu_memory_fraction, ... as on train.py) with the depth and CPU AdamW threads
+it settles on (hydra_config.compose_run); each variant changes offload.overlap, offload.optimizer_device and
+train.grad_clip. The result records those overrides (`run_overrides`, per variant too), so
+`python -m experiments.plan <them>` plans that run.
 
 Order:
 1. ceilings, measured in this run (megaslide/perf/timing.py): bf16 matmul (8192^3) and pinned PCIe
@@ -37,10 +43,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from megaslide.perf.timing import matmul_tflops
-from experiments.hydra_config import model_config, script_main
-from experiments.step_runs import non_finite, synthetic_batch
-from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from experiments.hydra_config import compose_run, refuse_moved, script_main, train_overrides
+from experiments.step_runs import clip_fields, non_finite, synthetic_batch
+from megaslide.config import DataConfig, ExecutionConfig, OffloadConfig, RunConfig, TrainConfig
+from megaslide.device import precision_dtype
 from megaslide.diffusion.batches import Batch
 from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
@@ -55,6 +61,7 @@ from megaslide.perf.memory import (
     peak_hbm_bytes,
     reset_peak_hbm,
 )
+from megaslide.perf.timing import matmul_tflops
 from megaslide.train.resident import ResidentEngine
 from megaslide.train.trainer import Trainer
 
@@ -64,8 +71,35 @@ GB = 1e9
 VARIANTS = {"overlap": (True, "cpu", None), "overlap_noclip": (True, "cpu", 0.0), "serial": (False, "cpu", None),
             "gpu_optimizer": (True, "gpu", None)}
 TARGETS = {"mfu": 0.61, "overlap_speedup_vs_serial": 2.0, "overlap_efficiency": 0.9, "h2d_frac_of_pinned": 0.9}
-TINY = {"batch": 1, "frames": 4, "height": 16, "width": 16, "depth": 3, "warmup_steps": 1, "timed_steps": 2,
-        "correctness_steps": 2, "matmul_n": 128, "pcie_probe_MiB": 4}
+TINY = {"warmup_steps": 1, "timed_steps": 2, "correctness_steps": 2, "matmul_n": 128, "pcie_probe_MiB": 4}
+TINY_RUN = ["model=tiny", "model.depth=3", "data.frames=4", "data.height=16", "data.width=16", "train.batch_size=1"]
+BENCH_MOVED = {"batch": "train.batch_size", "frames": "data.frames", "height": "data.height", "width": "data.width",
+               "depth": "model.depth", "lr": "train.lr", "grad_clip": "train.grad_clip",
+               "cpu_threads": "offload.cpu_threads", "gpu_memory_fraction": "offload.gpu_memory_fraction",
+               "resident_blocks": "offload.resident_blocks"}   # bench keys that are RunConfig fields now
+
+
+def bench_config(cfg: DictConfig) -> DictConfig:
+    """The script's own keys (`bench`, tiny's over them); a bench key that is a RunConfig field now is refused,
+    naming its key."""
+    bench = OmegaConf.to_container(cfg.bench, resolve=True)
+    refuse_moved(bench, BENCH_MOVED, prefix="bench.", why="a field of the run, as on train.py")
+    return OmegaConf.create({**{k: v for k, v in bench.items() if k not in BENCH_MOVED}, **(TINY if cfg.tiny else {})})
+
+
+def engine_changes(tiny: bool, cuda: bool, depth: int | None = None, threads: int | None = None) -> list[str]:
+    """The engine's run as changes of the script's: tiny's model and clip, no HBM cap without CUDA, and (once
+    settled) the depth and the CPU AdamW threads."""
+    return [*(TINY_RUN if tiny else []), *([] if cuda else ["offload.gpu_memory_fraction=0.0"]),
+            *([] if depth is None else [f"model.depth={depth}"]),
+            *([] if threads is None else [f"offload.cpu_threads={threads}"])]
+
+
+def variant_changes(name: str) -> list[str]:
+    """A variant as changes of the engine's run: overlap, optimizer device and (when it has its own) clipping."""
+    overlap, optimizer_device, clip = VARIANTS[name]
+    return [f"offload.overlap={str(overlap).lower()}", f"offload.optimizer_device={optimizer_device}",
+            *([] if clip is None else [f"train.grad_clip={clip}"])]
 CORRECTNESS_RTOL = 1e-4
 
 
@@ -105,7 +139,7 @@ def check_correctness(device: torch.device, steps: int) -> dict:
 
 
 # ---- 4. memory wall -----------------------------------------------------------------------------
-def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float, clip: float) -> dict:
+def resident_step(run: RunConfig, batch: Batch, device: torch.device) -> dict:
     """One step of the resident engine (megaslide/train/resident.py: fp32 weights and AdamW on
     the device, bf16 autocast), with the model built directly on the device and activation
     checkpointing per block (its strongest setting: what remains is the parameter wall,
@@ -114,9 +148,10 @@ def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float,
     model = engine = None
     try:
         with torch.device(device):
-            model = apply_execution(VideoDiT(cfg), ExecutionConfig(checkpoint_blocks=True))
-        engine = ResidentEngine(model, device=device, train_cfg=TrainConfig(lr=lr, grad_clip=clip, device=device.type))
-        result = {"fits": True, "loss": engine.train_step(batch, lr)["loss"].item()}
+            model = apply_execution(VideoDiT(run.model), ExecutionConfig(checkpoint_blocks=True))
+        train = dataclasses.replace(run.train, device=device.type)
+        engine = ResidentEngine(model, device=device, train_cfg=train)
+        result = {"fits": True, "loss": engine.train_step(batch, train.lr)["loss"].item()}
     except torch.OutOfMemoryError as err:
         result = {"fits": False, "oom_phase": engine.phase if engine else "build", "error": str(err).splitlines()[0]}
     finally:
@@ -129,15 +164,15 @@ def resident_step(cfg: DiTConfig, batch: Batch, device: torch.device, lr: float,
 
 
 # ---- 6. variants ----------------------------------------------------------------------------------
-def run_variant(engine: OffloadEngine, name: str, batch: Batch, bench, flops_train: float, peak_tflops: float,
-                pcie: dict | None, plan: planner.OffloadPlan) -> dict:
-    overlap, optimizer_device, clip = VARIANTS[name]
-    clip = bench.grad_clip if clip is None else clip
+def run_variant(engine: OffloadEngine, name: str, run: RunConfig, batch: Batch, bench, flops_train: float,
+                peak_tflops: float, pcie: dict | None, plan: planner.OffloadPlan) -> dict:
+    """The variant's run (`run`: the engine's with variant_changes) timed on the engine."""
+    overlap, optimizer_device, clip = run.offload.overlap, run.offload.optimizer_device, run.train.grad_clip
     engine.set_mode(overlap=overlap, optimizer_device=optimizer_device, grad_clip=clip)
     reset_peak_hbm(engine.device)
-    warm = [engine.train_step(batch, bench.lr) for _ in range(bench.warmup_steps)]
+    warm = [engine.train_step(batch, run.train.lr) for _ in range(bench.warmup_steps)]
     start = engine.step
-    outs = [engine.train_step(batch, bench.lr) for _ in range(bench.timed_steps + 1)]
+    outs = [engine.train_step(batch, run.train.lr) for _ in range(bench.timed_steps + 1)]
     # one breakdown per timed step (each ends where the next one starts), so the step time has a spread
     per_step = [engine.breakdown(range(s, s + 1)) for s in range(start, start + bench.timed_steps)]
     losses = [o["loss"].item() for o in warm + outs]
@@ -198,14 +233,14 @@ def print_table(p: dict) -> None:
 @script_main("mfu_overlap")
 def main(cfg: DictConfig) -> None:
     c = OmegaConf.to_container(cfg, resolve=True)
-    bench = OmegaConf.create({**c["bench"], **(TINY if cfg.tiny else {})})
+    bench = bench_config(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cuda = device.type == "cuda"
-    model_cfg = DIT_PRESETS["tiny"] if cfg.tiny else model_config(c["model"], c["attention"])
     unknown = sorted(set(bench.variants) - set(VARIANTS))
     if unknown:
         raise ValueError(f"bench.variants has unknown {unknown}; known: {sorted(VARIANTS)}")
-    threads = bench.cpu_threads if bench.cpu_threads > 0 else max(1, (os.cpu_count() or 2) - 1)
+    run = compose_run(cfg, engine_changes(cfg.tiny, cuda))   # the script's run, checked before anything is measured
+    threads = run.offload.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
     progress(f"device {device}; {threads} CPU AdamW threads")
 
     # 1. ceilings
@@ -219,53 +254,49 @@ def main(cfg: DictConfig) -> None:
     if not all(r["passed"] for r in correctness["rows"] if r["passed"] is not None):
         sys.exit(f"correctness check failed, not timing: {correctness['rows']}")
 
-    # 3. plan: depth from host RAM, then both checks before anything big is allocated
-    dtype = torch.bfloat16 if cuda else torch.float32
-    depth = bench.depth
-    if depth == 0:
-        depth = planner.largest_depth(model_cfg, host_budget=int(bench.host_ram_fraction * host_available_bytes()),
+    # 3. plan: depth from host RAM (model.depth unset), then both checks before anything big is allocated
+    dtype = precision_dtype(run.train.precision, device)
+    depth = c["model"]["depth"] if not cfg.tiny else run.model.depth
+    if depth is None:
+        depth = planner.largest_depth(run.model, host_budget=int(bench.host_ram_fraction * host_available_bytes()),
                                       param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
-    model_cfg = dataclasses.replace(model_cfg, depth=depth)
-    grid = model_cfg.token_grid(bench.frames, bench.height, bench.width)
-    offload = {v: OffloadConfig(enabled=True, optimizer_device=VARIANTS[v][1], resident_blocks=bench.resident_blocks)
-               for v in bench.variants}
-    clip = {v: bench.grad_clip if VARIANTS[v][2] is None else VARIANTS[v][2] for v in bench.variants}
-    plans = {v: planner.plan_offload(planner.grid_run(model_cfg, grid, batch=bench.batch, grad_clip=clip[v],
-                                                      offload=offload[v]),
-                                     param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
-             for v in bench.variants}
+    changes = engine_changes(cfg.tiny, cuda, depth, threads)
+    run = compose_run(cfg, changes)
+    model_cfg, grid = run.model, run.grid
+    runs = {v: compose_run(cfg, changes + variant_changes(v)) for v in bench.variants}
+    plans = {v: planner.plan_offload(r, param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
+             for v, r in runs.items()}
     plan = plans[bench.variants[0]]
     print(plan.table(), flush=True)
-    fraction = bench.gpu_memory_fraction if cuda else 0.0
+    fraction = run.offload.gpu_memory_fraction
     for p in plans.values():
         planner.check_fits(p, host_available=host_available_bytes(),
                            hbm_available=hbm_available_bytes(device, fraction))
-    flops = dit_flops(model_cfg, bench.batch, grid)
+    flops = dit_flops(model_cfg, run.train.batch_size, grid)
 
     # 4. memory wall, under the cap the engine will run under
     if cuda and fraction > 0:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
-    batch = synthetic_batch(model_cfg, bench, device, HashTokenizer(model_cfg.vocab_size, model_cfg.text_len))
+    batch = synthetic_batch(run, device, HashTokenizer(model_cfg.vocab_size, model_cfg.text_len))
     if bench.resident_baseline and cuda:
         progress("memory wall: the resident trainer's step on the same model")
-        wall = resident_step(model_cfg, batch, device, bench.lr, bench.grad_clip)
+        wall = resident_step(run, batch, device)
         progress(f"memory wall: {wall}")
     else:
         wall = {"skipped": "no CUDA device" if not cuda else "bench.resident_baseline=false"}
 
     # 5. the engine
-    train_cfg = TrainConfig(lr=bench.lr, grad_clip=bench.grad_clip, batch_size=bench.batch, device=device.type,
-                            precision="bf16" if cuda else "fp32")
-    offload_cfg = OffloadConfig(enabled=True, cpu_threads=threads, gpu_memory_fraction=fraction,
-                                resident_blocks=bench.resident_blocks)
     t0 = time.perf_counter()
-    engine = OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                       grid=grid, pin_optimizer_state=bench.pin_optimizer_state)
+    engine = OffloadEngine.from_config(model_cfg, device=device, train_cfg=dataclasses.replace(run.train,
+                                       device=device.type), offload_cfg=run.offload, grid=grid,
+                                       execution=run.execution, pin_optimizer_state=bench.pin_optimizer_state)
     progress(f"engine built in {time.perf_counter() - t0:.1f} s: host state {engine.host.total_bytes / GB:.1f} GB "
              f"({engine.host.pinned_bytes / GB:.1f} GB pinned), {depth} blocks initialised one at a time")
-    payload = {"device": str(device), "tiny": bool(cfg.tiny), "preset": "tiny" if cfg.tiny else c["model"]["preset"],
-               "depth": depth, "attention": model_cfg.attention.name, "model_cfg": dataclasses.asdict(model_cfg),
-               "bench": OmegaConf.to_container(bench), "cpu_threads": threads, "gpu_memory_fraction": fraction,
+    preset = "tiny" if cfg.tiny else c["model"]["preset"]
+    payload = {"device": str(device), "tiny": bool(cfg.tiny), "preset": preset, "depth": depth,
+               "attention": model_cfg.attention.name, "model_cfg": dataclasses.asdict(model_cfg),
+               "bench": {**OmegaConf.to_container(bench), **clip_fields(run)}, "cpu_threads": threads,
+               "gpu_memory_fraction": fraction, "run_overrides": train_overrides(cfg, changes),
                "ceilings": {"matmul_TFLOPs": peak, "matmul_n": bench.matmul_n, "matmul_dtype": str(matmul_dtype),
                             "datasheet_TFLOPs": H200_DATASHEET_BF16_TFLOPS, "pcie": pcie},
                "model_flops_per_step": flops.train, "executed_flops_per_step": plan.executed_flops,
@@ -278,7 +309,8 @@ def main(cfg: DictConfig) -> None:
     # 6. variants; the result file is rewritten after each, so a failure late keeps the rest
     for variant in bench.variants:
         try:
-            row = run_variant(engine, variant, batch, bench, flops.train, peak, pcie, plans[variant])
+            row = run_variant(engine, variant, runs[variant], batch, bench, flops.train, peak, pcie, plans[variant])
+            row["run_overrides"] = train_overrides(cfg, changes + variant_changes(variant))
         except FloatingPointError as err:   # the engine is left refusing: no later variant can run
             row = {"variant": variant, **non_finite(err, [])}
             progress(f"{variant} failed: {row['error']}")

@@ -7,9 +7,13 @@ swin, dsa, with their group defaults); `rows` replaces attentions x modes x fram
 - resident: the resident trainer (fp32 weights and AdamW on the device, bf16 autocast) with
   per-block activation checkpointing;
 - offload: the MegaSlide offload engine;
-- chunked_offload: the offload engine with token-chunked blocks (`chunk_tokens`: execution.chunk_tokens), activation
+- chunked_offload: the offload engine with token-chunked blocks (execution.chunk_tokens), activation
   offload (saved block inputs parked in pinned host RAM) and, for attentions of bounded temporal
-  reach (DSA), blocks over slabs of `slab_frames` frames (0: off).
+  reach (DSA), blocks over slabs of execution.slab_frames frames (0: off).
+Every cell is a run of train.py's config: the script's own (its RunConfig groups: `python -m
+experiments.oom_thresholds train.lr=... execution.chunk_tokens=...` as on train.py) changed by the cell's
+overrides (model, attention, the mode's offload and execution, data.frames; hydra_config.compose_run), which
+the cell records as `run_overrides`: `python -m experiments.plan <run_overrides>` plans that cell.
 Models: the presets in `models`; those also in `host_depth` at the most blocks of their width that
 host RAM holds (the planner, `host_ram_fraction` of it for the block state).
 
@@ -59,17 +63,17 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from megaslide.perf.timing import Timing, copy_gbps, matmul_tflops, sync
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import base_overrides, compose_run, script_config, script_main, train_overrides
 from experiments.report import render
-from experiments.step_runs import Step, non_finite, run_isolated, synthetic_batch
-from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from experiments.step_runs import Step, clip_fields, non_finite, run_isolated, synthetic_batch
+from megaslide.config import AttentionConfig, RunConfig
 from megaslide.device import precision_dtype
 from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
@@ -77,15 +81,21 @@ from megaslide.offload.engine import OffloadEngine
 from megaslide.perf import planner
 from megaslide.perf.live_bytes import LiveTensorBytes
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.timing import Timing, copy_gbps, matmul_tflops, sync
 from megaslide.train.resident import ResidentEngine
 
 GB = 1e9
 MODES = ("resident", "offload", "chunked_offload")
 MIN_CELL_S = 10.0   # with less of the time budget left, a cell is not started
 NEXT_STEP_MARGIN = 1.25  # a timed step starts only if this x the last step's time is left in the cell's limit
-SMOKE = {"models": ["tiny"], "host_depth": [], "frames": [4, 8], "height": 16, "width": 16, "chunk_tokens": 128,
-         "hbm_budget_GB": 0.009, "warmup_steps": 1, "timed_steps": 2, "cell_time_limit_s": 60.0,
-         "matmul_n": 128, "pcie_probe_MiB": 4, "probe_frames": 4, "hide_min_tokens": 512}
+SMOKE = {"models": ["tiny"], "host_depth": [], "frames": [4, 8], "data": {"height": 16, "width": 16},
+         "execution": {"chunk_tokens": 128}, "hbm_budget_GB": 0.009, "warmup_steps": 1, "timed_steps": 2,
+         "cell_time_limit_s": 60.0, "matmul_n": 128, "pcie_probe_MiB": 4, "probe_frames": 4, "hide_min_tokens": 512}
+# each mode's changes of the script's run (chunked_offload keeps the run's execution.chunk_tokens and slab_frames)
+MODE_RUN = {"resident": ["offload=none", "execution.checkpoint_blocks=true", "execution.chunk_tokens=0",
+                         "execution.slab_frames=0"],
+            "offload": ["offload=engine", "execution.chunk_tokens=0", "execution.slab_frames=0"],
+            "chunked_offload": ["offload=engine", "offload.activation_offload=true"]}
 
 
 @dataclass(frozen=True)
@@ -110,12 +120,6 @@ class OOMConfig:
     modes: list[str]
     frames: list[int]
     rows: list[RowSpec]
-    height: int
-    width: int
-    batch: int
-    chunk_tokens: int
-    slab_frames: int
-    precision: str
     warmup_steps: int
     timed_steps: int
     long_step_s: float
@@ -135,6 +139,11 @@ class OOMConfig:
     wandb_dir: str
     wandb_project: str
 
+    moved_keys: ClassVar[dict[str, str]] = {
+        "height": "data.height", "width": "data.width", "batch": "train.batch_size",
+        "chunk_tokens": "execution.chunk_tokens", "slab_frames": "execution.slab_frames",
+        "precision": "train.precision"}   # RunConfig fields now, taken as on train.py
+
     def validate(self) -> None:
         unknown = sorted(set(self.modes).union(*(r.modes for r in self.rows)) - set(MODES))
         if unknown:
@@ -146,8 +155,6 @@ class OOMConfig:
             if steps < 1 or warmup < 0:
                 raise ValueError(f"timed steps ({self.timed_steps}, long: {self.long_timed_steps}) must be >= 1 and "
                                  f"warm-up steps ({self.warmup_steps}, long: {self.long_warmup_steps}) >= 0")
-        if self.slab_frames < 0:
-            raise ValueError(f"slab_frames={self.slab_frames} must be >= 0 (0: blocks over the whole clip)")
 
     def row_specs(self) -> list[RowSpec]:
         """`rows`, or every attention with all `modes` and `frames`."""
@@ -173,12 +180,10 @@ class Cell(Step):
 # ---- the planner's view -----------------------------------------------------------------------------
 def plan_cell(cell: Cell, device: torch.device):
     """The planner's plan for a cell: `plan_resident` or `plan_offload` in the dtype the run uses."""
-    dtype = precision_dtype(cell.precision, device)
-    offload = OffloadConfig(enabled=True, activation_offload=cell.mode == "chunked_offload")
-    run = planner.grid_run(cell.cfg, cell.grid, batch=cell.batch, execution=cell.execution, offload=offload)
+    dtype = precision_dtype(cell.run.train.precision, device)
     if cell.mode == "resident":
-        return planner.plan_resident(run, autocast=dtype == torch.bfloat16)
-    return planner.plan_offload(run, param_dtype=dtype, ceilings=cell.ceilings)
+        return planner.plan_resident(cell.run, autocast=dtype == torch.bfloat16)
+    return planner.plan_offload(cell.run, param_dtype=dtype, ceilings=cell.ceilings)
 
 
 def floor_parts(cell: Cell, plan) -> dict:
@@ -186,7 +191,7 @@ def floor_parts(cell: Cell, plan) -> dict:
     compute, PCIe and CPU AdamW), or the resident step's compute; with the compute's two terms (every
     block recomputed: the engine's streamed blocks, the resident trainer's checkpointed ones)."""
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
-                                         ceilings=cell.ceilings, execution=cell.execution)
+                                         ceilings=cell.ceilings, execution=cell.run.execution)
     floor = plan.floor_s if isinstance(plan, planner.OffloadPlan) else sum(compute.values())
     return {"predicted_floor_s": floor, "predicted_matmul_s": compute["matmul"],
             "predicted_attention_s": compute["attention"], "predicted_elementwise_s": compute["elementwise"]}
@@ -207,10 +212,6 @@ def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict
     usable = planner.usable_hbm(budget)
     row = {"predicted_peak_GB": plan.hbm_total / GB, "predicted_phase": plan.peak_phase,
            "budget_GB": budget / GB, "predicted_fits": plan.hbm_total <= usable}
-    try:
-        cell.cfg.attention.validate(cell.grid)
-    except ValueError as err:
-        return {**row, "status": "skipped", "phase": str(err)[:120]}
     host_total = getattr(plan, "host_total", None)
     if host_total is not None:
         row["predicted_host_GB"] = host_total / GB
@@ -235,20 +236,19 @@ def _persistent(engine) -> list[torch.Tensor]:
 
 
 def _build(cell: Cell, device: torch.device):
-    train = TrainConfig(lr=1e-5, grad_clip=1.0, batch_size=cell.batch, device=device.type, precision=cell.precision)
-    if cell.mode == "resident":
+    run, train = cell.run, cell.train_config(device)
+    if not run.offload.enabled:
         with torch.device(device):
-            model = apply_execution(VideoDiT(cell.cfg), dataclasses.replace(cell.execution, checkpoint_blocks=True))
+            model = apply_execution(VideoDiT(run.model), run.execution)
         return ResidentEngine(model, device=device, train_cfg=train)
-    offload = OffloadConfig(enabled=True, activation_offload=cell.mode == "chunked_offload")
-    return OffloadEngine.from_config(cell.cfg, device=device, train_cfg=train, offload_cfg=offload, grid=cell.grid,
-                                     execution=cell.execution)
+    return OffloadEngine.from_config(run.model, device=device, train_cfg=train, offload_cfg=run.offload,
+                                     grid=run.grid, execution=run.execution)
 
 
-def _step_s(engine, batch, device: torch.device, losses: list[float]) -> float:
+def _step_s(engine, batch, device: torch.device, losses: list[float], lr: float) -> float:
     """One step's seconds; its loss is appended to `losses` (read after the step's time is taken)."""
     start = time.perf_counter()
-    out = engine.train_step(batch, 1e-5)
+    out = engine.train_step(batch, lr)
     sync(device)
     seconds = time.perf_counter() - start
     losses.append(float(out["loss"]))
@@ -266,14 +266,15 @@ def timed_steps(cell: Cell, engine, batch, device: torch.device, deadline: float
     attention op timed inside them, the CPU peak of live tensors and, on the offload engine, the compute
     stream's busy time: the row's timing fields and the measured peak (CPU; None on CUDA). Every step's
     loss goes to `losses`."""
-    warm = [_step_s(engine, batch, device, losses) for _ in range(cell.warmup_steps)]
+    lr = cell.run.train.lr
+    warm = [_step_s(engine, batch, device, losses, lr) for _ in range(cell.warmup_steps)]
     times, begin = [], engine.step
     live = LiveTensorBytes()              # CPU only: on CUDA the allocator counts, without slowing the steps
     attend = AttendTimer([block.attn for block in engine.model.blocks], device)
     with live if device.type == "cpu" else contextlib.nullcontext(), attend:
         live.track(*_persistent(engine), *(t for t in vars(batch).values() if isinstance(t, torch.Tensor)))
         while len(times) < cell.timed_steps and not (times and fits_no_more(times[-1], deadline)):
-            times.append(_step_s(engine, batch, device, losses))
+            times.append(_step_s(engine, batch, device, losses, lr))
     timing = Timing(tuple(times))
     rule = cell.timing_rule + ("" if len(times) == cell.timed_steps else
                                f"; stopped after {len(times)}: the next would pass the cell's time limit")
@@ -300,7 +301,7 @@ def run_cell(cell: Cell) -> dict:
     engine, losses = None, []
     try:
         engine = _build(cell, device)
-        batch = synthetic_batch(cell.cfg, cell, device, engine.model.tokenizer)
+        batch = synthetic_batch(cell.run, device, engine.model.tokenizer)
         timing, measured = timed_steps(cell, engine, batch, device, deadline, losses)
         row.update(status="fits", phase="", losses=losses, **timing)
         if device.type == "cuda":
@@ -335,17 +336,17 @@ def _cell_process(cell: Cell, queue) -> None:
 
 
 # ---- the ceilings ---------------------------------------------------------------------------------------
-def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, tuple], precision: str, queue) -> None:
+def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, RunConfig], queue) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))   # as the cells run
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     peak = matmul_tflops(device, n=matmul_n, dtype=torch.bfloat16 if cuda else torch.float32)
     attention = []
-    for (model, name, chunked), (dit, execution, grid) in probes.items():
+    for (model, name, chunked), run in probes.items():
         row = {"model": model, "attention": name, "chunked": chunked}
         try:
-            row.update(attend_rate(dit, grid, device, precision_dtype(precision, device),
-                                   chunk_tokens=execution.chunk_tokens))
+            row.update(attend_rate(run.model, run.grid, device, precision_dtype(run.train.precision, device),
+                                   chunk_tokens=run.execution.chunk_tokens))
         except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
             row["error"] = f"{type(err).__name__}: {err}"[:200]
         attention.append(row)
@@ -376,56 +377,60 @@ def host_budget(cfg: OOMConfig) -> int:
     return int(cfg.host_budget_GB * GB) or host_available_bytes()
 
 
-def model_configs(cfg: OOMConfig) -> dict[str, DiTConfig]:
-    """Each model of the table: the preset, or for those in host_depth the most blocks of its width
-    whose host state fits in host_ram_fraction of the host budget (by the planner)."""
+def model_changes(cfg: OOMConfig, base: DictConfig) -> dict[str, list[str]]:
+    """Each model of the table, by its label: the preset (`model=<preset>`), or for those in host_depth the
+    most blocks of its width whose host state fits in host_ram_fraction of the host budget (by the planner)."""
     out = {}
     for preset in cfg.models:
-        model = DIT_PRESETS[preset]
         if preset in cfg.host_depth:
+            model = compose_run(base, [f"model={preset}"]).model
             depth = planner.largest_depth(model, host_budget=int(cfg.host_ram_fraction * host_budget(cfg)),
                                           param_dtype=torch.bfloat16, pin_optimizer_state=False)
-            out[f"{preset} width, depth {depth}"] = dataclasses.replace(model, depth=depth)
+            out[f"{preset} width, depth {depth}"] = [f"model={preset}", f"model.depth={depth}"]
         else:
-            out[preset] = model
+            out[preset] = [f"model={preset}"]
     return out
 
 
-def row_model(cfg: OOMConfig, model: DiTConfig, attention: str, mode: str) -> tuple[DiTConfig, ExecutionConfig]:
-    """The model of a row, with its attention, and how its blocks run: in chunked_offload, execution.chunk_tokens
-    = chunk_tokens and (where the attention's reach along time is bounded) execution.slab_frames = slab_frames."""
+def cell_changes(model: list[str], attention: str, mode: str, frames: int) -> list[str]:
+    """A cell's changes of the script's run: its model, attention, mode (MODE_RUN; chunked_offload runs over
+    slabs only where the attention's reach along time is bounded) and frames."""
     a = AttentionConfig(attention)
-    chunked = mode == "chunked_offload"
-    slabs = chunked and a.variant.temporal_reach(a.options) is not None
-    return dataclasses.replace(model, attention=a), ExecutionConfig(chunk_tokens=cfg.chunk_tokens if chunked else 0,
-                                                                    slab_frames=cfg.slab_frames if slabs else 0)
+    unbounded = mode == "chunked_offload" and a.variant.temporal_reach(a.options) is None
+    return [*model, f"attention={attention}", *MODE_RUN[mode], *(["execution.slab_frames=0"] if unbounded else []),
+            f"data.frames={frames}"]
 
 
-def attention_probes(cfg: OOMConfig, models: dict[str, DiTConfig]) -> dict[tuple, tuple]:
-    """(model, attention, chunked) -> (its row model, its execution, the probe clip's token grid): one `attend`
-    probe each."""
+def attention_probes(cfg: OOMConfig, base: DictConfig, models: dict[str, list[str]]) -> dict[tuple, RunConfig]:
+    """(model, attention, chunked) -> the run of its row on the probe clip: one `attend` probe each."""
     probes = {}
     for label, model in models.items():
         for spec in cfg.row_specs():
             for mode in spec.modes:
-                dit, execution = row_model(cfg, model, spec.attention, mode)
-                grid = dit.token_grid(min([cfg.probe_frames, *spec.frames]), cfg.height, cfg.width)
-                probes.setdefault((label, spec.attention, mode == "chunked_offload"), (dit, execution, grid))
+                key = (label, spec.attention, mode == "chunked_offload")
+                if key not in probes:
+                    frames = min([cfg.probe_frames, *spec.frames])
+                    probes[key] = compose_run(base, cell_changes(model, spec.attention, mode, frames))
     return probes
 
 
-def cells_of_row(cfg: OOMConfig, label: str, model: DiTConfig, spec: RowSpec, mode: str,
-                 ceilings: dict | None) -> list[Cell]:
-    dit, execution = row_model(cfg, model, spec.attention, mode)
-    rates = cell_ceilings(ceilings, label, spec.attention, mode == "chunked_offload")
-    return [Cell(dit, f, cfg.height, cfg.width, cfg.batch, cfg.precision, execution, label, mode, cfg.warmup_steps,
-                 cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB), host_budget(cfg), rates)
-            for f in sorted(spec.frames)]
+def cells_of_row(cfg: OOMConfig, base: DictConfig, label: str, model: list[str], spec: RowSpec,
+                 mode: str) -> list[Cell]:
+    """The row's cells, each the script's run with its changes (validated here, before anything runs); the
+    ceilings come once they are measured."""
+    cells = []
+    for frames in sorted(spec.frames):
+        changes = cell_changes(model, spec.attention, mode, frames)
+        cells.append(Cell(compose_run(base, changes), tuple(train_overrides(base, changes)), label, mode,
+                          cfg.warmup_steps, cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB),
+                          host_budget(cfg), planner.Ceilings()))
+    return cells
 
 
 def cell_row(cell: Cell) -> dict:
-    return {"model": cell.model, "attention": cell.cfg.attention.name, "mode": cell.mode, "frames": cell.frames,
-            "tokens": cell.batch * math.prod(cell.grid), "slab_frames": cell.execution.slab_frames}
+    return {"model": cell.model, "attention": cell.cfg.attention.name, "mode": cell.mode,
+            "frames": cell.run.data.frames, "tokens": cell.batch * math.prod(cell.grid),
+            "slab_frames": cell.run.execution.slab_frames, "run_overrides": list(cell.run_overrides)}
 
 
 def summary(rows: list[dict], hide_min_tokens: int, hide_ratio: float) -> list[dict]:
@@ -488,48 +493,51 @@ def over_time(cell: Cell, floor_s: float, limit_s: float) -> bool:
 
 @script_main("oom_thresholds")
 def main(hydra_cfg: DictConfig) -> None:
-    cfg = script_config(OOMConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
+    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})   # the script's run and its own keys
+    cfg = script_config(OOMConfig, base)
     name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
     deadline = time.monotonic() + (cfg.time_budget_s if cfg.time_budget_s > 0 else math.inf)
-    run = ExperimentRun("oom_thresholds", name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
-    models = model_configs(cfg)
+    models = model_changes(cfg, base)
+    table = [(label, spec, mode, cells_of_row(cfg, base, label, model, spec, mode))
+             for label, model in models.items() for spec in cfg.row_specs() for mode in spec.modes]
+    config = {**clip_fields(compose_run(base, [])), **dataclasses.asdict(cfg), "run_overrides": base_overrides(base)}
+    run = ExperimentRun("oom_thresholds", name, config, cfg.wandb_dir, cfg.wandb_project)
     # plan_only plans the GPU run (bf16); a run plans in the dtype of this machine's device
     device = torch.device("cuda" if cfg.plan_only or torch.cuda.is_available() else "cpu")
     ceilings = None if cfg.plan_only else run_isolated(
-        _ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB, attention_probes(cfg, models), cfg.precision), 300)
+        _ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB, attention_probes(cfg, base, models)), 300)
     progress(f"models {list(models)}; ceilings {ceilings}")
     rows: list[dict] = []
-    payload = {"config": dataclasses.asdict(cfg), "ceilings": ceilings, "plan_only": cfg.plan_only,
-               "tables": {"cells": rows}}
-    for label, model in models.items():
-        for spec in cfg.row_specs():
-            for mode in spec.modes:
-                for cell in cells_of_row(cfg, label, model, spec, mode, ceilings):
-                    plan = plan_cell(cell, device)
-                    floor = floor_parts(cell, plan)
-                    cell = with_timing(cell, floor["predicted_floor_s"], cfg)
-                    limit = min(cfg.cell_time_limit_s, deadline - time.monotonic())
-                    if cfg.plan_only:
-                        result = plan_only(cell, plan)
-                    elif over_time(cell, floor["predicted_floor_s"], cfg.cell_time_limit_s):
-                        result = {"status": "time limit", "phase": f"planner floor {floor['predicted_floor_s']:.0f} "
-                                  f"s/step", "predicted_peak_GB": plan.hbm_total / GB,
-                                  "predicted_phase": plan.peak_phase, "measured_peak_GB": None}
-                    elif limit < MIN_CELL_S or over_time(cell, floor["predicted_floor_s"], limit):
-                        result = {"status": "not run", "phase": "time budget spent", "measured_peak_GB": None}
-                    else:
-                        result = run_isolated(_cell_process, (dataclasses.replace(cell, time_limit_s=limit),), limit)
-                    row = {**cell_row(cell), **floor, **result}
-                    if row.get("step_s"):
-                        row["floor_over_step"] = floor["predicted_floor_s"] / row["step_s"]
-                    rows.append(row)
-                    run.save(payload)
-                    progress(f"{label} {spec.attention} {mode} {cell.frames} frames: {row['status']} "
-                             f"{row.get('phase', '')} measured {row.get('measured_peak_GB')} GB, planner "
-                             f"{row.get('predicted_peak_GB')} GB; step {row.get('step_s')} s, floor "
-                             f"{floor['predicted_floor_s']:.3g} s")
-                    if not row["status"].startswith(("fits", "not run")):   # a row stops at its first failure
-                        break
+    payload = {"config": config, "ceilings": ceilings, "plan_only": cfg.plan_only, "tables": {"cells": rows}}
+    for label, spec, mode, cells in table:
+        rates = cell_ceilings(ceilings, label, spec.attention, mode == "chunked_offload")
+        for cell in cells:
+            cell = dataclasses.replace(cell, ceilings=rates)
+            plan = plan_cell(cell, device)
+            floor = floor_parts(cell, plan)
+            cell = with_timing(cell, floor["predicted_floor_s"], cfg)
+            limit = min(cfg.cell_time_limit_s, deadline - time.monotonic())
+            if cfg.plan_only:
+                result = plan_only(cell, plan)
+            elif over_time(cell, floor["predicted_floor_s"], cfg.cell_time_limit_s):
+                result = {"status": "time limit", "phase": f"planner floor {floor['predicted_floor_s']:.0f} "
+                          f"s/step", "predicted_peak_GB": plan.hbm_total / GB,
+                          "predicted_phase": plan.peak_phase, "measured_peak_GB": None}
+            elif limit < MIN_CELL_S or over_time(cell, floor["predicted_floor_s"], limit):
+                result = {"status": "not run", "phase": "time budget spent", "measured_peak_GB": None}
+            else:
+                result = run_isolated(_cell_process, (dataclasses.replace(cell, time_limit_s=limit),), limit)
+            row = {**cell_row(cell), **floor, **result}
+            if row.get("step_s"):
+                row["floor_over_step"] = floor["predicted_floor_s"] / row["step_s"]
+            rows.append(row)
+            run.save(payload)
+            progress(f"{label} {spec.attention} {mode} {cell.run.data.frames} frames: {row['status']} "
+                     f"{row.get('phase', '')} measured {row.get('measured_peak_GB')} GB, planner "
+                     f"{row.get('predicted_peak_GB')} GB; step {row.get('step_s')} s, floor "
+                     f"{floor['predicted_floor_s']:.3g} s")
+            if not row["status"].startswith(("fits", "not run")):   # a row stops at its first failure
+                break
     payload["tables"]["summary"] = summary(rows, cfg.hide_min_tokens, cfg.hide_ratio)
     images = {}
     if not cfg.plan_only and any(r["status"] == "fits" for r in rows):

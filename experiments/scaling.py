@@ -12,6 +12,10 @@ is a fresh process with a time limit (experiments/step_runs.run_isolated); on CP
 has no HBM to run out of, the fits decisions are the planner's against the stated
 `hbm_budget_GB` and `cap_GB`. With `plan_only` nothing is run or measured: every row holds the
 planner's figures only, against the stated `hbm_budget_GB`, `host_budget_GB` and `cap_GB`.
+Every run is one of train.py's config: the script's own (its RunConfig groups: `python -m experiments.scaling
+attention=swin data.frames=16` as on train.py) with `model=<preset>` and, under the cap,
+`offload.gpu_memory_fraction` (hydra_config.compose_run); each row records them (`run_overrides`,
+`cap_run_overrides`), so `python -m experiments.plan <them>` plans that run.
 Writes results/scaling/<name>.json (tables: presets) and the W&B run (harness.ExperimentRun).
 
     python -m experiments.scaling                      # GPU: presets up to what host RAM holds
@@ -24,24 +28,25 @@ import dataclasses
 import gc
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from megaslide.perf.timing import matmul_tflops, sync, timed
-from experiments.hydra_config import script_config, script_main
-from experiments.step_runs import Step, non_finite, run_isolated, synthetic_batch
-from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from experiments.hydra_config import base_overrides, compose_run, script_config, script_main, train_overrides
+from experiments.step_runs import Step, clip_fields, non_finite, run_isolated, synthetic_batch
+from megaslide.config import RunConfig
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS, count_params
 from megaslide.offload.engine import OffloadEngine
 from megaslide.perf import planner
 from megaslide.perf.flops import dit_flops
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.timing import matmul_tflops, sync, timed
 
 GB = 1e9
-SMOKE = {"presets": ["tiny", "105B"], "frames": 4, "height": 16, "width": 16, "hbm_budget_GB": 1.0,
+SMOKE = {"presets": ["tiny", "105B"], "data": {"frames": 4, "height": 16, "width": 16}, "hbm_budget_GB": 1.0,
          "cap_GB": 0.005, "forward_repeats": 5, "matmul_n": 128, "pcie_probe_MiB": 4}
 
 
@@ -53,12 +58,6 @@ class ScalingConfig:
     smoke: bool
     plan_only: bool
     presets: list[str]
-    attention: str
-    frames: int
-    height: int
-    width: int
-    batch: int
-    precision: str
     cap_GB: float
     warmup_steps: int
     forward_repeats: int
@@ -69,6 +68,10 @@ class ScalingConfig:
     pcie_probe_MiB: int
     wandb_dir: str
     wandb_project: str
+
+    moved_keys: ClassVar[dict[str, str]] = {
+        "frames": "data.frames", "height": "data.height", "width": "data.width", "batch": "train.batch_size",
+        "precision": "train.precision"}   # RunConfig fields now, taken as on train.py
 
     def validate(self) -> None:
         unknown = [p for p in self.presets if p not in DIT_PRESETS]
@@ -83,7 +86,8 @@ class ScalingConfig:
 
 @dataclass(frozen=True)
 class Job(Step):
-    """One run of one preset: the training step under the full HBM (and the forward's timing), or under the cap."""
+    """One run of one preset: the training step under the full HBM (and the forward's timing), or under the cap
+    (on CUDA its run's offload.gpu_memory_fraction)."""
 
     cap_GB: float | None      # None: the full HBM
     warmup_steps: int
@@ -106,16 +110,18 @@ def forward_floors(plan: planner.OffloadPlan, ceilings: planner.Ceilings | None 
 
 
 def hbm_budget(device: torch.device, job: Job) -> int:
-    """HBM a run may use: free memory (under the cap's fraction) on CUDA, the stated budgets on CPU."""
+    """HBM a run may use: free memory (under the run's offload.gpu_memory_fraction) on CUDA, the stated budgets
+    on CPU."""
     if device.type == "cpu":
         return int(job.cap_GB * GB) if job.cap_GB else job.hbm_budget
-    return hbm_available_bytes(device, fraction(device, job))
+    return hbm_available_bytes(device, job.run.offload.gpu_memory_fraction)
 
 
-def fraction(device: torch.device, job: Job) -> float:
-    if job.cap_GB is None or device.type != "cuda":
-        return 0.0
-    return min(1.0, job.cap_GB * GB / torch.cuda.get_device_properties(device).total_memory)
+def cap_changes(cap_GB: float, ceilings: dict | None) -> list[str]:
+    """The cap as a change of the run: the memory fraction of the measured card's total HBM (CUDA); none on CPU,
+    where the planner decides against cap_GB."""
+    total = (ceilings or {}).get("hbm_total_GB")
+    return [f"offload.gpu_memory_fraction={min(1.0, cap_GB / total)}"] if total else []
 
 
 def run_job(job: Job, queue) -> None:
@@ -123,21 +129,20 @@ def run_job(job: Job, queue) -> None:
     HBM only) and run warm-up steps plus one (their losses in `losses`): fits, OOM (phase) or a
     non-finite loss, and the measured peak."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = precision_dtype(job.precision, device)
-    plan = planner.plan_offload(planner.grid_run(job.cfg, job.grid, batch=job.batch, execution=job.execution),
-                                param_dtype=dtype)
+    dtype = precision_dtype(job.run.train.precision, device)
+    plan = planner.plan_offload(job.run, param_dtype=dtype)
     budget = hbm_budget(device, job)
     row = {"predicted_peak_GB": plan.hbm_total / GB, "budget_GB": budget / GB,
            "predicted_fits": plan.hbm_total <= planner.usable_hbm(budget)}
     if not row["predicted_fits"] and device.type == "cpu":
         queue.put({**row, "status": "OOM", "phase": "plan"})
         return
-    train = TrainConfig(lr=1e-5, grad_clip=1.0, batch_size=job.batch, device=device.type, precision=job.precision)
-    offload = OffloadConfig(enabled=True, gpu_memory_fraction=fraction(device, job))
+    run, lr = job.run, job.run.train.lr
     engine, losses = None, []
     try:
-        engine = OffloadEngine.from_config(job.cfg, device=device, train_cfg=train, offload_cfg=offload, grid=job.grid)
-        batch = synthetic_batch(job.cfg, job, device, engine.model.tokenizer)
+        engine = OffloadEngine.from_config(run.model, device=device, train_cfg=job.train_config(device),
+                                           offload_cfg=run.offload, grid=run.grid, execution=run.execution)
+        batch = synthetic_batch(run, device, engine.model.tokenizer)
         if job.cap_GB is None:
             for overlap in (True, False):
                 engine.set_mode(overlap=overlap, optimizer_device="cpu")
@@ -149,7 +154,7 @@ def run_job(job: Job, queue) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(job.warmup_steps + 1):
-            losses.append(float(engine.train_step(batch, 1e-5)["loss"]))
+            losses.append(float(engine.train_step(batch, lr)["loss"]))
         sync(device)
         row.update(status="fits", phase="", losses=losses)
     except torch.OutOfMemoryError as err:
@@ -177,31 +182,35 @@ def _ceilings(matmul_n: int, probe_MiB: int, queue) -> None:
                "hbm_total_GB": torch.cuda.get_device_properties(device).total_memory / GB if cuda else None})
 
 
-def preset_row(cfg: ScalingConfig, preset: str) -> tuple[dict, DiTConfig, planner.OffloadPlan]:
-    """The preset's config, the planner's plan in bf16 (the GPU run's dtype) and its prediction row."""
-    dit = dataclasses.replace(DIT_PRESETS[preset], attention=AttentionConfig(cfg.attention))
-    grid = dit.token_grid(cfg.frames, cfg.height, cfg.width)
-    plan = planner.plan_offload(planner.grid_run(dit, grid, batch=cfg.batch), param_dtype=torch.bfloat16)
+def preset_row(cfg: ScalingConfig, run: RunConfig, preset: str) -> tuple[dict, planner.OffloadPlan]:
+    """The preset's prediction row and the planner's plan of its run in bf16 (the GPU run's dtype)."""
+    dit, grid, batch = run.model, run.grid, run.train.batch_size
+    plan = planner.plan_offload(run, param_dtype=torch.bfloat16)
     host = int(cfg.host_budget_GB * GB) or host_available_bytes()
     row = {"preset": preset, "params_B": count_params(dit) / 1e9, "depth": dit.depth,
-           "tokens": cfg.batch * math.prod(grid), "predicted_host_GB": plan.host_total / GB,
+           "tokens": batch * math.prod(grid), "predicted_host_GB": plan.host_total / GB,
            "host_holds_it": plan.host_total <= host, "predicted_peak_GB": plan.hbm_total / GB,
-           "predicted_model_tflop_per_step": dit_flops(dit, cfg.batch, grid).train / 1e12, **forward_floors(plan)}
-    return row, dit, plan
+           "predicted_model_tflop_per_step": dit_flops(dit, batch, grid).train / 1e12, **forward_floors(plan)}
+    return row, plan
 
 
 @script_main("scaling")
 def main(hydra_cfg: DictConfig) -> None:
-    cfg = script_config(ScalingConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)
+    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})   # the script's run and its own keys
+    cfg = script_config(ScalingConfig, base)
     name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
-    run = ExperimentRun("scaling", name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    runs = {p: compose_run(base, [f"model={p}"]) for p in cfg.presets}   # every run checked before any starts
+    base_run = next(iter(runs.values()))
+    config = {**clip_fields(base_run), "attention": base_run.model.attention.name, **dataclasses.asdict(cfg),
+              "run_overrides": base_overrides(base)}
+    run = ExperimentRun("scaling", name, config, cfg.wandb_dir, cfg.wandb_project)
     ceilings = None if cfg.plan_only else run_isolated(_ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB), 300)
     progress(f"ceilings {ceilings}")
     rows: list[dict] = []
-    payload = {"config": dataclasses.asdict(cfg), "ceilings": ceilings, "plan_only": cfg.plan_only,
-               "tables": {"presets": rows}}
-    for preset in sorted(cfg.presets, key=lambda p: count_params(DIT_PRESETS[p])):
-        row, dit, plan = preset_row(cfg, preset)
+    payload = {"config": config, "ceilings": ceilings, "plan_only": cfg.plan_only, "tables": {"presets": rows}}
+    for preset in sorted(cfg.presets, key=lambda p: count_params(runs[p].model)):
+        row, plan = preset_row(cfg, runs[preset], preset)
+        row["run_overrides"] = train_overrides(base, [f"model={preset}"])
         full_hbm = ((ceilings or {}).get("hbm_total_GB") or cfg.hbm_budget_GB) * GB
         row.update(predicted_fits_full=plan.hbm_total <= planner.usable_hbm(int(full_hbm)),
                    predicted_fits_cap=plan.hbm_total <= planner.usable_hbm(int(cfg.cap_GB * GB)))
@@ -210,11 +219,14 @@ def main(hydra_cfg: DictConfig) -> None:
         else:
             row["measured"] = "run"
             for cap in (None, cfg.cap_GB):
-                job = Job(dit, cfg.frames, cfg.height, cfg.width, cfg.batch, cfg.precision, ExecutionConfig(), cap,
-                          cfg.warmup_steps, cfg.forward_repeats, int(cfg.hbm_budget_GB * GB))
+                changes = [f"model={preset}", *(cap_changes(cap, ceilings) if cap else [])]
+                job = Job(compose_run(base, changes), tuple(train_overrides(base, changes)), cap, cfg.warmup_steps,
+                          cfg.forward_repeats, int(cfg.hbm_budget_GB * GB))
                 result = run_isolated(run_job, (job,), cfg.cell_time_limit_s)
                 where = "full" if cap is None else "cap"
                 row.update({f"{where}_{k}": v for k, v in result.items() if k not in ("predicted_peak_GB",)})
+                if cap:
+                    row["cap_run_overrides"] = list(job.run_overrides)
         rows.append(row)
         run.save(payload)
         progress(f"{preset}: {row}")

@@ -1,44 +1,64 @@
 """What the scripts that time training steps of a synthetic clip share (mfu_overlap.py,
-oom_thresholds.py, scaling.py): the step's model and clip, its batch, the result of a cell whose loss
+oom_thresholds.py, scaling.py): the step's run (a RunConfig, made by experiments.hydra_config.compose_run
+from the script's config and the train.py overrides it records) and its batch, the clip fields the results
+pages read, the result of a cell whose loss
 went non-finite, and running it in a fresh process under a time limit. Each of them records the loss
 of every step it runs (warm-up and timed) in the cell's `losses`."""
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import time
 from dataclasses import dataclass
 
 import torch
 
-from megaslide.config import DiTConfig, ExecutionConfig
+from megaslide.config import DiTConfig, RunConfig, TrainConfig
 from megaslide.diffusion.batches import Batch
 
 
 @dataclass(frozen=True)
 class Step:
-    """A training step's model, clip (batch x frames x height x width latents: what
-    synthetic_batch reads), precision and how its blocks run."""
+    """A training step of `run`: its model, train.batch_size clips of data.frames x data.height x data.width
+    (what synthetic_batch makes), train.precision, how its blocks run (execution) and offload; with the
+    train.py overrides that make `run` (`python -m experiments.plan <run_overrides>` plans it)."""
 
-    cfg: DiTConfig
-    frames: int
-    height: int
-    width: int
-    batch: int
-    precision: str
-    execution: ExecutionConfig
+    run: RunConfig
+    run_overrides: tuple[str, ...]
+
+    @property
+    def cfg(self) -> DiTConfig:
+        return self.run.model
+
+    @property
+    def batch(self) -> int:
+        return self.run.train.batch_size
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        return self.cfg.token_grid(self.frames, self.height, self.width)
+        return self.run.grid
+
+    def train_config(self, device: torch.device) -> TrainConfig:
+        """train, on the device the step runs on (train.device may say auto)."""
+        return dataclasses.replace(self.run.train, device=device.type)
 
 
-def synthetic_batch(cfg: DiTConfig, bench, device: torch.device, tokenizer) -> Batch:
-    """A fixed batch of `bench.batch` random clips (frames x height x width latents) and one caption, seed 0:
-    the same data in every run, so runs differ only in what they measure."""
+def clip_fields(run: RunConfig) -> dict:
+    """The run's clip, batch and precision under the flat names that results written before the run groups
+    hold and the results pages read (experiments/claims)."""
+    return {"frames": run.data.frames, "height": run.data.height, "width": run.data.width,
+            "batch": run.train.batch_size, "precision": run.train.precision}
+
+
+def synthetic_batch(run: RunConfig, device: torch.device, tokenizer) -> Batch:
+    """A fixed batch of train.batch_size random clips (data.frames x data.height x data.width latents of
+    model.in_channels) and one caption, seed 0: the same data in every run, so runs differ only in what they
+    measure."""
     g = torch.Generator().manual_seed(0)
-    shape = (bench.batch, cfg.in_channels, bench.frames, bench.height, bench.width)
-    captions = ["a red ball bouncing on a wooden floor"] * bench.batch
-    return Batch(torch.randn(shape, generator=g), tokenizer(captions), torch.rand(bench.batch, generator=g),
+    batch = run.train.batch_size
+    shape = (batch, run.model.in_channels, run.data.frames, run.data.height, run.data.width)
+    captions = ["a red ball bouncing on a wooden floor"] * batch
+    return Batch(torch.randn(shape, generator=g), tokenizer(captions), torch.rand(batch, generator=g),
                  torch.randn(shape, generator=g), captions).to(device)
 
 

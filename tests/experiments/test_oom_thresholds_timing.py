@@ -1,6 +1,5 @@
 """oom_thresholds' step-time accounting on CPU: the attention op's timer, the timing rule, the summary's
 transfers-hide verdict, the floor's cell ceilings and the headline preset."""
-import dataclasses
 import time
 from pathlib import Path
 
@@ -10,8 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.attention_time import AttendTimer
 from experiments.hydra_config import script_config
-from experiments.oom_thresholds import (OOMConfig, RowSpec, cell_ceilings, cells_of_row, model_configs, over_time,
-                                        summary, with_timing)
+from experiments.oom_thresholds import OOMConfig, RowSpec, cell_ceilings, cells_of_row, over_time, summary, with_timing
 from megaslide.perf import planner
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
@@ -53,20 +51,25 @@ def test_attend_timer_counts_forward_and_backward_of_attend_only():
     assert timer.seconds() == 0.0                                 # seconds() starts over
 
 
-def table_config(**overrides) -> OOMConfig:
+def script_cfg(**overrides):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return script_config(OOMConfig, compose("oom_thresholds", overrides=[f"{k}={v}" for k, v in overrides.items()]))
+        return compose("oom_thresholds", overrides=[f"{k}={v}" for k, v in overrides.items()])
+
+
+def table_config(**overrides) -> OOMConfig:
+    return script_config(OOMConfig, script_cfg(**overrides))
 
 
 def test_long_cells_take_the_long_timing_rule_and_record_it():
-    cfg = table_config(long_step_s=20, long_warmup_steps=0, long_timed_steps=1)
-    label, model = next(iter(model_configs(dataclasses.replace(cfg, models=["1B"], host_depth=[])).items()))
-    cell = cells_of_row(cfg, label, model, RowSpec("dsa", ["chunked_offload"], [8]), "chunked_offload", None)[0]
+    base = script_cfg(long_step_s=20, long_warmup_steps=0, long_timed_steps=1)
+    cfg = script_config(OOMConfig, base)
+    cell = cells_of_row(cfg, base, "1B", ["model=1B"], RowSpec("dsa", ["chunked_offload"], [8]), "chunked_offload")[0]
     short = with_timing(cell, 19.0, cfg)
     assert (short.warmup_steps, short.timed_steps, short.timing_rule) == (1, 5, "1 warm-up, 5 timed")
     long = with_timing(cell, 21.0, cfg)
     assert (long.warmup_steps, long.timed_steps) == (0, 1) and long.timing_rule.startswith("floor 21.0 s > long_step_s")
-    assert cell.execution.chunk_tokens == cfg.chunk_tokens and cell.execution.slab_frames == cfg.slab_frames
+    execution = cell.run.execution
+    assert execution.chunk_tokens == base.execution.chunk_tokens and execution.slab_frames == base.execution.slab_frames
     # a cell whose warm-up and first timed step the floor puts over the limit is not started
     assert over_time(short, 10.0, 19.9) and not over_time(short, 10.0, 20.0) and not over_time(long, 10.0, 10.0)
 
@@ -100,8 +103,9 @@ def test_summary_says_whether_the_transfers_hide_on_long_clips():
 
 
 def test_headline_preset_and_command_line_keys_over_it():
-    cfg = table_config(oom_preset="headline", slab_frames=16)
-    assert cfg.models == ["1B"] and cfg.host_depth == [] and cfg.slab_frames == 16
+    base = script_cfg(oom_preset="headline", **{"execution.slab_frames": 16})
+    cfg = script_config(OOMConfig, base)
+    assert cfg.models == ["1B"] and cfg.host_depth == [] and base.execution.slab_frames == 16
     assert [(r.attention, r.modes, r.frames) for r in cfg.row_specs()] == [
         ("dsa", ["chunked_offload"], [64, 128, 256]), ("dense", ["chunked_offload"], [16, 32])]
     assert cfg.timed_steps == 5 and cfg.time_budget_s <= 480
