@@ -55,6 +55,7 @@ from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
 from megaslide.attention.dsa.constants import ENTRY_FLOATS
+from megaslide.attention.dsa.op import check_kernel_size
 from megaslide.testing import deterministic_algorithms, within_tolerance
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
@@ -187,6 +188,15 @@ def _print_row(row: dict) -> None:
           f"{row.get('peak_gb', float('nan')):7.2f} GB", flush=True)
 
 
+def kernel_refusal(grid) -> str | None:
+    """Why the DSA variants cannot run KERNEL on `grid` (the op's own check), or None when they can."""
+    try:
+        check_kernel_size(KERNEL, grid)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def sweep(grids, variants, heads, d, dtype, device, repeats, dense_limit, ref_limit, on_row=lambda rows: None):
     """Time `variants` on every grid; `on_row(rows)` runs after each row (partial saves)."""
     rows = []
@@ -200,8 +210,8 @@ def sweep(grids, variants, heads, d, dtype, device, repeats, dense_limit, ref_li
                 row["status"] = f"skipped: N > {dense_limit} (quadratic time)"
             elif name == "dsa_reference" and n > ref_limit:
                 row["status"] = f"skipped: N > {ref_limit} (OOM at a smaller N)"
-            elif name.startswith("dsa") and any(k > s for k, s in zip(KERNEL, grid)):
-                row["status"] = f"skipped: kernel {KERNEL} larger than the grid"
+            elif name.startswith("dsa") and (refusal := kernel_refusal(grid)):
+                row["status"] = f"skipped: {refusal}"
             elif "fused" in name and device.type != "cuda":
                 row["status"] = "skipped: Triton kernels need CUDA"
             else:

@@ -1,8 +1,11 @@
 import dataclasses
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from megaslide.attention.dsa import module as dsa_module
 from megaslide.attention.dsa.module import DSAOptions
+from megaslide.attention.dsa.op import check_kernel_size
 from megaslide.config import (
     AttentionConfig,
     DataConfig,
@@ -28,9 +31,43 @@ def test_swin_window_larger_than_grid(tmp_path):
         _trainer(tmp_path, model=tiny_model_cfg("swin", window=(2, 16, 16)))
 
 
-def test_dsa_kernel_larger_than_grid(tmp_path):
-    with pytest.raises(ValueError, match=r"attention.kernel_size=\(5, 3, 3\) is larger"):
-        _trainer(tmp_path, model=tiny_model_cfg("dsa", kernel_size=(5, 3, 3)))
+class _TensorOps(TorchDispatchMode):
+    """Records every tensor op run inside it, allocations included."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kernel_size,message", [
+    ((3, 2, 3), r"attention.kernel_size=\(3, 2, 3\) must be three odd positive ints"),   # even
+    ((0, 3, 3), r"attention.kernel_size=\(0, 3, 3\) must be three odd positive ints"),   # zero
+    ((3, 3), r"attention.kernel_size=\(3, 3\) must be three odd positive ints"),         # two entries
+    ((3, 3, 3, 3), r"attention.kernel_size=\(3, 3, 3, 3\) must be three"),              # four
+    ((5, 3, 3), r"attention.kernel_size=\(5, 3, 3\) is larger than the token grid \(4, 8, 8\) along t \(5 > 4\); "
+                r"use a smaller odd kernel or more tokens"),                             # past the clip's grid
+])
+def test_a_bad_kernel_size_is_refused_once_at_config_time(tmp_path, monkeypatch, kernel_size, message):
+    """A training run's DSA kernel_size is refused by the one check (dsa.op.check_kernel_size), once, while its
+    configs are read and validated: no tensor op has run and nothing is written."""
+    refusals = []
+
+    def spy(*args):
+        try:
+            return check_kernel_size(*args)
+        except ValueError as error:
+            refusals.append(error)
+            raise
+    monkeypatch.setattr(dsa_module, "check_kernel_size", spy)
+    with _TensorOps() as ops, pytest.raises(ValueError, match=message) as refused:
+        _trainer(tmp_path, model=tiny_model_cfg("dsa", kernel_size=kernel_size))
+    assert refusals == [refused.value]
+    assert ops.ops == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_heads_not_dividing_dim(tmp_path):

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from megaslide.attention.dsa.launch import LaunchConfig, forward_launch_config, query_programs
+from megaslide.attention.dsa.op import check_inputs
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_zeros, _store_split, _token_rows,
                                           row_flags)
@@ -111,12 +112,9 @@ def gathered_sum(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, kernel
     `launch.forward_launch_config`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: choose one of {list(LAYOUTS)}")
+    kt, kh, kw = check_inputs(k, k, v, offsets, kernel_size)  # the op's checks, k in q's place
     B, T, H, W, heads, d = k.shape
-    if offsets.shape[-2] != math.prod(kernel_size):
-        raise ValueError(f"offsets have {offsets.shape[-2]} samples per query; kernel_size={kernel_size} "
-                         f"needs {math.prod(kernel_size)}")
     N = T * H * W
-    kt, kh, kw = kernel_size
     out = torch.empty_like(k)  # (B, T, H, W, heads, d)
     cfg = config or forward_launch_config(N, d)
     with device_guard(k):

@@ -68,11 +68,12 @@ class NoOptions:
 
 
 def option_triple(option: str, value, *, odd: bool = False) -> tuple[int, int, int]:
-    """`value` as three positive ints (t, h, w), odd ones if `odd`; else a ValueError naming `attention.<option>`."""
-    t = tuple(int(v) for v in value)
-    if len(t) != 3 or not all(v >= 1 and (v % 2 or not odd) for v in t):
+    """`value` (three ints, or one int for all three) as a tuple (t, h, w) of positive ints, odd ones if `odd`;
+    else a ValueError naming `attention.<option>`. Floats and strings are refused, not rounded."""
+    t = (value,) * 3 if isinstance(value, int) else tuple(value)
+    if len(t) != 3 or not all(isinstance(v, int) and v >= 1 and (v % 2 or not odd) for v in t):
         what = "odd positive" if odd else "positive"
-        raise ValueError(f"attention.{option}={value!r} must be three {what} ints (t, h, w)")
+        raise ValueError(f"attention.{option}={value!r} must be three {what} ints (t, h, w), or one for all three")
     return t
 
 

@@ -180,8 +180,8 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile, capacity):
     starts = torch.empty(2 * lists + 1, dtype=torch.int32)
     records = torch.full((B * heads * math.prod(grid) * K * 8,), -1, dtype=torch.int32)
     flag = torch.empty(1, dtype=torch.int32)
-    backward.bin_entries(scratch_entries(offsets, kernel_size), (B, *grid, heads), kernel_size, tile, capacity,
-                       cursors, starts, records, flag)
+    backward.bin_entries(scratch_entries(offsets, kernel_size), (B, *grid, heads), K, tile, capacity,
+                         cursors, starts, records, flag)
     exact = bool(flag)
     assert exact == (capacity == 6)
     bounds = [(starts[i], starts[i + 1]) if exact else (i * capacity, i * capacity + min(cursors[i], capacity))

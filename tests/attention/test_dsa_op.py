@@ -202,11 +202,12 @@ def test_integer_offsets_equal_shifted_neighbourhood():
 
 
 @pytest.mark.parametrize("kernel_size,match", [
-    ((3, 4, 3), r"kh=4 .*H=5"),
-    ((3, 3, 9), r"kw=9 .*W=6"),
-    ((5, 3, 3), r"kt=5 .*T=4"),
-    ((0, 3, 3), r"kt=0"),
-    ((3, 3), r"three ints"),
+    ((3, 4, 3), r"attention.kernel_size=\(3, 4, 3\) must be three odd positive ints"),
+    ((3, 3, 9), r"attention.kernel_size=\(3, 3, 9\) is larger than the token grid \(4, 5, 6\) along w \(9 > 6\)"),
+    ((5, 3, 3), r"along t \(5 > 4\); use a smaller odd kernel or more tokens"),
+    ((0, 3, 3), r"attention.kernel_size=\(0, 3, 3\) must be three odd positive ints"),
+    ((3, 3), r"attention.kernel_size=\(3, 3\) must be three"),
+    ((3.0, 3, 3), r"attention.kernel_size=\(3.0, 3, 3\) must be three odd positive ints"),
 ])
 def test_kernel_size_validation(kernel_size, match):
     shape = (1, 4, 5, 6, 1, 2)

@@ -154,7 +154,8 @@ def test_backend_choice_and_errors():
     assert select_backend("auto", NA_BACKENDS, q, offsets).name == "scores"  # CPU: never the interpreter
     with pytest.raises(ValueError, match=r"triton: cannot run \(dtypes .*float64.*\); scores: can run"):
         neighborhood_attention(q, q, q, (3, 3, 3), backend="triton")
-    with pytest.raises(ValueError, match=r"kernel_size kh=5 must be odd, >= 1 and <= the grid size H=3"):
+    with pytest.raises(ValueError, match=r"attention.kernel_size=\(3, 5, 3\) is larger than the token grid "
+                                         r"\(3, 3, 3\) along h \(5 > 3\)"):
         neighborhood_attention(q, q, q, (3, 5, 3))
 
 

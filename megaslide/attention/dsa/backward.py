@@ -70,6 +70,7 @@ capped lists' cursors, the exact lists' starts and their cursors 4 bytes per til
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -361,8 +362,8 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, cursor_ptr, starts_ptr, flag_ptr, reco
     tl.store(dv_ptr + head_off + key_rows, dv.to(dv_ptr.dtype.element_ty), mask=out_mask)
 
 
-def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size, scale: float, qk_scale: float,
-               offsets_grad: bool, config: LaunchConfig) -> None:
+def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size: Sequence[int], scale: float,
+               qk_scale: float, offsets_grad: bool, config: LaunchConfig) -> None:
     """Launch the query pass over one head group: q-like tensors (B, T, H, W, g, ...) views of the
     full ones, lse (B, g, N) contiguous; writes dq, doff (when offsets_grad) and dsp (B, g, K, N, ENTRY_FLOATS)."""
     B, T, H, W, g, d = q.shape
@@ -399,10 +400,10 @@ def list_capacity(n_tokens: int, num_samples: int, tiles: int) -> int:
     return n_tokens * num_samples * MAX_TILES_PER_ENTRY // tiles
 
 
-def bin_entries(dsp, shape, kernel_size, tile, capacity: int, cursors, starts, records, flag,
+def bin_entries(dsp, shape, K: int, tile, capacity: int, cursors, starts, records, flag,
                 deterministic: bool = False) -> None:
     """Build the per-(batch, head, key tile) entry lists of one head group of shape (B, T, H, W, g) from
-    the query pass's entries dsp (B, g, K, N, ENTRY_FLOATS), without a host sync.
+    the query pass's entries dsp (B, g, K, N, ENTRY_FLOATS) of K samples per query, without a host sync.
     First the capped lists, one pass: list i is records[i * capacity:][:min(cursors[i], capacity)]
     (cursors (B * g * tiles,) int32, overwritten; records at least B * g * tiles * capacity int32). If a
     list overflows, flag (1,) int32 is set on the device, and two more passes, which do nothing otherwise,
@@ -410,7 +411,6 @@ def bin_entries(dsp, shape, kernel_size, tile, capacity: int, cursors, starts, r
     int32: the starts, then the fill's cursors). `deterministic`: the exact lists only, each sorted
     (`sort_lists`). The key pass reads flag to know which lists it has."""
     B, T, H, W, g = shape
-    K = math.prod(kernel_size)
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
     tiles = tiles_t * tiles_y * tiles_x
     lists = B * g * tiles
@@ -436,17 +436,17 @@ def bin_entries(dsp, shape, kernel_size, tile, capacity: int, cursors, starts, r
         sort_lists(exact_starts, records)
 
 
-def key_pass(q, dout, dsp, capacity: int, cursors, starts, flag, records, dk, dv, kernel_size, head_dim_block: int,
+def key_pass(q, dout, dsp, capacity: int, cursors, starts, flag, records, dk, dv, K: int, head_dim_block: int,
              config: KeyConfig) -> None:
-    """Launch the key pass over one head group (tensors as `query_pass`, lists from `bin_entries`):
-    writes dk, dv (B, T, H, W, g, d) views in the input dtype."""
+    """Launch the key pass over one head group (tensors as `query_pass`, K samples per query, lists from
+    `bin_entries`): writes dk, dv (B, T, H, W, g, d) views in the input dtype."""
     B, T, H, W, g, d = q.shape
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), config.tile)
     tiles = tiles_t * tiles_y * tiles_x
     tt, ty, tx = config.tile
     _key_kernel[(tiles, B * g)](
         q, dout, dsp, cursors, starts, flag, records, dk, dv,
-        T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, capacity, K=math.prod(kernel_size),
+        T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, capacity, K=K,
         TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile), BLOCK_E=config.block_e, BLOCK_D=head_dim_block,
         UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps, maxnreg=config.maxnreg,
         **row_flags(T * H * W, q.stride(3), d, head_dim_block),
@@ -463,7 +463,7 @@ def heads_per_group(batch: int, n_tokens: int, heads: int, num_samples: int,
 
 def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                 kernel_size: tuple[int, int, int], scale: float, offsets_grad: bool,
+                 kernel_size: Sequence[int], scale: float, offsets_grad: bool,
                  config: LaunchConfig | None = None, scratch_bytes: int = SCRATCH_BYTES,
                  key_config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The fused backward (module docstring). Inputs as `dsa_forward` (contiguous) plus its out and lse and the
@@ -475,8 +475,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     (`sort_lists`), so dk / dv are the same bits from run to run."""
     B, T, H, W, heads, d = q.shape
     N = T * H * W
-    kt, kh, kw = kernel_size
-    K = kt * kh * kw
+    K = math.prod(kernel_size)
     dout = dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # (B, T, H, W, heads, d)
     doff = torch.empty_like(offsets) if offsets_grad else offsets  # (B, T, H, W, heads, K, 3); unused if no grad
@@ -509,8 +508,8 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
                        lse[:, h0:h0 + g].contiguous(), dq[heads_of], doff[heads_of], dsp_g,
                        kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
             cursors_g, starts_g = cursors[:B * g * tiles], starts[:2 * B * g * tiles + 1]
-            bin_entries(dsp_g, (B, T, H, W, g), kernel_size, key_cfg.tile, capacity, cursors_g, starts_g,
+            bin_entries(dsp_g, (B, T, H, W, g), K, key_cfg.tile, capacity, cursors_g, starts_g,
                         records, flag, deterministic=torch.are_deterministic_algorithms_enabled())
             key_pass(q_g, dout_g, dsp_g, capacity, cursors_g, starts_g, flag, records, dk[heads_of],
-                     dv[heads_of], kernel_size, cfg.block_d, key_cfg)
+                     dv[heads_of], K, cfg.block_d, key_cfg)
     return dq, dk, dv, doff if offsets_grad else None

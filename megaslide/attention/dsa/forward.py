@@ -22,6 +22,8 @@ Head dims are padded to the next power of two (at least 16) with masked columns.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -82,13 +84,13 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
 
 
 def dsa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                kernel_size: tuple[int, int, int], scale: float, store_lse: bool = True,
+                kernel_size: Sequence[int], scale: float, store_lse: bool = True,
                 config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused forward. q, k, v: contiguous (B, T, H, W, heads, d); offsets: contiguous
-    (B, T, H, W, heads, K, 3). Returns out (B, T, H, W, heads, d) in q's dtype and, if
-    `store_lse`, the fp32 log-sum-exp (B, heads, T*H*W) in log2 units, both for `dsa_backward`
-    (else None: the forward-only path allocates and writes none). `config` overrides the default
-    tiles (`forward_launch_config`; for tuning)."""
+    (B, T, H, W, heads, K, 3); kernel_size (kt, kh, kw), checked (`op.check_kernel_size`). Returns out
+    (B, T, H, W, heads, d) in q's dtype and, if `store_lse`, the fp32 log-sum-exp (B, heads, T*H*W) in
+    log2 units, both for `dsa_backward` (else None: the forward-only path allocates and writes none).
+    `config` overrides the default tiles (`forward_launch_config`; for tuning)."""
     B, T, H, W, heads, d = q.shape
     N = T * H * W
     kt, kh, kw = kernel_size

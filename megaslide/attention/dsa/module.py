@@ -17,27 +17,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaslide.attention import register_attention
-from megaslide.attention.base import AttendMemory, Grid, SelfAttention, check_fits_grid, option_triple
+from megaslide.attention.base import AttendMemory, Grid, SelfAttention
 from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
 from megaslide.attention.dsa.constants import SCRATCH_BYTES, backward_scratch_bytes
-from megaslide.attention.dsa.op import BACKENDS, deformable_slide_attention, neighborhood_attention
+from megaslide.attention.dsa.op import (BACKENDS, KernelSize, check_kernel_size, deformable_slide_attention,
+                                        neighborhood_attention)
 
 
 @dataclass(frozen=True)
 class DSAOptions:
-    kernel_size: tuple[int, int, int] = (3, 3, 3)  # sampling kernel (kt, kh, kw), odd
-    max_offset: float = 4.0                        # offsets bounded by max_offset * tanh, in tokens
-    backend: str = "auto"                          # the op's backend: auto or one of dsa.op.BACKENDS
+    kernel_size: KernelSize = (3, 3, 3)  # sampling kernel (kt, kh, kw), odd
+    max_offset: float = 4.0              # offsets bounded by max_offset * tanh, in tokens
+    backend: str = "auto"                # the op's backend: auto or one of dsa.op.BACKENDS
 
     def __post_init__(self):
-        object.__setattr__(self, "kernel_size", option_triple("kernel_size", self.kernel_size, odd=True))
+        object.__setattr__(self, "kernel_size", check_kernel_size(self.kernel_size))
         object.__setattr__(self, "max_offset", float(self.max_offset))
         if self.max_offset < 0:
             raise ValueError(f"attention.max_offset={self.max_offset} must be >= 0")
         known = ["auto", *(b.name for b in BACKENDS)]
         if self.backend not in known:
             raise ValueError(f"attention.backend={self.backend!r}: choose one of {known}")
+
+    @property
+    def num_samples(self) -> int:
+        """K = kt * kh * kw, the samples of every query and head."""
+        return math.prod(self.kernel_size)
 
 
 @register_attention
@@ -49,9 +55,8 @@ class DSAAttention(SelfAttention):
 
     def __init__(self, dim: int, num_heads: int, **kw):
         super().__init__(dim, num_heads, **kw)
-        self.num_samples = math.prod(self.options.kernel_size)
         self.offset_conv = nn.Conv3d(dim, dim, kernel_size=3, padding=1, groups=dim)  # depthwise
-        self.offset_proj = nn.Linear(dim, num_heads * self.num_samples * 3)
+        self.offset_proj = nn.Linear(dim, num_heads * self.options.num_samples * 3)
         # the offset net's conv and bound follow the op: Triton kernels where the op may take its own
         # (auto, triton), else PyTorch's
         self.net_backend = self.options.backend if self.options.backend in ("auto", "triton") else "torch"
@@ -62,11 +67,11 @@ class DSAAttention(SelfAttention):
 
     @classmethod
     def check_grid(cls, options: DSAOptions, grid: Grid) -> None:
-        check_fits_grid("kernel_size", options.kernel_size, grid, "use a smaller kernel or more tokens")
+        check_kernel_size(options.kernel_size, grid)
 
     @classmethod
     def keys_per_query(cls, options: DSAOptions, grid: Grid) -> int:
-        return math.prod(options.kernel_size)
+        return options.num_samples
 
     @classmethod
     def temporal_reach(cls, options: DSAOptions) -> int:
@@ -78,7 +83,7 @@ class DSAAttention(SelfAttention):
 
     @classmethod
     def extra_macs_per_token(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
-        return 27 * dim + dim * num_heads * math.prod(options.kernel_size) * 3
+        return 27 * dim + dim * num_heads * options.num_samples * 3
 
     @classmethod
     def attend_memory(cls, options: DSAOptions, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
@@ -89,12 +94,12 @@ class DSAAttention(SelfAttention):
         # of the runs before their concatenation). Backward: dq, dk, dv and fp32 d(offsets), and a scratch
         # of 32-byte entries and the key tiles' entry lists (backward.py) of at most SCRATCH_BYTES, head group by
         # group
-        offsets = 4 * num_heads * math.prod(options.kernel_size) * 3
+        offsets = 4 * num_heads * options.num_samples * 3
         saved = act * dim + 4 * num_heads + offsets
         forward = offsets if chunked else offsets * act // 4
         if not chunked:
             saved += 4 * dim + 2 * act * dim
-        scratch = num_heads * backward_scratch_bytes(math.prod(options.kernel_size))
+        scratch = num_heads * backward_scratch_bytes(options.num_samples)
         return AttendMemory("contiguous", saved, forward, 3 * act * dim + offsets, scratch=scratch,
                             scratch_cap=SCRATCH_BYTES, heads=num_heads)
 
@@ -115,7 +120,7 @@ class DSAAttention(SelfAttention):
                              backend=self.net_backend)              # (B, t1-t0, H, W, D)
         h = F.gelu(h)
         o = self.offset_proj(h)                                      # (B, t1-t0, H, W, heads*K*3)
-        o = o.view(B, t1 - t0, H, W, self.num_heads, self.num_samples, 3)  # (B, t1-t0, H, W, heads, K, 3)
+        o = o.view(B, t1 - t0, H, W, self.num_heads, self.options.num_samples, 3)  # (B, t1-t0, H, W, heads, K, 3)
         return bounded_offsets(o, self.options.max_offset, backend=self.net_backend)  # fp32
 
     def attend(self, q, k, v, x, grid, read: torch.Tensor | None = None):

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megaslide.attention.base import Grid, check_fits_grid, option_triple
 from megaslide.attention.dsa.gather import deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
@@ -44,12 +45,13 @@ def _needs_grad(*inputs: torch.Tensor) -> bool:
 
 # The kernels are wrapped as custom ops so that torch.compile (train.compile) treats them as
 # opaque calls: traced by Dynamo, the Triton launches got the float scale as fp64, which the
-# kernels' fp32 loop state rejects. The fake functions give compile the output shapes.
+# kernels' fp32 loop state rejects. The fake functions give compile the output shapes. kernel_size, the
+# checked (kt, kh, kw) tuple, goes in as it is; the dispatcher hands it to the op as a list (int[]).
 @torch.library.custom_op("megaslide::dsa_fused_forward", mutates_args=())
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                    kernel_size: list[int], scale: float, store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from megaslide.attention.dsa import forward  # on first use (module docstring)
-    out, lse = forward.dsa_forward(q, k, v, offsets, tuple(kernel_size), scale, store_lse=store_lse)
+    out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale, store_lse=store_lse)
     return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
 
 
@@ -65,7 +67,7 @@ def _fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: 
                     scale: float, offsets_grad: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from megaslide.attention.dsa import backward  # on first use (module docstring)
-    dq, dk, dv, doff = backward.dsa_backward(q, k, v, offsets, out, lse, dout, tuple(kernel_size), scale,
+    dq, dk, dv, doff = backward.dsa_backward(q, k, v, offsets, out, lse, dout, kernel_size, scale,
                                              offsets_grad=offsets_grad)
     return dq, dk, dv, doff if offsets_grad else offsets.new_empty(0)  # an op returns tensors only
 
@@ -80,7 +82,7 @@ def _(q, k, v, offsets, out, lse, dout, kernel_size, scale, offsets_grad):
 def _na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: list[int], scale: float,
                 store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from megaslide.attention.dsa import zero_kernels  # on first use (module docstring)
-    out, lse = zero_kernels.na_forward(q, k, v, tuple(kernel_size), scale, store_lse=store_lse)
+    out, lse = zero_kernels.na_forward(q, k, v, kernel_size, scale, store_lse=store_lse)
     return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
 
 
@@ -95,7 +97,7 @@ def _na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                  dout: torch.Tensor, kernel_size: list[int], scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from megaslide.attention.dsa import zero_kernels  # on first use (module docstring)
-    return zero_kernels.na_backward(q, k, v, out, lse, dout, tuple(kernel_size), scale)
+    return zero_kernels.na_backward(q, k, v, out, lse, dout, kernel_size, scale)
 
 
 @_na_backward.register_fake
@@ -110,7 +112,7 @@ class _DSATritonFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         # out (B, T, H, W, heads, d), lse (B, heads, N)
-        out, lse = _fused_forward(q, k, v, offsets, list(kernel_size), scale, True)
+        out, lse = _fused_forward(q, k, v, offsets, kernel_size, scale, True)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.kernel_size = kernel_size
         ctx.scale = scale
@@ -120,7 +122,7 @@ class _DSATritonFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, offsets, out, lse = ctx.saved_tensors
         offsets_grad = ctx.needs_input_grad[3]
-        dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), list(ctx.kernel_size),
+        dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), ctx.kernel_size,
                                            ctx.scale, offsets_grad)
         return dq, dk, dv, doff if offsets_grad else None, None, None
 
@@ -131,7 +133,7 @@ class _NATritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kernel_size: KernelSize, scale: float):
         q, k, v = (x.contiguous() for x in (q, k, v))
-        out, lse = _na_forward(q, k, v, list(kernel_size), scale, True)  # (B, T, H, W, heads, d), (B, heads, N)
+        out, lse = _na_forward(q, k, v, kernel_size, scale, True)  # (B, T, H, W, heads, d), (B, heads, N)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel_size = kernel_size
         ctx.scale = scale
@@ -140,7 +142,7 @@ class _NATritonFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _na_backward(q, k, v, out, lse, dout.contiguous(), list(ctx.kernel_size), ctx.scale)
+        dq, dk, dv = _na_backward(q, k, v, out, lse, dout.contiguous(), ctx.kernel_size, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -149,7 +151,7 @@ def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torc
     if _needs_grad(q, k, v, offsets):
         return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale)
     q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-    return _fused_forward(q, k, v, offsets, list(kernel_size), scale, False)[0]
+    return _fused_forward(q, k, v, offsets, kernel_size, scale, False)[0]
 
 
 def _na_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
@@ -158,7 +160,7 @@ def _na_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch
     if _needs_grad(q, k, v):
         return _NATritonFunction.apply(q, k, v, kernel_size, scale)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return _na_forward(q, k, v, list(kernel_size), scale, False)[0]
+    return _na_forward(q, k, v, kernel_size, scale, False)[0]
 
 
 def can_run_reference(q: torch.Tensor, offsets: torch.Tensor, explicit: bool) -> tuple[bool, str]:
@@ -241,12 +243,22 @@ NA_BACKENDS: tuple[Backend, ...] = (Backend("triton", can_run_na_triton, _na_tri
 attention (scores.py), then the general PyTorch backends, given zero offsets that need no gradient."""
 
 
+def check_kernel_size(kernel_size: int | Sequence[int], grid: Grid | None = None) -> KernelSize:
+    """The one check of DSA's window: kernel_size (three ints, or one for all three) as (kt, kh, kw), each odd
+    and >= 1 and, given the token grid (T, H, W), at most its size along that axis; else a ValueError naming
+    attention.kernel_size, the grid and the fix. `DSAOptions` checks its value with it (the grid fit when a
+    config is validated against a clip, `DSAAttention.check_grid`) and the public functions their argument."""
+    kernel_size = option_triple("kernel_size", kernel_size, odd=True)
+    if grid is not None:
+        check_fits_grid("kernel_size", kernel_size, grid, "use a smaller odd kernel or more tokens")
+    return kernel_size
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                  kernel_size: int | Sequence[int]) -> KernelSize:
     """Validate shapes, dtypes, devices and kernel sizes; return kernel_size as (kt, kh, kw)."""
     kernel_size = check_qkv(q, k, v, kernel_size, offsets=offsets)
-    K = math.prod(kernel_size)
-    expected = (*q.shape[:5], K, 3)
+    expected = (*q.shape[:5], math.prod(kernel_size), 3)
     if tuple(offsets.shape) != expected:
         raise ValueError(f"offsets must have shape (B, T, H, W, heads, K, 3) = {expected} for "
                          f"kernel_size={kernel_size}, got {tuple(offsets.shape)}")
@@ -256,7 +268,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: int | Sequence[int],
               **others: torch.Tensor) -> KernelSize:
     """Validate q, k, v (and the tensors in `others`, by name: floating, on q's device) and the
-    kernel sizes against q's grid; return kernel_size as (kt, kh, kw)."""
+    kernel sizes against q's grid (`check_kernel_size`); return kernel_size as (kt, kh, kw)."""
     for name, x in (("q", q), ("k", k), ("v", v), *others.items()):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -272,18 +284,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: in
     for name, x in (("k", k), ("v", v), *others.items()):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move them to one device")
-
-    if isinstance(kernel_size, int):
-        kernel_size = (kernel_size,) * 3
-    kernel_size = tuple(kernel_size)
-    if len(kernel_size) != 3 or not all(isinstance(s, int) for s in kernel_size):
-        raise ValueError(f"kernel_size must be three ints (kt, kh, kw), got {kernel_size!r}")
-    B, T, H, W, heads, d = q.shape
-    for kernel_name, kernel, size_name, size in zip(("kt", "kh", "kw"), kernel_size, "THW", (T, H, W)):
-        if kernel < 1 or kernel % 2 == 0 or kernel > size:
-            raise ValueError(f"kernel_size {kernel_name}={kernel} must be odd, >= 1 and <= the grid size "
-                             f"{size_name}={size}; pick an odd {kernel_name} <= {size}")
-    return kernel_size
+    return check_kernel_size(kernel_size, q.shape[1:4])
 
 
 def check_scale(scale: float | None, q: torch.Tensor) -> float:

@@ -36,6 +36,8 @@ the backward is deterministic (bit-identical from run to run).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -204,7 +206,7 @@ def _stat_shape(q: torch.Tensor) -> tuple[int, int, int]:
     return B, heads, T * H * W
 
 
-def na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: tuple[int, int, int],
+def na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: Sequence[int],
                scale: float, store_lse: bool = True,
                config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward. q, k, v: contiguous (B, T, H, W, heads, d). Returns out (B, T, H, W, heads, d)
@@ -228,7 +230,7 @@ def na_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: t
 
 
 def na_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                dout: torch.Tensor, kernel_size: tuple[int, int, int], scale: float,
+                dout: torch.Tensor, kernel_size: Sequence[int], scale: float,
                 config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward, deterministic (no atomics). Inputs as `na_forward` (contiguous) plus its out and
     lse and the output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and
