@@ -219,7 +219,8 @@ def test_engine_checks_host_ram_itself(monkeypatch):
 
 # Peaks of torch.cuda.max_memory_allocated measured on an H200 (bf16, batch 1, offload engine, 7B width:
 # dim 4096, 32 heads, ffn 16384): `python -m experiments.mfu_overlap attention=dsa model.depth=4
-# data.frames=<f> offload.gpu_memory_fraction=0 model.in_channels=16` (latents 64 x 128) and results/mfu_overlap/h200_7Bwidth_d20.json
+# data.frames=<f> offload.gpu_memory_fraction=0 model.in_channels=16` (latents 64 x 128) and
+# results/mfu_overlap/h200_7Bwidth_d20.json
 H200_PEAKS = [("dsa", 4, 32, 34.9e9), ("dsa", 4, 64, 63.4e9), ("dense", 20, 16, 23.184e9)]
 
 
