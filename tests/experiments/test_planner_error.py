@@ -22,6 +22,7 @@ def test_every_timed_step_is_held_out_or_excluded_with_a_reason(committed):
     assert sorted(used + list(excluded)) == sorted(s.name for s in steps)     # no step dropped silently
     assert len(used) == len(set(used)) and not set(used) & set(excluded)
     assert all(reason.strip() for reason in excluded.values())
+    assert sum(committed.reasons().values()) == len(excluded)
     # the 7B-width DSA cell (its run measured its attention rate) is held out
     assert "h200_7Bwidth_dsa-dsa-chunked_offload-16" in used
 
@@ -62,6 +63,6 @@ def test_the_error_is_read_from_the_files(tmp_path, committed):
     assert changed.excluded == committed.excluded
 
 
-def test_no_held_out_step_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no held-out H200 step"):
-        planner_error.held_out_error(tmp_path)
+def test_a_folder_without_h200_steps_holds_out_nothing(tmp_path):
+    empty = planner_error.held_out_error(tmp_path)
+    assert empty.used == [] and empty.excluded == [] and planner_error.report(empty).startswith("no held-out")
