@@ -8,7 +8,7 @@ included; everything around it (projections, QK-norm, RoPE) is the block's.
   from the moment the gradient of its output is ready to the moment those of its inputs are. Their
   sum over a step, over the step's time, is the step's attention share.
 - `attend_rate`: one `attend` of a model's width, heads and attention, timed alone on a probe clip,
-  forward and backward: the planner's `AttentionRate`, the step-time floor's attention term,
+  forward and backward: the planner's `AttentionRate`, the step-time estimate's attention term,
   measured in the same run as the steps it bounds.
 """
 from __future__ import annotations

@@ -187,7 +187,8 @@ def run_variant(engine: OffloadEngine, name: str, run: RunConfig, batch: Batch, 
            "mfu_vs_datasheet": mfu(flops_train, parts.step_s, H200_DATASHEET_BF16_TFLOPS),
            "achieved_TFLOPs": flops_train / parts.step_s / 1e12,
            "memory": memory_report(engine.device, engine.host.pinned_bytes).as_dict(),
-           "predicted": {"floor_s": plan.floor_s, "bound": plan.bound, "seconds": plan.seconds,
+           "predicted": {"estimate_s": plan.estimate_s, "lower_bound_s": plan.lower_bound_s, "bound": plan.bound,
+                         "seconds": plan.seconds,
                          "h2d_bytes": plan.h2d_bytes, "d2h_bytes": plan.d2h_bytes, "hbm_GB": plan.hbm_total / GB}}
     if pcie is not None:
         row["h2d_frac_of_pinned"] = parts.h2d_GBps / pcie["h2d_GBps"]
@@ -204,7 +205,8 @@ def print_table(p: dict) -> None:
           f"{H200_DATASHEET_BF16_TFLOPS:.0f}); "
           + (f"pinned H2D {c['pcie']['h2d_GBps']:.1f}, D2H {c['pcie']['d2h_GBps']:.1f}, both "
              f"{c['pcie']['both_total_GBps']:.1f} GB/s" if c["pcie"] else "no PCIe (CPU)"))
-    print(f"planner floor {plan['floor_s']:.3f} s ({plan['bound']}); host {plan['host_total_bytes'] / GB:.1f} GB, "
+    print(f"planner estimate {plan['estimate_s']:.3f} s ({plan['bound']}), lower bound {plan['lower_bound_s']:.3f} s; "
+          f"host {plan['host_total_bytes'] / GB:.1f} GB, "
           f"HBM {plan['hbm_total_bytes'] / GB:.1f} GB predicted")
     wall = p["memory_wall"]
     print("memory wall: " + ("skipped (" + wall["skipped"] + ")" if "skipped" in wall else
@@ -224,7 +226,7 @@ def print_table(p: dict) -> None:
         print(f"{r['variant']:<14} {r['step_s']:>7.3f} {r['mfu_vs_measured_peak']:>8.1%} {r['mfu_vs_datasheet']:>7.1%} "
               f"{r['compute_s']:>8.3f} {r['h2d_s']:>7.3f} {r['d2h_s']:>7.3f} {r['optimizer_s']:>7.3f} "
               f"{r['overlap_efficiency']:>7.2f} {r['h2d_GBps']:>9.1f} {frac:>7} {r['memory']['peak_hbm_GB']:>7.1f} "
-              f"{r['predicted']['floor_s']:>7.3f} {r['predicted']['hbm_GB']:>7.1f}")
+              f"{r['predicted']['estimate_s']:>7.3f} {r['predicted']['hbm_GB']:>7.1f}")
     if p.get("overlap_speedup_vs_serial"):
         print(f"overlap speedup vs serial: {p['overlap_speedup_vs_serial']:.2f}x "
               f"(target {TARGETS['overlap_speedup_vs_serial']}x)")

@@ -20,28 +20,29 @@ host RAM holds (the planner, `host_ram_fraction` of it for the block state).
 Each cell runs in a fresh process (forked from a server with torch loaded), so a CUDA OOM or a hang
 cannot poison the next cell and the allocator's peak is the cell's own; a cell over
 `cell_time_limit_s` is stopped and reported as such. A row (model, attention, mode) stops at its
-first OOM, refusal or time limit; a cell whose warm-up and first timed step the planner's floor
+first OOM, refusal or time limit; a cell whose warm-up and first timed step the planner's estimate
 already puts over the limit is reported over it without running; with `time_budget_s` the table
-starts no cell after that much time has passed, nor one the time left cannot hold at its floor
+starts no cell after that much time has passed, nor one the time left cannot hold at its estimate
 (each cell's limit shrinks to what is left; those not started are reported `not run`). Per cell: fits
 or OOM and in which phase (plan = refused before allocating, build, forward, loss, backward,
 optimizer), the measured peak (CUDA: torch.cuda.max_memory_allocated; CPU: the live-tensor peak
 of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and the step time:
 - timing rule (recorded per cell as `timing_rule`): `warmup_steps` untimed steps, then
   `timed_steps` timed ones (n, median, spread; `first_step_s` is the cell's first step); a cell
-  whose planner floor is over `long_step_s` runs `long_warmup_steps` and `long_timed_steps`
+  whose planner estimate is over `long_step_s` runs `long_warmup_steps` and `long_timed_steps`
   instead, and timed steps stop early where the next one would run past the cell's time limit;
 - compute-only time (offload modes): the compute stream's busy time over the timed steps, CUDA
   events around every piece of compute (OffloadEngine.breakdown), transfers and host waits
   excluded; `step_over_compute` = step / compute-only, with the H2D, D2H and CPU AdamW times;
 - attention share: the time inside the attention op (`attend`, DSA's offset net included: forward,
   recomputed forward, backward) over the step (experiments/attention_time.py);
-- the planner's floor (matmul and attention terms) at the ceilings this run measured, beside it.
+- the planner's step-time estimate (matmul, attention and elementwise terms) and lower bound at the
+  ceilings this run measured, beside it.
 The fit decision: on CUDA the run itself (the planner refuses only cells it puts beyond
 `refuse_over` x the free HBM, and any that host RAM cannot hold); on CPU, which has no allocator to
 run out of, the planner against the stated `hbm_budget_GB`. The same run re-measures the ceilings:
 matmul and PCIe (megaslide/perf/timing.py) and, per model and attention, `attend` alone on a clip of
-`probe_frames` frames (the floor's attention rate). The summary gives, per row, the most frames,
+`probe_frames` frames (the estimate's attention rate). The summary gives, per row, the most frames,
 and whether the transfers hide: step <= `hide_ratio` x compute-only on every cell of at least
 `hide_min_tokens` tokens. Writes results/oom_thresholds/<name>.json (tables: cells, summary),
 <name>.png (frames vs peak HBM and step time) and the generated results/oom_thresholds.md; W&B
@@ -172,7 +173,7 @@ class Cell(Step):
     refuse_over: float
     hbm_budget: int           # bytes; used on CPU (and in plan_only) only
     host_budget: int          # bytes
-    ceilings: planner.Ceilings  # the floor's: measured in this run where it could be
+    ceilings: planner.Ceilings  # the step-time figures': measured in this run where it could be
     timing_rule: str = ""     # how warmup_steps and timed_steps were chosen
     time_limit_s: float = math.inf
 
@@ -186,22 +187,27 @@ def plan_cell(cell: Cell, device: torch.device):
     return planner.plan_offload(cell.run, param_dtype=dtype, ceilings=cell.ceilings)
 
 
-def floor_parts(cell: Cell, plan) -> dict:
-    """The planner's lower bound on a step's time at the cell's ceilings: the offload plan's floor (max of
-    compute, PCIe and CPU AdamW), or the resident step's compute; with the compute's two terms (every
-    block recomputed: the engine's streamed blocks, the resident trainer's checkpointed ones)."""
+def step_time_parts(cell: Cell, plan) -> dict:
+    """The planner's step time at the cell's ceilings: its fitted estimate (the offload plan's max of compute,
+    PCIe and CPU AdamW, or the resident step's compute) with the compute's terms, and its lower bound from
+    ceilings only (every block recomputed: the engine's streamed blocks, the resident trainer's checkpointed
+    ones)."""
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
                                          ceilings=cell.ceilings, execution=cell.run.execution)
-    floor = plan.floor_s if isinstance(plan, planner.OffloadPlan) else sum(compute.values())
-    return {"predicted_floor_s": floor, "predicted_matmul_s": compute["matmul"],
+    offload = isinstance(plan, planner.OffloadPlan)
+    bound = plan.lower_bound_s if offload else planner.compute_lower_bound_s(
+        cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings,
+        execution=cell.run.execution)
+    return {"predicted_estimate_s": plan.estimate_s if offload else sum(compute.values()),
+            "predicted_lower_bound_s": bound, "predicted_matmul_s": compute["matmul"],
             "predicted_attention_s": compute["attention"], "predicted_elementwise_s": compute["elementwise"]}
 
 
-def with_timing(cell: Cell, floor_s: float, cfg: OOMConfig) -> Cell:
+def with_timing(cell: Cell, estimate_s: float, cfg: OOMConfig) -> Cell:
     """The cell's warm-up and timed steps by the timing rule (module docstring), the rule recorded."""
-    if floor_s > cfg.long_step_s:
+    if estimate_s > cfg.long_step_s:
         return dataclasses.replace(cell, warmup_steps=cfg.long_warmup_steps, timed_steps=cfg.long_timed_steps,
-                                   timing_rule=f"floor {floor_s:.1f} s > long_step_s {cfg.long_step_s:g} s: "
+                                   timing_rule=f"estimate {estimate_s:.1f} s > long_step_s {cfg.long_step_s:g} s: "
                                                f"{cfg.long_warmup_steps} warm-up, {cfg.long_timed_steps} timed")
     return dataclasses.replace(cell, timing_rule=f"{cell.warmup_steps} warm-up, {cell.timed_steps} timed")
 
@@ -357,7 +363,7 @@ def _ceilings(matmul_n: int, probe_MiB: int, probes: dict[tuple, RunConfig], que
 
 
 def cell_ceilings(measured: dict | None, model: str, attention: str, chunked: bool) -> planner.Ceilings:
-    """The floor's ceilings for a cell: this run's matmul, PCIe, HBM and attention rates where measured,
+    """The step-time ceilings for a cell: this run's matmul, PCIe, HBM and attention rates where measured,
     else the planner's defaults."""
     if not measured:
         return planner.Ceilings()
@@ -486,9 +492,9 @@ def plan_only(cell: Cell, plan) -> dict:
     return {"status": "fits (predicted)", "phase": "", **row}
 
 
-def over_time(cell: Cell, floor_s: float, limit_s: float) -> bool:
-    """Whether the cell's warm-up and one timed step cannot finish within `limit_s` even at the planner's floor."""
-    return floor_s * (cell.warmup_steps + 1) > limit_s
+def over_time(cell: Cell, estimate_s: float, limit_s: float) -> bool:
+    """Whether the cell's warm-up and one timed step cannot finish within `limit_s` at the planner's estimate."""
+    return estimate_s * (cell.warmup_steps + 1) > limit_s
 
 
 @script_main("oom_thresholds")
@@ -514,28 +520,28 @@ def main(hydra_cfg: DictConfig) -> None:
         for cell in cells:
             cell = dataclasses.replace(cell, ceilings=rates)
             plan = plan_cell(cell, device)
-            floor = floor_parts(cell, plan)
-            cell = with_timing(cell, floor["predicted_floor_s"], cfg)
+            timing = step_time_parts(cell, plan)
+            cell = with_timing(cell, timing["predicted_estimate_s"], cfg)
             limit = min(cfg.cell_time_limit_s, deadline - time.monotonic())
             if cfg.plan_only:
                 result = plan_only(cell, plan)
-            elif over_time(cell, floor["predicted_floor_s"], cfg.cell_time_limit_s):
-                result = {"status": "time limit", "phase": f"planner floor {floor['predicted_floor_s']:.0f} "
+            elif over_time(cell, timing["predicted_estimate_s"], cfg.cell_time_limit_s):
+                result = {"status": "time limit", "phase": f"planner estimate {timing['predicted_estimate_s']:.0f} "
                           f"s/step", "predicted_peak_GB": plan.hbm_total / GB,
                           "predicted_phase": plan.peak_phase, "measured_peak_GB": None}
-            elif limit < MIN_CELL_S or over_time(cell, floor["predicted_floor_s"], limit):
+            elif limit < MIN_CELL_S or over_time(cell, timing["predicted_estimate_s"], limit):
                 result = {"status": "not run", "phase": "time budget spent", "measured_peak_GB": None}
             else:
                 result = run_isolated(_cell_process, (dataclasses.replace(cell, time_limit_s=limit),), limit)
-            row = {**cell_row(cell), **floor, **result}
+            row = {**cell_row(cell), **timing, **result}
             if row.get("step_s"):
-                row["floor_over_step"] = floor["predicted_floor_s"] / row["step_s"]
+                row["estimate_over_step"] = timing["predicted_estimate_s"] / row["step_s"]
             rows.append(row)
             run.save(payload)
             progress(f"{label} {spec.attention} {mode} {cell.run.data.frames} frames: {row['status']} "
                      f"{row.get('phase', '')} measured {row.get('measured_peak_GB')} GB, planner "
-                     f"{row.get('predicted_peak_GB')} GB; step {row.get('step_s')} s, floor "
-                     f"{floor['predicted_floor_s']:.3g} s")
+                     f"{row.get('predicted_peak_GB')} GB; step {row.get('step_s')} s, estimate "
+                     f"{timing['predicted_estimate_s']:.3g} s")
             if not row["status"].startswith(("fits", "not run")):   # a row stops at its first failure
                 break
     payload["tables"]["summary"] = summary(rows, cfg.hide_min_tokens, cfg.hide_ratio)

@@ -2,10 +2,10 @@
 
 It composes train.py's config (experiments/conf/plan.yaml includes train.yaml), so it takes the
 overrides of any train.py command and plans exactly the run that command makes: the offload engine's
-host RAM, HBM and step time (`offload=engine`: a lower bound from ceilings only, and the fitted estimate
-its "floor" lines give), or the resident trainer's HBM. `check=true` also compares the plan with this
-machine (MemAvailable, free HBM) and exits with status 1, naming what does not fit, before anything is
-allocated.
+host RAM, HBM and step time (`offload=engine`: the fitted estimate, whose error on the committed H200 steps
+experiments/planner_error.py reports, and a lower bound from ceilings only), or the resident trainer's HBM.
+`check=true` also compares the plan with this machine (MemAvailable, free HBM) and exits with status 1,
+naming what does not fit, before anything is allocated.
 
     python -m experiments.plan model=7B model.in_channels=3 offload=engine data.frames=16 data.height=64 data.width=128
     python -m experiments.plan model=7B model.in_channels=3 offload=engine offload.resident_blocks=4

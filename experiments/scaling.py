@@ -5,7 +5,7 @@ For each preset of `presets`, smallest first: does an offloaded training step fi
 and a `cap_GB` cap (an H100 NVL's 94 GB, emulated with the per-process memory fraction,
 offload.gpu_memory_fraction), and how much faster is the streamed forward (no grad) with
 overlapped H2D than serially (the same work, synchronised after every piece). The planner's
-predictions stand beside each: host RAM, peak HBM, and the forward's overlapped and serial floors
+predictions stand beside each: host RAM, peak HBM, and the forward's overlapped and serial estimates
 (max and sum of its compute and weight H2D at the planner's ceilings). A preset that host RAM
 cannot hold is not run: its row holds the planner's figures only, marked `predicted`. Each run
 is a fresh process with a time limit (experiments/step_runs.run_isolated); on CPU, which
@@ -95,8 +95,8 @@ class Job(Step):
     hbm_budget: int           # bytes (CPU: the stated full HBM)
 
 
-def forward_floors(plan: planner.OffloadPlan, ceilings: planner.Ceilings | None = None) -> dict:
-    """The streamed forward's predicted floors: overlapped = max(compute, weight H2D), serial = their sum;
+def forward_estimates(plan: planner.OffloadPlan, ceilings: planner.Ceilings | None = None) -> dict:
+    """The streamed forward's estimated time: overlapped = max(compute, weight H2D), serial = their sum;
     compute as the planner counts one forward pass (attention at its own rate, planner.compute_seconds;
     default ceilings: the planner's)."""
     ceilings = ceilings or planner.Ceilings()
@@ -190,7 +190,7 @@ def preset_row(cfg: ScalingConfig, run: RunConfig, preset: str) -> tuple[dict, p
     row = {"preset": preset, "params_B": count_params(dit) / 1e9, "depth": dit.depth,
            "tokens": batch * math.prod(grid), "predicted_host_GB": plan.host_total / GB,
            "host_holds_it": plan.host_total <= host, "predicted_peak_GB": plan.hbm_total / GB,
-           "predicted_model_tflop_per_step": dit_flops(dit, batch, grid).train / 1e12, **forward_floors(plan)}
+           "predicted_model_tflop_per_step": dit_flops(dit, batch, grid).train / 1e12, **forward_estimates(plan)}
     return row, plan
 
 

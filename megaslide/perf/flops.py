@@ -13,7 +13,7 @@ What is counted (a multiply-add is 2 FLOPs):
   cross-attention L keys; the text encoder's self-attention L keys over caption tokens.
 Training FLOPs = 3 x forward (backward = 2 x forward). This is "6 x params x tokens plus
 attention". The recomputation of the offload engine (one more forward) is NOT counted as
-model FLOPs; `executed` adds it, for the compute floor of the planner.
+model FLOPs; `executed` adds it, for the planner's compute estimate and lower bound.
 MFU = training FLOPs / step time / peak, against a peak measured in the same run (bf16
 matmul: megaslide/perf/timing.py matmul_tflops) and against the datasheet.
 """

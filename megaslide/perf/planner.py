@@ -34,13 +34,14 @@ Step time, two figures kept apart:
   FLOP (attention's counted ones and DSA's offset net included) at the matmul ceiling, the bytes each PCIe
   direction moves at its ceiling, and the GPU optimizer's bytes at the HBM ceiling; no fitted constant, and
   nothing for the CPU AdamW (no ceiling of it is measured). A step cannot run faster at those ceilings;
-- the estimate (`floor_s`, `seconds`), below: fitted, so a measured step may beat it.
+- the estimate (`OffloadPlan.estimate_s`, `seconds`), below: it uses figures fitted to measured steps
+  (`FITTED`), so a measured step may beat it or lag it. Its error on the committed H200 steps it was not
+  fitted on is computed by experiments/planner_error.py (results/README.md, claim C3).
 
-Step-time estimate ("floor" in its field names): max(compute, H2D, D2H, CPU AdamW) from executed FLOPs,
-bytes moved (weights, gradients, parked block inputs; a boundary stride's re-run blocks count one more
-forward and weight H2D each) and the ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective,
-50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside PCIe traffic). Compute (`compute_seconds`) has
-three terms, run one after the other on one stream:
+Step-time estimate: max(compute, H2D, D2H, CPU AdamW) from executed FLOPs, bytes moved (weights, gradients,
+parked block inputs; a boundary stride's re-run blocks count one more forward and weight H2D each) and the
+ceilings (defaults: HARDWARE.md, 600 TFLOP/s effective, 50 GB/s PCIe each way, 3.5 Gparam/s CPU AdamW beside
+PCIe traffic). Compute (`compute_seconds`) has three terms, run one after the other on one stream:
 - attention: every block's `attend` (the variant's token mixing, DSA's offset net included) at the
   variant's own rate (`AttentionRate`), forward and backward apart: DSA's gathers and its backward's
   key-tile binning run far below the matmul ceiling. Its forward runs in the streamed forward and again in
@@ -48,9 +49,9 @@ three terms, run one after the other on one stream:
 - matmul: all other executed FLOPs at the matmul ceiling: model FLOPs (forward + 2x forward for the
   backward), the recomputed forward, and with chunking the slices' token-wise forward once more.
 - elementwise: norms, RoPE, modulation, activations, residual adds, casts and the slices' copies are
-  memory-bound: `ELEMENTWISE_BYTES` of HBM traffic per token and width element per block pass (a
-  forward, or a third of a backward) at the HBM ceiling. That one figure is calibrated on one measured
-  cell (see its docstring) and checked against the other H200 cells.
+  memory-bound: `FITTED.elementwise_bytes` of HBM traffic per token and width element per block pass (a
+  forward, or a third of a backward) at the HBM ceiling, a figure fitted on measured steps (`FITTED`
+  names them).
 """
 from __future__ import annotations
 
@@ -91,12 +92,52 @@ class AttentionRate:
     includes_own_weights: bool = True
 
 
-# the fused DSA op alone on an H200, bf16, 3x3x3, 16 heads x 64, 262,144 tokens (results/attention/
-# h200_kernels_v7.json): forward 2.9e10 counted FLOPs in 19.7 ms (forward alone), backward 5.8e10 in 62.4 ms
-# (fwd+bwd 82.1 ms less the forward). Its offset net is not in it: a rate measured on `attend`
-# (experiments/oom_thresholds.py) is lower. dsa_zero runs kernels of its own (no offsets): no default, so it is
-# bounded at the matmul ceiling.
-DEFAULT_ATTENTION_RATES = {"dsa": AttentionRate(1.47, 0.93, includes_own_weights=False)}
+@dataclass(frozen=True)
+class ResultCell:
+    """One cell of a committed result: `file` under results/ and the fields that pick the cell out of its
+    table (oom_thresholds: tables.cells; attention: tables.target; mfu_overlap: variants)."""
+
+    file: str
+    fields: tuple[tuple[str, object], ...]
+
+    def matches(self, file: str, cell: dict) -> bool:
+        return file == self.file and all(cell.get(k) == v for k, v in self.fields)
+
+
+@dataclass(frozen=True)
+class FittedConstants:
+    """The figures the step-time estimate takes from measurements, each beside the committed cells it comes
+    from (so the estimate's error is reported on the other cells only: experiments/planner_error.py).
+
+    `elementwise_bytes`: HBM bytes the memory-bound work of one block moves per token and width element in
+    one pass, fitted as (step - matmul - attention) x HBM ceiling / (tokens x dim x depth x passes) on
+    `elementwise_fitted_on`, the matmul and attention terms as its run planned them (4 passes: forward,
+    recompute, 2 for the backward); tests/perf/test_planner.py re-derives it from that cell.
+    `dsa_rate`: the fused DSA op alone (bf16, 3x3x3, 16 heads x 64, 262,144 tokens), counted FLOPs over the
+    forward's time and over fwd+bwd less the forward, from `dsa_rate_measured_on`. Its offset net is not in
+    it: a rate measured on `attend` (experiments/oom_thresholds.py) is lower."""
+
+    elementwise_bytes: float
+    elementwise_fitted_on: tuple[ResultCell, ...]
+    dsa_rate: AttentionRate
+    dsa_rate_measured_on: tuple[ResultCell, ...]
+
+    @property
+    def step_cells(self) -> tuple[ResultCell, ...]:
+        """The measured training steps a figure was fitted on (the DSA rate's cells are kernel timings)."""
+        return self.elementwise_fitted_on
+
+
+FITTED = FittedConstants(
+    elementwise_bytes=660.0,
+    elementwise_fitted_on=(ResultCell("oom_thresholds/h200_headline_256.json", (
+        ("model", "1B"), ("attention", "dense"), ("mode", "chunked_offload"), ("frames", 16))),),
+    dsa_rate=AttentionRate(1.47, 0.93, includes_own_weights=False),
+    dsa_rate_measured_on=(ResultCell("attention/h200_kernels_v7.json", (("variant", "dsa_fused_fwd"),)),
+                          ResultCell("attention/h200_kernels_v7.json", (("variant", "dsa_fused"),))))
+
+# dsa_zero runs kernels of its own (no offsets): no default, so it is bounded at the matmul ceiling.
+DEFAULT_ATTENTION_RATES = {"dsa": FITTED.dsa_rate}
 
 
 @dataclass(frozen=True)
@@ -114,20 +155,13 @@ class Ceilings:
                 or AttentionRate(self.tflops, self.tflops, includes_own_weights=False))
 
 
-ELEMENTWISE_BYTES = 660.0
-"""HBM bytes the memory-bound work of one block moves per token and width element in one pass: calibrated
-as (step - matmul - attention) x HBM ceiling / (tokens x dim x depth x passes) on the 1B dense
-chunked-offload 16-frame cell of results/oom_thresholds/h200_headline_256.json (657; 4 passes: forward,
-recompute, 2 for the backward); tests/perf/test_planner.py re-derives it from that file."""
-
-
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
                     ceilings: Ceilings, backward: bool = True,
                     execution: ExecutionConfig | None = None) -> tuple[float, dict[str, float]]:
-    """The compute floor of one training step of `batch` clips of token grid `grid` in which
+    """The estimated compute of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
     trainer's checkpointed ones), or without `backward` of one forward pass (no grad: nothing re-runs):
-    (executed FLOPs, {"matmul": s, "attention": s, "elementwise": s}); the floor is their sum (see the
+    (executed FLOPs, {"matmul": s, "attention": s, "elementwise": s}); the estimate is their sum (see the
     module docstring).
 
     Blocks dominate (the stem's forward is counted once per pass). Every block's forward runs once,
@@ -170,7 +204,7 @@ def compute_lower_bound_s(cfg: DiTConfig, batch: int, grid: tuple[int, int, int]
 
 def elementwise_seconds(cfg: DiTConfig, tokens: int, passes: float, ceilings: Ceilings) -> float:
     """The memory-bound work of `passes` passes of every block over `tokens` tokens at the HBM ceiling."""
-    return ELEMENTWISE_BYTES * tokens * cfg.dim * cfg.depth * passes / (ceilings.hbm_TBps * 1e12)
+    return FITTED.elementwise_bytes * tokens * cfg.dim * cfg.depth * passes / (ceilings.hbm_TBps * 1e12)
 
 
 def phase_over(phases: dict[str, int], budget: int) -> str | None:
@@ -267,7 +301,8 @@ class OffloadPlan(PhasedHBM):
         return max(self.lower_bound.values())
 
     @property
-    def floor_s(self) -> float:
+    def estimate_s(self) -> float:
+        """The step-time estimate (module docstring): the slowest of compute, PCIe each way and the optimizer."""
         return max(self.seconds.values())
 
     @property
@@ -288,7 +323,7 @@ class OffloadPlan(PhasedHBM):
                 "hbm_peak_phase": self.peak_phase,
                 "model_flops_per_step": self.flops.train, "executed_flops_per_step": self.executed_flops,
                 "resident_blocks": self.resident_blocks, "boundary_stride": self.boundary_stride,
-                "seconds": self.seconds, "floor_s": self.floor_s, "serial_s": self.serial_s, "bound": self.bound,
+                "seconds": self.seconds, "estimate_s": self.estimate_s, "serial_s": self.serial_s, "bound": self.bound,
                 "lower_bound_seconds": self.lower_bound, "lower_bound_s": self.lower_bound_s,
                 "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
 
@@ -306,7 +341,7 @@ class OffloadPlan(PhasedHBM):
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
                   *self.hbm_lines(), "step time, fitted estimate (s):"]
         lines += [f"  {k:<72} {v:9.3f}" for k, v in self.seconds.items()]
-        lines += [f"  {'floor = max (' + self.bound + ')':<72} {self.floor_s:9.3f}",
+        lines += [f"  {'estimate = max (' + self.bound + ')':<72} {self.estimate_s:9.3f}",
                   f"  {'serial = sum':<72} {self.serial_s:9.3f}",
                   "step time, lower bound from ceilings only (s):"]
         lines += [f"  {k:<72} {v:9.3f}" for k, v in self.lower_bound.items()]
@@ -378,8 +413,8 @@ def grid_run(model: DiTConfig, grid: tuple[int, int, int], *, batch: int = 1, gr
 
 def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings = Ceilings(),
                  pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadPlan:
-    """Host RAM, HBM and step-time floor of one training step of `run` on the offload engine (allocates
-    nothing): its model, how its blocks run, its offload settings (optimizer_device, resident_blocks,
+    """Host RAM, HBM and step time (lower bound, estimate) of one training step of `run` on the offload engine
+    (allocates nothing): its model, how its blocks run, its offload settings (optimizer_device, resident_blocks,
     activation_offload), train.batch_size clips of its data's token grid, and clipping (train.grad_clip > 0).
     `param_dtype`: the streamed block weights' (the run's precision on its device); `build_on_host`: the
     fp32 model is first built in host RAM; `pin_optimizer_state`: default, pinned for the GPU optimizer."""

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from experiments import planner_error
 from experiments.claims import memory, page, throughput
 from experiments.results_io import RESULTS_DIR, write_result
 
@@ -85,19 +86,27 @@ def test_first_walls_name_the_wall_beyond_what_fits_and_skip_cut_or_superseded_c
     assert memory.first_walls(cells) == ["1B dense chunked_offload at 64 frames: time limit (planner floor 231 s/step)"]
 
 
-def test_floor_rule_adds_todays_elementwise_term_to_old_runs_and_takes_the_worst_cell():
-    assert memory.cell_model("7B width, depth 23").depth == 23 and memory.cell_model("1B").dim == 2048
-    parts = {"predicted_matmul_s": 10.0, "predicted_attention_s": 20.0}
-    old = _cell("dsa", "chunked_offload", 16, step_s=40.0, predicted_floor_s=30.0, slab_frames=8, tokens=130560,
-                **parts)
-    elementwise = memory.planner.elementwise_seconds(memory.DIT_PRESETS["1B"], 130560, 5, memory.planner.Ceilings())
-    assert memory.todays_floor(old) == pytest.approx(30.0 + elementwise)          # 5 passes: slabs re-run
-    new = _cell("dense", "chunked_offload", 16, step_s=40.0, predicted_floor_s=25.0, predicted_elementwise_s=1.0,
-                **parts)
-    assert memory.todays_floor(new) == 25.0                                        # recorded by its run
-    text = memory.floor_text([("a", old), ("b", new), ("b", _cell("dsa", "offload", 512, status="OOM", **parts))])
-    assert "on 2 measured cells" in text and "not met (worst floor/step = 0.62 at 1B dense chunked_offload 16" in text
-    assert "met (worst" in memory.floor_text([("a", old)])
+def test_estimate_rule_is_the_held_out_error_with_what_was_left_out(results):
+    """C3's step-time verdict: experiments/planner_error.py's held-out steps of the results folder, the worst
+    against ESTIMATE_TARGET, with the excluded steps counted by reason."""
+    config = {**GRID, "batch": 1, "chunk_tokens": 16320}
+    ceilings = {"matmul_TFLOPs": 700.0, "pcie": {"h2d_GBps": 50.0, "d2h_GBps": 50.0}, "hbm_copy_GBps": 4000.0}
+    cells = [_cell("dense", "chunked_offload", 8), _cell("dsa", "chunked_offload", 8)]   # dsa: no rate measured
+
+    def text_with_step(ratio):
+        write_result("oom_thresholds", "h200_x", {"config": config, "ceilings": ceilings, "plan_only": False,
+                                                  "tables": {"cells": cells}}, results_dir=results)
+        (step,) = [s for s in planner_error.h200_timed_steps(results) if s.cell["attention"] == "dense"]
+        cells[0]["step_s"] = planner_error.estimate_s(step) / ratio
+        write_result("oom_thresholds", "h200_x", {"config": config, "ceilings": ceilings, "plan_only": False,
+                                                  "tables": {"cells": cells}}, results_dir=results)
+        return memory.estimate_text(results)
+
+    met = text_with_step(1.1)
+    assert "on the 1 measured H200 steps it was not fitted on: met" in met and "worst +10% at h200_x-dense" in met
+    assert "left out: 1 x DSA step whose run measured no attention rate" in met
+    assert "not met" in text_with_step(0.7) and "worst -30%" in text_with_step(0.7)
+    assert "no held-out measured H200 step" in memory.estimate_text(results / "elsewhere")
 
 
 def _scaling_row(preset, params_B, speedup, ran=True, cap="fits"):

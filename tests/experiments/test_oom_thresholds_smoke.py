@@ -25,8 +25,9 @@ def test_oom_thresholds_smoke_reaches_fitting_and_oom_cells(tmp_path):
         assert c["timing_rule"] == "1 warm-up, 2 timed" and c["first_step_s"] > 0
         assert len(c["losses"]) == 3 and all(math.isfinite(v) for v in c["losses"])   # warm-up and timed
         assert 0 < c["attention_s"] < c["step_s"] and 0 < c["attention_share"] < 1
-        assert c["predicted_floor_s"] >= c["predicted_matmul_s"] + c["predicted_attention_s"] > 0
-        assert c["floor_over_step"] == c["predicted_floor_s"] / c["step_s"]
+        assert c["predicted_estimate_s"] >= c["predicted_matmul_s"] + c["predicted_attention_s"] > 0
+        assert c["predicted_lower_bound_s"] > 0
+        assert c["estimate_over_step"] == c["predicted_estimate_s"] / c["step_s"]
         if c["mode"] != "resident":     # the compute stream's busy time: all of the step but the transfers
             assert 0 < c["compute_only_s"] <= c["step_s_max"] and c["step_over_compute"] >= 1
             assert c["h2d_s"] > 0 and c["d2h_s"] > 0 and c["optimizer_s"] > 0
@@ -40,7 +41,7 @@ def test_oom_thresholds_smoke_reaches_fitting_and_oom_cells(tmp_path):
     assert hide[("dense", "resident")] is None and hide[("dense", "chunked_offload")] in (True, False)
     assert best[("dense", "resident")] == 4 and best[("dense", "chunked_offload")] == 8
     assert data["ceilings"]["matmul_TFLOPs"] > 0 and data["wandb_dir"] is None
-    probes = data["ceilings"]["attention"]     # attend alone per (model, attention, chunked): the floor's rates
+    probes = data["ceilings"]["attention"]     # attend alone per (model, attention, chunked): the estimate's rates
     assert (tmp_path / "oom_thresholds.md").read_text().count("| tiny |") == len(cells) + len(summary) + len(probes)
     assert (tmp_path / "oom_thresholds" / "smoke.png").stat().st_size > 0
 

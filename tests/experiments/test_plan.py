@@ -22,7 +22,8 @@ def test_prints_the_plan_and_checks_this_machine(capsys):
     tiny = ["offload=engine", "data.frames=4", "data.height=16", "data.width=16", "train.precision=fp32"]
     assert report(composed(*tiny, "check=true")) == 0
     out = capsys.readouterr().out
-    assert "host RAM:" in out and "HBM:" in out and "floor = max" in out and "fits this machine" in out
+    assert "host RAM:" in out and "HBM:" in out and "fits this machine" in out
+    assert "step time, fitted estimate (s):" in out and "estimate = max" in out and "lower bound = max" in out
     assert report(composed("model=105B", *BIG, "check=true")) == 1
     assert "does not fit this machine" in capsys.readouterr().out
 

@@ -1,0 +1,189 @@
+"""The planner's fitted step-time estimate against the committed H200 training steps it was not fitted on.
+
+    python -m experiments.planner_error                      # the repository's results/
+    python -m experiments.planner_error --results DIR        # another results folder
+
+The steps (`h200_timed_steps`): every timed cell of results/oom_thresholds/h200*.json and every variant of
+results/mfu_overlap/h200*.json, each planned again with today's planner at the ceilings its run measured
+(matmul, PCIe each way, HBM copy, and the attention rate of its model, attention and chunking where the run
+measured one; the planner's defaults for the rest). tests/experiments/test_planner_h200_cells.py checks the
+lower bound on the same steps. Every step is held out (its |estimate / measured - 1| counted) unless a reason
+excludes it, and every excluded step is listed with its reason (`exclusion`):
+- a cell a figure of the estimate was fitted on (`megaslide.perf.planner.FITTED`);
+- the serial ablation (overlap off): the estimate is of the overlapped step;
+- a DSA step whose run measured no attention rate: the estimate would take the default DSA rate, timed on
+  another run's kernel build, not the kernel this step ran.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, from_dict
+from megaslide.device import precision_dtype
+from megaslide.models.dit import DIT_PRESETS
+from megaslide.perf.planner import FITTED, AttentionRate, Ceilings, compute_seconds, grid_run, plan_offload
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    """One committed training step with its measured time, as the planner plans it."""
+
+    name: str               # file stem and cell: "h200_1B-dsa-offload-8", "h200_7Bwidth_d20-overlap"
+    file: str               # the result, under results/
+    cell: dict              # the oom_thresholds cell or the mfu_overlap variant, as recorded
+    run: RunConfig
+    ceilings: Ceilings      # measured by its run where it could be
+    attention_measured: bool  # the run measured its attention rate (in `ceilings`)
+    step_s: float
+
+
+@dataclass(frozen=True)
+class HeldOutError:
+    """The estimate's relative error (estimate / measured - 1) on the held-out steps, and the excluded ones."""
+
+    used: list[tuple[str, float, float]]     # (name, estimate s, measured s)
+    excluded: list[tuple[str, str]]         # (name, reason)
+
+    def reasons(self) -> dict[str, int]:
+        """How many steps each kind of reason excludes (a reason's words before its first colon)."""
+        return dict(Counter(reason.split(":")[0] for _, reason in self.excluded))
+
+    @property
+    def errors(self) -> list[float]:
+        return [estimate / step - 1 for _, estimate, step in self.used]
+
+    @property
+    def median_abs(self) -> float:
+        return statistics.median(abs(e) for e in self.errors)
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        """The held-out step of the largest |error|, with its signed error."""
+        return max(((name, e) for (name, *_), e in zip(self.used, self.errors)), key=lambda ne: abs(ne[1]))
+
+
+def cell_model(name: str) -> DiTConfig:
+    """The DiT of an oom_thresholds model name: a preset ("1B"), or a preset's width at a depth
+    ("7B width, depth 23")."""
+    preset, _, depth = name.partition(" width, depth ")
+    return dataclasses.replace(DIT_PRESETS[preset], depth=int(depth)) if depth else DIT_PRESETS[preset]
+
+
+def measured_ceilings(recorded: dict, attention: AttentionRate | None = None) -> Ceilings:
+    """The ceilings a run measured (matmul, PCIe each way alone, HBM copy), the defaults for what it did not."""
+    default, pcie = Ceilings(), recorded.get("pcie") or {}
+    return Ceilings(tflops=recorded["matmul_TFLOPs"], h2d_GBps=pcie.get("h2d_GBps", default.h2d_GBps),
+                    d2h_GBps=pcie.get("d2h_GBps", default.d2h_GBps),
+                    hbm_TBps=(recorded.get("hbm_copy_GBps") or 1e3 * default.hbm_TBps) / 1e3, attention=attention)
+
+
+def measured_rate(recorded: dict, model: str, attention: str, chunked: bool) -> AttentionRate | None:
+    """The attention rate an oom_thresholds run measured for (model, attention, chunked); None if it did not."""
+    rate = next((r for r in recorded.get("attention") or [] if (r["model"], r["attention"], r["chunked"]) ==
+                 (model, attention, chunked) and "error" not in r), None)
+    return rate and AttentionRate(rate["forward_tflops"], rate["backward_tflops"])
+
+
+def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
+    """Every committed H200 training step with its measured time: the OOM tables' timed cells and the
+    mfu_overlap variants."""
+    steps = []
+    for path in sorted(results_dir.glob("oom_thresholds/h200*.json")):
+        table = json.loads(path.read_text())
+        config = table["config"]
+        for cell in table["tables"]["cells"]:
+            if not cell.get("step_s"):
+                continue
+            base = cell_model(cell["model"])
+            cfg = dataclasses.replace(base, attention=AttentionConfig(cell["attention"]))
+            chunked = cell["mode"] == "chunked_offload"
+            execution = ExecutionConfig(chunk_tokens=config["chunk_tokens"] if chunked else 0,
+                                        slab_frames=cell.get("slab_frames", 0), checkpoint_blocks=True)
+            offload = OffloadConfig(enabled=cell["mode"] != "resident", activation_offload=chunked)
+            run = grid_run(cfg, cfg.token_grid(cell["frames"], config["height"], config["width"]),
+                           batch=config["batch"], execution=execution, offload=offload)
+            rate = measured_rate(table["ceilings"], cell["model"], cell["attention"], chunked)
+            steps.append(TimedStep(f"{path.stem}-{cell['attention']}-{cell['mode']}-{cell['frames']}",
+                                   f"oom_thresholds/{path.name}", cell, run, measured_ceilings(table["ceilings"], rate),
+                                   rate is not None, cell["step_s"]))
+    for path in sorted(results_dir.glob("mfu_overlap/h200*.json")):
+        result = json.loads(path.read_text())
+        cfg, bench = from_dict(DiTConfig, result["model_cfg"]), result["bench"]
+        execution = ExecutionConfig(chunk_tokens=result["model_cfg"].get("chunk_tokens", 0))
+        for variant in result["variants"]:
+            offload = OffloadConfig(enabled=True, optimizer_device=variant["optimizer_device"],
+                                    resident_blocks=bench.get("resident_blocks", 0))
+            run = grid_run(cfg, cfg.token_grid(bench["frames"], bench["height"], bench["width"]),
+                           batch=bench["batch"], grad_clip=variant["grad_clip"], execution=execution, offload=offload)
+            steps.append(TimedStep(f"{path.stem}-{variant['variant']}", f"mfu_overlap/{path.name}", variant, run,
+                                   measured_ceilings(result["ceilings"]), False, variant["step_s"]))
+    return steps
+
+
+def estimate_s(step: TimedStep) -> float:
+    """Today's step-time estimate of the step (bf16, as the H200 runs trained): the offload plan's, or for the
+    resident trainer its compute (every block checkpointed, so recomputed)."""
+    run = step.run
+    if run.offload.enabled:
+        return plan_offload(run, param_dtype=precision_dtype("auto", torch.device("cuda")),
+                            ceilings=step.ceilings).estimate_s
+    _, compute = compute_seconds(run.model, run.train.batch_size, run.grid, recomputed=run.model.depth,
+                                 ceilings=step.ceilings, execution=run.execution)
+    return sum(compute.values())
+
+
+def exclusion(step: TimedStep) -> str | None:
+    """Why the step is not held out (module docstring), or None: it is."""
+    fitted = [f for f in FITTED.step_cells if f.matches(step.file, step.cell)]
+    if fitted:
+        return "fitted on it: FITTED.elementwise_fitted_on (megaslide/perf/planner.py)"
+    if step.cell.get("overlap") is False:
+        return "the serial ablation (overlap off): the estimate is of the overlapped step"
+    if step.run.model.attention.name == "dsa" and not step.attention_measured:
+        files = ", ".join(sorted({f.file for f in FITTED.dsa_rate_measured_on}))
+        return (f"DSA step whose run measured no attention rate: the estimate's default DSA rate was timed on "
+                f"another run's kernel build ({files}), not the kernel this step ran")
+    return None
+
+
+def held_out_error(results_dir: Path = RESULTS) -> HeldOutError:
+    """The estimate against every committed H200 step it was not fitted on; every other step with its reason."""
+    used, excluded = [], []
+    for step in h200_timed_steps(results_dir):
+        reason = exclusion(step)
+        if reason:
+            excluded.append((step.name, reason))
+        else:
+            used.append((step.name, estimate_s(step), step.step_s))
+    return HeldOutError(used, excluded)
+
+
+def report(h: HeldOutError) -> str:
+    if not h.used:
+        return f"no held-out H200 step; excluded ({len(h.excluded)})"
+    name, worst = h.worst
+    lines = [f"step-time estimate on {len(h.used)} held-out H200 steps: median |error| {100 * h.median_abs:.0f}%, "
+             f"max {100 * abs(worst):.0f}% ({name}, estimate {'over' if worst > 0 else 'under'} the step)"]
+    lines += [f"  {n:<48} estimate {e:8.2f} s  measured {s:8.2f} s  {100 * (e / s - 1):+5.0f}%" for n, e, s in h.used]
+    lines += [f"excluded ({len(h.excluded)}):"] + [f"  {n:<48} {reason}" for n, reason in h.excluded]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="results folder (default: results/)")
+    print(report(held_out_error(parser.parse_args().results)))
+
+
+if __name__ == "__main__":
+    main()
