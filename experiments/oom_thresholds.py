@@ -115,6 +115,7 @@ class OOMConfig:
     chunk_tokens: int
     slab_frames: int
     precision: str
+    compile: bool
     warmup_steps: int
     timed_steps: int
     long_step_s: float
@@ -167,6 +168,7 @@ class Cell(Step):
     ceilings: planner.Ceilings  # the floor's: measured in this run where it could be
     timing_rule: str = ""     # how warmup_steps and timed_steps were chosen
     time_limit_s: float = math.inf
+    compile: bool = False     # train.compile
 
 
 # ---- the planner's view -----------------------------------------------------------------------------
@@ -234,7 +236,8 @@ def _persistent(engine) -> list[torch.Tensor]:
 
 
 def _build(cell: Cell, device: torch.device):
-    train = TrainConfig(lr=1e-5, grad_clip=1.0, batch_size=cell.batch, device=device.type, precision=cell.precision)
+    train = TrainConfig(lr=1e-5, grad_clip=1.0, batch_size=cell.batch, device=device.type, precision=cell.precision,
+                        compile=cell.compile)
     if cell.mode == "resident":
         with torch.device(device):
             model = apply_execution(VideoDiT(cell.cfg), dataclasses.replace(cell.execution, checkpoint_blocks=True))
@@ -418,7 +421,8 @@ def cells_of_row(cfg: OOMConfig, label: str, model: DiTConfig, spec: RowSpec, mo
     dit, execution = row_model(cfg, model, spec.attention, mode)
     rates = cell_ceilings(ceilings, label, spec.attention, mode == "chunked_offload")
     return [Cell(dit, f, cfg.height, cfg.width, cfg.batch, cfg.precision, execution, label, mode, cfg.warmup_steps,
-                 cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB), host_budget(cfg), rates)
+                 cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB), host_budget(cfg), rates,
+                 compile=cfg.compile)
             for f in sorted(spec.frames)]
 
 
