@@ -45,15 +45,16 @@ first slice length seen is compiled for its size, and the first other one (the s
 with less halo) recompiles once with the token count symbolic, which then serves every length; a second
 grad mode (the offload engine's no-grad forward, then its recompute with grad) adds one symbolic graph,
 and so does a contiguous whole sequence after strided slices (a runner that runs a block whole after
-slicing another). A run compiles two or three graphs per function. torch.compile keeps its graphs per Python function, shared by every runner of the process (at most
-its recompile limit, 8, past which it warns and runs the function eager: a process that compiles several
-attention variants, or dtypes, should call `torch._dynamo.reset()` between them). A block run with an
-`attn=` override or a replaced self-attention has no compiled form and is refused (ValueError).
+slicing another). A training run compiles two or three graphs per function. torch.compile keeps its graphs
+per Python function, shared by every runner of the process, up to its recompile limit (8), past which it
+warns and runs the function eager: a process that compiles several attention variants or dtypes should call
+`torch._dynamo.reset()` between them. A block run with an `attn=` override or a replaced self-attention
+has no compiled form, and a compiled runner refuses it (ValueError). The final layer and the stem run eager.
 
 The final layer (`head`) runs over slices of c rows too, each under a checkpoint: its LayerNorm keeps
 fp32 copies of whole rows, too much over millions of tokens. An `attn=` override (KV-cached and
 sequence-parallel inference) and a self-attention that is not a `SelfAttention` (the sequence-parallel
-form of `parallelize_dit`) run the block whole.
+form of `parallelize_dit`) run the block whole, eager.
 
 What this costs in memory, per block and item, is modelled in megaslide/perf/activation_memory.py
 (`block_memory`) and, for the final layer and the step, in the planner (megaslide/perf/planner.py);
