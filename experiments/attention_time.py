@@ -68,13 +68,13 @@ class AttendTimer:
         return event
 
     def _timed(self, attend):
-        def run(q, k, v, x, grid):
+        def run(q, k, v, x, grid, **read):  # read=: what the chunk runner read of the input (DSA's offsets)
             forward = [self._marker(), None]
             backward = [None, None]
             track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, x))
             if track:
                 q, k, v, x = _stamped(lambda: backward.__setitem__(1, self._marker()), [q, k, v, x])
-            o = attend(q, k, v, x, grid)                                   # (B, N, h, d)
+            o = attend(q, k, v, x, grid, **read)                           # (B, N, h, d)
             forward[1] = self._marker()
             self._spans.append(forward)
             if track:

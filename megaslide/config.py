@@ -229,7 +229,7 @@ class TrainConfig:
     sample_steps: int = 20
     cfg_scale: float = 3.0
     resume: str = ""               # checkpoint path to resume from ("" = fresh, "auto" = latest in out dir)
-    compile: bool = False          # torch.compile each DiT block of the trained model (fuses the small ops)
+    compile: bool = False          # the blocks' token-wise work through torch.compile, on both engines (chunking.py)
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)
@@ -332,18 +332,13 @@ class RunConfig:
     def validate(self) -> None:
         """Every check of a training run that needs nothing but its configs: each config's own, the
         clip's token grid against the patch size and the attention's window or kernel, the model's
-        input channels against the data's, that train.compile is not asked of the offload engine (which
-        would ignore it), and that training runs in one process. Scripts call it
+        input channels against the data's, and that training runs in one process. Scripts call it
         before they create a folder or a W&B run."""
         for cfg in (self.model, self.data, self.train, self.offload, self.parallel):
             cfg.validate()
         self.execution.validate(self.model.attention)
         self.model.attention.validate(self.grid)
         self.data.check_channels(self.model.in_channels)
-        if self.train.compile and self.offload.enabled:
-            raise ValueError("train.compile=true with offload.enabled=true: the offload engine runs its blocks eager "
-                             "and would ignore it; set train.compile=false, or offload.enabled=false (offload=none) "
-                             "to train the compiled blocks resident")
         if self.parallel.dp * self.parallel.sp != 1:
             raise ValueError(f"parallel.dp={self.parallel.dp} x parallel.sp={self.parallel.sp}: training runs in one "
                              f"process; set parallel.dp=1 parallel.sp=1 (sequence parallelism serves generation: "

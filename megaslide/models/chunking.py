@@ -33,10 +33,28 @@ gradients. The price: the halo's projections and attention are computed for each
 ((s + 2r) / s), and one more forward of the token-wise work in backward (the slab checkpoint around the
 slice checkpoints).
 
+Compiled (`compile_blocks`, train.compile on either engine). A block's token-wise halves, `_project_slice`
+(pre-attention work, QKV projection, QK-norm + RoPE) and `_finish_slice` (output projection, gated residuals,
+cross-attention, MLP), run through torch.compile, which fuses their many small memory-bound kernels
+(modulation, LayerNorms, gates, residuals, casts). The attention (`attend`, DSA's offset net `read_input`)
+stays eager between them: its kernels are custom ops or SDPA already. A block that is neither chunked nor
+slabbed takes the same path with one slice of the whole sequence, without the slice checkpoints. The
+compiled functions are module-level and take the block as an argument, and torch.compile inlines modules,
+so their parameters are graph inputs: one graph serves every block and slice. Graphs per function: the
+first slice length seen is compiled for its size, and the first other one (the shorter last slice, a slab
+with less halo) recompiles once with the token count symbolic, which then serves every length; a second
+grad mode (the offload engine's no-grad forward, then its recompute with grad) adds one symbolic graph,
+and so does a contiguous whole sequence after strided slices (a runner that runs a block whole after
+slicing another). A training run compiles two or three graphs per function. torch.compile keeps its graphs
+per Python function, shared by every runner of the process, up to its recompile limit (8), past which it
+warns and runs the function eager: a process that compiles several attention variants or dtypes should call
+`torch._dynamo.reset()` between them. A block run with an `attn=` override or a replaced self-attention
+has no compiled form, and a compiled runner refuses it (ValueError). The final layer and the stem run eager.
+
 The final layer (`head`) runs over slices of c rows too, each under a checkpoint: its LayerNorm keeps
 fp32 copies of whole rows, too much over millions of tokens. An `attn=` override (KV-cached and
 sequence-parallel inference) and a self-attention that is not a `SelfAttention` (the sequence-parallel
-form of `parallelize_dit`) run the block whole.
+form of `parallelize_dit`) run the block whole, eager.
 
 What this costs in memory, per block and item, is modelled in megaslide/perf/activation_memory.py
 (`block_memory`) and, for the final layer and the step, in the planner (megaslide/perf/planner.py);
@@ -76,10 +94,13 @@ def read_over_frame_runs(attn: SelfAttention, h: torch.Tensor, grid, chunk_token
 
 class BlockRunner:
     """Runs blocks and the final layer as `execution` says; the default runs them whole (see the module
-    docstring)."""
+    docstring). With `compiled`, a block's token-wise halves run through torch.compile (see "Compiled")."""
 
-    def __init__(self, execution: ExecutionConfig | None = None):
+    def __init__(self, execution: ExecutionConfig | None = None, *, compiled: bool = False):
         self.execution = execution or ExecutionConfig()
+        self.compiled = compiled
+        self.project, self.finish = ((torch.compile(_project_slice), torch.compile(_finish_slice)) if compiled
+                                     else (_project_slice, _finish_slice))
 
     def run_block(self, block, x, e, attn=None, *, training: bool = False) -> torch.Tensor:
         """Block `block` on tokens x (B, N, D) with the embedded inputs `e` (`Embedded`); with
@@ -92,8 +113,13 @@ class BlockRunner:
     def block(self, block, x, t_mod, ctx, ctx_mask, rope, grid, attn=None) -> torch.Tensor:
         """`block(x, t_mod, ctx, ctx_mask, rope, grid, attn)` (B, N, D), chunked and slabbed as configured."""
         ex = self.execution
-        if attn is not None or not (ex.chunk_tokens or ex.slab_frames) or not isinstance(block.attn, SelfAttention):
+        if attn is not None or not isinstance(block.attn, SelfAttention):
+            if self.compiled:
+                raise ValueError(_EAGER_ONLY)
             return block(x, t_mod, ctx, ctx_mask, rope, grid, attn)
+        if not (ex.chunk_tokens or ex.slab_frames or self.compiled):
+            return block(x, t_mod, ctx, ctx_mask, rope, grid)
+        x = x.contiguous()  # one layout for every block's input (the embedding's output is a transposed view)
         mod = block.modulation[None] + t_mod                                         # (B, 9, D)
         reach = block.attn.temporal_reach(block.attn.options) if ex.slab_frames else None
         slabs = frame_slabs(grid[0], ex.slab_frames, reach)
@@ -119,21 +145,35 @@ class BlockRunner:
 
     def _run_slab(self, block, x, mod, ctx, ctx_mask, rope, grid, keep: slice):
         """The block over x (B, n, D), a run of whole frames (grid (t, H, W)), returning only the rows
-        `keep` (B, n_keep, D): the halo rows outside it are there for the attention of the kept ones."""
+        `keep` (B, n_keep, D): the halo rows outside it are there for the attention of the kept ones.
+        Slices run under checkpoints, except in a block run whole (compiled, neither chunked nor slabbed)."""
         cos, sin = rope                                                              # (n, d/2) each
-        step = self.execution.chunk_tokens or len(range(x.shape[1])[keep])  # unset: slices of the kept rows' size
+        ex = self.execution
+        step = ex.chunk_tokens or len(range(x.shape[1])[keep])  # unset: slices of the kept rows' size
+        run = _checkpointed if ex.chunk_tokens or ex.slab_frames else _direct
         spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
-        parts = [checkpoint(_project_slice, block, x[:, s], mod, cos[s], sin[s], use_reentrant=False)
-                 for s in spans]
-        q, k, v, *h = (torch.cat(p, dim=1) for p in zip(*parts))                    # (B, n, h, d) x 3[, (B, n, D)]
+        parts = [run(self.project, block, x[:, s], mod, cos[s], sin[s]) for s in spans]
+        q, k, v, *h = (_join(p) for p in zip(*parts))                                # (B, n, h, d) x 3[, (B, n, D)]
         del parts  # the slices: only their concatenations stay alive through attention
         read = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
         o = block.attn.attend(q, k, v, None, grid, **read)[:, keep]                 # (B, n_keep, h, d)
         x = x[:, keep]                                                               # (B, n_keep, D)
         spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
-        out = [checkpoint(_finish_slice, block, x[:, s], o[:, s], mod, ctx, ctx_mask, use_reentrant=False)
-               for s in spans]
-        return torch.cat(out, dim=1)                                                 # (B, n_keep, D)
+        out = [run(self.finish, block, x[:, s], o[:, s], mod, ctx, ctx_mask) for s in spans]
+        return _join(out)                                                            # (B, n_keep, D)
+
+
+def _join(parts) -> torch.Tensor:
+    """Slices concatenated along the tokens; one slice as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _checkpointed(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _direct(fn, *args):
+    return fn(*args)
 
 
 def _project_slice(block, x, mod, cos, sin):
@@ -150,7 +190,19 @@ def _finish_slice(block, x, o, mod, ctx, ctx_mask):
 
 def apply_execution(model, execution: ExecutionConfig):
     """Run `model`'s blocks and final layer as `execution` says, checked against its attention first;
-    returns the model. Weights and their names are untouched."""
+    returns the model. Weights and their names are untouched; a compiled runner stays compiled."""
     execution.validate(model.cfg.attention)
-    model.runner = BlockRunner(execution)
+    model.runner = BlockRunner(execution, compiled=model.runner.compiled)
     return model
+
+
+def compile_blocks(model):
+    """Run `model`'s blocks compiled (train.compile; "Compiled" in the module docstring), as its execution
+    config says; returns the model. Weights, their names and the model's modules are untouched."""
+    model.runner = BlockRunner(model.runner.execution, compiled=True)
+    return model
+
+
+_EAGER_ONLY = ("a compiled block runner (train.compile=true) runs blocks with their own self-attention only; an "
+               "attn= override (KV-cached or sequence-parallel inference) or a self-attention replaced by "
+               "parallelize_dit has no compiled form: run such a model without compile_blocks (train.compile=false)")

@@ -67,7 +67,7 @@ from megaslide.config import DiTConfig, ExecutionConfig, OffloadConfig, TrainCon
 from megaslide.device import precision_dtype
 from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
-from megaslide.models.chunking import apply_execution
+from megaslide.models.chunking import apply_execution, compile_blocks
 from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
@@ -127,7 +127,7 @@ class OffloadEngine:
         for name, child in model.named_children():
             if name != "blocks":
                 child.to(device)
-        self.model = model
+        self.model = compile_blocks(model) if train_cfg.compile else model
 
         self.autocast_dtype = torch.bfloat16 if self.param_dtype == torch.bfloat16 else None
         self.lanes = Lanes(device, serial=not offload_cfg.overlap)

@@ -2,7 +2,8 @@
 
 bf16 autocast where train.precision asks for it, global gradient-norm clipping, a refusal of a
 non-finite loss or gradient norm before the update (one host sync per step reads both), an optional
-EMA copy (sampled from when kept) and optional torch.compile of the blocks. It is the
+EMA copy (sampled from when kept) and, with train.compile, the blocks' token-wise work compiled
+(`compile_blocks`, megaslide/models/chunking.py, as the offload engine does). It is the
 reference the offload engine (megaslide/offload) is tested against.
 """
 from __future__ import annotations
@@ -19,15 +20,9 @@ from megaslide.config import TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import flow_matching_loss
+from megaslide.models.chunking import compile_blocks
 from megaslide.models.dit import VideoDiT
 from megaslide.train.engine import check_finite
-
-
-def compile_blocks(model: VideoDiT) -> None:
-    """torch.compile every DiT block in place (state-dict names unchanged). The blocks share
-    their code, so one compiled graph per input shape and grad mode serves all of them."""
-    for block in model.blocks:
-        block.compile()
 
 
 class ResidentEngine:

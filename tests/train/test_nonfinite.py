@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megaslide.train.trainer as trainer_module
-from megaslide.config import OffloadConfig, RunConfig, TrainConfig
+from megaslide.config import OffloadConfig
 from megaslide.train.engine import NonFiniteStep
 from megaslide.train.logger import RunLogger
 from megaslide.train.trainer import Trainer
@@ -109,12 +109,6 @@ def test_metrics_log_writes_non_finite_values_as_null(tmp_path):
     logger.finish()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": None, "grad_norm": None,
                                                                      "lr": 1e-3}
-
-
-def test_compile_with_offload_is_refused():
-    run = RunConfig(model=tiny_model_cfg(), train=TrainConfig(compile=True), offload=OffloadConfig(enabled=True))
-    with pytest.raises(ValueError, match=r"train.compile=true with offload.enabled=true.*train.compile=false"):
-        run.validate()
 
 
 def test_train_script_exits_non_zero_on_a_nan_loss(tmp_path):
