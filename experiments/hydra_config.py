@@ -141,7 +141,13 @@ def compose_run(base: DictConfig | RunConfig, changes: list[str]) -> RunConfig:
     `train_overrides(base, changes)`, so it is exactly the run that `python experiments/train.py` (and
     `python -m experiments.plan`) makes with those overrides. `base` is a script's composed config (its
     RunConfig groups, run_groups.yaml, and any keys of its own) or a RunConfig. Validated for any device."""
-    return run_config(_compose_train(train_overrides(base, changes)), check_device=False)
+    return run_of(train_overrides(base, changes))
+
+
+def run_of(overrides: list[str]) -> RunConfig:
+    """The RunConfig that train.py makes with `overrides` (a result's recorded `run_overrides`), validated for any
+    device."""
+    return run_config(_compose_train(list(overrides)), check_device=False)
 
 
 def train_overrides(base: DictConfig | RunConfig, changes: list[str]) -> list[str]:

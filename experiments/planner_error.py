@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.hydra_config import run_of
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, from_dict
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS
@@ -94,6 +95,20 @@ def measured_rate(recorded: dict, model: str, attention: str, chunked: bool) -> 
     return rate and AttentionRate(rate["forward_tflops"], rate["backward_tflops"])
 
 
+def oom_cell_run(config: dict, cell: dict) -> RunConfig:
+    """The run of an oom_thresholds cell: from the train.py overrides it records (`run_overrides`), or for a cell
+    written before the scripts composed train.py's config, from its table's flat keys."""
+    if "run_overrides" in cell:
+        return run_of(cell["run_overrides"])
+    chunked = cell["mode"] == "chunked_offload"
+    cfg = dataclasses.replace(cell_model(cell["model"]), attention=AttentionConfig(cell["attention"]))
+    execution = ExecutionConfig(chunk_tokens=config["chunk_tokens"] if chunked else 0,
+                                slab_frames=cell.get("slab_frames", 0), checkpoint_blocks=True)
+    offload = OffloadConfig(enabled=cell["mode"] != "resident", activation_offload=chunked)
+    return grid_run(cfg, cfg.token_grid(cell["frames"], config["height"], config["width"]),
+                    batch=config["batch"], execution=execution, offload=offload)
+
+
 def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
     """Every committed H200 training step with its measured time: the OOM tables' timed cells and the
     mfu_overlap variants."""
@@ -104,14 +119,8 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
         for cell in table["tables"]["cells"]:
             if not cell.get("step_s"):
                 continue
-            base = cell_model(cell["model"])
-            cfg = dataclasses.replace(base, attention=AttentionConfig(cell["attention"]))
             chunked = cell["mode"] == "chunked_offload"
-            execution = ExecutionConfig(chunk_tokens=config["chunk_tokens"] if chunked else 0,
-                                        slab_frames=cell.get("slab_frames", 0), checkpoint_blocks=True)
-            offload = OffloadConfig(enabled=cell["mode"] != "resident", activation_offload=chunked)
-            run = grid_run(cfg, cfg.token_grid(cell["frames"], config["height"], config["width"]),
-                           batch=config["batch"], execution=execution, offload=offload)
+            run = oom_cell_run(config, cell)
             rate = measured_rate(table["ceilings"], cell["model"], cell["attention"], chunked)
             steps.append(TimedStep(f"{path.stem}-{cell['attention']}-{cell['mode']}-{cell['frames']}",
                                    f"oom_thresholds/{path.name}", cell, run, measured_ceilings(table["ceilings"], rate),
@@ -121,10 +130,14 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
         cfg, bench = from_dict(DiTConfig, result["model_cfg"]), result["bench"]
         execution = ExecutionConfig(chunk_tokens=result["model_cfg"].get("chunk_tokens", 0))
         for variant in result["variants"]:
-            offload = OffloadConfig(enabled=True, optimizer_device=variant["optimizer_device"],
-                                    resident_blocks=bench.get("resident_blocks", 0))
-            run = grid_run(cfg, cfg.token_grid(bench["frames"], bench["height"], bench["width"]),
-                           batch=bench["batch"], grad_clip=variant["grad_clip"], execution=execution, offload=offload)
+            if "run_overrides" in variant:
+                run = run_of(variant["run_overrides"])
+            else:
+                offload = OffloadConfig(enabled=True, optimizer_device=variant["optimizer_device"],
+                                        resident_blocks=bench.get("resident_blocks", 0))
+                run = grid_run(cfg, cfg.token_grid(bench["frames"], bench["height"], bench["width"]),
+                               batch=bench["batch"], grad_clip=variant["grad_clip"], execution=execution,
+                               offload=offload)
             steps.append(TimedStep(f"{path.stem}-{variant['variant']}", f"mfu_overlap/{path.name}", variant, run,
                                    measured_ceilings(result["ceilings"]), False, variant["step_s"]))
     return steps
@@ -147,6 +160,8 @@ def exclusion(step: TimedStep) -> str | None:
     fitted = [f for f in FITTED.step_cells if f.matches(step.file, step.cell)]
     if fitted:
         return "fitted on it: FITTED.elementwise_fitted_on (megaslide/perf/planner.py)"
+    if step.run.train.compile:
+        return "compiled (train.compile): the estimate's elementwise term is fitted to eager steps"
     if step.cell.get("overlap") is False:
         return "the serial ablation (overlap off): the estimate is of the overlapped step"
     if step.run.model.attention.name == "dsa" and not step.attention_measured:

@@ -2,7 +2,6 @@
 experiments/oom_thresholds.py, and results/mfu_overlap/h200*.json): its HBM prediction for each measured
 cell, and its step-time lower bound against each timed step (the steps of experiments/planner_error.py, which
 reports the fitted estimate's error on them)."""
-import dataclasses
 import json
 from pathlib import Path
 
@@ -10,10 +9,9 @@ import pytest
 import torch
 
 from experiments.claims import DSA_HEAD_GROUPS
-from experiments.planner_error import cell_model, h200_timed_steps
+from experiments.planner_error import h200_timed_steps, oom_cell_run
 from experiments.results_io import descends_from
-from megaslide.config import AttentionConfig, ExecutionConfig, OffloadConfig
-from megaslide.perf.planner import compute_lower_bound_s, grid_run, plan_offload, plan_resident
+from megaslide.perf.planner import compute_lower_bound_s, plan_offload, plan_resident
 
 GB = 1e9
 
@@ -36,15 +34,10 @@ def test_hbm_prediction_is_within_ten_percent_of_the_h200_oom_cells(config, cell
     """The planner, rerun on today's code for each measured H200 cell (1B preset, 1080p latents, bf16),
     lies within 10% of the measured peak; Swin's cells were 7-32% under before its math-path SDPA was
     counted in fp32 (SwinAttention.attend_memory)."""
-    cfg = dataclasses.replace(cell_model(cell["model"]), attention=AttentionConfig(cell["attention"]))
-    execution = ExecutionConfig(chunk_tokens=config["chunk_tokens"] if cell["mode"] == "chunked_offload" else 0,
-                                slab_frames=cell.get("slab_frames", 0))
-    grid = cfg.token_grid(cell["frames"], config["height"], config["width"])
+    run = oom_cell_run(config, cell)
     if cell["mode"] == "resident":
-        plan = plan_resident(grid_run(cfg, grid, batch=config["batch"], execution=execution), autocast=True)
+        plan = plan_resident(run, autocast=True)
     else:
-        offload = OffloadConfig(enabled=True, activation_offload=cell["mode"] == "chunked_offload")
-        run = grid_run(cfg, grid, batch=config["batch"], execution=execution, offload=offload)
         plan = plan_offload(run, param_dtype=torch.bfloat16)
     assert plan.hbm_total / GB == pytest.approx(cell["measured_peak_GB"], rel=0.10)
 

@@ -24,4 +24,4 @@ def test_every_results_page_regenerates_unchanged(tmp_path, monkeypatch, capsys)
     pages = [f"{e}.md" for e in EXPERIMENTS] + ["README.md"]
     stale = [p for p in pages if (tmp_path / p).read_bytes() != (RESULTS_DIR / p).read_bytes()]
     assert not stale, (f"stale against their JSON: {', '.join(f'results/{p}' for p in stale)}; regenerate with "
-                       "`python experiments/report.py` and `python -m experiments.claims`")
+                       "`python -m experiments.report` and `python -m experiments.claims`")
