@@ -12,6 +12,7 @@ from megaslide.models.block_grad import autograd_block_grad
 from megaslide.models.chunking import BlockRunner
 from megaslide.models.dit import DiTBlock
 from megaslide.testing import rounding_floor, within_tolerance
+from tests.helpers import needs_inductor
 from tests.models.test_chunked import OPTIONS, _block_inputs, _randomise
 
 SLAB_GRID = (13, 3, 3)   # 117 tokens; DSA's reach 4: slabs of 3 frames cut at the start, at neither end, at the end
@@ -142,3 +143,24 @@ def test_block_grad_runs_fewer_forwards(monkeypatch, execution, slabs):
     calls.clear()
     runner.block_grad(block, *inputs, torch.randn_like(inputs[0]), params)
     assert dict(calls) == {"project": 2 * P, "finish": F, "attend": A}     # with the forward: 3 P, 2 F, 2 A
+
+
+@needs_inductor
+@pytest.mark.slow
+def test_compiled_block_grad_uses_the_compiled_slices():
+    """A compiled runner's block_grad runs its compiled slice functions and gives eager autograd's gradients
+    (fp32: Inductor may reorder the norms' sums too, same bound)."""
+    torch._dynamo.reset()
+    block, cfg = _block("dsa")
+    inputs = _block_inputs(cfg, grid=SLAB_GRID)
+    grad_out = torch.randn_like(inputs[0])
+    execution = ExecutionConfig(slab_frames=5, chunk_tokens=40)
+    want = _grads(BlockRunner(execution), block, inputs, grad_out, autograd=True)
+    runner, calls = BlockRunner(execution, compiled=True), collections.Counter()
+    project, finish = runner.project, runner.finish
+    runner.project = lambda *a: calls.update(["project"]) or project(*a)
+    runner.finish = lambda *a: calls.update(["finish"]) or finish(*a)
+    got = _grads(runner, block, inputs, grad_out)
+    assert calls["project"] > 0 and calls["finish"] > 0
+    _assert_same(got, want, ["x", "t_mod", "ctx"] + [n for n, _ in block.named_parameters()])
+    torch._dynamo.reset()
