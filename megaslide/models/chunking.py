@@ -33,6 +33,20 @@ gradients. The price: the halo's projections and attention are computed for each
 ((s + 2r) / s), and one more forward of the token-wise work in backward (the slab checkpoint around the
 slice checkpoints).
 
+Block gradient (`block_grad`, the offload engine's backward of a streamed block from its saved input). Through
+autograd, a streamed block's token-wise work (pre- and post-attention) would run four times and its attention
+three with slabs (the streamed forward, the recompute with grad, the slab checkpoint's re-run, the slice
+checkpoints' re-run; the slab re-run stops before its last post-attention slice), three and two without. A
+chunked or slabbed block's `block_grad` goes slab by slab instead (slabs are independent given x): the
+pre-attention slices (checkpointed) and the attention run with grad; each kept slice's post-attention work runs
+with grad and straight into its backward, giving the gradient of its attention output rows; then the attention's
+backward and the pre-attention slices' (their checkpoints re-run). Per step the post-attention work runs twice
+(streamed forward, slab pass), the pre-attention three times and the attention twice. Memory: one slab's q, k, v,
+attention output and what the attention saves, the gradient of its kept output rows, and one slice's
+post-attention graph: never more than a slab checkpoint's re-run held. Gradients equal autograd's up to the order
+in which contributions are summed (over slices, slabs and a halo row's two slabs). Any other block's `block_grad`
+is autograd through its recompute.
+
 Compiled (`compile_blocks`, train.compile on either engine). A block's token-wise halves, `_project_slice`
 (pre-attention work, QKV projection, QK-norm + RoPE) and `_finish_slice` (output projection, gated residuals,
 cross-attention, MLP), run through torch.compile, which fuses their many small memory-bound kernels
