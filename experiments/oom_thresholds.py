@@ -191,10 +191,11 @@ def step_time_parts(cell: Cell, plan) -> dict:
     """The planner's step time at the cell's ceilings: its fitted estimate (the offload plan's max of compute,
     PCIe and CPU AdamW, or the resident step's compute) with the compute's terms, and its lower bound from
     ceilings only (every block recomputed: the engine's streamed blocks, the resident trainer's checkpointed
-    ones)."""
-    _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
-                                         ceilings=cell.ceilings, execution=cell.run.execution)
+    ones; the engine's streamed blocks get their gradient from `BlockRunner.block_grad`)."""
     offload = isinstance(plan, planner.OffloadPlan)
+    _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
+                                         ceilings=cell.ceilings, execution=cell.run.execution,
+                                         block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0)
     bound = plan.lower_bound_s if offload else planner.compute_lower_bound_s(
         cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings,
         execution=cell.run.execution)

@@ -33,6 +33,20 @@ gradients. The price: the halo's projections and attention are computed for each
 ((s + 2r) / s), and one more forward of the token-wise work in backward (the slab checkpoint around the
 slice checkpoints).
 
+Block gradient (`block_grad`, the offload engine's backward of a streamed block from its saved input). Through
+autograd, a streamed block's token-wise work (pre- and post-attention) would run four times and its attention
+three with slabs (the streamed forward, the recompute with grad, the slab checkpoint's re-run, the slice
+checkpoints' re-run; the slab re-run stops before its last post-attention slice), three and two without. A
+chunked or slabbed block's `block_grad` goes slab by slab instead (slabs are independent given x): the
+pre-attention slices (checkpointed) and the attention run with grad; each kept slice's post-attention work runs
+with grad and straight into its backward, giving the gradient of its attention output rows; then the attention's
+backward and the pre-attention slices' (their checkpoints re-run). Per step the post-attention work runs twice
+(streamed forward, slab pass), the pre-attention three times and the attention twice. Memory: one slab's q, k, v,
+attention output and what the attention saves, the gradient of its kept output rows, and one slice's
+post-attention graph: never more than a slab checkpoint's re-run held. Gradients equal autograd's up to the order
+in which contributions are summed (over slices, slabs and a halo row's two slabs). Any other block's `block_grad`
+is autograd through its recompute.
+
 Compiled (`compile_blocks`, train.compile on either engine). A block's token-wise halves, `_project_slice`
 (pre-attention work, QKV projection, QK-norm + RoPE) and `_finish_slice` (output projection, gated residuals,
 cross-attention, MLP), run through torch.compile, which fuses their many small memory-bound kernels
@@ -67,16 +81,8 @@ from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import SelfAttention
 from megaslide.config import ExecutionConfig
-
-
-def frame_slabs(frames: int, slab: int, reach: int | None) -> list[tuple[int, int, int, int]]:
-    """The slabs (a, t0, t1, b) of a clip of `frames` token frames: slab i keeps frames [t0, t1) =
-    [i * slab, (i + 1) * slab) and reads [a, b), those padded by `reach` frames on each side (cut at
-    the clip's ends). One slab (0, 0, T, T) when `slab` is 0 or covers the clip."""
-    if not slab or slab >= frames:
-        return [(0, 0, frames, frames)]
-    return [(max(0, t0 - reach), t0, min(t0 + slab, frames), min(frames, t0 + slab + reach))
-            for t0 in range(0, frames, slab)]
+from megaslide.models.block_grad import autograd_block_grad, slab_block_grad
+from megaslide.models.slabs import frame_slabs, slab_view
 
 
 def read_over_frame_runs(attn: SelfAttention, h: torch.Tensor, grid, chunk_tokens: int) -> torch.Tensor:
@@ -121,18 +127,27 @@ class BlockRunner:
             return block(x, t_mod, ctx, ctx_mask, rope, grid)
         x = x.contiguous()  # one layout for every block's input (the embedding's output is a transposed view)
         mod = block.modulation[None] + t_mod                                         # (B, 9, D)
-        reach = block.attn.temporal_reach(block.attn.options) if ex.slab_frames else None
-        slabs = frame_slabs(grid[0], ex.slab_frames, reach)
+        slabs = self.slabs(block, grid)
         if len(slabs) == 1:
-            return self._run_slab(block, x, mod, ctx, ctx_mask, rope, grid, slice(None))
-        _, H, W = grid
-        fr = H * W                                                                    # tokens per frame
-        cos, sin = rope                                                              # (N, d/2) each
-        out = [checkpoint(self._run_slab, block, x[:, a * fr:b * fr], mod, ctx, ctx_mask,
-                          (cos[a * fr:b * fr], sin[a * fr:b * fr]), (b - a, H, W),
-                          slice((t0 - a) * fr, (t1 - a) * fr), use_reentrant=False)
-               for a, t0, t1, b in slabs]                                            # (B, (t1-t0)*fr, D) each
+            return self._run_slab(block, x, rope, grid, slice(None), mod, ctx, ctx_mask)
+        out = [checkpoint(self._run_slab, block, *slab_view(x, rope, grid, slab), mod, ctx, ctx_mask,
+                          use_reentrant=False) for slab in slabs]                   # (B, (t1-t0)*fr, D) each
         return torch.cat(out, dim=1)                                                 # (B, N, D)
+
+    def block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params):
+        """The gradients of `self.block(block, x, t_mod, ctx, ctx_mask, rope, grid)` for the output gradient
+        grad_out (B, N, D): (grad x (B, N, D), grad t_mod (B, 9, D), grad ctx (B, L, D), one per parameter of
+        `params`: its gradient, or None where it gets none). A chunked or slabbed block goes slab by slab
+        ("Block gradient"); any other block by autograd through its recompute. Call it under the forward's
+        autocast if any: the backward passes run outside autocast."""
+        if (self.execution.chunk_tokens or self.execution.slab_frames) and isinstance(block.attn, SelfAttention):
+            return slab_block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
+        return autograd_block_grad(self.block, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
+
+    def slabs(self, block, grid) -> list[tuple[int, int, int, int]]:
+        """`block`'s frame slabs (`frame_slabs`) on token grid `grid`; one without `slab_frames`."""
+        slab = self.execution.slab_frames
+        return frame_slabs(grid[0], slab, block.attn.temporal_reach(block.attn.options) if slab else None)
 
     def head(self, final, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
         """`final(x, t_emb)`: tokens (B, n, D) -> rows (B, n, pv*C); with `chunk_tokens`, over slices of
@@ -143,24 +158,38 @@ class BlockRunner:
         return torch.cat([checkpoint(final, x[:, s:s + step], t_emb, use_reentrant=False)
                           for s in range(0, x.shape[1], step)], dim=1)     # (B, n, pv*C)
 
-    def _run_slab(self, block, x, mod, ctx, ctx_mask, rope, grid, keep: slice):
+    def _run_slab(self, block, x, rope, grid, keep: slice, mod, ctx, ctx_mask):
         """The block over x (B, n, D), a run of whole frames (grid (t, H, W)), returning only the rows
         `keep` (B, n_keep, D): the halo rows outside it are there for the attention of the kept ones.
         Slices run under checkpoints, except in a block run whole (compiled, neither chunked nor slabbed)."""
+        o = self.attend_slab(block, x, rope, grid, keep, mod)                        # (B, n_keep, h, d)
+        x = x[:, keep]                                                               # (B, n_keep, D)
+        run = self._slice_run()
+        out = [run(self.finish, block, x[:, s], o[:, s], mod, ctx, ctx_mask) for s in self.spans(x.shape[1])]
+        return _join(out)                                                            # (B, n_keep, D)
+
+    def attend_slab(self, block, x, rope, grid, keep: slice, mod) -> torch.Tensor:
+        """The self-attention output (B, n_keep, heads, d) of the rows `keep` of x (B, n, D), a run of whole
+        frames (grid (t, H, W)): the pre-attention work and QKV projection over slices of x (checkpointed as
+        `_run_slab` says), then the attention; backward keeps q, k, v (and what the attention reads), never
+        a slice's intermediates."""
         cos, sin = rope                                                              # (n, d/2) each
-        ex = self.execution
-        step = ex.chunk_tokens or len(range(x.shape[1])[keep])  # unset: slices of the kept rows' size
-        run = _checkpointed if ex.chunk_tokens or ex.slab_frames else _direct
-        spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
+        run = self._slice_run()
+        spans = self.spans(x.shape[1], len(range(x.shape[1])[keep]))
         parts = [run(self.project, block, x[:, s], mod, cos[s], sin[s]) for s in spans]
         q, k, v, *h = (_join(p) for p in zip(*parts))                                # (B, n, h, d) x 3[, (B, n, D)]
         del parts  # the slices: only their concatenations stay alive through attention
         read = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
-        o = block.attn.attend(q, k, v, None, grid, **read)[:, keep]                 # (B, n_keep, h, d)
-        x = x[:, keep]                                                               # (B, n_keep, D)
-        spans = [slice(s, s + step) for s in range(0, x.shape[1], step)]
-        out = [run(self.finish, block, x[:, s], o[:, s], mod, ctx, ctx_mask) for s in spans]
-        return _join(out)                                                            # (B, n_keep, D)
+        return block.attn.attend(q, k, v, None, grid, **read)[:, keep]              # (B, n_keep, h, d)
+
+    def spans(self, n: int, unset: int | None = None) -> list[slice]:
+        """The slices of a run of n tokens: `chunk_tokens` each (the last shorter); unset, `unset` (default n)."""
+        step = self.execution.chunk_tokens or unset or n
+        return [slice(s, s + step) for s in range(0, n, step)]
+
+    def _slice_run(self):
+        ex = self.execution
+        return _checkpointed if ex.chunk_tokens or ex.slab_frames else _direct
 
 
 def _join(parts) -> torch.Tensor:

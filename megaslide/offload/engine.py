@@ -136,7 +136,8 @@ class OffloadEngine:
                                       before_load=lambda i: self.updater.before_load(i),
                                       version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks,
                                       offload_inputs=offload_cfg.activation_offload,
-                                      run=lambda *inputs: self.model.runner.block(*inputs), stride=stride)
+                                      run=lambda *inputs: self.model.runner.block(*inputs), stride=stride,
+                                      grad=lambda *inputs: self.model.runner.block_grad(*inputs))
         # fused on CUDA: its found_inf flag skips a non-finite step on the device, with no host sync
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay, fused=True if cuda else None)

@@ -12,8 +12,9 @@ block l +- 1 is copied into the other shell.
 - forward (no grad): keeps only block inputs (`SavedInputs`: on the device, or with activation
   offload parked in pinned host memory and brought back one block ahead of the backward, so
   HBM holds about two block inputs whatever the depth);
-- backward: re-streams blocks in reverse, recomputes block l from its saved input with
-  grad enabled (not for a resident tail, below), and produces the gradients of its input,
+- backward: re-streams blocks in reverse, computes block l's gradients from its saved input
+  (`grad`: the runner's `block_grad`, which recomputes what it needs; not for a resident tail,
+  below), and produces the gradients of its input,
   of the shared modulation t_mod and of the caption features ctx (summed over blocks in
   reverse order, as autograd sums them in a resident backward), the block's flat parameter
   gradient, and per-parameter gradient norms (on the device, for global-norm clipping). The
@@ -44,6 +45,7 @@ them: HBM traded for k blocks' H2D and recompute.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megaslide.models.block_grad import autograd_block_grad
 from megaslide.offload.host_state import BlockLayout, HostState, InputBuffers
 from megaslide.perf.stream_schedule import backward_ops, last_segment_start
 
@@ -301,13 +304,17 @@ class BlockStreamer:
     With `offload_inputs` the saved block inputs are parked in `host.inputs` (`SavedInputs`); `stride`
     is offload.boundary_stride (see the module docstring).
     `run(block, x, t_mod, ctx, ctx_mask, rope, grid)` runs a block (the model's `BlockRunner.block`:
-    token chunks and frame slabs as the execution config says; default: the block whole)."""
+    token chunks and frame slabs as the execution config says; default: the block whole), and
+    `grad(block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)` gives a streamed block's gradients
+    from its saved input (the model's `BlockRunner.block_grad`; default: autograd through `run` again)."""
 
     def __init__(self, blocks: nn.ModuleList, host: HostState, lanes: Lanes, device: torch.device,
                  compute_ctx: Callable[[], contextlib.AbstractContextManager],
                  before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0,
-                 offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None, stride: int = 1):
+                 offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None, stride: int = 1,
+                 grad: Callable[..., tuple] | None = None):
         self.run = run or (lambda block, *inputs: block(*inputs))
+        self.grad = grad or functools.partial(autograd_block_grad, self.run)
         if not 0 <= resident <= len(blocks):
             raise ValueError(f"offload.resident_blocks={resident} must be in [0, {len(blocks)}] (the model's depth)")
         if stride < 1:
@@ -423,17 +430,19 @@ class BlockStreamer:
             compute.wait(shell.ready)
             compute.wait(shell.grads_free)
             if streamed:
-                x = self.inputs.take(index).requires_grad_()                               # (B, N, D)
+                x = self.inputs.take(index)                                                # (B, N, D)
             else:
                 x, out = kept[index - self.first_resident]                                 # kept graph
                 kept[index - self.first_resident] = None  # its graph is freed once this backward returns
             with compute.timed():
                 if streamed:
-                    with torch.enable_grad(), self.compute_ctx():
-                        out = self.run(block, x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
-                grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
-                                            allow_unused=True)
-                grad_h, g_t_mod, g_ctx, param_grads = grads[0], grads[1], grads[2], grads[3:]
+                    with self.compute_ctx():
+                        grad_h, g_t_mod, g_ctx, param_grads = self.grad(
+                            block, x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid, grad_h, shell.params)
+                else:
+                    grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
+                                                allow_unused=True)
+                    grad_h, g_t_mod, g_ctx, param_grads = grads[0], grads[1], grads[2], grads[3:]
                 grad_t_mod = g_t_mod if grad_t_mod is None else grad_t_mod + g_t_mod  # (B, 9, D)
                 grad_ctx = g_ctx if grad_ctx is None else grad_ctx + g_ctx             # (B, L, D)
                 used = [g is not None for g in param_grads]

@@ -47,7 +47,9 @@ PCIe traffic). Compute (`compute_seconds`) has three terms, run one after the ot
   key-tile binning run far below the matmul ceiling. Its forward runs in the streamed forward and again in
   the recompute, its backward once;
 - matmul: all other executed FLOPs at the matmul ceiling: model FLOPs (forward + 2x forward for the
-  backward), the recomputed forward, and with chunking the slices' token-wise forward once more.
+  backward), the recomputed forward, and with chunking the slices' token-wise forward once more (the offload
+  engine's streamed blocks, whose gradient is `BlockRunner.block_grad`: only the pre-attention slices' QKV
+  projection, and no slab re-run).
 - elementwise: norms, RoPE, modulation, activations, residual adds, casts and the slices' copies are
   memory-bound: `FITTED.elementwise_bytes` of HBM traffic per token and width element per block pass (a
   forward, or a third of a backward) at the HBM ceiling, a figure fitted on measured steps (`FITTED`
@@ -156,8 +158,8 @@ class Ceilings:
 
 
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
-                    ceilings: Ceilings, backward: bool = True,
-                    execution: ExecutionConfig | None = None) -> tuple[float, dict[str, float]]:
+                    ceilings: Ceilings, backward: bool = True, execution: ExecutionConfig | None = None,
+                    block_grads: int = 0) -> tuple[float, dict[str, float]]:
     """The estimated compute of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
     trainer's checkpointed ones), or without `backward` of one forward pass (no grad: nothing re-runs):
@@ -169,20 +171,25 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     in the backward); its backward counts 2x its forward. A chunked block (`chunk_tokens` or
     `slab_frames`) re-runs its token-wise slices in the backward: every weight's forward once more.
     Slabs read their halo frames too: the QKV projection and `attend` run over `halo` x the tokens.
-    `execution` (default: whole) says how the blocks run."""
+    `execution` (default: whole) says how the blocks run. `block_grads` of the recomputed blocks (the offload
+    engine's streamed ones) get their gradient from `BlockRunner.block_grad`: chunked, their recompute is its
+    slab pass, they have no slab re-run, and of their slices only the pre-attention ones (the QKV projection
+    over the slab and its halo) run once more."""
     execution = execution or ExecutionConfig()
     flops = dit_flops(cfg, batch, grid)
     tokens, depth, a, D = batch * math.prod(grid), cfg.depth, cfg.attention, cfg.dim
     reach = a.variant.temporal_reach(a.options) if execution.slab_frames else None
     slabs = frame_slabs(grid[0], execution.slab_frames, reach)
     halo = sum(b - t for t, _, _, b in slabs) / grid[0]          # frames read per frame kept
-    forwards = 1 + (recomputed / depth + (len(slabs) > 1) if backward else 0)  # a block's forward passes
+    chunked = bool(execution.chunk_tokens or execution.slab_frames)
+    by_slab = block_grads / depth if chunked else 0.0             # share of blocks whose gradient is block_grad
+    forwards = 1 + (recomputed / depth + (len(slabs) > 1) * (1 - by_slab) if backward else 0)  # a block's forwards
     passes = forwards + 2 * backward                              # counting the backward as 2 forwards
     counted = 4.0 * tokens * keys_per_query(a, grid) * D * depth  # attend's forward, counted
     own = 2.0 * tokens * a.variant.extra_macs_per_token(a.options, D, cfg.num_heads) * depth
     qkv = 2.0 * tokens * 3 * D * D * depth
-    rerun_slices = backward and bool(execution.chunk_tokens or execution.slab_frames)
-    executed = (flops.forward * passes + (flops.weights + (halo - 1) * qkv) * rerun_slices
+    rerun = (flops.weights + (halo - 1) * qkv) * (1 - by_slab) + halo * qkv * by_slab  # the slices' re-run
+    executed = (flops.forward * passes + rerun * (backward and chunked)
                 + (halo - 1) * (qkv + counted + own) * passes)
     rate = ceilings.attention_rate(a.name)
     in_attend = halo * (counted + (own if rate.includes_own_weights else 0))
@@ -466,7 +473,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
     reruns = sum(not grad for _, grad in backward_ops(depth - k, stride))  # forwards re-run without grad
     executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k + reruns, ceilings=ceilings,
-                                        execution=execution)
+                                        execution=execution, block_grads=depth - k)
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
     pinned = arenas["pinned"] + parked * input_bytes

@@ -102,6 +102,12 @@ def test_compute_estimate_runs_attention_at_its_own_rate():
     assert slab_executed == pytest.approx(5 * f.forward + f.weights + (halo - 1) * (qkv + counted + own) * 5
                                           + (halo - 1) * qkv)
     assert slab["matmul"] == pytest.approx((slab_executed - halo * (counted + own) * 5) / 500e12)
+    # the offload engine's streamed blocks, by `BlockRunner.block_grad`: no slab re-run (two forwards), and of the
+    # slices only the pre-attention ones (the QKV projection over slab and halo) re-run
+    by_slab, grad = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=measured, execution=slabs,
+                                            block_grads=4)
+    assert by_slab == pytest.approx(4 * f.forward + halo * qkv + (halo - 1) * (qkv + counted + own) * 4)
+    assert grad["attention"] == pytest.approx(halo * (2 * counted / 2e12 + 2 * counted / 0.5e12))
     # one forward pass (no grad): attend's forward once, nothing re-runs, even with slabs and chunks
     one_executed, one = planner.compute_seconds(cfg, 1, grid, recomputed=4, ceilings=measured, backward=False,
                                                 execution=slabs)
@@ -302,7 +308,8 @@ def test_boundary_stride_without_activation_offload_keeps_fewer_inputs_on_the_de
 def test_chunking_plans_the_chunked_block_and_its_recompute():
     """Hand-derived per token (7B width, bf16, dense, chunk of 8160 tokens): the peak block is the
     chunked one's attention backward, 24 D + 8 heads bytes instead of 56 D + 6 F + 36 + 8 heads unchunked;
-    the chunked block's gradients so far (all of it, n x 2 bytes) replace fc2's (F x D x 2)."""
+    the chunked block's gradients so far (all of it, n x 2 bytes) replace fc2's (F x D x 2). The streamed
+    blocks' gradient (`BlockRunner.block_grad`) re-runs only their pre-attention slices: the QKV projection."""
     cfg, grid = dataclasses.replace(DIT_PRESETS["7B"], depth=6), (32, 34, 60)
     tokens, D, F, heads = 32 * 34 * 60, cfg.dim, cfg.ffn_dim, cfg.num_heads
     n = planner.block_layout(cfg).numel
@@ -312,7 +319,8 @@ def test_chunking_plans_the_chunked_block_and_its_recompute():
     assert plain.hbm_total - chunked.hbm_total == unchunked_block - chunked_block + F * D * 2 - n * 2
     assert "block (attention backward): dense attention backward" in chunked.hbm
     f = dit_flops(cfg, 1, grid)
-    assert chunked.executed_flops == pytest.approx(plain.executed_flops + f.weights)
+    assert chunked.executed_flops == pytest.approx(plain.executed_flops + 2 * tokens * 3 * D * D * 6)
+    assert f.weights > 4 * 2 * tokens * 3 * D * D * 6                 # the QKV projection: under a quarter
 
 
 def test_a_clip_longer_than_host_ram_holds_is_refused_before_allocating():
