@@ -177,8 +177,9 @@ def c3(results_dir: Path):
     most = most_frames_fitting(cells)
     fitting = "; ".join(f"{m} {a} {mode}: {f}" for (m, a, mode), f in sorted(most.items()))
     model, attention, mode = "1B", "dsa", "chunked_offload"
+    dates = {n: r.get("date", "") for n, r in results}
     top = max((c for _, c in cells if (c["model"], c["attention"], c["mode"], c["status"]) ==
-               (model, attention, mode, "fits")), key=lambda c: c["frames"], default=None)
+               (model, attention, mode, "fits")), key=lambda c: (c["frames"], dates[c["file"]]), default=None)
     config = next(r["config"] for n, r in results if n in files)
     ours = [f"measured on one H200, most frames per (model, attention, mode) that fit: {fitting} ({src})"]
     if top:
@@ -186,7 +187,8 @@ def c3(results_dir: Path):
                     f"frames of {config['height']}x{config['width']} ({top['tokens']:,} tokens): "
                     f"{top['step_s']:.1f} s/step "
                     f"(n={top['timed_steps']} timed step{'s' if top['timed_steps'] != 1 else ''}), peak "
-                    f"{top['measured_peak_GB']:.1f} GB measured vs {top['predicted_peak_GB']:.1f} GB predicted")
+                    f"{top['measured_peak_GB']:.1f} GB measured vs {top['predicted_peak_GB']:.1f} GB predicted "
+                    f"(the newest run of the most frames: {top['file']})")
     reached = max((f for (m, _, _), f in most.items() if m == model), default=0)
     verdict = [f"{TARGET_FRAMES}-frame target ({model} at {TARGET_FRAMES} frames): "
                + (f"met (a measured {model} cell of {reached} frames fits)" if reached >= TARGET_FRAMES else
