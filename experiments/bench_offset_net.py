@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import ExperimentRun, kernel_check_device
+from experiments.harness import ExperimentRun, check_line, kernel_check_device
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.testing import check_conv
@@ -180,8 +180,7 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
     payload["summary"] = speedups
     path = run.finish(payload, {"passed": passed, **speedups})
     for c in checks:
-        print(f"check {c['dtype']:8s} {c['shape']} frames {c['frames']}: {'ok' if c['passed'] else 'FAIL'} "
-              + " ".join(f"{k} {e['err']:.2e}/{e['ref_err']:.2e}" for k, e in c["errors"].items()))
+        print(check_line(c, f"{c['shape']} frames {c['frames']}"))
     print(f"{'PASS' if passed else 'FAIL'}; {speedups}; wrote {path}")
     return 0 if passed else 1
 

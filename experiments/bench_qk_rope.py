@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 from omegaconf import DictConfig
 
-from experiments.harness import ExperimentRun, kernel_check_device
+from experiments.harness import ExperimentRun, check_line, kernel_check_device
 from experiments.hydra_config import script_config, script_main
 from megaslide.nn.rope import RopeTable
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure
@@ -151,8 +151,7 @@ def bench(cfg: BenchQKRopeConfig) -> int:
     payload["summary"] = summary
     path = run.finish(payload, {"passed": passed, **summary})
     for c in checks:
-        print(f"check {c['dtype']:8s} {c['shape']} heads {c['heads']}: {'ok' if c['passed'] else 'FAIL'} "
-              + " ".join(f"{k} {e['err']:.2e}/{e['ref_err']:.2e}" for k, e in c["errors"].items()))
+        print(check_line(c, f"{c['shape']} heads {c['heads']}"))
     print(f"{'PASS' if passed else 'FAIL'}; auto runs {chosen.name}; {summary}; wrote {path}")
     return 0 if passed else 1
 

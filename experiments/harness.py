@@ -96,3 +96,11 @@ class ExperimentRun:
         path = self.save(payload)
         self.logger.finish()
         return path
+
+
+def check_line(check: dict, where: str) -> str:
+    """One kernel check of a benchmark's check table as a line: dtype, `where` (its shape and case), verdict, and
+    each output's error beside the reference's (`errors`: name -> {err, ref_err})."""
+    errors = " ".join(f"{k} {e['err']:.2e}/{e['ref_err']:.2e}" for k, e in check["errors"].items())
+    return f"check {check['dtype']:8s} {where}: {'ok' if check['passed'] else 'FAIL'} {errors}"
+
