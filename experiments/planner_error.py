@@ -27,12 +27,14 @@ from pathlib import Path
 import torch
 
 from experiments.hydra_config import run_of
+from experiments.results_io import descends_from
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, from_dict
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS
 from megaslide.perf.planner import FITTED, AttentionRate, Ceilings, compute_seconds, grid_run, plan_offload
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+BLOCK_GRAD = "257f6d4"  # the merge from which the offload engine's streamed blocks use BlockRunner.block_grad
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class TimedStep:
     ceilings: Ceilings      # measured by its run where it could be
     attention_measured: bool  # the run measured its attention rate (in `ceilings`)
     step_s: float
+    block_grad: bool        # the engine that ran took streamed blocks' gradients from block_grad (BLOCK_GRAD)
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
             rate = measured_rate(table["ceilings"], cell["model"], cell["attention"], chunked)
             steps.append(TimedStep(f"{path.stem}-{cell['attention']}-{cell['mode']}-{cell['frames']}",
                                    f"oom_thresholds/{path.name}", cell, run, measured_ceilings(table["ceilings"], rate),
-                                   rate is not None, cell["step_s"]))
+                                   rate is not None, cell["step_s"], descends_from(table["commit"], BLOCK_GRAD)))
     for path in sorted(results_dir.glob("mfu_overlap/h200*.json")):
         result = json.loads(path.read_text())
         cfg, bench = from_dict(DiTConfig, result["model_cfg"]), result["bench"]
@@ -139,17 +142,19 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
                                batch=bench["batch"], grad_clip=variant["grad_clip"], execution=execution,
                                offload=offload)
             steps.append(TimedStep(f"{path.stem}-{variant['variant']}", f"mfu_overlap/{path.name}", variant, run,
-                                   measured_ceilings(result["ceilings"]), False, variant["step_s"]))
+                                   measured_ceilings(result["ceilings"]), False, variant["step_s"],
+                                   descends_from(result["commit"], BLOCK_GRAD)))
     return steps
 
 
 def estimate_s(step: TimedStep) -> float:
-    """Today's step-time estimate of the step (bf16, as the H200 runs trained): the offload plan's, or for the
-    resident trainer its compute (every block checkpointed, so recomputed)."""
+    """Today's step-time estimate of the step (bf16, as the H200 runs trained): the offload plan's, of the
+    engine's backward as it ran then (with or without block_grad), or for the resident trainer its compute (every
+    block checkpointed, so recomputed)."""
     run = step.run
     if run.offload.enabled:
-        return plan_offload(run, param_dtype=precision_dtype("auto", torch.device("cuda")),
-                            ceilings=step.ceilings).estimate_s
+        return plan_offload(run, param_dtype=precision_dtype("auto", torch.device("cuda")), ceilings=step.ceilings,
+                            block_grad=step.block_grad).estimate_s
     _, compute = compute_seconds(run.model, run.train.batch_size, run.grid, recomputed=run.model.depth,
                                  ceilings=step.ceilings, execution=run.execution)
     return sum(compute.values())

@@ -419,12 +419,15 @@ def grid_run(model: DiTConfig, grid: tuple[int, int, int], *, batch: int = 1, gr
 
 
 def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings = Ceilings(),
-                 pin_optimizer_state: bool | None = None, build_on_host: bool = False) -> OffloadPlan:
+                 pin_optimizer_state: bool | None = None, build_on_host: bool = False,
+                 block_grad: bool = True) -> OffloadPlan:
     """Host RAM, HBM and step time (lower bound, estimate) of one training step of `run` on the offload engine
     (allocates nothing): its model, how its blocks run, its offload settings (optimizer_device, resident_blocks,
     activation_offload), train.batch_size clips of its data's token grid, and clipping (train.grad_clip > 0).
     `param_dtype`: the streamed block weights' (the run's precision on its device); `build_on_host`: the
-    fp32 model is first built in host RAM; `pin_optimizer_state`: default, pinned for the GPU optimizer."""
+    fp32 model is first built in host RAM; `pin_optimizer_state`: default, pinned for the GPU optimizer;
+    `block_grad`: the streamed blocks take their gradient from `BlockRunner.block_grad` (the engine's backward
+    since it has one; False plans the engine before it, as steps measured then ran)."""
     cfg, execution, offload = run.model, run.execution, run.offload
     batch, grid, grad_clip = run.train.batch_size, run.grid, run.train.grad_clip > 0
     optimizer_device, resident_blocks, activation_offload = (offload.optimizer_device, offload.resident_blocks,
@@ -473,7 +476,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
     reruns = sum(not grad for _, grad in backward_ops(depth - k, stride))  # forwards re-run without grad
     executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k + reruns, ceilings=ceilings,
-                                        execution=execution, block_grads=depth - k)
+                                        execution=execution, block_grads=depth - k if block_grad else 0)
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
     pinned = arenas["pinned"] + parked * input_bytes

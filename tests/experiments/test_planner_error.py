@@ -1,5 +1,6 @@
 """experiments/planner_error.py: the fitted step-time estimate's error on the committed H200 steps it was not
 fitted on, read from the result files, with every other step listed with its reason."""
+import dataclasses
 import json
 import shutil
 import statistics
@@ -66,3 +67,14 @@ def test_the_error_is_read_from_the_files(tmp_path, committed):
 def test_a_folder_without_h200_steps_holds_out_nothing(tmp_path):
     empty = planner_error.held_out_error(tmp_path)
     assert empty.used == [] and empty.excluded == [] and planner_error.report(empty).startswith("no held-out")
+
+
+def test_each_step_is_planned_with_the_engine_backward_that_ran_it():
+    """Steps measured before the engine's slab-wise block gradient are planned without it: their estimate is the
+    older backward's, and it is longer (more forwards) than the same run planned with block_grad."""
+    steps = {s.name: s for s in planner_error.h200_timed_steps()}
+    old = steps["h200_headline_256-dsa-chunked_offload-256"]
+    new = steps["h200_headline_256_compiled-dsa-chunked_offload-256"]
+    assert not old.block_grad and new.block_grad
+    with_block_grad = planner_error.estimate_s(dataclasses.replace(old, block_grad=True))
+    assert planner_error.estimate_s(old) > with_block_grad
