@@ -141,7 +141,7 @@ def length_verdict(cells: list[tuple[str, dict]], attention: str, frames: int, c
             f"those measured show only the other outcome, not assessed if none ran to a memory outcome")
     if shown or other:
         c = (shown or other)[0]
-        peak = f" at {c['measured_peak_GB']:.1f} GB" if c.get("measured_peak_GB") else ""
+        peak = f" at {c['measured_peak_GB']:.1f} GB" if c["status"] == "fits" else ""
         seen = f"{_cell_name(c)}: {c['status']}{peak}" + (f" ({c['phase']})" if c.get("phase") else "")
         return f"{'supported' if shown else 'not supported'} ({seen}; {c['file']}; {rule})"
     if not at:
