@@ -104,8 +104,12 @@ def first_walls(cells: list[tuple[str, dict]]) -> list[str]:
         if (c["status"] not in ("fits", "not run") and c["frames"] > most.get(key, 0)
                 and (key not in walls or c["frames"] < walls[key]["frames"])):
             walls[key] = c
-    return [f"{m} {a} {mode} at {c['frames']} frames: {c['status']}" + (f" ({c['phase']})" if c.get("phase") else "")
-            for (m, a, mode), c in sorted(walls.items())]
+    return [f"{m} {a} {mode} at {c['frames']} frames: {status_text(c)}" for (m, a, mode), c in sorted(walls.items())]
+
+
+def status_text(c: dict) -> str:
+    """A cell's status with its phase, as the page shows it: "OOM (plan: backward)"."""
+    return c["status"] + (f" ({c['phase']})" if c.get("phase") else "")
 
 
 PAPER_PEAK_GB = 115      # C3: the paper's peak HBM at TARGET_FRAMES frames
@@ -127,7 +131,9 @@ def _no_outcome(c: dict) -> str:
         return "its wall there is time, not memory"
     if c["status"] == "not run":
         return "cut by its run's time budget"
-    return "the planner refused it before allocating: predicted, not measured"
+    if c["status"] in ("OOM", "refused"):
+        return "the planner refused it before allocating: predicted, not measured"
+    return "its status measures no memory"
 
 
 def length_verdict(cells: list[tuple[str, dict]], attention: str, frames: int, claimed: str) -> str:
@@ -142,13 +148,13 @@ def length_verdict(cells: list[tuple[str, dict]], attention: str, frames: int, c
     if shown or other:
         c = (shown or other)[0]
         peak = f" at {c['measured_peak_GB']:.1f} GB" if c["status"] == "fits" else ""
-        seen = f"{_cell_name(c)}: {c['status']}{peak}" + (f" ({c['phase']})" if c.get("phase") else "")
+        seen = f"{_cell_name(c)}: {status_text(c)}{peak}"
         return f"{'supported' if shown else 'not supported'} ({seen}; {c['file']}; {rule})"
     if not at:
         most = [f for (_, a, _), f in most_frames_fitting(cells).items() if a == attention]
         return (f"not assessed: no measured {attention} cell of {frames} frames (the most frames a measured "
                 f"{attention} cell fits: {max(most, default=0)}; {rule})")
-    why = "; ".join(f"{_cell_name(c)}: {c['status']}" + (f" ({c['phase']})" if c.get("phase") else "")
+    why = "; ".join(f"{_cell_name(c)}: {status_text(c)}"
                     + (f", predicted peak {c['predicted_peak_GB']:.0f} GB" if c.get("predicted_peak_GB") else "")
                     + f": {_no_outcome(c)}" for c in at)
     return f"not assessed: {why} ({rule})"
