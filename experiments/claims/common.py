@@ -47,3 +47,9 @@ def widest(results_dir: Path, experiment: str, ranks_key: str, timed: str | None
     found = [(n, d) for n, d in read_results(results_dir, experiment) if str(d.get("device", "")).startswith("cuda")
              and (timed is None or any(r["variant"] == timed and "time_s" in r for r in d.get("timings", [])))]
     return max(found, key=lambda nd: nd[1].get(ranks_key, 0), default=None)
+
+
+def under_previous_rule(rule: str, verdict: str) -> str:
+    """A verdict as the rule it replaced gave it, shown beside the new one: `rule` says what that rule was and
+    `verdict` is what it gives on the same data."""
+    return f"under the previous rule ({rule}): {verdict}"

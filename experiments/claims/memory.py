@@ -16,11 +16,20 @@ TB = 1e12
 QUADRATIC_SLOPE = 1.8   # C2: a log-log slope of dense time over tokens at least this counts as quadratic
 
 
+PAPER_STATE_TB, PAPER_MOMENTS_GB = 1.47, 840   # C1 as the paper states them (~)
+ARITHMETIC_TOLERANCE = 0.05   # C1: our arithmetic counts as consistent with the paper's rounded figures within 5%
+
+
 def c1(results_dir: Path):
     n = count_params(DIT_PRESETS["105B"])
-    total, moments = 14 * n, 8 * n
-    return ((f"analytic: our `105B` preset has {n / 1e9:.1f} B params; 14 B/param = {total / TB:.2f} TB, "
-             f"moments {moments / 1e9:.0f} GB (`count_params`, no run)"), "consistent (arithmetic)")
+    total, moments = 14 * n / TB, 8 * n / 1e9
+    gaps = (total / PAPER_STATE_TB - 1, moments / PAPER_MOMENTS_GB - 1)
+    word = "consistent" if all(abs(g) <= ARITHMETIC_TOLERANCE for g in gaps) else "not consistent"
+    return ((f"analytic: our `105B` preset has {n / 1e9:.1f} B params; 14 B/param = {total:.2f} TB, "
+             f"moments {moments:.0f} GB (`count_params`, no run)"),
+            (f"{word} (arithmetic): state {total:.2f} vs ~{PAPER_STATE_TB} TB ({100 * gaps[0]:+.1f}%), moments "
+             f"{moments:.0f} vs ~{PAPER_MOMENTS_GB} GB ({100 * gaps[1]:+.1f}%) (rule: consistent if both lie within "
+             f"{100 * ARITHMETIC_TOLERANCE:.0f}% of the paper's figures)"))
 
 
 def _loglog_slope(points: list[tuple[float, float]]) -> float:
@@ -95,8 +104,75 @@ def first_walls(cells: list[tuple[str, dict]]) -> list[str]:
         if (c["status"] not in ("fits", "not run") and c["frames"] > most.get(key, 0)
                 and (key not in walls or c["frames"] < walls[key]["frames"])):
             walls[key] = c
-    return [f"{m} {a} {mode} at {c['frames']} frames: {c['status']}" + (f" ({c['phase']})" if c.get("phase") else "")
-            for (m, a, mode), c in sorted(walls.items())]
+    return [f"{m} {a} {mode} at {c['frames']} frames: {status_text(c)}" for (m, a, mode), c in sorted(walls.items())]
+
+
+def status_text(c: dict) -> str:
+    """A cell's status with its phase, as the page shows it: "OOM (plan: backward)"."""
+    return c["status"] + (f" ({c['phase']})" if c.get("phase") else "")
+
+
+PAPER_PEAK_GB = 115      # C3: the paper's peak HBM at TARGET_FRAMES frames
+DENSE_OOM_FRAMES = 64    # C3: the paper's dense baseline runs out of memory at this many frames
+CLAIMED = {"fits": "fits", "OOM": "runs out of memory"}   # a length claim's outcome -> how the rule says it
+
+
+def memory_outcome(c: dict) -> str | None:
+    """What a measured cell shows about memory: "fits", "OOM" (it ran and ran out), or None: nothing (a time limit
+    or the run's time budget stopped it, or the planner refused it before allocating: predicted, not measured)."""
+    if c["status"] == "fits":
+        return "fits"
+    return "OOM" if c["status"] == "OOM" and not str(c.get("phase", "")).startswith("plan:") else None
+
+
+def _no_outcome(c: dict) -> str:
+    """Why a cell without a memory outcome measured none."""
+    if c["status"] == "time limit":
+        return "its wall there is time, not memory"
+    if c["status"] == "not run":
+        return "cut by its run's time budget"
+    if c["status"] in ("OOM", "refused"):
+        return "the planner refused it before allocating: predicted, not measured"
+    return "its status measures no memory"
+
+
+def length_verdict(cells: list[tuple[str, dict]], attention: str, frames: int, claimed: str) -> str:
+    """C3's rule for a paper's claim that `attention` `claimed` ("fits" or "OOM") at `frames` frames, in any model
+    and mode: supported if a measured cell of that attention and length shows it, not supported if those cells show
+    only the other outcome, not assessed if none of them shows a memory outcome (memory_outcome)."""
+    at = [c for _, c in cells if (c["attention"], c["frames"]) == (attention, frames)]
+    shown = [c for c in at if memory_outcome(c) == claimed]
+    other = [c for c in at if memory_outcome(c) not in (claimed, None)]
+    rule = (f"rule: supported if a measured {attention} cell of {frames} frames {CLAIMED[claimed]}, not supported if "
+            f"those measured show only the other outcome, not assessed if none ran to a memory outcome")
+    if shown or other:
+        c = (shown or other)[0]
+        peak = f" at {c['measured_peak_GB']:.1f} GB" if c["status"] == "fits" else ""
+        seen = f"{_cell_name(c)}: {status_text(c)}{peak}"
+        return f"{'supported' if shown else 'not supported'} ({seen}; {c['file']}; {rule})"
+    if not at:
+        most = [f for (_, a, _), f in most_frames_fitting(cells).items() if a == attention]
+        return (f"not assessed: no measured {attention} cell of {frames} frames (the most frames a measured "
+                f"{attention} cell fits: {max(most, default=0)}; {rule})")
+    why = "; ".join(f"{_cell_name(c)}: {status_text(c)}"
+                    + (f", predicted peak {c['predicted_peak_GB']:.0f} GB" if c.get("predicted_peak_GB") else "")
+                    + f": {_no_outcome(c)}" for c in at)
+    return f"not assessed: {why} ({rule})"
+
+
+def peak_verdict(cells: list[tuple[str, dict]]) -> str:
+    """C3's rule for the paper's peak HBM at TARGET_FRAMES frames: supported if a measured DSA cell of that length
+    fits at a peak at or below PAPER_PEAK_GB (the paper's figure read as the HBM its step needs), not supported if
+    every one that fits peaks above it, not assessed if none fits."""
+    fit = [c for _, c in cells if (c["attention"], c["frames"], c["status"]) == ("dsa", TARGET_FRAMES, "fits")]
+    rule = (f"rule: supported if a measured dsa cell of {TARGET_FRAMES} frames fits at a peak at or below the paper's "
+            f"{PAPER_PEAK_GB} GB, not supported if every one peaks above it, not assessed if none fits")
+    if not fit:
+        return f"not assessed: no measured dsa cell of {TARGET_FRAMES} frames fits ({rule})"
+    low = min(fit, key=lambda c: c["measured_peak_GB"])
+    return (f"{'supported' if low['measured_peak_GB'] <= PAPER_PEAK_GB else 'not supported'} (lowest measured peak "
+            f"{low['measured_peak_GB']:.1f} GB at {_cell_name(low)}, {low['file']}, of {len(fit)} such "
+            f"cell{'s' if len(fit) != 1 else ''}; {rule})")
 
 
 def planner_error(cells: list[tuple[str, dict]], predicted: Callable[[dict], float | None]
@@ -194,6 +270,9 @@ def c3(results_dir: Path):
                + (f"met (a measured {model} cell of {reached} frames fits)" if reached >= TARGET_FRAMES else
                   f"not met: no measured cell of {TARGET_FRAMES} frames fits; the most for {model} is {reached} "
                   "frames"),
+               f"~{PAPER_PEAK_GB} GB peak HBM at {TARGET_FRAMES} frames: {peak_verdict(cells)}",
+               f"dense OOMs at {DENSE_OOM_FRAMES} frames: {length_verdict(cells, 'dense', DENSE_OOM_FRAMES, 'OOM')}",
+               f"Swin fits {TARGET_FRAMES} frames: {length_verdict(cells, 'swin', TARGET_FRAMES, 'fits')}",
                _error_text(planner_error(cells, lambda c: c.get("predicted_peak_GB")), "planner accuracy as recorded "
                            "by the runs", lambda c: c["predicted_peak_GB"])]
     if plans:

@@ -7,7 +7,7 @@ import itertools
 import json
 from pathlib import Path
 
-from experiments.claims.common import link, load, read_results, tokens_text
+from experiments.claims.common import link, load, read_results, tokens_text, under_previous_rule
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import count_params
 from megaslide.perf.timing import MIN_REPEATS
@@ -96,7 +96,7 @@ def mfu_c4(results_dir: Path):
     word = "supported" if all(reached) else "reproduced against the measured peak only" if any(reached) else \
         "not reproduced"
     timed = b["timed_steps"]
-    spread = timed >= MIN_TIMED_STEPS and any(k.startswith("step_s_") for k in o)
+    spread = step_range(o) is not None
     timing = (f"; {timed} timed steps, {o['step_s_min']:.2f}-{o['step_s_max']:.2f} s" if spread else
               f"; the JSON holds {timed} timed steps and no spread: one measurement, not a median over "
               f">= {MIN_TIMED_STEPS}")
@@ -189,14 +189,44 @@ def predicted_scaling(results_dir: Path, name: str, plan: dict) -> tuple[str, st
             + f"; GPU run: `{SCALING_COMMAND}`")
 
 
+def step_range(variant: dict) -> tuple[float, float] | None:
+    """(fastest, slowest) timed step of an mfu_overlap variant; None below MIN_TIMED_STEPS or without a spread."""
+    if variant.get("timed_steps", 0) < MIN_TIMED_STEPS or "step_s_min" not in variant:
+        return None
+    return variant["step_s_min"], variant["step_s_max"]
+
+
 def c5(results_dir: Path):
     m = load(results_dir, "mfu_overlap", MFU_RESULT)
     if not m:
         return "not measured", "-"
-    g = next(r for r in m["variants"] if r["variant"] == "gpu_optimizer")
-    return ((f"GPU optimizer (master + moments streamed): MFU {100 * g['mfu_vs_measured_peak']:.1f}% "
+    v = {r["variant"]: r for r in m["variants"]}
+    g, o = v["gpu_optimizer"], v["overlap"]
+    peak, sheet = g["mfu_vs_measured_peak"], g["mfu_vs_datasheet"]
+    ranges = step_range(g), step_range(o)
+    if None in ranges:
+        drop = None
+        spans = "no timing spread to compare"
+    else:
+        drop = ranges[0][0] > ranges[1][1]
+        spans = (f"timed steps {ranges[0][0]:.2f}-{ranges[0][1]:.2f} s vs {ranges[1][0]:.2f}-{ranges[1][1]:.2f} s "
+                 f"with the optimizer on the CPU")
+    reached = [x <= PAPER_MFU_GPU_OPT for x in (peak, sheet)]
+    word = (f"not assessed (fewer than {MIN_TIMED_STEPS} timed steps or no spread)" if drop is None else
+            "not supported" if not drop else "supported" if all(reached) else
+            "reproduced against the datasheet only" if any(reached) else "not reproduced")
+    previous = ("supported" if peak <= PAPER_MFU_GPU_OPT else
+                f"drop measured, smaller than the paper's: {100 * peak:.1f}% vs {100 * PAPER_MFU_GPU_OPT:.0f}%")
+    return ((f"GPU optimizer (master + moments streamed): MFU {100 * peak:.1f}% of the measured peak "
+             f"({100 * sheet:.1f}% of the datasheet) vs {100 * o['mfu_vs_measured_peak']:.1f}% "
+             f"({100 * o['mfu_vs_datasheet']:.1f}%) with the optimizer on the CPU, overlapped "
              f"({link(results_dir, 'mfu_overlap', MFU_RESULT)})"),
-            "supported" if g["mfu_vs_measured_peak"] <= PAPER_MFU_GPU_OPT else
-            f"drop measured, smaller than the paper's: {100 * g['mfu_vs_measured_peak']:.1f}% vs "
-            f"{100 * PAPER_MFU_GPU_OPT:.0f}%")
-
+            (f"{word}: MFU {100 * o['mfu_vs_measured_peak']:.1f}% -> {100 * peak:.1f}% (measured peak), "
+             f"{100 * o['mfu_vs_datasheet']:.1f}% -> {100 * sheet:.1f}% (datasheet) vs the paper's "
+             f"{100 * PAPER_MFU:.0f}% -> {100 * PAPER_MFU_GPU_OPT:.0f}%; {spans} (rule: a drop counts when the GPU "
+             f"optimizer's fastest timed step is slower than the CPU optimizer's slowest; supported if a drop counts "
+             f"and the GPU optimizer's MFU is at or below the paper's {100 * PAPER_MFU_GPU_OPT:.0f}% against both "
+             f"peaks, not reproduced if the drop counts but is smaller, not supported if no drop counts); "
+             + under_previous_rule(f"supported if the GPU optimizer's MFU is at or below "
+                                   f"{100 * PAPER_MFU_GPU_OPT:.0f}%, else a drop called measured without comparing "
+                                   "it with the CPU optimizer's", previous)))
