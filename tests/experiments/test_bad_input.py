@@ -6,6 +6,8 @@ working directory, so that anything they would write shows up there."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from experiments.hydra_config import CONF_DIR, typed_configs
 from megaslide.checkpoint import save_checkpoint
 from megaslide.config import DiTConfig
 from megaslide.train.trainer import Trainer
+from tests.experiments.runner import REPO_ROOT
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 CUDA = torch.cuda.is_available()
@@ -146,6 +149,37 @@ def test_sample_names_a_damaged_checkpoint(tmp_path, checkpoint, monkeypatch, ca
     err = run_main(experiments.sample, [f"checkpoint={damaged}", f"out={tmp_path / 'o.mp4'}"], tmp_path, monkeypatch,
                    capsys)
     assert f"checkpoint file '{damaged}' is damaged" in err and not (tmp_path / "o.mp4").exists()
+
+
+def test_sample_refuses_an_unwritable_out_folder(tmp_path, checkpoint, monkeypatch, capsys):
+    """A read-only folder (chmod, where this user is not root, whom chmod does not stop), else one whose
+    parent is a regular file: refused before sampling, naming the out path, nothing written."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    else:
+        folder.rmdir()
+        folder.write_text("")
+    out = folder / "x.mp4"
+    err = run_main(experiments.sample, [f"checkpoint={checkpoint}", f"out={out}"], tmp_path, monkeypatch, capsys)
+    assert f"out='{out}'" in err and "is not a folder this user can write" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"] and not out.exists()
+
+
+def test_sample_full_disk_exits_nonzero_without_a_file(tmp_path, checkpoint):
+    """A write that fails after sampling (here a file-size limit, as a full disk): exit status 1, the error
+    names the out path and ffmpeg's cause, and neither the video nor a temp file is left."""
+    out = tmp_path / "x.mp4"
+    code = ("import resource, runpy, sys\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+            f"sys.argv = ['sample.py', 'checkpoint={checkpoint}', 'out={out}', 'steps=1', 'device=cpu']\n"
+            "runpy.run_path('experiments/sample.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"error: could not write the video {out}: ffmpeg exited with status" in done.stderr
+    assert "wrote" not in done.stdout and list(tmp_path.iterdir()) == []
 
 
 def _compose(overrides: list[str]):
