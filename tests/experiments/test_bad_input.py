@@ -16,8 +16,13 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import experiments.ablate_offsets
+import experiments.bench_attention
+import experiments.mfu_overlap
+import experiments.offload_peers
+import experiments.oom_thresholds
 import experiments.quality
 import experiments.sample
+import experiments.scaling
 import experiments.train
 from experiments.hydra_config import CONF_DIR, typed_configs
 from megaslide.checkpoint import save_checkpoint
@@ -118,6 +123,22 @@ def test_studies_refuse_before_writing_anything(script, kind, tmp_path, monkeypa
     err = run_main(script, ["out_dir=runs/x", "train.steps=1", *args], tmp_path, monkeypatch, capsys)
     assert message in err and "num_videos" not in err
     assert list(tmp_path.iterdir()) == []                # no run folder, results, .hydra, *.log or wandb/
+
+
+NAMED = [experiments.oom_thresholds, experiments.scaling, experiments.mfu_overlap, experiments.offload_peers,
+         experiments.bench_attention, experiments.train, experiments.ablate_offsets]
+
+
+BAD_NAMES = [*((s, "name", v) for s in NAMED for v in ("../../x", "a/b")),
+             (experiments.ablate_offsets, "results_name", "../x")]
+
+
+@pytest.mark.parametrize("script,key,value", BAD_NAMES, ids=lambda v: getattr(v, "__name__", v))
+def test_a_name_that_leaves_its_folder_is_refused_first(script, key, value, tmp_path, monkeypatch, capsys):
+    """The one check (results_io.check_result_name, run by script_main) before the script does anything."""
+    err = run_main(script, [f"{key}={value}"], tmp_path, monkeypatch, capsys)
+    assert err.startswith(f"error: {key}='{value}': a result name must be one plain file name"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_full_error_keeps_the_traceback(tmp_path, monkeypatch):
