@@ -83,7 +83,8 @@ BAD_TRAIN = {
                            "checkpoint vs 'dsa_zero' now"),
     "EMA with offload": (["offload=engine", "train.ema_decay=0.9"], "train.ema_decay=0.9: the offload engine keeps "
                                                                     "no EMA"),
-    "captions not a list": (["sample_captions=hello"], "sample_captions='hello' must be a list"),
+    "captions not a list": (["sample_captions=hello"], "sample_captions='hello' must be a list, e.g. "
+                                                       "sample_captions=[hello]"),
     "no GPU": (["train.device=cuda"], "train.device=cuda but no CUDA device is visible"),
 }
 
@@ -113,6 +114,7 @@ BAD_STUDY = {
     "no seeds": (["seeds=[]"], "seeds=[] must be a non-empty list of integers"),
     "seed not a list": (["seeds=3"], "seeds=3 must be a non-empty list of integers"),
     "fractional seed": (["seeds=[0.5]"], "seeds=[0.5] must be a non-empty list of integers"),
+    "variants not a list": (["variants=dsa"], "variants='dsa' must be a list, e.g. variants=[dsa]"),
 }
 
 
