@@ -561,7 +561,7 @@ def main(hydra_cfg: DictConfig) -> None:
     name = cfg.name or ("smoke" if cfg.smoke else "sweep")
     config = {"heads": heads, "head_dim": d, "module_head_dims": cfg.module_head_dims, "dtype": str(dtype),
               "kernel": KERNEL, "window": WINDOW, "device": str(device), "baseline": cfg.baseline}
-    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project, trial=cfg.smoke)
     tables: dict[str, list] = {}
     if device.type == "cuda":
         tables["tiles"] = tile_rows(target_grid, heads, [d, *cfg.module_head_dims])

@@ -245,7 +245,7 @@ def main(hydra_cfg: DictConfig) -> None:
     threads = hydra_cfg.threads or torch.get_num_threads()
     cfg = script_config(BenchCpuAdamConfig, hydra_cfg, {"threads": threads, **(TINY if hydra_cfg.tiny else {})})
     name = cfg.name or ("tiny" if cfg.tiny else "n" + "-".join(str(n) for n in cfg.params) + f"_t{cfg.threads}")
-    run = ExperimentRun("cpu_adam", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    run = ExperimentRun("cpu_adam", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project, trial=cfg.tiny)
     payload = bench(cfg.params, cfg.threads, cfg.warmup, cfg.iters, cfg.bw_bytes)
     ours = {f"{r['workload']} {r['params']}": r["speedup_vs_torch_fused"] for r in payload["results"]
             if r["variant"] == "megaslide" and r.get("speedup_vs_torch_fused") is not None}

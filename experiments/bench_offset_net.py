@@ -153,7 +153,7 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
     if device is None:
         return 2
     name = cfg.name or ("offset_net_smoke" if cfg.smoke else "offset_net")
-    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project, trial=cfg.smoke)
     ceiling = {"hbm_gbps": copy_gbps(device, 2 ** 20 if cfg.smoke else 2 ** 30)}
     checks = [check_conv(shape, frames, dtype, device) for shape, frames in
               (SMOKE_CHECK_CASES if cfg.smoke else CHECK_CASES) for dtype in (torch.float32, torch.bfloat16)]

@@ -119,7 +119,7 @@ def bench(cfg: BenchQKRopeConfig) -> int:
         return 2
     from megaslide.nn.qk_rope import choose_backend
     name = cfg.name or ("qk_rope_smoke" if cfg.smoke else "qk_rope")
-    run = ExperimentRun("qk_rope", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    run = ExperimentRun("qk_rope", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project, trial=cfg.smoke)
     ceiling = {"hbm_gbps": copy_gbps(device, 2 ** 20 if cfg.smoke else 2 ** 30)}
     checks = []
     for B, N, heads, d in SMOKE_CHECK_CASES if cfg.smoke else CHECK_CASES:

@@ -312,7 +312,7 @@ def check(cfg: GpuCheckConfig) -> int:
     if not cfg.ops or set(cfg.ops) - set(OPS):
         raise ValueError(f"ops={list(cfg.ops)}: choose one or more of {list(OPS)}")
     name = cfg.name or ("dsa_gpu_check_smoke" if cfg.smoke else "dsa_gpu_check")
-    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project, trial=cfg.smoke)
 
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", BACKENDS, probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name

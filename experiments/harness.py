@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.report import find_tables
-from experiments.results_io import check_result_name, result_path, write_result
+from experiments.results_io import check_result_name, result_path, results_root, write_result
 from megaslide.offload.host_state import HostArena
 from megaslide.perf.timing import pcie_gbps
 from megaslide.train.logger import RunLogger
@@ -65,26 +65,30 @@ def pcie_ceiling(device: torch.device | str, nbytes: int) -> dict:
 
 # ----------------------------------------------------------------------------- W&B + result JSON
 class ExperimentRun:
-    """One run of a table script: its W&B run and its result file `results/<experiment>/<name>.json`.
+    """One run of a table script: its W&B run and its result file `<results>/<experiment>/<name>.json`.
 
     The W&B run (offline unless WANDB_MODE says otherwise, nothing at all when it is `disabled`)
     lies in `<out_dir>/<experiment>/<name>/wandb` and holds the config; `finish` adds every
     table of the result (as report.py finds them), the headline scalars and the plots. Every
-    saved result records the run's folder as `wandb_dir` (None when W&B is disabled)."""
+    saved result records the run's folder as `wandb_dir` (None when W&B is disabled).
+    `<results>` is `results_root`: the repo's results/, or for a `trial` run (smoke, tiny, plan_only)
+    `<out_dir>/<experiment>/<name>/results`; `MEGASLIDE_RESULTS_DIR` overrides both."""
 
     def __init__(self, experiment: str, name: str, config: dict, out_dir: str | Path = "runs",
-                 project: str = "megaslide", rank: int = 0):
+                 project: str = "megaslide", rank: int = 0, trial: bool = False):
         self.experiment, self.name = experiment, check_result_name(name)   # before the run folder exists
-        self.logger = RunLogger(Path(out_dir) / experiment / name, project=project, name=f"{experiment}-{name}",
-                                config=config, rank=rank)
+        run_dir = Path(out_dir) / experiment / name
+        self.results_dir = results_root(run_dir / "results" if trial else None)
+        self.logger = RunLogger(run_dir, project=project, name=f"{experiment}-{name}", config=config, rank=rank)
 
     @property
     def result_path(self) -> Path:
-        return result_path(self.experiment, self.name)
+        return result_path(self.experiment, self.name, self.results_dir)
 
     def save(self, payload: dict) -> Path:
         """Write the result file now (scripts call this after each row, so a crash keeps the rows)."""
-        return write_result(self.experiment, self.name, {**payload, "wandb_dir": self.logger.wandb_dir})
+        return write_result(self.experiment, self.name, {**payload, "wandb_dir": self.logger.wandb_dir},
+                            self.results_dir)
 
     def finish(self, payload: dict, scalars: dict, images: dict[str, Path] | None = None) -> Path:
         """Log the result's tables, `scalars` and `images` (key -> png) to W&B, write the result, close."""

@@ -17,6 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.results_io import check_result_name
 from megaslide.config import (
     AttentionConfig,
     DataConfig,
@@ -32,6 +33,7 @@ from megaslide.device import resolve_device
 from megaslide.models.dit import DIT_PRESETS
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # every script's Hydra config (absolute: also when imported)
+RESULT_NAME_KEYS = ("name", "results_name")   # the top-level keys that name a result file or a run folder
 
 
 def script_main(config_name: str):
@@ -42,11 +44,15 @@ def script_main(config_name: str):
     refused as non-finite (FloatingPointError, megaslide.train.engine.NonFiniteStep) likewise with exit
     status 3; set HYDRA_FULL_ERROR=1 for the traceback. The script's config keeps Hydra from writing anything
     (`hydra.run.dir: .`, `hydra.output_subdir: null`, job logging disabled), so a refused config
-    leaves no folder behind."""
+    leaves no folder behind. A result or run name (`RESULT_NAME_KEYS`) is checked first, before the script
+    does anything: a separator or '..' in it would write outside results/ and runs/."""
     def decorate(task):
         @functools.wraps(task)
         def run(cfg: DictConfig):
             try:
+                for key in RESULT_NAME_KEYS:
+                    if isinstance(cfg.get(key), str) and cfg.get(key) != "":   # "": the script's own default
+                        check_result_name(cfg.get(key), key)
                 return task(cfg)
             except (ValueError, FloatingPointError) as err:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -306,7 +306,7 @@ def main(cfg: DictConfig) -> None:
                "engine_setup_s": time.perf_counter() - t0, "host_state": engine.host.bytes_report(),
                "variants": [], "targets": TARGETS, "complete": False}
     name = cfg.name or ("tiny" if cfg.tiny else f"{device.type}_{payload['preset']}_d{depth}")
-    run = ExperimentRun("mfu_overlap", name, c, cfg.wandb.dir, cfg.wandb.project)
+    run = ExperimentRun("mfu_overlap", name, c, cfg.wandb.dir, cfg.wandb.project, trial=cfg.tiny)
 
     # 6. variants; the result file is rewritten after each, so a failure late keeps the rest
     for variant in bench.variants:

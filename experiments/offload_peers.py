@@ -340,7 +340,8 @@ def main(cfg: DictConfig) -> None:
     flops = dit_flops(run.model, batch, grid).train
     name = script.name or ("smoke" if script.smoke else f"{device.type}_{c['model']['preset']}_d{run.model.depth}")
     config = {**{k: c[k] for k in RUN_GROUPS}, **dataclasses.asdict(script)}
-    experiment = ExperimentRun("offload_peers", name, config, c["wandb"]["dir"], c["wandb"]["project"])
+    experiment = ExperimentRun("offload_peers", name, config, c["wandb"]["dir"], c["wandb"]["project"],
+                               trial=script.smoke)
 
     matmul_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak = matmul_tflops(device, n=script.matmul_n, dtype=matmul_dtype)

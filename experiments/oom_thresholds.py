@@ -508,7 +508,8 @@ def main(hydra_cfg: DictConfig) -> None:
     table = [(label, spec, mode, cells_of_row(cfg, base, label, model, spec, mode))
              for label, model in models.items() for spec in cfg.row_specs() for mode in spec.modes]
     config = {**clip_fields(compose_run(base, [])), **dataclasses.asdict(cfg), "run_overrides": base_overrides(base)}
-    run = ExperimentRun("oom_thresholds", name, config, cfg.wandb_dir, cfg.wandb_project)
+    run = ExperimentRun("oom_thresholds", name, config, cfg.wandb_dir, cfg.wandb_project,
+                        trial=cfg.smoke or cfg.plan_only)
     # plan_only plans the GPU run (bf16); a run plans in the dtype of this machine's device
     device = torch.device("cuda" if cfg.plan_only or torch.cuda.is_available() else "cpu")
     ceilings = None if cfg.plan_only else run_isolated(

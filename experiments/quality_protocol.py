@@ -315,10 +315,17 @@ STUDY_COUNTS = {"n_eval": "held-out captions each run samples and scores, e.g. n
                 "sample_batch": "clips sampled per batch, e.g. sample_batch=32"}
 
 
+STUDY_LISTS = ("variants", "clip_frames", "clip_batch_sizes", "clip_steps", "swin_window")   # lists where present
+
+
 def check_study(cfg) -> None:
-    """The study keys of `cfg` (STUDY_COUNTS integers >= 1, results_name a plain file name, seeds a non-empty
-    list of integers); a ValueError names the key and the fix. A study script calls it with typed_configs,
-    before anything is written."""
+    """The study keys of `cfg` (STUDY_COUNTS integers >= 1, STUDY_LISTS lists, not a string read letter by letter,
+    results_name a plain file name, seeds a non-empty list of integers); a ValueError names the key and the fix.
+    A study script calls it with typed_configs, before anything is written."""
+    for key in STUDY_LISTS:
+        value = cfg.get(key, [])
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise ValueError(f"{key}={value!r} must be a list, e.g. {key}=[{value}]")
     for key, meaning in STUDY_COUNTS.items():
         value = cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -223,11 +223,17 @@ def check_result_name(name: str, key: str = "name") -> str:
     return name
 
 
+def results_root(trial_dir: Path | str | None = None) -> Path:
+    """The folder results go to: `$MEGASLIDE_RESULTS_DIR` when set (`MEGASLIDE_RESULTS_DIR=results` publishes a
+    trial run); else, for a trial run (smoke, tiny, plan_only: `trial_dir`, the run's folder under runs/), that
+    folder, so that trying a script never rewrites the tracked results/; else the repo's results/."""
+    return Path(os.environ.get("MEGASLIDE_RESULTS_DIR") or trial_dir or RESULTS_DIR)
+
+
 def result_path(experiment: str, name: str, results_dir: Path | str | None = None) -> Path:
-    """`<results_dir>/<experiment>/<name>.json`; `results_dir` defaults to `$MEGASLIDE_RESULTS_DIR`
-    or the repo's results/ folder. `name` must pass `check_result_name`."""
-    root = Path(results_dir or os.environ.get("MEGASLIDE_RESULTS_DIR") or RESULTS_DIR)
-    return root / experiment / f"{check_result_name(name)}.json"
+    """`<results_dir>/<experiment>/<name>.json`; `results_dir` defaults to `results_root()`.
+    `name` must pass `check_result_name`."""
+    return Path(results_dir or results_root()) / experiment / f"{check_result_name(name)}.json"
 
 
 def write_result(experiment: str, name: str, payload: dict, results_dir: Path | str | None = None) -> Path:

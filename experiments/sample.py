@@ -8,6 +8,8 @@ a pixel-space (RGB) one, as every model experiments/train.py trains is.
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,10 @@ class SampleConfig:
             raise ValueError(f"cfg_scale={self.cfg_scale} must be >= 0 (1: no guidance)")
         if Path(self.out).suffix.lower() != ".mp4":
             raise ValueError(f"out={self.out!r}: sample.py writes mp4 video only; give a name ending in .mp4")
+        folder = next(p for p in Path(self.out).absolute().parents if p.exists())   # the nearest that exists
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ValueError(f"out={self.out!r}: {folder} is not a folder this user can write; give an out path "
+                             f"in a writable folder")
         resolve_device(self.device, key="device")
         if not Path(self.checkpoint).exists():
             raise ValueError(f"checkpoint={self.checkpoint!r} does not exist; pass a checkpoint of "
@@ -67,7 +73,12 @@ def generate(cfg: SampleConfig) -> torch.Tensor:
 @script_main("sample")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(SampleConfig, hydra_cfg)
-    print(f"wrote {write_mp4(cfg.out, generate(cfg))}")
+    video = generate(cfg)
+    try:
+        path = write_mp4(cfg.out, video)
+    except OSError as err:   # a full disk, or a folder that turned read-only while the video was sampled
+        sys.exit(f"error: {err}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ def main(hydra_cfg: DictConfig) -> None:
     base_run = next(iter(runs.values()))
     config = {**clip_fields(base_run), "attention": base_run.model.attention.name, **dataclasses.asdict(cfg),
               "run_overrides": base_overrides(base)}
-    run = ExperimentRun("scaling", name, config, cfg.wandb_dir, cfg.wandb_project)
+    run = ExperimentRun("scaling", name, config, cfg.wandb_dir, cfg.wandb_project, trial=cfg.smoke or cfg.plan_only)
     ceilings = None if cfg.plan_only else run_isolated(_ceilings, (cfg.matmul_n, cfg.pcie_probe_MiB), 300)
     progress(f"ceilings {ceilings}")
     rows: list[dict] = []

@@ -198,7 +198,8 @@ class Bench:
                      tokens_per_chunk=setup.chunk_frames * setup.height * setup.width // patch,
                      chunks=setup.frames // setup.chunk_frames, chunk_frames=setup.chunk_frames, steps=self.steps)
         self.name = cfg.name or f"{cfg.model_preset}_P{ctx.world}"
-        self.run = ExperimentRun("sp_inference", self.name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project) \
+        self.run = ExperimentRun("sp_inference", self.name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project,
+                                 trial=cfg.tiny) \
             if ctx.is_main else None
         self.payload = {
             "note": ("wan-1.3b shapes with RANDOM weights (speed does not depend on values); bf16; no CFG; TTFF = "

@@ -369,7 +369,8 @@ def benchmark(cfg: SwiftFusionConfig, device: torch.device) -> None:
         "simulation": simulate(cfg, ceiling["tflops"], sim_intra, cfg.inter_bw),
     }
     name = cfg.name or ("smoke" if cfg.smoke else f"{device.type}_w{world}")
-    run = ExperimentRun("swiftfusion", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project) if rank == 0 else None
+    run = ExperimentRun("swiftfusion", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project,
+                        trial=cfg.smoke) if rank == 0 else None
     if run:
         run.save(payload)  # correctness + simulation first
 

@@ -26,6 +26,7 @@ from megaslide.config import DiTConfig, architecture_changes, from_dict
 SHARDED_STATE = "state.pt"  # written last into a sharded folder: its presence marks a complete checkpoint
 BLOCK_LAYOUT = "block_layout"  # key of state.pt: the flat layout of every block shard's buffers (`flat_layout`)
 _STEP_NAME = re.compile(r"step_(\d+)(\.pt)?")
+_TEMP_NAME = re.compile(r"\.step_\d+(\.pt)?\.tmp")   # a save's temporary file or folder (save_checkpoint)
 
 
 def checkpoint_path(folder: str | Path, step: int, *, sharded: bool) -> Path:
@@ -160,13 +161,28 @@ def prune_checkpoints(folder: str | Path, keep: int, *, sharded: bool = False) -
     return old
 
 
+def remove_stale_temps(folder: str | Path) -> list[Path]:
+    """Delete what a killed save left in `folder`: `.step_N.pt.tmp` files and `.step_N.tmp/` folders, the
+    temporary names of this module's saves and nothing else. Called when a run starts (`resume_point`), before
+    it saves anything; returns the deleted paths."""
+    stale = sorted(p for p in Path(folder).glob(".step_*.tmp") if _TEMP_NAME.fullmatch(p.name))
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return stale
+
+
 def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, sharded: bool) -> tuple[Path, int] | None:
     """Where train.resume says to continue: (checkpoint, step), or None to start fresh.
 
     `resume` is a checkpoint path, "auto" (the newest checkpoint in `folder`, if any) or "".
     `sharded` is the format the training engine reads. Refused with a ValueError before anything
     is built: a checkpoint of the other format, a damaged one, and one of another architecture
-    (the error lists each differing field, saved vs now)."""
+    (the error lists each differing field, saved vs now). What a killed save left in `folder` is removed first
+    (`remove_stale_temps`)."""
+    remove_stale_temps(folder)
     if resume == "auto":  # the newest of the engine's format; one of the other format is refused below
         path = latest_checkpoint(folder, sharded=sharded) or latest_checkpoint(folder, sharded=not sharded)
     else:

@@ -406,7 +406,7 @@ def _coerce(tp, value, key: str):
         return _coerce(next(a for a in args if a is not type(None)), value, key)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key}={value!r} must be a list, e.g. {key}=[1,2]")
+            raise ValueError(f"{key}={value!r} must be a list, e.g. {key}=[{value}]")
         if origin is list or args[-1:] == (Ellipsis,):
             item_types = [args[0] if args else Any] * len(value)
         elif len(args) != len(value):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megaslide.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state,
-                                  resume_point, save_checkpoint, save_sharded_checkpoint)
+                                  remove_stale_temps, resume_point, save_checkpoint, save_sharded_checkpoint)
 from megaslide.inference.weights import sampling_weights
 
 
@@ -140,3 +140,19 @@ def test_resume_point_names_the_engine_of_the_other_format(tmp_path):
     save_checkpoint(folder / "step_9.pt", {"step": 9})
     with pytest.raises(ValueError, match=r"is a step_N.pt file of the resident engine; resume it with offload=none"):
         resume_point(str(folder / "step_9.pt"), folder, tiny_model_cfg(), sharded=True)
+
+
+def test_a_killed_saves_temp_files_are_removed_when_a_run_starts(tmp_path):
+    from tests.helpers import tiny_model_cfg
+
+    _tiny_run(tmp_path)
+    folder = tmp_path / "checkpoints"
+    (folder / ".step_2.pt.tmp").write_bytes(b"half")                 # a killed file save
+    (folder / ".step_3.tmp").mkdir()                                 # a killed sharded save
+    (folder / ".step_3.tmp" / "block_0000.pt").write_bytes(b"half")
+    keep = [folder / ".notes.tmp", folder / "step_x.tmp", folder / ".step_2.pt.tmp.bak"]   # not this module's names
+    for path in keep:
+        path.write_text("")
+    assert resume_point("auto", folder, tiny_model_cfg(), sharded=False) == (folder / "step_1.pt", 1)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["step_1.pt", *(p.name for p in keep)])
+    assert remove_stale_temps(tmp_path / "missing") == []

@@ -7,6 +7,8 @@ Two layouts are accepted everywhere a "video" is taken:
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 from typing import Sequence
 
@@ -39,14 +41,16 @@ def to_uint8_frames(video: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 def write_mp4(path: str | Path, video: torch.Tensor | np.ndarray, fps: float = 8.0, crf: int = 18) -> Path:
-    """Write a video as H.264 mp4 through imageio-ffmpeg.
+    """Write a video as H.264 mp4 with the ffmpeg of imageio-ffmpeg, all or nothing.
 
     ``video``: float (3, T, H, W) in [-1, 1] or uint8 (T, H, W, 3). ``crf``: x264
     constant rate factor (0 = lossless luma, 18 = visually lossless, 51 = worst).
     Odd frame sizes are written with full-resolution chroma (yuv444p) instead of yuv420p.
-    Returns the path written.
+    ffmpeg writes a hidden temp file beside ``path`` that replaces ``path`` only when ffmpeg
+    succeeded, so a failed write (read-only folder, full disk) raises OSError naming ``path`` and
+    the cause and leaves neither a partial video nor the temp file. Returns the path written.
     """
-    import imageio.v2 as imageio
+    import imageio_ffmpeg
 
     frames = to_uint8_frames(video)  # (T, H, W, 3)
     if fps <= 0:
@@ -54,22 +58,23 @@ def write_mp4(path: str | Path, video: torch.Tensor | np.ndarray, fps: float = 8
     if not 0 <= crf <= 51:
         raise ValueError(f"crf={crf} must lie in [0, 51]")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     height, width = frames.shape[1:3]
     pixel_format = "yuv420p" if height % 2 == 0 and width % 2 == 0 else "yuv444p"
-    writer = imageio.get_writer(
-        path,
-        format="FFMPEG",
-        mode="I",
-        fps=fps,
-        codec="libx264",
-        macro_block_size=1,
-        pixelformat=pixel_format,
-        output_params=["-crf", str(crf)],
-    )
-    with writer:
-        for frame in frames:
-            writer.append_data(frame)
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error",
+               "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", str(fps), "-i", "-",
+               "-an", "-c:v", "libx264", "-pix_fmt", pixel_format, "-crf", str(crf), "-f", "mp4", str(tmp)]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(command, input=frames.tobytes(), capture_output=True, check=False)
+        if done.returncode != 0:
+            cause = done.stderr.decode(errors="replace").strip().splitlines()
+            raise OSError(f"ffmpeg exited with status {done.returncode}: {cause[-1] if cause else 'no message'}")
+        os.replace(tmp, path)
+    except OSError as err:
+        if tmp.is_file():
+            tmp.unlink()
+        raise OSError(f"could not write the video {path}: {err}") from err
     return path
 
 

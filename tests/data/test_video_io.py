@@ -1,4 +1,8 @@
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import imageio.v2 as imageio
 import numpy as np
@@ -78,3 +82,28 @@ def test_frame_grid_png(tmp_path):
         frame_grid_png(tmp_path / "bad.png", videos, ["only one"])
     with pytest.raises(ValueError, match="videos"):
         frame_grid_png(tmp_path / "bad.png", [])
+
+
+def test_write_mp4_parent_not_a_folder_raises_naming_the_path(tmp_path):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "clip.mp4"
+    with pytest.raises(OSError, match=re.escape(str(out))):
+        write_mp4(out, np.zeros((2, 8, 8, 3), np.uint8))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_write_mp4_full_disk_leaves_no_file(tmp_path):
+    """A file-size limit makes ffmpeg's write fail as a full disk does: an OSError naming the path and
+    ffmpeg's cause, and no partial video or temp file beside it (a child process, as the limit is per process)."""
+    out = tmp_path / "clip.mp4"
+    code = ("import resource, sys, numpy as np; from megaslide.data.video_io import write_mp4\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+            "try:\n"
+            f"    write_mp4({str(out)!r}, np.random.default_rng(0).integers(0, 255, (8, 64, 64, 3), np.uint8))\n"
+            "except OSError as err:\n"
+            "    sys.exit(str(err))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"could not write the video {out}: ffmpeg exited with status" in done.stderr
+    assert list(tmp_path.iterdir()) == []

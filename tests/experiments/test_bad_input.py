@@ -6,6 +6,8 @@ working directory, so that anything they would write shows up there."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,13 +16,19 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import experiments.ablate_offsets
+import experiments.bench_attention
+import experiments.mfu_overlap
+import experiments.offload_peers
+import experiments.oom_thresholds
 import experiments.quality
 import experiments.sample
+import experiments.scaling
 import experiments.train
 from experiments.hydra_config import CONF_DIR, typed_configs
 from megaslide.checkpoint import save_checkpoint
 from megaslide.config import DiTConfig
 from megaslide.train.trainer import Trainer
+from tests.experiments.runner import REPO_ROOT
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 CUDA = torch.cuda.is_available()
@@ -75,7 +83,8 @@ BAD_TRAIN = {
                            "checkpoint vs 'dsa_zero' now"),
     "EMA with offload": (["offload=engine", "train.ema_decay=0.9"], "train.ema_decay=0.9: the offload engine keeps "
                                                                     "no EMA"),
-    "captions not a list": (["sample_captions=hello"], "sample_captions='hello' must be a list"),
+    "captions not a list": (["sample_captions=hello"], "sample_captions='hello' must be a list, e.g. "
+                                                       "sample_captions=[hello]"),
     "no GPU": (["train.device=cuda"], "train.device=cuda but no CUDA device is visible"),
 }
 
@@ -105,6 +114,7 @@ BAD_STUDY = {
     "no seeds": (["seeds=[]"], "seeds=[] must be a non-empty list of integers"),
     "seed not a list": (["seeds=3"], "seeds=3 must be a non-empty list of integers"),
     "fractional seed": (["seeds=[0.5]"], "seeds=[0.5] must be a non-empty list of integers"),
+    "variants not a list": (["variants=dsa"], "variants='dsa' must be a list, e.g. variants=[dsa]"),
 }
 
 
@@ -115,6 +125,22 @@ def test_studies_refuse_before_writing_anything(script, kind, tmp_path, monkeypa
     err = run_main(script, ["out_dir=runs/x", "train.steps=1", *args], tmp_path, monkeypatch, capsys)
     assert message in err and "num_videos" not in err
     assert list(tmp_path.iterdir()) == []                # no run folder, results, .hydra, *.log or wandb/
+
+
+NAMED = [experiments.oom_thresholds, experiments.scaling, experiments.mfu_overlap, experiments.offload_peers,
+         experiments.bench_attention, experiments.train, experiments.ablate_offsets]
+
+
+BAD_NAMES = [*((s, "name", v) for s in NAMED for v in ("../../x", "a/b")),
+             (experiments.ablate_offsets, "results_name", "../x")]
+
+
+@pytest.mark.parametrize("script,key,value", BAD_NAMES, ids=lambda v: getattr(v, "__name__", v))
+def test_a_name_that_leaves_its_folder_is_refused_first(script, key, value, tmp_path, monkeypatch, capsys):
+    """The one check (results_io.check_result_name, run by script_main) before the script does anything."""
+    err = run_main(script, [f"{key}={value}"], tmp_path, monkeypatch, capsys)
+    assert err.startswith(f"error: {key}='{value}': a result name must be one plain file name"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_full_error_keeps_the_traceback(tmp_path, monkeypatch):
@@ -146,6 +172,37 @@ def test_sample_names_a_damaged_checkpoint(tmp_path, checkpoint, monkeypatch, ca
     err = run_main(experiments.sample, [f"checkpoint={damaged}", f"out={tmp_path / 'o.mp4'}"], tmp_path, monkeypatch,
                    capsys)
     assert f"checkpoint file '{damaged}' is damaged" in err and not (tmp_path / "o.mp4").exists()
+
+
+def test_sample_refuses_an_unwritable_out_folder(tmp_path, checkpoint, monkeypatch, capsys):
+    """A read-only folder (chmod, where this user is not root, whom chmod does not stop), else one whose
+    parent is a regular file: refused before sampling, naming the out path, nothing written."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    else:
+        folder.rmdir()
+        folder.write_text("")
+    out = folder / "x.mp4"
+    err = run_main(experiments.sample, [f"checkpoint={checkpoint}", f"out={out}"], tmp_path, monkeypatch, capsys)
+    assert f"out='{out}'" in err and "is not a folder this user can write" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"] and not out.exists()
+
+
+def test_sample_full_disk_exits_nonzero_without_a_file(tmp_path, checkpoint):
+    """A write that fails after sampling (here a file-size limit, as a full disk): exit status 1, the error
+    names the out path and ffmpeg's cause, and neither the video nor a temp file is left."""
+    out = tmp_path / "x.mp4"
+    code = ("import resource, runpy, sys\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+            f"sys.argv = ['sample.py', 'checkpoint={checkpoint}', 'out={out}', 'steps=1', 'device=cpu']\n"
+            "runpy.run_path('experiments/sample.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"error: could not write the video {out}: ffmpeg exited with status" in done.stderr
+    assert "wrote" not in done.stdout and list(tmp_path.iterdir()) == []
 
 
 def _compose(overrides: list[str]):

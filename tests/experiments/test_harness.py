@@ -1,7 +1,12 @@
 """experiments/harness.py: the W&B run beside the result file."""
 import json
+import os
+import subprocess
+import sys
 
+from experiments import results_io
 from experiments.harness import ExperimentRun
+from tests.experiments.runner import REPO_ROOT
 
 
 class RecordingLogger:
@@ -35,3 +40,30 @@ def test_experiment_run_logs_every_table_and_records_the_wandb_dir(tmp_path, mon
     assert run.logger.scalars == {"x": 1.0} and run.logger.images == {"plot": tmp_path / "p.png"}
     assert run.logger.finished
     assert json.loads(path.read_text())["wandb_dir"] == RecordingLogger.wandb_dir
+
+
+def test_a_trial_run_writes_under_its_run_folder_unless_told(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEGASLIDE_RESULTS_DIR", raising=False)
+    trial = ExperimentRun("bench", "smoke", {}, out_dir=tmp_path / "runs", trial=True)
+    assert trial.result_path == tmp_path / "runs" / "bench" / "smoke" / "results" / "bench" / "smoke.json"
+    assert trial.save({}) == trial.result_path and trial.result_path.is_file()
+    assert ExperimentRun("bench", "table", {}, out_dir=tmp_path / "runs").result_path == \
+        results_io.RESULTS_DIR / "bench" / "table.json"        # a full run publishes
+    monkeypatch.setenv("MEGASLIDE_RESULTS_DIR", str(tmp_path / "mine"))
+    assert ExperimentRun("bench", "smoke", {}, out_dir=tmp_path / "runs", trial=True).result_path == \
+        tmp_path / "mine" / "bench" / "smoke.json"             # asked for: anywhere, results/ too
+
+
+def test_a_plan_only_run_leaves_the_tracked_results_alone(tmp_path):
+    """`oom_thresholds plan_only=true` from a user's folder: the result and its page under runs/, none in results/."""
+    env = {k: v for k, v in os.environ.items() if k != "MEGASLIDE_RESULTS_DIR"}
+    done = subprocess.run([sys.executable, "-m", "experiments.oom_thresholds", "plan_only=true", "smoke=true",
+                           "name=trial_check"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**env, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = tmp_path / "runs" / "oom_thresholds" / "trial_check" / "results"
+    assert (results / "oom_thresholds" / "trial_check.json").is_file() and (results / "oom_thresholds.md").is_file()
+    assert not (results_io.RESULTS_DIR / "oom_thresholds" / "trial_check.json").exists()
+    status = subprocess.run(["git", "status", "--porcelain", "--", "results"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    assert "oom_thresholds" not in status
