@@ -1,7 +1,7 @@
 """The planner's fitted step-time estimate against the committed H200 training steps it was not fitted on.
 
     python -m experiments.planner_error                      # the repository's results/
-    python -m experiments.planner_error --results DIR        # another results folder
+    python -m experiments.planner_error results=DIR          # another results folder
 
 The steps (`h200_timed_steps`): every timed cell of results/oom_thresholds/h200*.json and every variant of
 results/mfu_overlap/h200*.json, each planned again with today's planner at the ceilings its run measured
@@ -16,7 +16,6 @@ excludes it, and every excluded step is listed with its reason (`exclusion`):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -25,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
-from experiments.hydra_config import run_of
+from experiments.hydra_config import run_of, script_main
 from experiments.results_io import descends_from
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, from_dict
 from megaslide.device import precision_dtype
@@ -199,10 +199,9 @@ def report(h: HeldOutError) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="results folder (default: results/)")
-    print(report(held_out_error(parser.parse_args().results)))
+@script_main("planner_error")
+def main(cfg: DictConfig) -> None:
+    print(report(held_out_error(Path(cfg.results) if cfg.results else RESULTS)))
 
 
 if __name__ == "__main__":

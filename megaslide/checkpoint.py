@@ -154,10 +154,7 @@ def prune_checkpoints(folder: str | Path, keep: int, *, sharded: bool = False) -
     found = step_checkpoints(folder, sharded=sharded)
     old = [found[step] for step in sorted(found)[:-keep]]
     for path in old:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        _remove(path)
     return old
 
 
@@ -167,11 +164,16 @@ def remove_stale_temps(folder: str | Path) -> list[Path]:
     it saves anything; returns the deleted paths."""
     stale = sorted(p for p in Path(folder).glob(".step_*.tmp") if _TEMP_NAME.fullmatch(p.name))
     for path in stale:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        _remove(path)
     return stale
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint: a sharded folder or a single file."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, sharded: bool) -> tuple[Path, int] | None:

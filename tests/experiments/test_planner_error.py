@@ -9,6 +9,7 @@ import pytest
 
 from experiments import planner_error
 from megaslide.perf.planner import FITTED
+from tests.experiments.runner import run_script
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,12 @@ def test_each_step_is_planned_with_the_engine_backward_that_ran_it():
     assert not old.block_grad and new.block_grad
     with_block_grad = planner_error.estimate_s(dataclasses.replace(old, block_grad=True))
     assert planner_error.estimate_s(old) > with_block_grad
+
+
+def test_the_command_reports_the_folder_it_is_given(tmp_path, committed):
+    """`python -m experiments.planner_error results=DIR` (Hydra) reads DIR: the repository's steps by default, and
+    no step at all from an empty folder."""
+    out = run_script(["-m", "experiments.planner_error"])
+    assert out.startswith(f"step-time estimate on {len(committed.used)} held-out H200 steps")
+    assert f"excluded ({len(committed.excluded)})" in out
+    assert run_script(["-m", "experiments.planner_error", f"results={tmp_path}"]).startswith("no held-out H200 step")
