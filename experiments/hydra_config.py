@@ -63,6 +63,19 @@ def script_main(config_name: str):
     return decorate
 
 
+def require_ranges(cfg, *, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
+                   fraction: tuple[str, ...] = ()) -> None:
+    """A script config's numeric keys in range, each error naming the key: `positive` > 0, `non_negative` >= 0
+    (where 0 means "measure it" or "none"), `fraction` in (0, 1]. NaN fails every one of them."""
+    rules = [(positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0 (0: see its comment)"),
+             (fraction, lambda v: 0 < v <= 1, "in (0, 1]")]
+    for names, ok, wanted in rules:
+        for name in names:
+            value = getattr(cfg, name)
+            if not ok(value):
+                raise ValueError(f"{name}={value} must be {wanted}; see experiments/conf/ for its meaning and default")
+
+
 def model_config(model: dict, attention: dict) -> DiTConfig:
     """A preset (`model.preset`) with any other `model.*` keys and the attention group applied, validated.
     A key set to null keeps the preset's value (every model group file lists each DiTConfig field as
