@@ -71,7 +71,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from experiments.hydra_config import base_overrides, compose_run, require_ranges, script_config, script_main, train_overrides
+from experiments.hydra_config import (base_overrides, compose_run, require_ranges, script_config, script_main,
+                                      train_overrides)
 from experiments.report import render
 from experiments.step_runs import Step, clip_fields, non_finite, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, RunConfig
