@@ -161,7 +161,7 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         trainer.maybe_resume()
         row.update(init_step=trainer.step, init_weights=weights_digest(trainer.engine))
         t0 = time.perf_counter()
-        last = trainer.fit()
+        last = trainer.fit(label=f"{attention} {data.frames}f seed {train.seed}")
         row["train_s"] = time.perf_counter() - t0
         row["final_loss"] = last.get("loss", math.nan)
         row["final_weights"] = weights_digest(trainer.engine)

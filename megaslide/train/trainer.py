@@ -126,15 +126,16 @@ class Trainer:
         return x.float().clamp(-1, 1).cpu()
 
     # ---- the loop ------------------------------------------------------------------------------
-    def fit(self) -> dict:
-        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown).
+    def fit(self, label: str = "train") -> dict:
+        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown). `label` names
+        the progress bar (the study scripts run several trainers at once, each bar labelled with its run).
         A step the engine refuses as non-finite (`NonFiniteStep`, a FloatingPointError naming the step)
         ends the run: it propagates before that step is logged or checkpointed, so the checkpoints
         written are those of the finite steps before it."""
         self.maybe_resume()
         last: dict = {}
         first = self.step
-        with tqdm(total=self.cfg.steps, initial=self.step, desc="train", dynamic_ncols=True) as bar:
+        with tqdm(total=self.cfg.steps, initial=self.step, desc=label, dynamic_ncols=True) as bar:
             while self.step < self.cfg.steps:
                 out = self.train_step()
                 bar.update(1)
