@@ -50,7 +50,7 @@ from baselines.swin_attention import SwinAttention
 from experiments.dsa_candidates import launch_of
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, matmul_tflops, measure, timed
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
@@ -544,7 +544,7 @@ def load_baseline(name: str) -> dict | None:
 
 @script_main("bench_attention")
 def main(hydra_cfg: DictConfig) -> None:
-    preset = SMOKE if hydra_cfg.smoke else QUICK if hydra_cfg.quick else None
+    preset = trial_preset(hydra_cfg, smoke=SMOKE, quick=QUICK)
     cfg = script_config(BenchAttentionConfig, hydra_cfg, preset)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

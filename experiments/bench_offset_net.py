@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, check_line, kernel_check_device
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure, timed
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from megaslide.testing import check_conv
 
 BACKENDS = ("triton", "torch")
@@ -188,7 +188,7 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
 @script_main("bench_offset_net")
 def main(hydra_cfg: DictConfig) -> None:
     """Exit status 0: the check passed and the cells ran; 1: the check failed (nothing timed); 2: no GPU."""
-    sys.exit(bench(script_config(BenchOffsetNetConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)))
+    sys.exit(bench(script_config(BenchOffsetNetConfig, hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE))))
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
 from experiments.hydra_config import (base_overrides, compose_run, require_ranges, script_config, script_main,
-                                      train_overrides)
+                                      train_overrides, trial_preset)
 from experiments.report import render
 from experiments.step_runs import Step, clip_fields, non_finite, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, RunConfig
@@ -508,7 +508,7 @@ def over_time(cell: Cell, estimate_s: float, limit_s: float) -> bool:
 
 @script_main("oom_thresholds")
 def main(hydra_cfg: DictConfig) -> None:
-    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})   # the script's run and its own keys
+    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
     cfg = script_config(OOMConfig, base)
     name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
     deadline = time.monotonic() + (cfg.time_budget_s if cfg.time_budget_s > 0 else math.inf)

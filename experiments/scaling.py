@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
 from experiments.hydra_config import (base_overrides, compose_run, require_ranges, script_config, script_main,
-                                      train_overrides)
+                                      train_overrides, trial_preset)
 from experiments.step_runs import Step, clip_fields, non_finite, run_isolated, synthetic_batch
 from megaslide.config import RunConfig
 from megaslide.device import precision_dtype
@@ -199,7 +199,7 @@ def preset_row(cfg: ScalingConfig, run: RunConfig, preset: str) -> tuple[dict, p
 
 @script_main("scaling")
 def main(hydra_cfg: DictConfig) -> None:
-    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})   # the script's run and its own keys
+    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
     cfg = script_config(ScalingConfig, base)
     name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
     runs = {p: compose_run(base, [f"model={p}"]) for p in cfg.presets}   # every run checked before any starts

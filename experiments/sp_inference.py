@@ -47,7 +47,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import Timing, matmul_tflops, sync
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
@@ -283,7 +283,7 @@ class Bench:
 
 @script_main("sp_inference")
 def main(hydra_cfg: DictConfig) -> None:
-    cfg = script_config(SPInferenceConfig, hydra_cfg, TINY if hydra_cfg.tiny else None)  # tiny: TINY's sizes
+    cfg = script_config(SPInferenceConfig, hydra_cfg, trial_preset(hydra_cfg, tiny=TINY))  # tiny: TINY's sizes
     ctx = init_distributed("cpu" if cfg.tiny else "auto", timeout_s=300)
     bench = Bench(ctx, cfg)
     bench.check_correctness()

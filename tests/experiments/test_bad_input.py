@@ -244,3 +244,19 @@ BAD_TABLE = [
 def test_table_scripts_refuse_bad_sizes_first(script, arg, message, tmp_path, monkeypatch, capsys):
     assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+# a trial flag's preset replaces sizes: a key the user also gave is refused, never lost without a word
+PRESET_CLASHES = [
+    (experiments.oom_thresholds, ["smoke=true", "frames=[4]"], "smoke=true sets frames itself"),
+    (experiments.offload_peers, ["smoke=true", "model=7B"], "smoke=true sets model itself"),
+    (experiments.mfu_overlap, ["tiny=true", "model.depth=5"], "tiny=true sets model.depth itself"),
+    (experiments.mfu_overlap, ["tiny=true", "bench.timed_steps=3"], "tiny=true sets bench.timed_steps itself"),
+]
+
+
+@pytest.mark.parametrize("script,args,message", PRESET_CLASHES, ids=lambda v: getattr(v, "__name__", None))
+def test_a_trial_preset_refuses_the_keys_it_would_replace(script, args, message, tmp_path, monkeypatch, capsys):
+    err = run_main(script, args, tmp_path, monkeypatch, capsys)
+    assert message in err and "drop " in err
+    assert list(tmp_path.iterdir()) == []
