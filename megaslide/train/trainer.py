@@ -62,12 +62,13 @@ class Trainer:
         # (checkpoint, step) to continue from, checked (format, damage, architecture) before anything is built
         sharded = (OffloadEngine if offload_cfg.enabled else ResidentEngine).sharded_checkpoints
         self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)
+        # the dataset before the engine: a video folder decodes its first clip (decord present, file readable)
+        # before any weights are allocated; the offload planner then refuses a model too big before it is built
+        self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         torch.manual_seed(train_cfg.seed)
-        # the engine before the dataset: the offload planner refuses a model too big before anything is built
         grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
         self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
                                    execution=execution)
-        self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         self.logger = logger
 
     @property
