@@ -13,7 +13,8 @@ from megaslide.inference.weights import caption_input, load_model
 
 
 def build_inputs(c: dict, device: torch.device):
-    """(model, noise (1, C, T, H, W), caption ids (1, L) or embeddings (`caption_input`)), the same on every rank, from a generate_* config."""
+    """(model, noise (1, C, T, H, W), the caption as ids (1, L) or embeddings (`caption_input`)), the same on
+    every rank, from a generate_* config."""
     model = load_model(model_config(c["model"], c["attention"]), checkpoint=c["checkpoint"], seed=c["seed"],
                        device=device, dtype=precision_dtype(c["dtype"], device, key="dtype"))
     gen = torch.Generator().manual_seed(c["seed"])

@@ -11,7 +11,7 @@ from megaslide.models import load_pretrained
 from megaslide.models.dit import DIT_PRESETS, count_params
 from megaslide.models.wan import to_diffusers
 
-diffusers = pytest.importorskip("diffusers", reason='diffusers-format tests need the wan extra: pip install -e ".[wan]"')
+diffusers = pytest.importorskip("diffusers", reason='needs the wan extra: pip install -e ".[wan]"')
 safetensors = pytest.importorskip("safetensors.torch", reason="needs safetensors (the wan extra)")
 
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
@@ -147,7 +147,8 @@ def test_bad_folders_name_the_file_and_the_keys(folder, tmp_path):
     for name, edit, message in [
         ("missing", lambda w: w.pop("blocks.1.attn2.to_k.bias"), r"missing keys \['blocks.1.attn2.to_k.bias'\]"),
         ("unexpected", lambda w: w.update(extra_head=torch.zeros(3)), r"unexpected keys \['extra_head'\]"),
-        ("shape", lambda w: w.update({"proj_out.bias": torch.zeros(5)}), r"keys \['proj_out.bias'\] have shapes \[\(5,\)\]"),
+        ("shape", lambda w: w.update({"proj_out.bias": torch.zeros(5)}),
+         r"keys \['proj_out.bias'\] have shapes \[\(5,\)\]"),
     ]:
         bad = _copy(folder, tmp_path / name)
         edited = dict(weights)
