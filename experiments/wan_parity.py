@@ -9,7 +9,7 @@ every activation). Each row gives the largest error relative to diffusers' large
 output, or over every parameter's gradient (the worst parameter named). Target: <= 1e-5.
 Configuration: experiments/conf/wan_parity.yaml.
 
-    python -m experiments.wan_parity name=h200     # wan-1.3b shapes, 81 frames of 480p (both models, grads: ~60 GB)
+    python -m experiments.wan_parity name=h200     # wan-1.3b shapes, 81 frames of 480p; one H200, a few minutes
 
 Two fp32 copies of wan-14b with their gradients (about 230 GB) do not fit one GPU; the 1.3B shapes are the check.
 """
