@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megaslide.models import load_pretrained
-from megaslide.models.dit import DIT_PRESETS, count_params
+from megaslide.models.dit import DIT_PRESETS, build_dit, count_params
 from megaslide.models.wan import to_diffusers
 
 diffusers = pytest.importorskip("diffusers", reason='needs the wan extra: pip install -e ".[wan]"')
@@ -175,3 +175,11 @@ def test_without_safetensors_it_says_what_to_install(folder, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(ImportError, match=r'pip install -e "\.\[wan\]"'):
         load_pretrained(folder)
+
+
+def test_save_refuses_what_has_no_diffusers_form(folder, tmp_path):
+    with pytest.raises(ValueError, match="max_shard_size='ten'"):
+        load_pretrained(folder).save_pretrained(tmp_path, max_shard_size="ten")
+    with pytest.raises(ValueError, match="model.block='dit'"):
+        build_dit("tiny").save_pretrained(tmp_path)
+    assert not any(tmp_path.iterdir())                 # refused before anything is written
