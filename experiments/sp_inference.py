@@ -52,7 +52,7 @@ from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
-from megaslide.inference.weights import random_weights_
+from megaslide.inference.weights import caption_input, random_weights_
 from megaslide.models.dit import build_dit
 from megaslide.perf.flops import token_path_flops
 from megaslide.testing import within_tolerance
@@ -192,7 +192,7 @@ class Bench:
         self.model = copy.deepcopy(self.master).to(torch.bfloat16)
         self.noise = torch.randn(1, cfg.model.in_channels, setup.frames, setup.height, setup.width,
                                  generator=torch.Generator().manual_seed(0))
-        self.ids = self.model.tokenizer([setup.caption]).to(ctx.device)
+        self.ids = caption_input(self.model, [setup.caption], ctx.device)
         patch = math.prod(cfg.model.patch_size)
         shape = dict(preset=cfg.model_preset, latent=(setup.frames, setup.height, setup.width),
                      tokens_per_chunk=setup.chunk_frames * setup.height * setup.width // patch,
