@@ -57,22 +57,22 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(before)
 
 
-def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype):
-    """The depthwise conv's output and its x, weight and bias gradients on one backend, x in `dtype`; the
-    weights stay fp32 on the Triton path (as the module keeps them) and take `dtype` for F.conv3d (as
-    autocast casts them)."""
+def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype, gelu=False):
+    """The depthwise conv's (with `gelu`, conv + GELU's) output and its x, weight and bias gradients on one
+    backend, x in `dtype`; the weights stay fp32 on the Triton path (as the module keeps them) and take
+    `dtype` for F.conv3d (as autocast casts them)."""
     from megaslide.attention.dsa.depthwise import depthwise_conv3d  # the kernels build on first import
     wdtype = dtype if backend == "torch" else weight.dtype
     leaves = [x.to(dtype), weight.to(wdtype), bias.to(wdtype)]
     for t in leaves:
         t.requires_grad_()
-    y = depthwise_conv3d(*leaves, frames, backend=backend)
+    y = depthwise_conv3d(*leaves, frames, backend=backend, gelu=gelu)
     return [y.detach(), *torch.autograd.grad(y, leaves, grad.to(y.dtype))]
 
 
-def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
-    """The Triton conv against F.conv3d in float64 (the truth) and in `dtype`: per output, both max errors,
-    the rounding floor and whether `within_tolerance` holds."""
+def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0, gelu=False) -> dict:
+    """The Triton conv (with `gelu`, conv + GELU) against F.conv3d (+ F.gelu) in float64 (the truth) and in
+    `dtype`: per output, both max errors, the rounding floor and whether `within_tolerance` holds."""
     g = torch.Generator(device=device).manual_seed(seed)
     B, _, H, W, C = shape
     lo, hi = frames
@@ -80,9 +80,8 @@ def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
     weight = torch.randn((C, 1, *kernel), generator=g, device=device, dtype=F64).float()
     bias = torch.randn(C, generator=g, device=device, dtype=F64).float()
     grad = torch.randn((B, hi - lo, H, W, C), generator=g, device=device, dtype=F64).to(dtype)
-    truth = conv_and_grads("torch", x, weight, bias, grad, frames, F64)
-    same = conv_and_grads("torch", x, weight, bias, grad, frames, dtype)
-    fused = conv_and_grads("triton", x, weight, bias, grad, frames, dtype)
+    truth, same, fused = (conv_and_grads(backend, x, weight, bias, grad, frames, dt, gelu)
+                          for backend, dt in (("torch", F64), ("torch", dtype), ("triton", dtype)))
     errors = {}
     for name, want, ref, got in zip(("y", "dx", "dweight", "dbias"), truth, same, fused):
         err = (got.to(F64) - want).abs().max().item()
@@ -90,7 +89,7 @@ def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
         floor = rounding_floor(got.dtype if name in ("y", "dx") else torch.float32, want)
         ok = got.shape == want.shape and within_tolerance(err, ref_err, floor)
         errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
-    return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."),
+    return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."), "gelu": gelu,
             "passed": all(e["ok"] for e in errors.values()), "errors": errors}
 
 
