@@ -28,9 +28,11 @@ import torch.nn.functional as F
 
 from megaslide.backends import Backend, device_guard, select_backend, triton_kernels_check
 
-CONV_BLOCK = (16, 128, 4, 8)
+CONV_BLOCK = (8, 64, 4, 16)
 """(BLOCK_X tokens, BLOCK_C channels, warps, frames) of a forward / input-gradient program on the GPU: each
-program walks `frames` output frames of one row segment (depthwise_kernels.py)."""
+program walks `frames` output frames of one row segment (depthwise_kernels.py), keeping the 27 taps of its
+channels in registers; docs/dsa_kernels.md says why this tile, and `python -m experiments.bench_offset_net
+sweep=true` times the candidates."""
 WGRAD_BLOCK = (8, 64, 4)
 """(BLOCK_X, BLOCK_C, warps) of a weight-gradient program on the GPU: each program holds 27 tap tiles, 3 dy
 tiles and a bias tile of 8 x 64 fp32."""

@@ -35,13 +35,14 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 
 @triton.jit
-def _tile(ptr, row_base, t, yy, xs, cs, c_ok, T, H, W, C):
-    """The (BLOCK_X, BLOCK_C) fp32 tile at frame t, row yy, columns xs of one batch (row_base: its first
-    element), 0 outside the grid."""
+def _tile(ptr, batch_base, offs, xs, c_ok, t, yy, dx, T, H, W, C):
+    """The (BLOCK_X, BLOCK_C) fp32 tile at frame t, row yy, columns xs + dx of one batch (batch_base: its
+    first element), 0 outside the grid. offs (BX, BC) = xs * C + channel: the part every tile shares, so
+    that only a scalar offset changes between tiles (nothing per element is kept across the frame loop)."""
     ok = (t >= 0) & (t < T) & (yy >= 0) & (yy < H)
-    tok = ((t * H + yy) * W + xs).to(tl.int64)  # (BX,)
-    mask = ok & ((xs >= 0) & (xs < W))[:, None] & c_ok[None, :]  # (BX, BC)
-    return tl.load(ptr + row_base + tok[:, None] * C + cs[None, :], mask=mask, other=0.0).to(tl.float32)
+    base = batch_base + (((t * H + yy) * W + dx).to(tl.int64) * C)  # scalar
+    mask = ok & ((xs + dx >= 0) & (xs + dx < W))[:, None] & c_ok[None, :]  # (BX, BC)
+    return tl.load(ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -58,6 +59,7 @@ def _conv_kernel(x_ptr, taps_ptr, bias_ptr, y_ptr, pre_ptr, TX, TY, H, W, C, shi
     t1 = tl.minimum(t0 + FRAMES, TY)
     cs = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BC,)
     c_ok = cs < C
+    offs = xs[:, None] * C + cs[None, :]  # (BX, BC) within a frame row
     bias = tl.zeros([BLOCK_C], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cs, mask=c_ok, other=0.0)
@@ -68,7 +70,7 @@ def _conv_kernel(x_ptr, taps_ptr, bias_ptr, y_ptr, pre_ptr, TX, TY, H, W, C, shi
     while a < t1 + PT:  # input frame a + shift reaches output frames a - PT .. a + PT
         for j in tl.static_range(KH):
             for k in tl.static_range(KW):
-                tile = _tile(x_ptr, b * stride_xb, a + shift, yy + j - KH // 2, xs + k - KW // 2, cs, c_ok,
+                tile = _tile(x_ptr, b * stride_xb, offs, xs, c_ok, a + shift, yy + j - KH // 2, k - KW // 2,
                              TX, H, W, C)
                 summed = ()
                 for m in tl.static_range(KT):  # temporal tap KT - 1 - m
@@ -77,9 +79,8 @@ def _conv_kernel(x_ptr, taps_ptr, bias_ptr, y_ptr, pre_ptr, TX, TY, H, W, C, shi
                 acc = summed
         t = a - PT  # acc[0] is complete
         out = acc[0] + bias[None, :]
-        tok = ((t * H + yy) * W + xs).to(tl.int64)  # (BX,)
         mask = (t >= t0) & (xs < W)[:, None] & c_ok[None, :]
-        ptrs = b * stride_yb + tok[:, None] * C + cs[None, :]
+        ptrs = b * stride_yb + ((t * H + yy) * W).to(tl.int64) * C + offs
         if GELU:
             tl.store(pre_ptr + ptrs, out.to(pre_ptr.dtype.element_ty), mask=mask)
             out = 0.5 * out * (1.0 + tl.math.erf(out * 0.7071067811865476))
@@ -113,12 +114,13 @@ def _wgrad_kernel(x_ptr, dy_ptr, part_ptr, B, TX, TY, H, W, C, shift, stride_xb,
         b = (col // (H * x_blocks)).to(tl.int64)
         yy = (col // x_blocks) % H
         xs = col % x_blocks * BLOCK_X + tl.arange(0, BLOCK_X)  # (BX,)
+        offs = xs[:, None] * C + cs[None, :]  # (BX, BC) within a frame row
         dys = ()  # dys[m]: dy of output frame a - PT + m
         for m in tl.static_range(KT):
             dys = dys + (tl.zeros([BLOCK_X, BLOCK_C], tl.float32),)
         a = -PT
         while a < TY + PT:  # x frame a + shift meets dy frames a - PT .. a + PT
-            newest = _tile(dy_ptr, b * stride_yb, a + PT, yy, xs, cs, c_ok & col_ok, TY, H, W, C)
+            newest = _tile(dy_ptr, b * stride_yb, offs, xs, c_ok & col_ok, a + PT, yy, 0, TY, H, W, C)
             acc_bias += newest
             rolled = ()
             for m in tl.static_range(1, KT):
@@ -127,7 +129,7 @@ def _wgrad_kernel(x_ptr, dy_ptr, part_ptr, B, TX, TY, H, W, C, shift, stride_xb,
             summed = ()
             for j in tl.static_range(KH):
                 for k in tl.static_range(KW):
-                    tile = _tile(x_ptr, b * stride_xb, a + shift, yy + j - KH // 2, xs + k - KW // 2, cs, c_ok,
+                    tile = _tile(x_ptr, b * stride_xb, offs, xs, c_ok, a + shift, yy + j - KH // 2, k - KW // 2,
                                  TX, H, W, C)
                     for i in tl.static_range(KT):
                         summed = summed + (acc[(j * KW + k) * KT + i] + dys[KT - 1 - i] * tile,)
