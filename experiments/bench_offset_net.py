@@ -47,8 +47,8 @@ from megaslide.testing import check_conv, check_offset_net
 BACKENDS = ("triton", "torch")
 CHECK_CASES = [((2, 5, 9, 13, 96), (1, 4)), ((1, 3, 8, 8, 64), (0, 3))]   # (B, T, H, W, C), output frames
 SMOKE_CHECK_CASES = [((1, 3, 2, 5, 6), (1, 3))]
-NET_CHECK_CASES = [((3, 5, 7), 96, 2, (0, 3)), ((5, 9, 13), 80, 5, (1, 4))]   # grid, channels, heads, frames
-SMOKE_NET_CHECK_CASES = [((3, 3, 5), 6, 2, (1, 3))]
+NET_CHECK_CASES = [((3, 5, 7), 96, 2, (0, 3), 1), ((5, 9, 13), 80, 5, (1, 4), 2)]   # grid, C, heads, frames, B
+SMOKE_NET_CHECK_CASES = [((3, 3, 5), 6, 2, (1, 3), 1)]
 MODULE_CELLS = (("dsa", "triton"), ("dsa", "torch"), ("dsa_zero", None))   # (module, offset net backend)
 TARGETS = (2.5, 2.0)   # module dsa / dsa_zero at the largest width: issue 35's bound, then issue 36's
 SMOKE = {"heads": 2, "head_dims": [4], "grid": [1, 2, 4], "repeats": 5}
@@ -214,8 +214,9 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
     dtypes = (torch.float32, torch.bfloat16)
     checks = [check_conv(shape, frames, dtype, device, gelu=gelu) for shape, frames in
               (SMOKE_CHECK_CASES if cfg.smoke else CHECK_CASES) for dtype in dtypes for gelu in (False, True)]
-    checks += [check_offset_net(grid, dim, heads, frames, dtype, device) for grid, dim, heads, frames in
-               (SMOKE_NET_CHECK_CASES if cfg.smoke else NET_CHECK_CASES) for dtype in dtypes]
+    checks += [check_offset_net(grid, dim, heads, frames, dtype, device, batch=batch)
+               for grid, dim, heads, frames, batch in (SMOKE_NET_CHECK_CASES if cfg.smoke else NET_CHECK_CASES)
+               for dtype in dtypes]
     passed = all(c["passed"] for c in checks)
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
                "ceilings": ceiling, "passed": passed, "checks": checks, "tables": {}}

@@ -125,12 +125,12 @@ def offset_net_and_grads(attn, backend: str, x, grad, grid, frames, dtype):
     return [out.detach(), *grads]
 
 
-def check_offset_net(grid, dim: int, heads: int, frames, dtype, device, seed=0) -> dict:
+def check_offset_net(grid, dim: int, heads: int, frames, dtype, device, seed=0, batch=1) -> dict:
     """The `dsa` module's offset net on its Triton kernels against the plain float64 net (the truth) and the
     module's PyTorch path (F.conv3d, F.gelu, torch.tanh) in `dtype`: per output (offsets and the gradients
     of x, the conv's weight and bias, the Linear's weight and bias), both max errors, the rounding floor and
-    whether `within_tolerance` holds. The Linear gets random weights (not the zero init) so the offsets
-    depend on the conv."""
+    whether `within_tolerance` holds, for x (batch, N, dim). The Linear gets random weights (not the zero
+    init) so the offsets depend on the conv."""
     from megaslide.attention import build_attention
     g = torch.Generator(device=device).manual_seed(seed)
     attn = build_attention("dsa", dim, heads, kernel_size=(3, 3, 3)).to(device)
@@ -138,7 +138,7 @@ def check_offset_net(grid, dim: int, heads: int, frames, dtype, device, seed=0) 
         attn.offset_proj.weight.copy_(torch.randn(attn.offset_proj.weight.shape, generator=g, device=device)
                                       * dim ** -0.5)
         attn.offset_proj.bias.copy_(0.1 * torch.randn(attn.offset_proj.bias.shape, generator=g, device=device))
-    B, (lo, hi) = 1, frames
+    B, (lo, hi) = batch, frames
     x = torch.randn(B, math.prod(grid), dim, generator=g, device=device, dtype=F64).to(dtype)
     grad = torch.randn((B, hi - lo, *grid[1:], attn.offset_proj.out_features), generator=g, device=device,
                        dtype=F64)
@@ -152,7 +152,7 @@ def check_offset_net(grid, dim: int, heads: int, frames, dtype, device, seed=0) 
         floor = rounding_floor(dtype, want)  # the parameters' gradients pass through dtype under autocast
         ok = got.shape == want.shape and within_tolerance(err, ref_err, floor)
         errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
-    return {"grid": list(grid), "dim": dim, "heads": heads, "frames": list(frames),
+    return {"grid": list(grid), "batch": batch, "dim": dim, "heads": heads, "frames": list(frames),
             "dtype": str(dtype).removeprefix("torch."), "passed": all(e["ok"] for e in errors.values()),
             "errors": errors}
 

@@ -22,15 +22,16 @@ for kernels in (depthwise_kernels, bounded_kernels):
         importlib.reload(kernels)
 
 
-def assert_net_matches(grid, dim, heads, frames, dtype):
-    result = check_offset_net(grid, dim, heads, frames, dtype, torch.device("cpu"))
+def assert_net_matches(grid, dim, heads, frames, dtype, batch=1):
+    result = check_offset_net(grid, dim, heads, frames, dtype, torch.device("cpu"), batch=batch)
     assert result["passed"], result["errors"]
 
 
 def test_fp32_odd_grid_frame_slab_at_the_clip_end():
-    """A 3 x 3 x 5 grid, 6 channels (3 per head): output frames [1, 3) read frame 0 as the halo, and the
-    conv's zero padding at the clip's last frame and every spatial border."""
-    assert_net_matches((3, 3, 5), 6, 2, (1, 3), torch.float32)
+    """A 3 x 3 x 5 grid, 6 channels (3 per head), 2 clips: output frames [1, 3) read frame 0 as the halo
+    (a slab whose batch stride is the whole clip's), and the conv's zero padding at the clip's last frame
+    and every spatial border."""
+    assert_net_matches((3, 3, 5), 6, 2, (1, 3), torch.float32, batch=2)
 
 
 def test_bf16_autocast_whole_clip():
