@@ -19,7 +19,8 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
 - module: the `dsa` module's attend (offset net + the op on its Triton kernels) fwd+bwd with each offset
   net backend, and the `dsa_zero` module's, as bench_attention's module rows run them (CUDA only); the
   summary gives, per width, dsa / dsa_zero with either net and with the net's own time taken out (what a
-  free net would leave), and the issue targets on the first;
+  free net would leave), the committed `baseline` run's dsa / dsa_zero and its dsa time over this run's
+  (the previous offset net, measured in another run), and the issue targets on the first;
 - tiles (with `sweep=true`): each Triton launch alone (forward, forward + GELU, input gradient, weight
   gradient) at the first width for each candidate tiling, to pick depthwise.CONV_BLOCK, WGRAD_BLOCK and
   WGRAD_PROGRAMS.
@@ -31,6 +32,7 @@ Configuration: experiments/conf/bench_offset_net.yaml.
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -42,6 +44,7 @@ from experiments.harness import ExperimentRun, check_line, kernel_check_device
 from experiments.module_cell import module_fn
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure, timed
 from experiments.hydra_config import script_config, script_main, trial_preset
+from experiments.results_io import RESULTS_DIR
 from megaslide.testing import check_conv, check_offset_net
 
 BACKENDS = ("triton", "torch")
@@ -65,6 +68,7 @@ class BenchOffsetNetConfig:
     head_dims: list[int]
     grid: list[int]
     repeats: int
+    baseline: str
     wandb_dir: str
     wandb_project: str
 
@@ -140,9 +144,20 @@ def module_cells(grid, heads: int, d: int, device, repeats: int) -> list[dict]:
     return rows
 
 
-def module_summary(module_rows: list[dict], net_rows: list[dict], head_dims) -> dict:
-    """Per width: module dsa / dsa_zero with the Triton and the torch offset net, and with the Triton net's
-    own time (the offset_net row) taken out; then TARGETS at the largest width (`met`: ratio <= bound)."""
+def baseline_modules(name: str) -> list[dict]:
+    """The module rows of the repository's results/attention/<name>.json (a bench_attention run: `dsa` and
+    `dsa_zero` on the Triton kernels), each with net_backend "triton"; [] when unnamed or absent."""
+    path = RESULTS_DIR / "attention" / f"{name}.json"
+    if not name or not path.exists():
+        return []
+    return [{**r, "net_backend": "triton" if r["variant"] == "dsa" else "none"}
+            for r in json.loads(path.read_text())["tables"].get("module", [])]
+
+
+def module_summary(module_rows: list[dict], net_rows: list[dict], head_dims, baseline: list[dict]) -> dict:
+    """Per width: module dsa / dsa_zero with the Triton and the torch offset net, with the Triton net's own
+    time (the offset_net row) taken out, and in the `baseline` rows (another run) with its dsa time over
+    this run's; then TARGETS at the largest width (`met`: ratio <= bound)."""
     def ms(rows, **match):
         row = next((r for r in rows if r.get("status") == "ok" and all(r[k] == v for k, v in match.items())), None)
         return row and row["ms"]
@@ -155,6 +170,9 @@ def module_summary(module_rows: list[dict], net_rows: list[dict], head_dims) -> 
             out[f"module_dsa_{backend}_net_over_zero_d{d}"] = dsa / zero if dsa and zero else None
         dsa = ms(module_rows, variant="dsa", net_backend="triton", head_dim=d)
         out[f"module_dsa_without_net_over_zero_d{d}"] = (dsa - net) / zero if dsa and zero and net else None
+        then, then_zero = (ms(baseline, variant=v, head_dim=d) for v in ("dsa", "dsa_zero"))
+        out[f"baseline_module_dsa_over_zero_d{d}"] = then / then_zero if then and then_zero else None
+        out[f"module_dsa_speedup_vs_baseline_d{d}"] = then / dsa if then and dsa else None
     ratio = out.get(f"module_dsa_triton_net_over_zero_d{max(head_dims)}")
     out["targets"] = [{"target": f"module dsa / dsa_zero at d={max(head_dims)} <= {bound}", "bound": bound,
                        "measured": ratio, "met": None if ratio is None else ratio <= bound} for bound in TARGETS]
@@ -239,7 +257,7 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
         by = {r["backend"]: r.get("ms") for r in net_rows if r["head_dim"] == d}
         if by.get("triton") and by.get("torch"):
             speedups[f"offset_net_speedup_d{d}"] = by["torch"] / by["triton"]
-    modules = module_summary(module_rows, net_rows, cfg.head_dims)
+    modules = module_summary(module_rows, net_rows, cfg.head_dims, baseline_modules(cfg.baseline))
     payload["summary"] = {**speedups, **modules}
     ratios = {k: v for k, v in modules.items() if k != "targets"}
     path = run.finish(payload, {"passed": passed, **speedups, **{k: v for k, v in ratios.items() if v is not None}})

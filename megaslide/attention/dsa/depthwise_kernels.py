@@ -38,7 +38,7 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 def _tile(ptr, batch_base, offs, xs, c_ok, t, yy, dx, T, H, W, C):
     """The (BLOCK_X, BLOCK_C) fp32 tile at frame t, row yy, columns xs + dx of one batch (batch_base: its
     first element), 0 outside the grid. offs (BX, BC) = xs * C + channel: the part every tile shares, so
-    that only a scalar offset changes between tiles (nothing per element is kept across the frame loop)."""
+    that only a scalar offset changes between tiles (no per-element addresses kept across the frame loop)."""
     ok = (t >= 0) & (t < T) & (yy >= 0) & (yy < H)
     base = batch_base + (((t * H + yy) * W + dx).to(tl.int64) * C)  # scalar
     mask = ok & ((xs + dx >= 0) & (xs + dx < W))[:, None] & c_ok[None, :]  # (BX, BC)
