@@ -21,6 +21,9 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   summary gives, per width, dsa / dsa_zero with either net and with the net's own time taken out (what a
   free net would leave), the committed `baseline` run's dsa / dsa_zero and its dsa time over this run's
   (the previous offset net, measured in another run), and the issue targets on the first;
+- split: each stage of the `dsa` module's attend alone, fwd+bwd (CUDA only): conv + GELU, the offset
+  Linear, the bound, and the op on the offsets that net gives; the summary gives each stage's share of the
+  module's time and what the stages leave out;
 - tiles (with `sweep=true`): each Triton launch alone (forward, forward + GELU, input gradient, weight
   gradient) at the first width for each candidate tiling, to pick depthwise.CONV_BLOCK, WGRAD_BLOCK and
   WGRAD_PROGRAMS.
@@ -41,7 +44,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, check_line, kernel_check_device
-from experiments.module_cell import module_fn
+from experiments.module_cell import STAGES, module_fn, stage_fn
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure, timed
 from experiments.hydra_config import script_config, script_main, trial_preset
 from experiments.results_io import RESULTS_DIR
@@ -154,6 +157,36 @@ def baseline_modules(name: str) -> list[dict]:
             for r in json.loads(path.read_text())["tables"].get("module", [])]
 
 
+def split_cells(grid, heads: int, d: int, device, repeats: int) -> list[dict]:
+    """Each stage of the `dsa` module's attend alone at one width (module_cell.stage_fn; the op on its Triton
+    kernels: CUDA only, else skipped rows)."""
+    rows = []
+    for stage in STAGES:
+        row = {"stage": stage, "grid": list(grid), "tokens": math.prod(grid), "heads": heads, "head_dim": d}
+        if device.type != "cuda":
+            row["status"] = "skipped: the op's Triton kernels need CUDA"
+        else:
+            row.update(measure(stage_fn(stage, grid, heads, d, device), repeats, device))
+        rows.append(row)
+        print(f"  stage      d={d:4d} {stage:9s} {row.get('ms', float('nan')):9.2f} ms "
+              f"[{row.get('ms_min', float('nan')):.2f}, {row.get('ms_max', float('nan')):.2f}]", flush=True)
+    return rows
+
+
+def split_summary(split_rows: list[dict], module_rows: list[dict], head_dims) -> dict:
+    """Per width: each stage's share of the `dsa` module's time (Triton net), and what the stages leave out
+    (autocast casts, views, the output's own backward): the module minus their sum."""
+    out: dict = {}
+    for d in head_dims:
+        module = next((r["ms"] for r in module_rows if r.get("status") == "ok" and r["variant"] == "dsa"
+                       and r["net_backend"] == "triton" and r["head_dim"] == d), None)
+        stages = {r["stage"]: r["ms"] for r in split_rows if r.get("status") == "ok" and r["head_dim"] == d}
+        if module and len(stages) == len(STAGES):
+            out.update({f"{stage}_share_of_module_d{d}": ms / module for stage, ms in stages.items()})
+            out[f"module_minus_stages_ms_d{d}"] = module - sum(stages.values())
+    return out
+
+
 def module_summary(module_rows: list[dict], net_rows: list[dict], head_dims, baseline: list[dict]) -> dict:
     """Per width: module dsa / dsa_zero with the Triton and the torch offset net, with the Triton net's own
     time (the offset_net row) taken out, and in the `baseline` rows (another run) with its dsa time over
@@ -239,16 +272,17 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
                "ceilings": ceiling, "passed": passed, "checks": checks, "tables": {}}
     run.save({**payload, "partial": True})
-    conv_rows, net_rows, module_rows = [], [], []
+    conv_rows, net_rows, module_rows, split_rows = [], [], [], []
+    tables = {"conv": conv_rows, "offset_net": net_rows, "module": module_rows, "split": split_rows}
     if passed:
         for d in cfg.head_dims:
             conv, net = offset_net_cells(tuple(cfg.grid), cfg.heads, d, device, cfg.repeats, ceiling["hbm_gbps"])
             conv_rows += conv
             net_rows += net
             module_rows += module_cells(tuple(cfg.grid), cfg.heads, d, device, cfg.repeats)
-            run.save({**payload, "partial": True,
-                      "tables": {"conv": conv_rows, "offset_net": net_rows, "module": module_rows}})
-    payload["tables"] = {"conv": conv_rows, "offset_net": net_rows, "module": module_rows}
+            split_rows += split_cells(tuple(cfg.grid), cfg.heads, d, device, cfg.repeats)
+            run.save({**payload, "partial": True, "tables": tables})
+    payload["tables"] = tables
     if passed and cfg.sweep:
         payload["tables"]["tiles"] = sweep_tiles(tuple(cfg.grid), cfg.heads * cfg.head_dims[0], device, cfg.repeats,
                                                  cfg.smoke)
@@ -257,7 +291,8 @@ def bench(cfg: BenchOffsetNetConfig) -> int:
         by = {r["backend"]: r.get("ms") for r in net_rows if r["head_dim"] == d}
         if by.get("triton") and by.get("torch"):
             speedups[f"offset_net_speedup_d{d}"] = by["torch"] / by["triton"]
-    modules = module_summary(module_rows, net_rows, cfg.head_dims, baseline_modules(cfg.baseline))
+    modules = {**split_summary(split_rows, module_rows, cfg.head_dims),
+               **module_summary(module_rows, net_rows, cfg.head_dims, baseline_modules(cfg.baseline))}
     payload["summary"] = {**speedups, **modules}
     ratios = {k: v for k, v in modules.items() if k != "targets"}
     path = run.finish(payload, {"passed": passed, **speedups, **{k: v for k, v in ratios.items() if v is not None}})

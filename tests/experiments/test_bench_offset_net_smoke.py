@@ -1,6 +1,6 @@
 """experiments/bench_offset_net.py: the smoke run on CPU (the Triton interpreter) checks the Triton conv (alone
-and with GELU) and the whole offset net, times both backends inside the offset net, and skips the module rows
-(the op's Triton kernels need CUDA)."""
+and with GELU) and the whole offset net, times both backends inside the offset net, and skips the module and split
+rows (the op's Triton kernels need CUDA)."""
 from tests.experiments.runner import load_result, run_script
 
 
@@ -24,4 +24,6 @@ def test_bench_offset_net_smoke(tmp_path):
     assert [(r["variant"], r["net_backend"]) for r in modules] == [("dsa", "triton"), ("dsa", "torch"),
                                                                    ("dsa_zero", "none")]
     assert all(r["status"].startswith("skipped") for r in modules)
+    assert [r["stage"] for r in data["tables"]["split"]] == ["conv_gelu", "linear", "bound", "op"]
+    assert all(r["status"].startswith("skipped") for r in data["tables"]["split"])
     assert [t["measured"] for t in data["summary"]["targets"]] == [None, None]
