@@ -47,7 +47,7 @@ class ResidentEngine:
 
     def loss(self, batch: Batch) -> torch.Tensor:
         with self.autocast():
-            return flow_matching_loss(self.model, batch.x0, batch.ids, batch.t, batch.noise)
+            return flow_matching_loss(self.model, batch.x0, batch.context, batch.t, batch.noise, batch.mask)
 
     def train_step(self, batch: Batch, lr: float) -> dict:
         self._marks[self.step] = time.perf_counter()

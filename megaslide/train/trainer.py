@@ -24,7 +24,7 @@ from megaslide.device import resolve_device
 from megaslide.diffusion.batches import make_batch
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.chunking import apply_execution
-from megaslide.models.dit import VideoDiT
+from megaslide.models.pretrained import build_model
 from megaslide.offload.engine import OffloadEngine
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
@@ -45,7 +45,7 @@ def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: Offl
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
                                          grid=grid, build_on_host=True, execution=execution)
-    model = apply_execution(VideoDiT(model_cfg), execution).to(device)
+    model = apply_execution(build_model(model_cfg), execution).to(device)
     return ResidentEngine(model, device=device, train_cfg=train_cfg)
 
 
