@@ -86,3 +86,14 @@ def encode_video_folder(root: str | Path, out: str | Path, *, frames: int, heigh
     manifest["complete"] = True
     lc.write_manifest(out, manifest)
     return manifest, done
+
+
+def encode_prompts(out: str | Path, text: CaptionEncoder, prompts: list[str]) -> list[Path]:
+    """Prompt embeddings for sampling (experiments/sample.py prompt_embeds=): out/prompts/<k>.safetensors per
+    prompt, holding "context" (L, D), "context_mask" (L,) and the empty caption's "null_context",
+    "null_mask" for classifier-free guidance; the prompt in the metadata."""
+    contexts, masks = text.encode([*prompts, ""])                   # (P + 1, L, D), (P + 1, L)
+    return [lc.write_tensors(Path(out) / lc.PROMPTS / f"{k}.safetensors",
+                             {"context": contexts[k], "context_mask": masks[k], "null_context": contexts[-1],
+                              "null_mask": masks[-1]}, {"caption": prompt})
+            for k, prompt in enumerate(prompts)]

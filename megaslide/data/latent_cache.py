@@ -8,6 +8,7 @@ Layout (written by experiments/precompute.py)::
       null.safetensors     "context" (L, text_dim), "context_mask" (L,): the empty caption (dropped captions, CFG)
       clips/00000.safetensors ...   per clip: "latent" (C, T', H', W') normalised as (mu - mean) / std,
                            "context", "context_mask"; the caption and source file in the file's metadata
+      prompts/0.safetensors ...     prompts to sample with (precompute's prompts=), with the null caption's
 
 Every file is written to a temporary name and renamed, so an interrupted run leaves whole files only; a rerun
 keeps each clip file that opens and matches its manifest entry and encodes the rest. The manifest's
@@ -30,6 +31,7 @@ from megaslide.extras import require
 MANIFEST = "manifest.json"
 NULL = "null.safetensors"
 CLIPS = "clips"
+PROMPTS = "prompts"
 FORMAT = "megaslide-latent-cache-1"
 
 
