@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from experiments.hydra_config import script_config, script_main
 from megaslide.config import DiTConfig, from_dict
+from megaslide.extras import require
 from megaslide.inference.weights import sampling_weights
 from megaslide.models.dit import VideoDiT
 from megaslide.models.pretrained import shard_bytes
@@ -42,6 +43,7 @@ class ExportConfig:
 @script_main("export")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(ExportConfig, hydra_cfg)
+    require("safetensors", "experiments/export.py")   # before the checkpoint is read
     weights, state = sampling_weights(cfg.checkpoint)
     model_cfg = from_dict(DiTConfig, state["model_cfg"])
     diffusers_config(model_cfg)            # a model of another block family is refused before it is built

@@ -5,7 +5,9 @@ The commands run in this process (Hydra mains called in turn), which keeps the t
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,14 +19,14 @@ from megaslide.inference.weights import sampling_weights
 from megaslide.models import load_pretrained
 from megaslide.models.pretrained import pretrained_config
 from megaslide.train.trainer import Trainer
-from tests.experiments.test_readme_commands import README, readme_commands
+from tests.experiments.runner import REPO_ROOT
+from tests.experiments.test_readme_commands import readme_commands, recipe_block
 from tests.helpers import tiny_train_cfg
 from tests.wan_assets import FRAMES, SIZE, TEXT_LEN, write_checkpoint, write_clips
 
 diffusers = pytest.importorskip("diffusers", reason='needs the wan extra: pip install -e ".[wan]"')
 pytest.importorskip("transformers", reason='needs the wan extra: pip install -e ".[wan]"')
 
-SECTION = "## Fine-tune Wan on your clips"
 STEPS = 2
 TINY = {   # script -> overrides that shrink the README command to this CPU (replacing the key, or added)
     "precompute": {"frames": FRAMES, "height": SIZE, "width": SIZE, "text_len": TEXT_LEN},
@@ -35,15 +37,12 @@ TINY = {   # script -> overrides that shrink the README command to this CPU (rep
 
 
 def recipe_commands(folders: dict[str, Path]) -> list[tuple[str, list[str]]]:
-    """(script, arguments) of the section's bash block, its folder variables pointing at `folders`."""
-    text = README.read_text()
-    section = text[text.index(SECTION):]
-    section = section[:section.index("\n## ")]
+    """(script, arguments) of the recipe's bash block, its folder variables pointing at `folders`."""
+    block = recipe_block()
     for name, path in folders.items():
-        section, count = re.subn(rf"^{name}=\S+$", f"{name}={path}", section, flags=re.M)
+        block, count = re.subn(rf"^{name}=\S+$", f"{name}={path}", block, flags=re.M)
         assert count == 1, f"the recipe sets {name} once"
-    commands = [c.target() for c in readme_commands(section)]
-    return [(m.removeprefix("experiments."), args) for m, args in commands if m.removeprefix("experiments.") in TINY]
+    return [(m.removeprefix("experiments."), args) for m, args in (c.target() for c in readme_commands(block))]
 
 
 def tiny(script: str, args: list[str]) -> list[str]:
@@ -110,3 +109,21 @@ def test_model_pretrained_starts_training_from_the_folder(wan, tmp_path):
     reference = load_pretrained(wan["WAN"] / "transformer").state_dict()
     assert all(torch.equal(v, reference[k]) for k, v in trainer.engine.model.state_dict().items())
     assert (data.frames, data.height, data.width) == (3, 8, 8)   # the cache's latent size, read by validate
+
+
+def test_without_the_wan_extra_the_commands_say_what_to_install(tmp_path):
+    """diffusers and safetensors made unimportable (a stand-in package that raises as a missing one does)."""
+    for package in ("diffusers", "safetensors"):
+        (tmp_path / "hide" / package).mkdir(parents=True)
+        (tmp_path / "hide" / package / "__init__.py").write_text(
+            f"raise ModuleNotFoundError('No module named {package}', name={package!r})\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "hide"), str(REPO_ROOT)]),
+           "WANDB_MODE": "disabled"}
+    folder = str(tmp_path)
+    for script, args in [("precompute", [f"{k}={folder}" for k in ("root", "vae", "text_encoder", "tokenizer")]
+                          + [f"out={folder}/cache"]),
+                         ("export", [f"checkpoint={folder}", f"out={folder}/out"])]:
+        done = subprocess.run([sys.executable, "-m", f"experiments.{script}", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr
+        assert 'pip install -e ".[wan]"' in done.stderr.strip().splitlines()[-1], done.stderr
