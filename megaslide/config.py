@@ -197,7 +197,7 @@ class DataConfig:
     num_shapes: int = 1
     speed: float = 2.0            # pixels per frame (moving_shapes)
     shape_size: int = 8
-    root: str = ""                # video_folder: mp4 files + captions.jsonl; latent_cache: experiments/precompute.py's out
+    root: str = ""                # video_folder: mp4 files + captions.jsonl; latent_cache: precompute.py's out
     seed: int = 0
 
     channels = 3                  # moving_shapes and video_folder are RGB video in [-1, 1], trained on in pixel space
