@@ -81,7 +81,8 @@ def test_a_checkpoint_of_the_other_format_is_refused_and_weights_read_as_fp32(tm
     assert shard["master"].dtype == torch.bfloat16 and set(shard["exp_avg"]) == {"codes", "scales"}
     weights = block_weights(folder, load_checkpoint(folder / SHARDED_STATE)[BLOCK_LAYOUT], 3)
     assert weights["blocks.0.attn.qkv.weight"].dtype == torch.float32
-    assert torch.equal(weights["blocks.0.attn.qkv.weight"], trainer.engine.model_state_dict()["blocks.0.attn.qkv.weight"])
+    exported = trainer.engine.model_state_dict()["blocks.0.attn.qkv.weight"]
+    assert torch.equal(weights["blocks.0.attn.qkv.weight"], exported)
     with pytest.raises(ValueError, match="holds torch.bfloat16 master weights.*offload.master_dtype=bf16"):
         _trainer(tmp_path / "b", "fp32", "int8", resume=str(folder)).maybe_resume()
     with pytest.raises(ValueError, match="holds int8 exp_avg.*offload.moments=int8"):

@@ -17,6 +17,8 @@
 // The loops are plain C++ under `#pragma omp simd`; compiled with -march=native the compiler
 // emits AVX-512 on AVX-512 machines and AVX2/FMA elsewhere, with a scalar remainder loop
 // (checked with -fopt-info-vec: every inner loop of every variant vectorises, GCC 12).
+// megaslide_adamw_step_compact runs the same per-element step over compact state (bf16 master weights
+// rounded stochastically, 8-bit block-quantised moments): the section "compact state" below.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,21 +43,27 @@ struct Scalars {
   float neg_step_size;
 };
 
+inline float float_of_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+inline uint32_t bits_of_float(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
 inline float to_float(float x) { return x; }
 
 // bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 bits.
-inline float to_float(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+inline float to_float(uint16_t x) { return float_of_bits(static_cast<uint32_t>(x) << 16); }
 
 // fp32 -> bf16, round to nearest with ties to even (what torch's .to(torch.bfloat16) does for
 // finite and infinite values); every NaN becomes the quiet NaN 0x7FC0.
 inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t bits = bits_of_float(x);
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
 }
@@ -132,18 +140,6 @@ void update(float* param, const GradT* grad, float* exp_avg, float* exp_avg_sq,
 // moments is requantised with a fresh power-of-two scale (exp_avg_sq kept as its square root).
 
 constexpr int64_t kMomentBlock = 64;  // compact.MOMENT_BLOCK
-
-inline float float_of_bits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
-inline uint32_t bits_of_float(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  return b;
-}
 
 // The 'lowbias32' integer hash (xor-shift, multiply, twice): the random bits of element i are its top half.
 inline uint32_t lowbias32(uint32_t x) {
