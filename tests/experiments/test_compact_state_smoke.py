@@ -38,3 +38,16 @@ def test_bad_settings_are_refused_before_anything_is_written(args, message, tmp_
     err = run_main(compact_state, ["out_dir=runs/x", *args], tmp_path, monkeypatch, capsys)
     assert message in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_preset_composes_a_valid_study():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.compact_state import CompactStateConfig
+    from experiments.hydra_config import CONF_DIR, run_config, script_config
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("compact_state", overrides=["compact_preset=gpu"])
+    run, study = run_config(cfg, check_device=False), script_config(CompactStateConfig, cfg)
+    study.check_run(run)
+    assert run.train.device == "cuda" and run.train.steps >= 1000 and run.offload.enabled
+    assert study.results_name == "h200" and len(study.seeds) == 3 and study.variants[0] == "fp32"
