@@ -14,6 +14,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from megaslide.attention import SelfAttention, attention_class
@@ -106,6 +107,7 @@ class DiTConfig:
     block: str = "dit"          # dit: MegaSlide's 9-row adaLN-Zero block; wan: Wan 2.x's 6-row block (BLOCK_FAMILIES)
     text_encoder: bool = True   # the built-in hashed-word encoder; false: captions come as embeddings (B, L, text_dim)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    pretrained: str = ""        # a diffusers-format folder whose weights the model starts from ("": random init)
 
     # how the blocks run, which configs and checkpoints written before ExecutionConfig kept here: `from_dict`
     # drops them (a saved run's weights do not depend on them); they are set under execution.* now
@@ -136,13 +138,16 @@ class DiTConfig:
         if self.block not in BLOCK_FAMILIES:
             raise ValueError(f"model.block={self.block!r}: choose one of {list(BLOCK_FAMILIES)}")
         self.attention.validate()
+        if self.pretrained and not (Path(self.pretrained) / "config.json").is_file():
+            raise ValueError(f"model.pretrained={self.pretrained!r} is not a folder with a config.json; give a "
+                             f"diffusers-format WanTransformer3DModel folder, or model.pretrained='' for random init")
 
     def architecture(self) -> dict[str, Any]:
         """The fields that decide the weights' names and shapes and what they compute, flat by their
         config key (`model.dim`, `model.attention.name`, ...): everything but the attention backend.
         Checkpoints are resumed only into the same architecture."""
         flat = {f"model.{k}": v for k, v in dataclasses.asdict(self).items()}
-        del flat["model.attention"]
+        del flat["model.attention"], flat["model.pretrained"]       # where the weights started, not what they are
         flat["model.attention.name"] = self.attention.name
         flat.update({f"model.attention.{k}": v for k, v in dataclasses.asdict(self.attention.options).items()
                      if k not in _RUN_OPTIONS})

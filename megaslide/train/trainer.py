@@ -25,6 +25,7 @@ from megaslide.diffusion.batches import make_batch
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import VideoDiT
+from megaslide.models.pretrained import check_pretrained, config_overrides, load_pretrained
 from megaslide.offload.engine import OffloadEngine
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
@@ -38,14 +39,18 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
                  grid: tuple[int, int, int], execution: ExecutionConfig | None = None) -> StepEngine:
-    """The engine the offload config asks for, its model built on the host under the current
-    seed (the same initial weights either way) and run as `execution` says. `grid` is a training
-    clip's token grid (the offload planner's check)."""
+    """The engine the offload config asks for, run as `execution` says. `grid` is a training clip's token grid
+    (the offload planner's check). A random model is built on the host under the current seed (the same initial
+    weights either way); with model.pretrained the weights come from that folder instead, and are not drawn
+    first: the resident engine's model by `load_pretrained`, the offload engine's blocks read one at a time into
+    its host state (`OffloadEngine.from_config`), never the whole fp32 model in host RAM."""
     execution = execution or ExecutionConfig()
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                         grid=grid, build_on_host=True, execution=execution)
-    model = apply_execution(VideoDiT(model_cfg), execution).to(device)
+                                         grid=grid, build_on_host=not model_cfg.pretrained, execution=execution)
+    model = (load_pretrained(model_cfg.pretrained, **config_overrides(model_cfg)) if model_cfg.pretrained
+             else VideoDiT(model_cfg))
+    model = apply_execution(model, execution).to(device)
     return ResidentEngine(model, device=device, train_cfg=train_cfg)
 
 
@@ -55,6 +60,8 @@ class Trainer:
                  execution: ExecutionConfig | None = None):
         offload_cfg, execution = offload_cfg or OffloadConfig(), execution or ExecutionConfig()
         validate_training(model_cfg, data_cfg, train_cfg, offload_cfg, execution)
+        if model_cfg.pretrained:
+            check_pretrained(model_cfg)
         self.execution = execution
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
         self.out_dir = Path(out_dir)
