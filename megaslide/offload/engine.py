@@ -430,11 +430,12 @@ class OffloadEngine:
         return {name: self._parameter(entry).clone() for name, entry in zip(self._param_names(), self._norm_order)}
 
     def _parameter(self, entry: tuple) -> torch.Tensor:
-        """One parameter (an entry of `_norm_order`), fp32 on the CPU: a block's is a view of its host master."""
+        """One parameter (an entry of `_norm_order`), fp32 on the CPU: a block's is its host master (a view of an
+        fp32 one)."""
         if entry[0] == "resident":
             return self.resident_params[entry[1]].detach().float().cpu()
         slot = self.layout.slots[entry[2]]
-        return self.host.blocks[entry[1]].master[slot.offset:slot.end].view(slot.shape)
+        return self.host.blocks[entry[1]].master[slot.offset:slot.end].view(slot.shape).float()
 
     def save_pretrained(self, path: str | Path, max_shard_size: int | str = "10GB") -> None:
         """Write the model (a `wan` one) as a diffusers-format folder from the resident parameters and the

@@ -41,13 +41,15 @@ def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: Offl
                  grid: tuple[int, int, int], execution: ExecutionConfig | None = None) -> StepEngine:
     """The engine the offload config asks for, run as `execution` says. `grid` is a training clip's token grid
     (the offload planner's check). A random model is built on the host under the current seed (the same initial
-    weights either way); with model.pretrained the weights come from that folder instead, and are not drawn
-    first: the resident engine's model by `load_pretrained`, the offload engine's blocks read one at a time into
-    its host state (`OffloadEngine.from_config`), never the whole fp32 model in host RAM."""
+    weights either way; offload.init_on_host=false builds the offload engine's block by block instead); with
+    model.pretrained the weights come from that folder, and are not drawn first: the resident engine's model
+    by `load_pretrained`, the offload engine's blocks read one at a time into its host state
+    (`OffloadEngine.from_config`), never the whole fp32 model in host RAM."""
     execution = execution or ExecutionConfig()
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                         grid=grid, build_on_host=not model_cfg.pretrained, execution=execution)
+                                         grid=grid, build_on_host=offload_cfg.builds_on_host(model_cfg),
+                                         execution=execution)
     model = (load_pretrained(model_cfg.pretrained, **config_overrides(model_cfg)) if model_cfg.pretrained
              else VideoDiT(model_cfg))
     model = apply_execution(model, execution).to(device)

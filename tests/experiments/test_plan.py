@@ -68,3 +68,16 @@ def test_chunking_and_activation_offload_reach_the_plan():
     assert plan.execution.chunk_tokens == 4096 and plan.activation_offload
     assert any(k.startswith("parked block inputs") for k in plan.host)
     assert make_plan(composed("model=7B", "model.depth=6", *BIG)).hbm_total > plan.hbm_total
+
+
+def test_the_plan_counts_the_fp32_model_only_where_the_trainer_builds_it_whole(tmp_path):
+    """train.py builds a random model whole on the host first (offload.init_on_host, the default); block by block
+    with offload.init_on_host=false or a model.pretrained folder: only that transient differs."""
+    (tmp_path / "config.json").write_text("{}")
+    keys = ["model=7B", "model.depth=3", *BIG]
+    plans = [make_plan(composed(*keys, *more)) for more in ([], ["offload.init_on_host=false"],
+                                                            [f"model.pretrained={tmp_path}"])]
+    transient = "fp32 model built on the host (transient)"
+    assert transient in plans[0].host and all(transient not in p.host for p in plans[1:])
+    assert plans[1].host == plans[2].host == {k: v for k, v in plans[0].host.items() if k != transient}
+    assert plans[1].hbm_total == plans[2].hbm_total == plans[0].hbm_total
