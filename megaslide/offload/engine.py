@@ -24,7 +24,8 @@ fp32 master and moments on the host, updated by the fused CPU AdamW on a worker 
 (`CpuUpdater`), or, in the optimizer_device="gpu" ablation, on the device after streaming
 master and moments there and back (`GpuUpdater`); both live in megaslide/offload/updaters.py.
 It is a step engine of `Trainer` (megaslide/train/engine.py), chosen by offload.enabled;
-`OffloadEngine.from_config` builds the model for it. Checkpoints are sharded: one file per
+`OffloadEngine.from_config` builds the model for it (`from_pretrained` from a diffusers-format folder, block
+by block; `save_pretrained` writes one back). Checkpoints are sharded: one file per
 block (master weights and moments) plus the resident state.
 
 Clipping scheme (global norm, exact): per-parameter gradient norms are computed on the
