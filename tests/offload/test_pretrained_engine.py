@@ -13,7 +13,7 @@ import torch
 from megaslide.config import OffloadConfig
 from megaslide.diffusion.batches import Batch
 from megaslide.models import load_pretrained
-from megaslide.models.dit import VideoDiT
+from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload.engine import OffloadEngine
 from megaslide.offload.host_state import HostState
 from megaslide.train.trainer import Trainer
@@ -192,3 +192,23 @@ def test_model_pretrained_starts_the_trainer_from_the_folder(tmp_path, torch_ada
     if offload:
         resident = Trainer(pretrained, tiny_data_cfg(), tiny_train_cfg(steps=2), tmp_path / "resident")
         assert losses == [resident.train_step()["loss"].item() for _ in range(2)]
+
+
+def test_weights_the_files_hold_are_never_drawn_at_random(folder, monkeypatch):
+    """load_pretrained initialises the model only where the files lack a parameter (a DSA offset net); the engine
+    initialises no block whose parameters the files hold."""
+    calls = []
+    for cls in (VideoDiT, DiTBlock):
+        init = cls.initialize_weights
+        monkeypatch.setattr(cls, "initialize_weights", lambda self, *a, _init=init, **kw: (
+            calls.append(type(self).__name__), _init(self, *a, **kw)))
+    load_pretrained(folder)
+    assert calls == []
+    load_pretrained(folder, attention="dsa_zero")
+    assert calls[0] == "VideoDiT"
+    calls.clear()
+    OffloadEngine.from_pretrained(folder, grid=GRID, **_kw())
+    assert calls == ["VideoDiT", "DiTBlock"]   # the one-block stem model (its block 0): block 1 is read only
+    calls.clear()
+    OffloadEngine.from_pretrained(folder, grid=GRID, attention="dsa_zero", **_kw())
+    assert calls == ["VideoDiT", "DiTBlock", "DiTBlock"]
