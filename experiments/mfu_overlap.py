@@ -54,6 +54,7 @@ from megaslide.models.text import HashTokenizer
 from megaslide.offload.engine import OffloadEngine
 from megaslide.perf import planner
 from megaslide.perf.flops import H200_DATASHEET_BF16_TFLOPS, StepBreakdown, dit_flops, mfu
+from megaslide.perf.host_memory import StateFormat
 from megaslide.perf.memory import (
     hbm_available_bytes,
     host_available_bytes,
@@ -262,7 +263,8 @@ def main(cfg: DictConfig) -> None:
     depth = c["model"]["depth"] if not cfg.tiny else run.model.depth
     if depth is None:
         depth = planner.largest_depth(run.model, host_budget=int(bench.host_ram_fraction * host_available_bytes()),
-                                      param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
+                                      state_format=StateFormat.of(dtype, run.offload),
+                                      pin_optimizer_state=bench.pin_optimizer_state)
     changes = engine_changes(cfg.tiny, cuda, depth, threads)
     run = compose_run(cfg, changes)
     model_cfg, grid = run.model, run.grid

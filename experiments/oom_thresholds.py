@@ -81,6 +81,7 @@ from megaslide.models.chunking import apply_execution
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.offload.engine import OffloadEngine
 from megaslide.perf import planner
+from megaslide.perf.host_memory import StateFormat
 from megaslide.perf.live_bytes import LiveTensorBytes
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.perf.timing import Timing, copy_gbps, matmul_tflops, sync
@@ -400,7 +401,7 @@ def model_changes(cfg: OOMConfig, base: DictConfig) -> dict[str, list[str]]:
         if preset in cfg.host_depth:
             model = compose_run(base, [f"model={preset}"]).model
             depth = planner.largest_depth(model, host_budget=int(cfg.host_ram_fraction * host_budget(cfg)),
-                                          param_dtype=torch.bfloat16, pin_optimizer_state=False)
+                                          state_format=StateFormat(torch.bfloat16), pin_optimizer_state=False)
             out[f"{preset} width, depth {depth}"] = [f"model={preset}", f"model.depth={depth}"]
         else:
             out[preset] = [f"model={preset}"]

@@ -1,9 +1,9 @@
 """Atomic checkpoints, in two formats under <out_dir>/checkpoints/:
 - one file `step_N.pt` (the resident engine);
-- a sharded folder `step_N/` of one file per block (`block_0000.pt`: fp32 master weights and AdamW
-  moments, each one flat buffer) plus `state.pt` (the offload engine). `state.pt` records the flat
-  layout of the block buffers under BLOCK_LAYOUT (`flat_layout`), so a reader cuts the shards into
-  named parameters (`block_weights`) without the engine that wrote them.
+- a sharded folder `step_N/` of one file per block (`block_0000.pt`: master weights and AdamW
+  moments, each one flat buffer, an 8-bit moment as its codes and scales) plus `state.pt` (the offload
+  engine). `state.pt` records the flat layout of the block buffers under BLOCK_LAYOUT (`flat_layout`), so
+  a reader cuts the shards into named parameters (`block_weights`) without the engine that wrote them.
 
 A file is written to a temporary name in the same folder, fsynced, then renamed; a folder is
 written as `.step_N.tmp/` with `state.pt` last and then renamed, so a reader sees a complete
@@ -52,12 +52,13 @@ def flat_layout(named_shapes: Iterable[tuple[str, Sequence[int]]], align: int) -
 
 
 def block_weights(folder: str | Path, layout: dict, depth: int) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of blocks 0..depth-1 of a sharded checkpoint folder, by state-dict name
-    (`blocks.{i}.{name}`), cut out of each shard's flat buffer as `layout` (`flat_layout`) places them."""
+    """The master weights of blocks 0..depth-1 of a sharded checkpoint folder as fp32 (a bf16 master widened), by
+    state-dict name (`blocks.{i}.{name}`), cut out of each shard's flat buffer as `layout` (`flat_layout`) places
+    them."""
     weights = {}
     for index in range(depth):
         file = block_shard(folder, index)
-        master = load_checkpoint(file)["master"]
+        master = load_checkpoint(file)["master"].float()
         if master.shape != (layout["numel"],):
             raise ValueError(f"checkpoint file {str(file)!r} holds {tuple(master.shape)} master weights, but its "
                              f"{BLOCK_LAYOUT} record places {layout['numel']} elements; the folder mixes "

@@ -294,6 +294,8 @@ class OffloadConfig:
     activation_offload: bool = False   # park the block inputs saved for recompute in pinned host RAM
     boundary_stride: int = 1           # keep the inputs of blocks 0, k, 2k, ...; the backward re-runs the rest
     init_on_host: bool = True          # a random model is first built whole in fp32 on the host (see builds_on_host)
+    master_dtype: str = "fp32"         # fp32 | bf16: bf16 master weights, updated with stochastic rounding
+    moments: str = "fp32"              # fp32 | int8: AdamW moments block-quantised to 8 bits
 
     def builds_on_host(self, model: DiTConfig) -> bool:
         """Whether the engine first builds the whole fp32 model in host RAM: a random model with init_on_host,
@@ -315,6 +317,24 @@ class OffloadConfig:
         if self.activation_offload and not self.enabled:
             raise ValueError("offload.activation_offload=true needs the offload engine, but offload.enabled=false: "
                              "set offload.enabled=true, or offload.activation_offload=false")
+        self._validate_compact_state()
+
+    def _validate_compact_state(self) -> None:
+        for key, value, choices in (("master_dtype", self.master_dtype, ("fp32", "bf16")),
+                                    ("moments", self.moments, ("fp32", "int8"))):
+            if value not in choices:
+                raise ValueError(f"offload.{key}={value!r}: choose one of {list(choices)} ({choices[0]}: the full "
+                                 f"fp32 optimizer state, {choices[1]}: compact host state)")
+        compact = [f"offload.{key}={value}" for key, value in (("master_dtype", self.master_dtype),
+                                                                ("moments", self.moments)) if value != "fp32"]
+        if compact and not self.enabled:
+            raise ValueError(f"{' '.join(compact)} is compact optimizer state of the offload engine, but "
+                             f"offload.enabled=false: set offload.enabled=true (offload=engine), or leave "
+                             f"offload.master_dtype and offload.moments at fp32")
+        if compact and self.optimizer_device == "gpu":
+            raise ValueError(f"{' '.join(compact)}: the optimizer_device=gpu ablation streams fp32 state; set "
+                             f"offload.optimizer_device=cpu, or leave offload.master_dtype and offload.moments "
+                             f"at fp32")
 
 
 @dataclass

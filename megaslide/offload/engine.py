@@ -20,7 +20,9 @@ One training step (`OffloadEngine.train_step`):
 
 Non-block parameters stay resident on the device in fp32 with torch.optim.AdamW (0.25 B of
 the 7B preset's 6.96 B parameters). Block parameters: bf16 weights on the device (fp32 in the exact mode),
-fp32 master and moments on the host, updated by the fused CPU AdamW on a worker thread
+fp32 master and moments on the host (or the compact state offload.master_dtype and offload.moments ask for:
+a bf16 master rounded stochastically with bits keyed by train.seed, the block and the step, which a
+checkpoint records; 8-bit moments), updated by the fused CPU AdamW on a worker thread
 (`CpuUpdater`), or, in the optimizer_device="gpu" ablation, on the device after streaming
 master and moments there and back (`GpuUpdater`); both live in megaslide/offload/updaters.py.
 It is a step engine of `Trainer` (megaslide/train/engine.py), chosen by offload.enabled;
@@ -78,13 +80,14 @@ from megaslide.models.pretrained import (
     meta_model,
     write_pretrained,
 )
+from megaslide.offload.compact import rounding_key
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
-from megaslide.perf.host_memory import host_bytes, require_host_fit
+from megaslide.perf.host_memory import StateFormat, host_bytes, require_host_fit
 from megaslide.perf.memory import host_available_bytes
 from megaslide.perf.stream_schedule import parked_inputs
 
@@ -116,11 +119,12 @@ class OffloadEngine:
             raise ValueError(f"offload.resident_blocks={offload_cfg.resident_blocks} exceeds the model's "
                              f"{depth} blocks; use at most {depth}")
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
-        require_host_fit(host_bytes(self.layout.numel, depth, self.param_dtype, pin_state),
+        fmt = StateFormat.of(self.param_dtype, offload_cfg)
+        require_host_fit(host_bytes(self.layout.numel, depth, fmt, pin_state),
                          host_available_bytes(), what=f"the host state of {depth} blocks")
         stride = offload_cfg.boundary_stride
         parked = parked_inputs(depth, offload_cfg.resident_blocks, stride) if offload_cfg.activation_offload else 0
-        self.host = HostState(self.layout, depth, self.param_dtype, pin=cuda, pin_optimizer_state=pin_state,
+        self.host = HostState(self.layout, depth, fmt, pin=cuda, pin_optimizer_state=pin_state,
                               input_buffers=parked)
         for index, block in enumerate(model.blocks):
             if not any(p.is_meta for p in block.parameters()):
@@ -160,6 +164,7 @@ class OffloadEngine:
         self._spans = [[(0, self.layout.numel)] for _ in range(depth)]  # per block: ranges AdamW updates
         self._marks: dict[int, object] = {}
         self.step = 0
+        self.rounding_seed = train_cfg.seed  # keys the random bits of a bf16 master's stochastic rounding
         self.phase = ""  # the part of the step running now (forward, loss, backward, optimizer step), for OOM reports
 
     @classmethod
@@ -354,6 +359,7 @@ class OffloadEngine:
             self._health.pop(0).check()
 
     def _submit(self, job: UpdateJob) -> None:
+        job.rounding_key = rounding_key(self.rounding_seed, job.block, job.step)
         self.versions[job.block] += 1
         self.updater.submit(job)
 
@@ -440,9 +446,9 @@ class OffloadEngine:
 
     def save_pretrained(self, path: str | Path, max_shard_size: int | str = "10GB") -> None:
         """Write the model (a `wan` one) as a diffusers-format folder from the resident parameters and the
-        blocks' fp32 master weights: the files of `VideoDiT.save_pretrained` of the same weights. Parameters
-        are read from the host state as their shard is written (`write_pretrained`), so the host holds at most
-        one shard (`max_shard_size`) beyond the engine's state."""
+        blocks' master weights (a bf16 master widened to fp32): the files of `VideoDiT.save_pretrained` of the
+        same weights. Parameters are read from the host state as their shard is written (`write_pretrained`), so
+        the host holds at most one shard (`max_shard_size`) beyond the engine's state."""
         self.flush()
         where = dict(zip(self._param_names(), self._norm_order))
         params = [(n, torch.Size(self.resident_params[e[1]].shape if e[0] == "resident"
@@ -456,11 +462,11 @@ class OffloadEngine:
     # ---- checkpoints: a folder checkpoints/step_N/ of block_0000.pt ... and state.pt -----------------
     def save(self, path: Path, extra: dict) -> Path:
         """Each block's master weights and moments in a file of its own, then the resident
-        parameters, their AdamW state, the step and block versions, the blocks' flat layout (so
-        that a reader needs no engine) and `extra` in state.pt."""
+        parameters, their AdamW state, the step and block versions, the seed of the stochastic rounding, the
+        blocks' flat layout (so that a reader needs no engine) and `extra` in state.pt."""
         self.flush()
         blocks = ((f"block_{index:04d}", self.host.block_state(index)) for index in range(self.host.depth))
-        state = {"step": self.step, "versions": list(self.versions),
+        state = {"step": self.step, "versions": list(self.versions), "rounding_seed": self.rounding_seed,
                  "params": {n: p.detach().cpu().clone() for n, p in zip(self.resident_names, self.resident_params)},
                  "optimizer": self.optimizer.state_dict(), BLOCK_LAYOUT: self.layout.record(), **extra}
         return save_sharded_checkpoint(path, blocks, state)
@@ -480,6 +486,7 @@ class OffloadEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         self.versions = list(state["versions"])
+        self.rounding_seed = state.get("rounding_seed", self.rounding_seed)  # absent: a checkpoint older than it
         self.streamer.invalidate()
 
     def close(self) -> None:

@@ -1,15 +1,18 @@
 """Host-resident state of the offload engine: every persistent byte of the DiT blocks.
 
-Per transformer block l, each a flat (numel,) buffer laid out by `BlockLayout`:
+Per transformer block l, each a flat (numel,) buffer laid out by `BlockLayout`, in the dtypes of a
+`StateFormat` (offload.master_dtype, offload.moments):
     weights     param dtype (bf16, or fp32 in the exact mode)  pinned  streamed H2D twice a step
     grads       param dtype                                   pinned  D2H target (gradient staging)
-    master      fp32                                                  AdamW master weights
-    exp_avg     fp32                                                  AdamW first moment
-    exp_avg_sq  fp32                                                  AdamW second moment
-In the fp32 mode `weights` IS `master` (the master is streamed directly), so the fused CPU
-AdamW writes the next step's weights either way: into `weights` through its bf16 output,
-or in place. Bytes per parameter: bf16 mode 2 + 2 + 4 + 4 + 4 = 16; fp32 mode 4 + 4 + 4 + 4 = 16.
-The sizes are counted in megaslide/perf/host_memory.py, which the planner shares.
+    master      fp32 (or bf16)                                        AdamW master weights
+    exp_avg     fp32 (or 8-bit: QuantizedMoment)                      AdamW first moment
+    exp_avg_sq  fp32 (or 8-bit, its square root)                      AdamW second moment
+When the master has the weights' dtype (fp32 mode; or bf16 master with bf16 weights) `weights` IS
+`master` (the master is streamed directly), so the fused CPU AdamW writes the next step's weights
+either way: into `weights` through its bf16 output, or in place (a bf16 master with fp32 weights, the
+CPU exact mode, is copied into them after the update). Bytes per parameter: bf16 mode 2 + 2 + 4 + 4 + 4
+= 16; fp32 mode 4 + 4 + 4 + 4 = 16; the compact formats down to 2 + 2 + 2 x (1 + 4 / 64) = 6.125. The
+sizes are counted in megaslide/perf/host_memory.py, which the planner shares, and carved in its order.
 
 All pinned buffers are carved from ONE arena, allocated once: a pageable allocation that
 is first touched (zeroed, in parallel) and then page-locked with `cudaHostRegister`. The
@@ -35,9 +38,11 @@ import torch
 from torch import nn
 
 from megaslide.checkpoint import flat_layout
+from megaslide.offload.compact import SIGNED, SQRT, QuantizedMoment
 from megaslide.perf.host_memory import (
     ARENA_ALIGN,
     PARAM_ALIGN,
+    StateFormat,
     arena_bytes,
     arena_sizes,
     host_bytes_per_param,
@@ -220,71 +225,97 @@ class InputBuffers:
 
 @dataclass
 class HostBlock:
-    """The host buffers of one block, each (numel,)."""
+    """The host buffers of one block, each (numel,); `master` may be `weights` itself."""
 
     weights: torch.Tensor
     grads: torch.Tensor
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | QuantizedMoment
+    exp_avg_sq: torch.Tensor | QuantizedMoment
+
+    @classmethod
+    def of(cls, buffers: dict[str, torch.Tensor]) -> HostBlock:
+        """A block from its buffers by `StateFormat` name (weights, grads, [master], moments or their
+        codes and scales)."""
+        def moment(name: str, kind: str):
+            if name in buffers:
+                return buffers[name]
+            return QuantizedMoment(buffers[f"{name}.codes"], buffers[f"{name}.scales"], kind)
+        return cls(buffers["weights"], buffers["grads"], buffers.get("master", buffers["weights"]),
+                   moment("exp_avg", SIGNED), moment("exp_avg_sq", SQRT))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every distinct buffer by `StateFormat` name (the master only when it is not the weights)."""
+        out = {"weights": self.weights, "grads": self.grads}
+        if self.master is not self.weights:
+            out["master"] = self.master
+        for name in ("exp_avg", "exp_avg_sq"):
+            moment = getattr(self, name)
+            if isinstance(moment, QuantizedMoment):
+                out.update({f"{name}.codes": moment.codes, f"{name}.scales": moment.scales})
+            else:
+                out[name] = moment
+        return out
 
 
 class HostState:
-    """Host buffers of all `depth` blocks; see the module docstring for the layout."""
+    """Host buffers of all `depth` blocks in format `fmt`; see the module docstring for the layout."""
 
-    def __init__(self, layout: BlockLayout, depth: int, param_dtype: torch.dtype, *, pin: bool,
+    def __init__(self, layout: BlockLayout, depth: int, fmt: StateFormat, *, pin: bool,
                  pin_optimizer_state: bool = False, input_buffers: int = 0):
-        if param_dtype not in (torch.bfloat16, FP32):
-            raise ValueError(f"param_dtype={param_dtype} is not supported; use torch.bfloat16 or torch.float32")
-        self.layout, self.depth, self.param_dtype = layout, depth, param_dtype
-        n, aliased = layout.numel, param_dtype == FP32
-        pinned_sizes, pageable_sizes = arena_sizes(n, depth, param_dtype, pin_optimizer_state)
+        if fmt.param_dtype not in (torch.bfloat16, FP32):
+            raise ValueError(f"param_dtype={fmt.param_dtype} is not supported; use torch.bfloat16 or torch.float32")
+        self.layout, self.depth, self.fmt, self.param_dtype = layout, depth, fmt, fmt.param_dtype
+        n = layout.numel
+        pinned_sizes, pageable_sizes = arena_sizes(n, depth, fmt, pin_optimizer_state)
         self.pinned_arena = HostArena(pinned_sizes, pin)
         self.pageable_arena = HostArena(pageable_sizes, False)
-        pinned = self.pinned_arena
-        state = pinned if pin_optimizer_state else self.pageable_arena
-        self.blocks: list[HostBlock] = []
-        for _ in range(depth):
-            weights, grads = pinned.take(n, param_dtype), pinned.take(n, param_dtype)
-            master = weights if aliased else None
-            self.blocks.append(HostBlock(weights, grads, master, None, None))
-        for block in self.blocks:
-            if block.master is None:
-                block.master = state.take(n, FP32)
-            block.exp_avg, block.exp_avg_sq = state.take(n, FP32), state.take(n, FP32)
+        state = self.pinned_arena if pin_optimizer_state else self.pageable_arena
+        # carved in arena_sizes' order: every block's pinned buffers, then every block's state
+        pinned = [{b.name: self.pinned_arena.take(b.numel, b.dtype) for b in fmt.pinned_buffers(n)}
+                  for _ in range(depth)]
+        states = [{b.name: state.take(b.numel, b.dtype) for b in fmt.state_buffers(n)} for _ in range(depth)]
+        self.blocks = [HostBlock.of({**p, **s}) for p, s in zip(pinned, states)]
         self.loaded = [False] * depth
         self.inputs = InputBuffers(input_buffers, pin)
 
     # ---- contents ----------------------------------------------------------------------------
     def load_block_(self, index: int, master: torch.Tensor) -> None:
-        """Set block `index`'s weights from a (numel,) fp32 flat (see `BlockLayout.flatten`);
-        moments are reset to zero."""
+        """Set block `index`'s weights from a (numel,) fp32 flat (see `BlockLayout.flatten`), rounded to
+        nearest even into a bf16 master; moments are reset to zero."""
         b = self.blocks[index]
         b.master.copy_(master)
         if b.weights is not b.master:
-            b.weights.copy_(b.master)  # round to nearest even, as the fused AdamW writes it
+            b.weights.copy_(b.master)  # round to nearest even, as the fused AdamW writes it (or widen exactly)
         b.exp_avg.zero_()
         b.exp_avg_sq.zero_()
         b.grads.zero_()
         self.loaded[index] = True
 
-    def block_state(self, index: int) -> dict[str, torch.Tensor]:
-        """Copies of block `index`'s master weights and moments (what a checkpoint needs)."""
+    def block_state(self, index: int) -> dict:
+        """Copies of block `index`'s master weights and moments (what a checkpoint needs); an 8-bit moment as
+        {"codes", "scales"}."""
         b = self.blocks[index]
-        return {"master": b.master.clone(), "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
+        return {"master": b.master.clone(),
+                **{k: m.state() if isinstance(m, QuantizedMoment) else m.clone()
+                   for k, m in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq))}}
 
-    def load_block_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
+    def load_block_state(self, index: int, state: dict) -> None:
         b = self.blocks[index]
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            if state[key].shape != (self.layout.numel,):
-                raise ValueError(f"checkpoint block {index} {key} has shape {tuple(state[key].shape)}, but this "
-                                 f"model's blocks have {self.layout.numel} elements; load a checkpoint of the "
-                                 f"same model config")
-        b.master.copy_(state["master"])
+        master = state["master"]
+        if master.shape != (self.layout.numel,):
+            raise ValueError(f"checkpoint block {index} master has shape {tuple(master.shape)}, but this "
+                             f"model's blocks have {self.layout.numel} elements; load a checkpoint of the "
+                             f"same model config")
+        if master.dtype != b.master.dtype:
+            raise ValueError(f"checkpoint block {index} holds {master.dtype} master weights, but this run keeps "
+                             f"{b.master.dtype} ones; resume with offload.master_dtype="
+                             f"{'bf16' if master.dtype == torch.bfloat16 else 'fp32'}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _load_moment(index, key, getattr(b, key), state[key], self.layout.numel)
+        b.master.copy_(master)
         if b.weights is not b.master:
             b.weights.copy_(b.master)
-        b.exp_avg.copy_(state["exp_avg"])
-        b.exp_avg_sq.copy_(state["exp_avg_sq"])
         self.loaded[index] = True
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -299,7 +330,7 @@ class HostState:
 
     def bytes_report(self) -> dict:
         """Bytes per parameter by buffer, and the totals actually allocated."""
-        per_param = host_bytes_per_param(self.param_dtype)
+        per_param = host_bytes_per_param(self.fmt)
         params = self.layout.param_count * self.depth
         return {"block_params": params, "bytes_per_param": per_param,
                 "bytes_per_param_total": sum(per_param.values()),
@@ -310,3 +341,19 @@ class HostState:
         """Unpin the arenas now (they are also unpinned when the state is garbage collected)."""
         self.pinned_arena.close()
         self.inputs.close()
+
+
+def _load_moment(index: int, key: str, target: torch.Tensor | QuantizedMoment, saved, numel: int) -> None:
+    """Copy a checkpoint's moment into `target`, refusing one of the other format or size."""
+    quantized = isinstance(target, QuantizedMoment)
+    if quantized != isinstance(saved, dict):
+        kept, other = ("int8", "fp32") if quantized else ("fp32", "int8")
+        raise ValueError(f"checkpoint block {index} holds {other} {key}, but this run keeps {kept} moments; resume "
+                         f"with offload.moments={other}")
+    if quantized:
+        target.load_state(saved)
+        return
+    if saved.shape != (numel,):
+        raise ValueError(f"checkpoint block {index} {key} has shape {tuple(saved.shape)}, but this model's blocks "
+                         f"have {numel} elements; load a checkpoint of the same model config")
+    target.copy_(saved)

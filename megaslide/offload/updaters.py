@@ -65,6 +65,7 @@ class UpdateJob:
     device_grads: torch.Tensor | None = None  # (numel,) gradient on the device (GpuUpdater without clipping)
     clip: ClipCoefficient | None = None
     health: StepHealth | None = None  # checked before the update; None: unchecked (engine's own test paths)
+    rounding_key: int = 0            # the random bits of a bf16 master's stochastic rounding (compact.rounding_key)
 
 
 class CpuUpdater:
@@ -113,10 +114,16 @@ class CpuUpdater:
             start = time.perf_counter()
             if job.clip is not None:
                 b.grads.mul_(job.clip.host)
+            # the bf16 weights of an fp32 master come out of the same pass; a bf16 master's fp32 weights (the CPU
+            # exact mode) are copied from it after
+            fused_copy = b.weights is not b.master and b.master.dtype == torch.float32
             for lo, hi in job.spans:
                 self.adam(b.master[lo:hi], b.grads[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi], step=job.step,
                           lr=job.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
-                          param_bf16=None if b.weights is b.master else b.weights[lo:hi])
+                          param_bf16=b.weights[lo:hi] if fused_copy else None, rounding_key=job.rounding_key,
+                          first_index=lo)
+                if b.weights is not b.master and not fused_copy:
+                    b.weights[lo:hi].copy_(b.master[lo:hi])
             self._seconds.append((job.tag, time.perf_counter() - start))
         except BaseException as err:  # re-raised on the training thread
             self._error = err

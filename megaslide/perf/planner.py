@@ -4,8 +4,9 @@ Its command line is experiments/plan.py, which plans the `RunConfig` that train.
 (`python -m experiments.plan model=7B model.in_channels=3 offload=engine check=true`); a table of cells
 plans each with `grid_run`.
 
-Host RAM (offload engine): the exact bytes of the engine's arenas (per block parameter 16 B;
-megaslide/perf/host_memory.py, by which the engine allocates them), the block inputs that activation
+Host RAM (offload engine): the exact bytes of the engine's arenas (per block parameter 16 B with fp32 master
+and moments, 6.125 B with offload.master_dtype=bf16 and offload.moments=int8; megaslide/perf/host_memory.py,
+by which the engine allocates them), the block inputs that activation
 offload parks there (`parked_inputs`), the fp32 model when it is first built on the host (`build_on_host`,
 what `Trainer` asks of `OffloadEngine.from_config`), and a reserve for the process.
 
@@ -69,6 +70,7 @@ from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, bloc
 from megaslide.perf.flops import DiTFlops, dit_flops, keys_per_query
 from megaslide.perf.host_memory import (
     HOST_RESERVE_BYTES,
+    StateFormat,
     block_layout,
     host_bytes,
     host_bytes_per_param,
@@ -278,7 +280,7 @@ class OffloadPlan(PhasedHBM):
     cfg: DiTConfig
     batch: int
     grid: tuple[int, int, int]
-    param_dtype: torch.dtype
+    state_format: StateFormat   # the host buffers' dtypes: streamed weights, master, moments
     optimizer_device: str
     grad_clip: bool
     params: int
@@ -299,8 +301,17 @@ class OffloadPlan(PhasedHBM):
     boundary_stride: int = 1    # block inputs kept every k blocks; the backward re-runs the others' forward
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        return self.state_format.param_dtype
+
+    @property
     def host_total(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        """Persistent host bytes per block parameter (the arenas' buffers, padding aside)."""
+        return sum(host_bytes_per_param(self.state_format).values())
 
     @property
     def lower_bound(self) -> dict[str, float]:
@@ -332,7 +343,9 @@ class OffloadPlan(PhasedHBM):
                 "param_dtype": str(self.param_dtype), "optimizer_device": self.optimizer_device,
                 "activation_offload": self.activation_offload, "chunk_tokens": self.execution.chunk_tokens,
                 "host_bytes": self.host, "host_total_bytes": self.host_total, "pinned_bytes": self.pinned_bytes,
-                "host_bytes_per_block_param": host_bytes_per_param(self.param_dtype),
+                "master_dtype": str(self.state_format.master_dtype), "moments": self.state_format.moments,
+                "host_bytes_per_block_param": host_bytes_per_param(self.state_format),
+                "host_bytes_per_block_param_total": self.host_bytes_per_param,
                 "hbm_bytes": self.hbm, "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
                 "hbm_peak_phase": self.peak_phase,
                 "model_flops_per_step": self.flops.train, "executed_flops_per_step": self.executed_flops,
@@ -350,7 +363,10 @@ class OffloadPlan(PhasedHBM):
                 f"{self.execution.chunk_tokens or 'off'}; "
                 f"activation offload {'on' if self.activation_offload else 'off'}; "
                 f"boundary stride {self.boundary_stride}")
-        lines = [model, step, "host RAM:"]
+        fmt = self.state_format
+        per_param = ", ".join(f"{k} {v:g}" for k, v in host_bytes_per_param(fmt).items())
+        lines = [model, step, f"host RAM: {self.host_bytes_per_param:g} bytes per block parameter (master "
+                              f"{fmt.master_dtype}, moments {fmt.moments}: {per_param})"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
                   *self.hbm_lines(), "step time, fitted estimate (s):"]
@@ -445,6 +461,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     if not 0 <= resident_blocks <= cfg.depth:
         raise ValueError(f"offload.resident_blocks={resident_blocks} must be in [0, {cfg.depth}] (the model's depth)")
     pin_state = optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
+    fmt = StateFormat.of(param_dtype, offload)
     layout = block_layout(cfg)
     n, depth, w = layout.numel, cfg.depth, torch.finfo(param_dtype).bits // 8
     params = count_params(cfg)
@@ -455,7 +472,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     stride = offload.boundary_stride
     parked = parked_inputs(depth, k, stride) if activation_offload else 0
     input_bytes = tokens * cfg.dim * w
-    arenas = host_bytes(n, depth, param_dtype, pin_state)
+    arenas = host_bytes(n, depth, fmt, pin_state)
     host = {"block state, pinned arena": arenas["pinned"], "block state, pageable arena": arenas["pageable"]}
     if parked:
         host[f"parked block inputs, pinned ({parked} x {input_bytes / GB:.2f} GB)"] = parked * input_bytes
@@ -488,7 +505,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
     pinned = arenas["pinned"] + parked * input_bytes
     peak = max(hbm_phases, key=hbm_phases.get)
-    return OffloadPlan(cfg, batch, tuple(grid), param_dtype, optimizer_device, grad_clip, params, block_params,
+    return OffloadPlan(cfg, batch, tuple(grid), fmt, optimizer_device, grad_clip, params, block_params,
                        host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
                        executed, execution, ceilings, stride)
 
@@ -553,10 +570,11 @@ def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
     return ResidentPlan(cfg, batch, tuple(grid), params, phases[max(totals, key=totals.get)], totals)
 
 
-def largest_depth(cfg: DiTConfig, *, host_budget: int, param_dtype: torch.dtype, pin_optimizer_state: bool) -> int:
-    """The most blocks of `cfg`'s width whose host state and reserve fit in `host_budget` bytes (0 if none)."""
+def largest_depth(cfg: DiTConfig, *, host_budget: int, state_format: StateFormat, pin_optimizer_state: bool) -> int:
+    """The most blocks of `cfg`'s width whose host state (in `state_format`) and reserve fit in `host_budget` bytes
+    (0 if none)."""
     layout = block_layout(cfg)
-    per_block = host_bytes(layout.numel, 1, param_dtype, pin_optimizer_state)
+    per_block = host_bytes(layout.numel, 1, state_format, pin_optimizer_state)
     per_block_bytes = per_block["pinned"] + per_block["pageable"]
     return max(0, int((host_budget - HOST_RESERVE_BYTES) // per_block_bytes))
 
@@ -573,7 +591,7 @@ def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_ava
         items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.host.items())
         arenas = plan.host["block state, pinned arena"] + plan.host["block state, pageable arena"]
         others = plan.host_total - arenas - HOST_RESERVE_BYTES   # what the host holds besides arenas and reserve
-        depth = largest_depth(plan.cfg, host_budget=host_available - others, param_dtype=plan.param_dtype,
+        depth = largest_depth(plan.cfg, host_budget=host_available - others, state_format=plan.state_format,
                               pin_optimizer_state=False)
         fix = (f"Use at most model.depth={depth} at this width, a smaller preset, a shorter clip (parked block "
                f"inputs grow with it), or a machine with more RAM" if depth > 0 else

@@ -15,6 +15,7 @@ from megaslide.config import OffloadConfig
 from megaslide.models.dit import VideoDiT
 from megaslide.offload.engine import OffloadEngine
 from megaslide.offload.host_state import BlockLayout, HostState
+from megaslide.perf.host_memory import StateFormat
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
@@ -289,7 +290,7 @@ def test_spans_merge_runs_of_used_parameters():
 @pytest.mark.parametrize("dtype,pin_state", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
 def test_host_state_buffers_and_bytes_per_param(dtype, pin_state):
     layout = _layout()
-    host = HostState(layout, 3, dtype, pin=False, pin_optimizer_state=pin_state)
+    host = HostState(layout, 3, StateFormat(dtype), pin=False, pin_optimizer_state=pin_state)
     report = host.bytes_report()
     assert report["bytes_per_param_total"] == 16
     assert report["pinned_bytes"] == 0  # nothing is pinned without CUDA
@@ -306,7 +307,7 @@ def test_host_state_buffers_and_bytes_per_param(dtype, pin_state):
     assert torch.equal(host.blocks[1].master, flat)
     assert torch.equal(host.blocks[1].weights, flat.to(dtype))
     state = host.block_state(1)
-    other = HostState(layout, 3, dtype, pin=False)
+    other = HostState(layout, 3, StateFormat(dtype), pin=False)
     other.load_block_state(1, state)
     assert torch.equal(other.blocks[1].weights, host.blocks[1].weights)
     with pytest.raises(ValueError, match="same model config"):
@@ -404,7 +405,7 @@ def test_cuda_bf16_stays_close_to_resident_autocast(tmp_path, monkeypatch):
 @cuda
 def test_cuda_host_state_is_pinned_once():
     layout = _layout()
-    host = HostState(layout, 3, torch.bfloat16, pin=True, pin_optimizer_state=False)
+    host = HostState(layout, 3, StateFormat(torch.bfloat16), pin=True, pin_optimizer_state=False)
     assert host.pinned_bytes == host.pinned_arena.nbytes > 0
     assert host.blocks[2].weights.is_pinned() and host.blocks[2].grads.is_pinned()
     assert not host.blocks[2].master.is_pinned()

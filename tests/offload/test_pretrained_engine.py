@@ -212,3 +212,16 @@ def test_weights_the_files_hold_are_never_drawn_at_random(folder, monkeypatch):
     calls.clear()
     OffloadEngine.from_pretrained(folder, grid=GRID, attention="dsa_zero", **_kw())
     assert calls == ["VideoDiT", "DiTBlock", "DiTBlock"]
+
+
+def test_compact_state_loads_rounded_and_exports_its_master(folder, tmp_path):
+    engine = OffloadEngine.from_pretrained(folder, grid=GRID, **_kw(master_dtype="bf16", moments="int8"))
+    model = load_pretrained(folder)
+    state = engine.model_state_dict()
+    for name, p in model.named_parameters():
+        assert torch.equal(state[name], p.detach().bfloat16().float() if name.startswith("blocks.") else p), name
+    engine.save_pretrained(tmp_path / "engine")
+    model.load_state_dict(state)
+    model.save_pretrained(tmp_path / "model")
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        assert (tmp_path / "engine" / name).read_bytes() == (tmp_path / "model" / name).read_bytes()

@@ -10,6 +10,7 @@ from megaslide.perf.host_memory import (
     ARENA_ALIGN,
     HOST_RESERVE_BYTES,
     PARAM_ALIGN,
+    StateFormat,
     arena_bytes,
     block_layout,
     host_bytes,
@@ -33,11 +34,11 @@ def test_block_layout_is_the_engines_layout(cfg):
 @pytest.mark.parametrize("pin_state", [False, True])
 def test_host_bytes_are_what_the_host_state_allocates(dtype, pin_state):
     layout = BlockLayout.from_module(DiTBlock(tiny_model_cfg("dsa"), 0))
-    state = HostState(layout, 3, dtype, pin=False, pin_optimizer_state=pin_state)
-    arenas = host_bytes(layout.numel, 3, dtype, pin_state)
+    state = HostState(layout, 3, StateFormat(dtype), pin=False, pin_optimizer_state=pin_state)
+    arenas = host_bytes(layout.numel, 3, StateFormat(dtype), pin_state)
     assert (arenas["pinned"], arenas["pageable"]) == (state.pinned_arena.nbytes, state.pageable_arena.nbytes)
     assert (arenas["pageable"] == 0) == pin_state
-    assert sum(host_bytes_per_param(dtype).values()) == 16
+    assert sum(host_bytes_per_param(StateFormat(dtype)).values()) == 16
 
 
 def test_arenas_round_each_buffer_up_to_a_page():

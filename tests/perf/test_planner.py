@@ -15,6 +15,7 @@ from megaslide.perf.stream_schedule import weight_loads
 from megaslide.perf import planner
 from megaslide.perf.activation_memory import ActivationDtypes, block_memory
 from megaslide.perf.flops import dit_flops
+from megaslide.perf.host_memory import ARENA_ALIGN, StateFormat, round_up
 from megaslide.perf.planner import (
     HBM_MARGIN,
     AttentionRate,
@@ -38,11 +39,34 @@ def test_host_bytes_are_exactly_what_the_host_state_allocates(dtype, optimizer_d
     cfg = dataclasses.replace(tiny_model_cfg("dsa"), depth=3)
     plan = _plan(cfg, (4, 8, 8), batch=2, param_dtype=dtype, optimizer_device=optimizer_device)
     layout = BlockLayout.from_module(VideoDiT(cfg).blocks[0])
-    host = HostState(layout, 3, dtype, pin=False, pin_optimizer_state=optimizer_device == "gpu")
+    host = HostState(layout, 3, StateFormat(dtype), pin=False, pin_optimizer_state=optimizer_device == "gpu")
     arenas = plan.host["block state, pinned arena"] + plan.host["block state, pageable arena"]
     assert arenas == host.total_bytes
     assert plan.block_params == 3 * layout.param_count
     assert plan.as_dict()["host_bytes_per_block_param"] == host.bytes_report()["bytes_per_param"]
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("master_dtype,moments", [("bf16", "fp32"), ("fp32", "int8"), ("bf16", "int8")])
+def test_compact_host_bytes_equal_the_buffers_the_host_state_holds(param_dtype, master_dtype, moments):
+    """Allocate the compact host state, sum the bytes of every buffer it holds (each arena buffer starts on a page)
+    and compare with the planner's arenas and its bytes per parameter."""
+    cfg = dataclasses.replace(tiny_model_cfg("dense"), depth=3, dim=40, num_heads=4)  # a layout that is not 64k
+    plan = _plan(cfg, (2, 4, 4), param_dtype=param_dtype, master_dtype=master_dtype, moments=moments)
+    layout = BlockLayout.from_module(VideoDiT(cfg).blocks[0])
+    host = HostState(layout, 3, StateFormat.of(param_dtype, OffloadConfig(master_dtype=master_dtype, moments=moments,
+                                                                           enabled=True)), pin=False)
+    buffers = [t for block in host.blocks for t in block.tensors().values()]
+    assert len({t.data_ptr() for t in buffers}) == len(buffers)   # no two buffers share storage
+    held = sum(round_up(t.nbytes, ARENA_ALIGN) for t in buffers)
+    assert held == plan.host["block state, pinned arena"] + plan.host["block state, pageable arena"]
+    assert sum(t.nbytes for t in buffers) == plan.host_bytes_per_param * 3 * layout.numel
+    aliased = (master_dtype == "bf16") == (param_dtype == torch.bfloat16)
+    assert (host.blocks[0].master is host.blocks[0].weights) == aliased
+    expected = (2 * param_dtype.itemsize + (0 if aliased else (2 if master_dtype == "bf16" else 4))
+                + (8 if moments == "fp32" else 2 * (1 + 4 / 64)))
+    assert plan.host_bytes_per_param == expected
+    assert f"host RAM: {expected:g} bytes per block parameter" in plan.table()
 
 
 def test_step_estimate_is_the_max_of_compute_pcie_and_optimizer():
@@ -183,7 +207,8 @@ def test_host_ram_error_gives_the_numbers_and_a_depth_that_fits():
     with pytest.raises(ValueError, match=r"does not fit host RAM: it needs 1\d\d\.\d GB") as err:
         check_fits(plan, host_available=available, hbm_available=None)
     depth = int(str(err.value).split("model.depth=")[1].split()[0])
-    assert depth == largest_depth(cfg, host_budget=available, param_dtype=torch.bfloat16, pin_optimizer_state=False)
+    assert depth == largest_depth(cfg, host_budget=available, state_format=StateFormat(torch.bfloat16),
+                                  pin_optimizer_state=False)
     smaller = _plan(dataclasses.replace(cfg, depth=depth), (16, 32, 64))
     check_fits(smaller, host_available=available, hbm_available=None)      # the suggestion fits
     bigger = _plan(dataclasses.replace(cfg, depth=depth + 1), (16, 32, 64))
@@ -195,7 +220,8 @@ def test_host_ram_error_when_not_one_block_fits_names_a_smaller_width_not_depth_
     cfg = DIT_PRESETS["105B"]
     plan = _plan(cfg, (4, 8, 8))
     available = int(5 * GB)                # less than one block's host state at dim 12288
-    assert largest_depth(cfg, host_budget=available, param_dtype=torch.bfloat16, pin_optimizer_state=False) == 0
+    assert largest_depth(cfg, host_budget=available, state_format=StateFormat(torch.bfloat16),
+                         pin_optimizer_state=False) == 0
     with pytest.raises(ValueError, match=r"Not even one block of this width \(model.dim=12288\) fits: use a "
                                          r"smaller preset or model.dim.*more RAM") as err:
         check_fits(plan, host_available=available, hbm_available=None)

@@ -17,6 +17,8 @@
 // The loops are plain C++ under `#pragma omp simd`; compiled with -march=native the compiler
 // emits AVX-512 on AVX-512 machines and AVX2/FMA elsewhere, with a scalar remainder loop
 // (checked with -fopt-info-vec: every inner loop of every variant vectorises, GCC 12).
+// megaslide_adamw_step_compact runs the same per-element step over compact state (bf16 master weights
+// rounded stochastically, 8-bit block-quantised moments): the section "compact state" below.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,23 +43,40 @@ struct Scalars {
   float neg_step_size;
 };
 
-inline float load_grad(float g) { return g; }
+inline float float_of_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+inline uint32_t bits_of_float(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+inline float to_float(float x) { return x; }
 
 // bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 bits.
-inline float load_grad(uint16_t g) {
-  const uint32_t bits = static_cast<uint32_t>(g) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+inline float to_float(uint16_t x) { return float_of_bits(static_cast<uint32_t>(x) << 16); }
 
 // fp32 -> bf16, round to nearest with ties to even (what torch's .to(torch.bfloat16) does for
 // finite and infinite values); every NaN becomes the quiet NaN 0x7FC0.
 inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t bits = bits_of_float(x);
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+// One element's step (the order at the top of this file): updates m and v, returns the new weight and
+// sqrt(v) in *root.
+inline float adam_element(float p_old, float g, float& m, float& v, float* root, const Scalars& s) {
+  const float p = p_old * s.decay;
+  m = std::fma(s.lerp_coeff, g - m, s.lerp_base_is_m ? m : g);
+  v = std::fma(s.one_minus_beta2 * g, g, v * s.beta2);
+  *root = std::sqrt(v);
+  const float denom = *root / s.bias_correction2_sqrt + s.eps;
+  return p + (s.neg_step_size * m) / denom;
 }
 
 template <typename GradT>
@@ -66,13 +85,8 @@ void update_tile(float* __restrict__ param, const GradT* __restrict__ grad,
                  const Scalars s) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float g = load_grad(grad[i]);
-    const float p = param[i] * s.decay;
-    const float m_old = exp_avg[i];
-    const float m = std::fma(s.lerp_coeff, g - m_old, s.lerp_base_is_m ? m_old : g);
-    const float v = std::fma(s.one_minus_beta2 * g, g, exp_avg_sq[i] * s.beta2);
-    const float denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-    param[i] = p + (s.neg_step_size * m) / denom;
+    float m = exp_avg[i], v = exp_avg_sq[i], root;
+    param[i] = adam_element(param[i], to_float(grad[i]), m, v, &root, s);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
   }
@@ -119,6 +133,209 @@ void update(float* param, const GradT* grad, float* exp_avg, float* exp_avg_sq,
   }
 }
 
+// ---- compact state: bf16 master weights with stochastic rounding, 8-bit block-quantised moments ----------
+// The formats are stated in megaslide/offload/compact.py (this is their fast path, tested against it). The
+// step is the one above on fp32 values: the bf16 master is widened exactly, the moments are dequantised
+// exactly; after the step the master is rounded stochastically to bf16, and each block of kMomentBlock
+// moments is requantised with a fresh power-of-two scale (exp_avg_sq kept as its square root).
+
+constexpr int64_t kMomentBlock = 64;  // compact.MOMENT_BLOCK
+
+// The 'lowbias32' integer hash (xor-shift, multiply, twice): the random bits of element i are its top half.
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16 bits, the magnitude rounded up with probability (low 16 bits) / 2^16; every NaN -> 0x7FC0.
+inline uint16_t to_bf16_stochastic(float x, uint32_t random16) {
+  const uint16_t out = static_cast<uint16_t>((bits_of_float(x) + random16) >> 16);
+  return x != x ? static_cast<uint16_t>(0x7FC0u) : out;
+}
+
+// The normalised magnitude of a code of a 4-exponent-bit, M-mantissa-bit float whose top binade is [1/2, 1).
+// A subnormal code (e = 0) decodes as the normal code (1, f) less 2^-15, exactly f * 2^(-15-M) (Sterbenz):
+// integer arithmetic instead of a select, which GCC does not vectorise beside byte loads.
+template <int M>
+inline float decode_magnitude(uint32_t code) {
+  const uint32_t e = code >> M, f = code & ((1u << M) - 1u);
+  const uint32_t subnormal = e == 0;
+  return float_of_bits(((e + subnormal + 111u) << 23) | (f << (23 - M))) - float_of_bits(subnormal * (112u << 23));
+}
+
+// The code of a normalised magnitude y in [0, 1): round to nearest even, saturating at kMax.
+template <int M, uint32_t kMax>
+inline uint32_t encode_magnitude(float y) {
+  const uint32_t bits = bits_of_float(y);
+  const uint32_t rounded = (bits + ((1u << (22 - M)) - 1u) + ((bits >> (23 - M)) & 1u)) >> (23 - M);
+  const uint32_t normal = rounded - (111u << M);
+  // y * 2^(15+M) < 2^M is exact; adding 2^23 rounds it to an integer (ties to even) in the low mantissa bits
+  const float shifted = y * float_of_bits((127u + 15u + M) << 23) + 8388608.0f;
+  const uint32_t subnormal = bits_of_float(shifted) - bits_of_float(8388608.0f);
+  const uint32_t code = y < 0x1p-15f ? subnormal : normal;
+  return code > kMax ? kMax : code;
+}
+
+// Per block: scale 2^k, k = floor(log2 absmax) + 1, and 1 / scale; (0, 0) below 2^-126; absmax capped at 2^126.
+inline void block_scale(float absmax, float* scale, float* inverse) {
+  uint32_t e = (bits_of_float(absmax) >> 23) & 0xFFu;
+  e = e > 252u ? 252u : e;
+  *scale = e == 0 ? 0.0f : float_of_bits((e + 1u) << 23);
+  *inverse = e == 0 ? 0.0f : float_of_bits((253u - e) << 23);
+}
+
+struct Fp32Moments {
+  float* exp_avg;
+  float* exp_avg_sq;
+};
+
+struct Int8Moments {  // codes and one scale per kMomentBlock elements; element 0 starts a block
+  uint8_t* exp_avg;
+  float* exp_avg_scales;
+  uint8_t* exp_avg_sq;  // codes of sqrt(exp_avg_sq)
+  float* exp_avg_sq_scales;
+};
+
+inline void load_moments(const Fp32Moments& st, int64_t begin, int64_t n, float* m, float* v) {
+  std::memcpy(m, st.exp_avg + begin, n * sizeof(float));
+  std::memcpy(v, st.exp_avg_sq + begin, n * sizeof(float));
+}
+
+inline void store_moments(const Fp32Moments& st, int64_t begin, int64_t n, const float* m, const float* v,
+                          const float*) {
+  std::memcpy(st.exp_avg + begin, m, n * sizeof(float));
+  std::memcpy(st.exp_avg_sq + begin, v, n * sizeof(float));
+}
+
+// begin: a multiple of kMomentBlock; the last block may be cut short (n).
+inline void load_moments(const Int8Moments& st, int64_t begin, int64_t n, float* m, float* v) {
+  for (int64_t b = 0; b < n; b += kMomentBlock) {
+    const int64_t len = std::min(kMomentBlock, n - b);
+    const float m_scale = st.exp_avg_scales[(begin + b) / kMomentBlock];
+    const float r_scale = st.exp_avg_sq_scales[(begin + b) / kMomentBlock];
+    const uint8_t* mc = st.exp_avg + begin + b;
+    const uint8_t* rc = st.exp_avg_sq + begin + b;
+    float* __restrict__ m_out = m + b;
+    float* __restrict__ v_out = v + b;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) {
+      const uint32_t code = mc[i];
+      const float magnitude = decode_magnitude<3>(code & 0x7Fu) * m_scale;
+      m_out[i] = float_of_bits(bits_of_float(magnitude) | ((code & 0x80u) << 24));  // the sign bit
+      const float root = decode_magnitude<4>(rc[i]) * r_scale;
+      v_out[i] = root * root;
+    }
+  }
+}
+
+inline void store_moments(const Int8Moments& st, int64_t begin, int64_t n, const float* m, const float*,
+                          const float* root) {
+  for (int64_t b = 0; b < n; b += kMomentBlock) {
+    const int64_t len = std::min(kMomentBlock, n - b);
+    float m_max = 0.0f, r_max = 0.0f;
+#pragma omp simd reduction(max : m_max, r_max)
+    for (int64_t i = 0; i < len; ++i) {
+      m_max = std::max(m_max, std::fabs(m[b + i]));
+      r_max = std::max(r_max, root[b + i]);
+    }
+    float m_inverse, r_inverse;
+    block_scale(m_max, &st.exp_avg_scales[(begin + b) / kMomentBlock], &m_inverse);
+    block_scale(r_max, &st.exp_avg_sq_scales[(begin + b) / kMomentBlock], &r_inverse);
+    uint8_t* mc = st.exp_avg + begin + b;
+    uint8_t* rc = st.exp_avg_sq + begin + b;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) {
+      const uint32_t sign = bits_of_float(m[b + i]) >> 31;
+      mc[i] = static_cast<uint8_t>(encode_magnitude<3, 127u>(std::fabs(m[b + i]) * m_inverse) | (sign << 7));
+      rc[i] = static_cast<uint8_t>(encode_magnitude<4, 255u>(root[b + i] * r_inverse));
+    }
+  }
+}
+
+// fp32 master: store, and the round-to-nearest bf16 copy when asked for.
+inline void store_params(float* param, uint16_t* param_bf16, const float* p, int64_t n, uint32_t, uint32_t) {
+  std::memcpy(param, p, n * sizeof(float));
+  if (param_bf16) {
+    round_tile_to_bf16(p, param_bf16, n);
+  }
+}
+
+// bf16 master: stochastic rounding with the bits of elements index .. index + n - 1.
+inline void store_params(uint16_t* param, uint16_t*, const float* p, int64_t n, uint32_t key, uint32_t index) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    param[i] = to_bf16_stochastic(p[i], lowbias32(index + static_cast<uint32_t>(i) + key) >> 16);
+  }
+}
+
+// Elements [begin, begin + n) of the call's buffers, n <= kTile, begin a multiple of kMomentBlock; the bits
+// of element i are those of index first_index + i of the block's flat buffer.
+template <typename GradT, typename ParamT, typename Moments>
+void compact_tile(ParamT* param, const GradT* grad, const Moments& st, uint16_t* param_bf16, int64_t begin,
+                  int64_t n, const Scalars& s, uint32_t key, uint32_t first_index) {
+  alignas(64) float m[kTile], v[kTile], root[kTile], p[kTile];
+  load_moments(st, begin, n, m, v);
+  const ParamT* __restrict__ param_in = param + begin;
+  const GradT* __restrict__ g = grad + begin;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = adam_element(to_float(param_in[i]), to_float(g[i]), m[i], v[i], &root[i], s);
+  }
+  store_params(param + begin, param_bf16 ? param_bf16 + begin : nullptr, p, n, key,
+               first_index + static_cast<uint32_t>(begin));
+  store_moments(st, begin, n, m, v, root);
+}
+
+template <typename GradT, typename ParamT, typename Moments>
+void compact_update(ParamT* param, const GradT* grad, const Moments& st, uint16_t* param_bf16, int64_t n,
+                    const Scalars& s, uint32_t key, uint32_t first_index, int num_threads) {
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_blocks)));
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t end = std::min(n, (b + 1) * kBlock);
+    for (int64_t begin = b * kBlock; begin < end; begin += kTile) {
+      compact_tile(param, grad, st, param_bf16, begin, std::min(kTile, end - begin), s, key, first_index);
+    }
+  }
+}
+
+template <typename GradT, typename Moments>
+void compact_dispatch(void* param, bool bf16_master, const GradT* grad, const Moments& st,
+                      uint16_t* param_bf16, int64_t n, const Scalars& s, uint32_t key, uint32_t first_index,
+                      int num_threads) {
+  if (bf16_master) {
+    compact_update(static_cast<uint16_t*>(param), grad, st, nullptr, n, s, key, first_index, num_threads);
+  } else {
+    compact_update(static_cast<float*>(param), grad, st, param_bf16, n, s, key, first_index, num_threads);
+  }
+}
+
+template <typename GradT>
+void compact_moments(void* param, bool bf16_master, const GradT* grad, void* exp_avg, float* exp_avg_scales,
+                     void* exp_avg_sq, float* exp_avg_sq_scales, uint16_t* param_bf16, int64_t n,
+                     const Scalars& s, uint32_t key, uint32_t first_index, int num_threads) {
+  if (exp_avg_scales) {
+    const Int8Moments st{static_cast<uint8_t*>(exp_avg), exp_avg_scales, static_cast<uint8_t*>(exp_avg_sq),
+                         exp_avg_sq_scales};
+    compact_dispatch(param, bf16_master, grad, st, param_bf16, n, s, key, first_index, num_threads);
+  } else {
+    const Fp32Moments st{static_cast<float*>(exp_avg), static_cast<float*>(exp_avg_sq)};
+    compact_dispatch(param, bf16_master, grad, st, param_bf16, n, s, key, first_index, num_threads);
+  }
+}
+
+Scalars make_scalars(float decay, float one_minus_beta1, float beta2, float one_minus_beta2,
+                     float bias_correction2_sqrt, float eps, float neg_step_size) {
+  const bool small_weight = std::fabs(one_minus_beta1) < 0.5f;
+  return Scalars{decay, small_weight ? one_minus_beta1 : one_minus_beta1 - 1.0f, small_weight,
+                 beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size};
+}
+
 }  // namespace
 
 extern "C" {
@@ -143,9 +360,8 @@ void megaslide_adamw_step(float* param, const void* grad, int grad_is_bf16, floa
                           float one_minus_beta1, float beta2, float one_minus_beta2,
                           float bias_correction2_sqrt, float eps, float neg_step_size,
                           int num_threads) {
-  const bool small_weight = std::fabs(one_minus_beta1) < 0.5f;
-  const Scalars s{decay, small_weight ? one_minus_beta1 : one_minus_beta1 - 1.0f, small_weight,
-                  beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size};
+  const Scalars s = make_scalars(decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
+                                 neg_step_size);
   const auto* g16 = static_cast<const uint16_t*>(grad);
   const auto* g32 = static_cast<const float*>(grad);
   if (grad_is_bf16 && param_bf16) {
@@ -156,6 +372,26 @@ void megaslide_adamw_step(float* param, const void* grad, int grad_is_bf16, floa
     update<float, true>(param, g32, exp_avg, exp_avg_sq, param_bf16, n, s, num_threads);
   } else {
     update<float, false>(param, g32, exp_avg, exp_avg_sq, nullptr, n, s, num_threads);
+  }
+}
+
+// The compact step: param is fp32 (bf16_master = 0) or bf16 bits (1, stochastic rounding with the bits of
+// lowbias32(first_index + i + key)); exp_avg_scales null: fp32 moments, else int8 codes with their scales
+// (exp_avg_sq as the codes of its square root). param_bf16 (fp32 master only) may be null.
+void megaslide_adamw_step_compact(void* param, int bf16_master, const void* grad, int grad_is_bf16,
+                                  void* exp_avg, float* exp_avg_scales, void* exp_avg_sq,
+                                  float* exp_avg_sq_scales, uint16_t* param_bf16, int64_t n, float decay,
+                                  float one_minus_beta1, float beta2, float one_minus_beta2,
+                                  float bias_correction2_sqrt, float eps, float neg_step_size, uint32_t key,
+                                  uint32_t first_index, int num_threads) {
+  const Scalars s = make_scalars(decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
+                                 neg_step_size);
+  if (grad_is_bf16) {
+    compact_moments(param, bf16_master, static_cast<const uint16_t*>(grad), exp_avg, exp_avg_scales, exp_avg_sq,
+                    exp_avg_sq_scales, param_bf16, n, s, key, first_index, num_threads);
+  } else {
+    compact_moments(param, bf16_master, static_cast<const float*>(grad), exp_avg, exp_avg_scales, exp_avg_sq,
+                    exp_avg_sq_scales, param_bf16, n, s, key, first_index, num_threads);
   }
 }
 
