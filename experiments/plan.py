@@ -62,7 +62,8 @@ def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
     dtype = precision_dtype(run.train.precision, run_device(run))
     if not run.offload.enabled:
         return plan_resident(run, autocast=dtype == torch.bfloat16)
-    return plan_offload(run, param_dtype=dtype, ceilings=stated_ceilings(cfg))
+    return plan_offload(run, param_dtype=dtype, ceilings=stated_ceilings(cfg),
+                        build_on_host=run.offload.builds_on_host(run.model))
 
 
 def report(cfg: PlanConfig) -> int:

@@ -325,8 +325,16 @@ class OffloadConfig:
     resident_blocks: int = 0           # the last k blocks keep weights + activations on the GPU through backward
     activation_offload: bool = False   # park the block inputs saved for recompute in pinned host RAM
     boundary_stride: int = 1           # keep the inputs of blocks 0, k, 2k, ...; the backward re-runs the rest
+    init_on_host: bool = True          # a random model is first built whole in fp32 on the host (see builds_on_host)
     master_dtype: str = "fp32"         # fp32 | bf16: bf16 master weights, updated with stochastic rounding
     moments: str = "fp32"              # fp32 | int8: AdamW moments block-quantised to 8 bits
+
+    def builds_on_host(self, model: DiTConfig) -> bool:
+        """Whether the engine first builds the whole fp32 model in host RAM: a random model with init_on_host,
+        which gives the resident trainer's initial weights bit for bit. Otherwise it is built one block at a
+        time (same init rules, another random stream) or, with model.pretrained, read one block at a time:
+        the host then never holds more than its state plus about a block."""
+        return self.init_on_host and not model.pretrained
 
     def validate(self) -> None:
         if self.resident_blocks < 0:

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import json
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,32 +55,130 @@ def load_pretrained(path: str | Path, **overrides) -> VideoDiT:
     `chunk_tokens=` and the other execution fields say how blocks run. For the loaded model,
     `model(x, t, context)` equals diffusers' `WanTransformer3DModel(x, t, context).sample`. A missing folder or
     config.json, another architecture, or weights missing, unexpected or of the wrong shape raise an error
-    naming the file and the keys."""
+    naming the file and the keys. The model is built on the meta device and only initialised (as `VideoDiT`
+    initialises it, under the current seed) when the files lack some of its parameters."""
+    device = torch.get_default_device()
+    folder, model = meta_model(path, **overrides)
+    weights = WeightFiles(folder, model)
+    model.to_empty(device=device)
+    if not all(weights.saved(name) for name, _ in model.named_parameters()):
+        model.initialize_weights()
+    with weights, torch.no_grad():
+        for name, param in model.named_parameters():
+            weights.copy_(name, param)
+    return model
+
+
+def meta_model(path: str | Path, **overrides) -> tuple[Path, VideoDiT]:
+    """The folder and the model that `load_pretrained(path, **overrides)` loads, on the meta device."""
+    folder, raw = read_config(path)
+    cfg = config_from_diffusers(raw, str(folder / CONFIG))
+    with torch.device("meta"):
+        return folder, build_dit(cfg, **{**raw.get(EXTRA, {}), **overrides})
+
+
+def read_config(path: str | Path) -> tuple[Path, dict]:
+    """The folder and its config.json's dict, or an error saying what a diffusers-format folder holds."""
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"load_pretrained: {str(folder)!r} is not a folder; give a diffusers-format "
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder; give a diffusers-format "
                                 f"WanTransformer3DModel folder (config.json and *.safetensors), e.g. the transformer/ "
                                 f"folder of a Wan 2.x diffusers pipeline")
     config_file = folder / CONFIG
     if not config_file.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no {CONFIG}; a diffusers-format folder holds config.json and "
                                 f"the *.safetensors weights")
-    raw = json.loads(config_file.read_text())
-    cfg = config_from_diffusers(raw, str(config_file))
-    files = _weight_files(folder)
-    model = build_dit(cfg, **{**raw.get(EXTRA, {}), **overrides})
-    _load_weights(model, files)
-    return model
+    return folder, json.loads(config_file.read_text())
+
+
+_FROM_DIFFUSERS = ("dim", "num_heads", "depth", "ffn_dim", "in_channels", "patch_size", "text_dim", "freq_dim",
+                   "block", "qk_norm")
+"""The DiTConfig fields that a diffusers config.json decides (`config_from_diffusers`)."""
+
+
+def check_pretrained(cfg: DiTConfig) -> None:
+    """That `cfg.pretrained` (a diffusers-format folder) holds a model of `cfg`'s architecture; an error naming
+    each model.* key that differs, and the folder's value, otherwise."""
+    folder, raw = read_config(cfg.pretrained)
+    theirs = config_from_diffusers(raw, str(folder / CONFIG))
+    differ = [f"model.{k}={getattr(cfg, k)} (the folder: {getattr(theirs, k)})" for k in _FROM_DIFFUSERS
+              if getattr(cfg, k) != getattr(theirs, k)]
+    if differ:
+        preset = next((name for name, p in DIT_PRESETS.items()
+                       if all(getattr(p, k) == getattr(theirs, k) for k in _FROM_DIFFUSERS)), None)
+        fix = f"model={preset}" if preset else " ".join(f"model.{k}={getattr(theirs, k)}" for k in _FROM_DIFFUSERS)
+        raise ValueError(f"model.pretrained={cfg.pretrained!r} holds another architecture: {'; '.join(differ)}; "
+                         f"set {fix}")
+
+
+def config_overrides(cfg: DiTConfig) -> dict:
+    """`cfg`'s fields as `load_pretrained` overrides: the model it loads has exactly this config."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+class WeightFiles:
+    """The weight files of a diffusers-format folder, checked against a model's parameter names (which may be
+    on the meta device) when opened: a missing or unexpected key is an error naming the file and the keys.
+    Inside `with`, `read` and `copy_` take one parameter at a time from the files (`safe_open` reads one
+    tensor at a time), so a reader holds at most one parameter beyond its own buffers."""
+
+    def __init__(self, folder: Path, model: VideoDiT):
+        self.files = _weight_files(folder)
+        params = dict(model.named_parameters())
+        self.names = {n: diffusers_names(n) for n in params}
+        self.where = {key: file for file, keys in self.files.items() for key in keys}
+        needed = {k for ks in self.names.values() for k in ks}
+        missing = needed - set(self.where)
+        if missing:
+            raise ValueError(f"{sorted({str(f) for f in self.files})}: missing keys {_listed(missing)} (the config "
+                             f"asks for {model.cfg.depth} blocks of width {model.cfg.dim}); is the checkpoint "
+                             f"complete?")
+        own = {n for n, ks in self.names.items() if not ks}
+        for file, keys in self.files.items():
+            unexpected = keys - needed - own
+            if unexpected:
+                raise ValueError(f"{file}: unexpected keys {_listed(unexpected)}, which this model "
+                                 f"(attention={model.cfg.attention.name!r}) does not have")
+        self._stack = contextlib.ExitStack()
+        self._opened: dict[Path, object] = {}
+
+    def __enter__(self) -> WeightFiles:
+        self._opened = {f: self._stack.enter_context(_safetensors().safe_open(f, framework="pt")) for f in self.files}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._opened = {}
+
+    def keys(self, name: str) -> tuple[str, ...]:
+        """The keys that hold MegaSlide parameter `name`: its diffusers keys, or its own name where it has none
+        and a MegaSlide save wrote it, or () (MegaSlide-only and not saved: it keeps its initialisation)."""
+        return self.names[name] or ((name,) if name in self.where else ())
+
+    def saved(self, name: str) -> bool:
+        return bool(self.keys(name))
+
+    def read(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """Parameter `name` of `shape` from the files (a saved one: `saved`)."""
+        keys = self.keys(name)
+        value = from_diffusers([self._opened[self.where[k]].get_tensor(k) for k in keys], shape)
+        if value is None:
+            shapes = [tuple(self._opened[self.where[k]].get_tensor(k).shape) for k in keys]
+            raise ValueError(f"{self.where[keys[0]]}: keys {list(keys)} have shapes {shapes}, which do not make "
+                             f"MegaSlide's {name} {tuple(shape)}")
+        return value
+
+    def copy_(self, name: str, param: torch.Tensor) -> None:
+        """Copy parameter `name` from the files into `param` if it was saved."""
+        if self.saved(name):
+            param.copy_(self.read(name, param.shape))
 
 
 def pretrained_config(path: str | Path) -> DiTConfig:
     """The `DiTConfig` of a diffusers-format folder (its config.json, MegaSlide-only fields included) with
     `pretrained` naming the folder: what `build_model` loads it into."""
-    config_file = Path(path) / CONFIG
-    if not config_file.is_file():
-        raise ValueError(f"model.pretrained={str(path)!r} has no {CONFIG}; give a diffusers-format "
-                         f"WanTransformer3DModel folder (config.json and *.safetensors)")
-    raw = json.loads(config_file.read_text())
+    folder, raw = read_config(path)
+    config_file = folder / CONFIG
     extra = raw.get(EXTRA, {})
     if "attention" in extra:
         extra = {**extra, "attention": AttentionConfig.parse(extra["attention"])}
@@ -86,12 +186,9 @@ def pretrained_config(path: str | Path) -> DiTConfig:
 
 
 def build_model(cfg: DiTConfig) -> VideoDiT:
-    """`VideoDiT(cfg)` on the current device, its weights read from `cfg.pretrained` when set (the folder's
-    architecture must be cfg's: a mismatch is an error naming the file and the keys)."""
-    model = VideoDiT(cfg)
-    if cfg.pretrained:
-        _load_weights(model, _weight_files(Path(cfg.pretrained)))
-    return model
+    """`VideoDiT(cfg)` on the current device, or with cfg.pretrained that folder's model (`load_pretrained`: its
+    architecture must be cfg's; a mismatch is an error naming the file and the keys)."""
+    return load_pretrained(cfg.pretrained, **config_overrides(cfg)) if cfg.pretrained else VideoDiT(cfg)
 
 
 def _weight_files(folder: Path) -> dict[Path, set[str]]:
@@ -122,39 +219,9 @@ def _weight_files(folder: Path) -> dict[Path, set[str]]:
     return files
 
 
-def _load_weights(model: VideoDiT, files: dict[Path, set[str]]) -> None:
-    """Copy every parameter from the files; MegaSlide-only ones (no diffusers name) only if present."""
-    params = dict(model.named_parameters())
-    names = {n: diffusers_names(n) for n in params}
-    where = {key: file for file, keys in files.items() for key in keys}
-    needed = {k for ks in names.values() for k in ks}
-    missing = needed - set(where)
-    if missing:
-        raise ValueError(f"{sorted({str(f) for f in files})}: missing keys {_listed(missing)} (the config asks for "
-                         f"{model.cfg.depth} blocks of width {model.cfg.dim}); is the checkpoint complete?")
-    own = {n for n, ks in names.items() if not ks}
-    for file, keys in files.items():
-        unexpected = keys - needed - own
-        if unexpected:
-            raise ValueError(f"{file}: unexpected keys {_listed(unexpected)}, which this model "
-                             f"(attention={model.cfg.attention.name!r}) does not have")
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        opened = {f: stack.enter_context(_safetensors().safe_open(f, framework="pt")) for f in files}
-        for name, param in params.items():
-            keys = names[name] or ((name,) if name in where else ())
-            if not keys:
-                continue                         # MegaSlide-only and not saved: keeps its initialisation
-            value = from_diffusers([opened[where[k]].get_tensor(k) for k in keys], param.shape)
-            if value is None:
-                shapes = [tuple(opened[where[k]].get_tensor(k).shape) for k in keys]
-                raise ValueError(f"{where[keys[0]]}: keys {list(keys)} have shapes {shapes}, which do not make "
-                                 f"MegaSlide's {name} {tuple(param.shape)}")
-            param.copy_(value)
-
-
-def _extra_fields(model: VideoDiT) -> dict:
-    """The model's config fields that a diffusers config cannot say, where they differ from a loaded Wan's."""
-    cfg, wan = model.cfg, DIT_PRESETS["wan-1.3b"]
+def _extra_fields(cfg: DiTConfig) -> dict:
+    """The config fields that a diffusers config cannot say, where they differ from a loaded Wan's."""
+    wan = DIT_PRESETS["wan-1.3b"]
     extra = {k: getattr(cfg, k) for k in ("text_encoder", "text_len", "text_layers", "vocab_size")
              if getattr(cfg, k) != getattr(wan, k)}
     if cfg.attention != AttentionConfig():
@@ -173,39 +240,67 @@ def shard_bytes(size: int | str) -> int:
 
 
 def save_pretrained(model: VideoDiT, path: str | Path, max_shard_size: int | str = "10GB") -> None:
-    """Write `model` (a `wan` model) as a diffusers-format folder: config.json and one safetensors file, or
-    shards of at most `max_shard_size` (a tensor larger than that gets a shard of its own) with their index.
-    Weight files of an earlier save in the folder are replaced. `diffusers.WanTransformer3DModel
+    """Write `model` (a `wan` model) as a diffusers-format folder: `write_pretrained` of its parameters."""
+    params = dict(model.named_parameters())
+    write_pretrained(model.cfg, [(n, p.shape, p.dtype) for n, p in params.items()], lambda n: params[n], path,
+                     max_shard_size)
+
+
+def write_pretrained(cfg: DiTConfig, params: list[tuple[str, torch.Size, torch.dtype]],
+                     tensor: Callable[[str], torch.Tensor], path: str | Path, max_shard_size: int | str) -> None:
+    """Write the parameters `params` (name, shape, dtype, in the model's order) of a `wan` model of `cfg` as a
+    diffusers-format folder: config.json and one safetensors file, or shards of at most `max_shard_size` (a
+    tensor larger than that gets a shard of its own) with their index. `tensor(name)` gives one parameter when
+    its shard is written, so the writer holds one shard's copies at a time. The folder is written whole beside
+    `path` and then renamed into place: an interrupted save leaves the old folder as it was. Weight files of an
+    earlier save are replaced, other files of the folder kept. `diffusers.WanTransformer3DModel
     .from_pretrained(path)` loads it (see the module docstring for MegaSlide-only parameters)."""
     st, limit = _safetensors(), shard_bytes(max_shard_size)
-    config = diffusers_config(model.cfg)
-    extra = _extra_fields(model)
+    config = diffusers_config(cfg)
+    extra = _extra_fields(cfg)
     if extra:
         config[EXTRA] = extra
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, param in model.named_parameters():
-        nbytes = param.numel() * param.element_size()
+    for name, shape, dtype in params:
+        nbytes = shape.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
-        shards[-1].append((name, param))
+        shards[-1].append(name)
         size += nbytes
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.iterdir():
-        if SHARD.fullmatch(old.name):
-            old.unlink()
+    partial = folder.with_name(f".{folder.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)        # what an interrupted save left
+    partial.mkdir(parents=True)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         file = WEIGHTS if len(shards) == 1 else f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
-        for name, param in shard:
-            tensors.update(to_diffusers(name, param) if diffusers_names(name) else {name: param.detach().clone()})
-        st.torch.save_file({k: t.cpu() for k, t in tensors.items()}, str(folder / file), metadata={"format": "pt"})
+        for name in shard:
+            value = tensor(name)
+            tensors.update(to_diffusers(name, value) if diffusers_names(name) else {name: value.detach().clone()})
+        st.torch.save_file({k: t.cpu() for k, t in tensors.items()}, str(partial / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
     if len(shards) > 1:
-        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                               indent=2, sort_keys=True) + "\n")
-    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (partial / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2, sort_keys=True) + "\n")
+    (partial / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    _replace_folder(partial, folder)
+
+
+def _replace_folder(new: Path, folder: Path) -> None:
+    """Put the complete folder `new` at `folder`, keeping the files of an old `folder` that a save does not write."""
+    if not folder.exists():
+        new.rename(folder)
+        return
+    for old in folder.iterdir():
+        if not (SHARD.fullmatch(old.name) or old.name == CONFIG):
+            old.rename(new / old.name)
+    gone = folder.with_name(f".{folder.name}.replaced")
+    shutil.rmtree(gone, ignore_errors=True)
+    folder.rename(gone)
+    new.rename(folder)
+    shutil.rmtree(gone)

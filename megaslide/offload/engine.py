@@ -26,7 +26,8 @@ checkpoint records; 8-bit moments), updated by the fused CPU AdamW on a worker t
 (`CpuUpdater`), or, in the optimizer_device="gpu" ablation, on the device after streaming
 master and moments there and back (`GpuUpdater`); both live in megaslide/offload/updaters.py.
 It is a step engine of `Trainer` (megaslide/train/engine.py), chosen by offload.enabled;
-`OffloadEngine.from_config` builds the model for it. Checkpoints are sharded: one file per
+`OffloadEngine.from_config` builds the model for it (`from_pretrained` from a diffusers-format folder, block
+by block; `save_pretrained` writes one back). Checkpoints are sharded: one file per
 block (master weights and moments) plus the resident state.
 
 Clipping scheme (global norm, exact): per-parameter gradient norms are computed on the
@@ -71,7 +72,13 @@ from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
 from megaslide.models.chunking import apply_execution, compile_blocks
 from megaslide.models.dit import DiTBlock, VideoDiT
-from megaslide.models.pretrained import build_model
+from megaslide.models.pretrained import (
+    WeightFiles,
+    build_model,
+    check_pretrained,
+    meta_model,
+    write_pretrained,
+)
 from megaslide.offload.compact import rounding_key
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
@@ -167,19 +174,25 @@ class OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
 
-        With `build_on_host` the model is `VideoDiT(model_cfg)` built on the host under the caller's seed
-        (weights read from model.pretrained when set): the resident engine's initial weights bit for bit,
-        at the price of the fp32 model in host RAM once. Without it no fp32 copy of the whole model is ever made: the
-        model is built on the meta device, its stem (and block 0) come from a one-block model built
-        on the host, and every further block is built on the meta device one at a time, defined on the
-        host by `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
-        so the same statistics and the same exact zeros (adaLN-Zero gates, final layer), though
-        not its random stream. `execution` says how the blocks run (`apply_execution`; its
-        checkpoint_blocks is moot: the engine recomputes every streamed block anyway)."""
+        With `build_on_host` the whole fp32 model is made on the host once: `VideoDiT(model_cfg)` under the
+        caller's seed (the resident engine's initial weights bit for bit) or, with model_cfg.pretrained,
+        `load_pretrained`. Without it no fp32 copy of the whole model is ever made: the model is built on the
+        meta device, its stem (and block 0) come from a one-block model built on the host, and every further
+        block is built on the meta device one at a time and copied into the host state. A random block is
+        defined on the host by `DiTBlock.initialize_weights`: the model's own init rules, so the same
+        statistics and the same exact zeros (adaLN-Zero gates, final layer), though not its random stream.
+        With model_cfg.pretrained (a diffusers-format folder of model_cfg's architecture) the stem and each
+        block take the folder's weights, read from its safetensors files one parameter at a time; a block is
+        initialised first only where the folder lacks some of its parameters (a DSA offset net: zero, so the
+        model starts as neighbourhood attention). The host then holds its state plus about one block.
+        `execution` says how the blocks run (`apply_execution`; its checkpoint_blocks is moot: the engine
+        recomputes every streamed block anyway)."""
         execution = execution or ExecutionConfig()
         for cfg in (model_cfg, train_cfg, offload_cfg):
             cfg.validate()
         execution.validate(model_cfg.attention)
+        if model_cfg.pretrained:
+            check_pretrained(model_cfg)
         if train_cfg.ema_decay > 0:
             raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
@@ -191,20 +204,42 @@ class OffloadEngine:
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
               "pin_optimizer_state": pin_optimizer_state}
         if build_on_host:
-            return cls(apply_execution(build_model(model_cfg), execution), **kw)
-        if model_cfg.pretrained:
-            raise ValueError(f"model.pretrained={model_cfg.pretrained!r}: this engine loads pretrained weights only "
-                             f"with build_on_host=True (the Trainer's way)")
+            model = build_model(model_cfg)
+            return cls(apply_execution(model, execution), **kw)
         with torch.device("meta"):
             model = apply_execution(VideoDiT(model_cfg), execution)
+        weights = WeightFiles(Path(model_cfg.pretrained), model) if model_cfg.pretrained else None  # keys checked
         first = VideoDiT(dataclasses.replace(model_cfg, depth=1))  # the stem and block 0, initialised by the model
         for name, child in first.named_children():
             if name != "blocks":
                 setattr(model, name, child)
-        engine = cls(model, **kw)
-        for index, block in enumerate(_initialised_blocks(model_cfg, first.blocks[0])):
-            engine.host.load_block_(index, engine.layout.flatten(block))
+        if weights is None:
+            engine = cls(model, **kw)
+            for index, block in enumerate(_initialised_blocks(model_cfg, first.blocks[0])):
+                engine.host.load_block_(index, engine.layout.flatten(block))
+            return engine
+        with weights, torch.no_grad():
+            for name, param in model.named_parameters():
+                if not name.startswith("blocks."):
+                    weights.copy_(name, param)
+            engine = cls(model, **kw)
+            for index, block in enumerate(_initialised_blocks(model_cfg, first.blocks[0], weights)):
+                for name, param in block.named_parameters():
+                    weights.copy_(f"blocks.{index}.{name}", param)
+                engine.host.load_block_(index, engine.layout.flatten(block))
         return engine
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: torch.device, train_cfg: TrainConfig,
+                        offload_cfg: OffloadConfig, grid: tuple[int, int, int],
+                        execution: ExecutionConfig | None = None, **overrides) -> OffloadEngine:
+        """An engine training the diffusers-format Wan model in folder `path` (`load_pretrained`'s contract and
+        `overrides`, e.g. attention="dsa"), its blocks read straight into the host state: `from_config` with
+        model.pretrained = `path`."""
+        folder, model = meta_model(path, **overrides)
+        return cls.from_config(dataclasses.replace(model.cfg, pretrained=str(folder)), device=device,
+                               train_cfg=train_cfg,
+                               offload_cfg=offload_cfg, grid=grid, execution=execution)
 
     # ---- configuration -----------------------------------------------------------------------
     @property
@@ -397,15 +432,26 @@ class OffloadEngine:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model by name, fp32 on the CPU (blocks from the host master)."""
         self.flush()
-        out = {}
-        for name, entry in zip(self._param_names(), self._norm_order):
-            if entry[0] == "resident":
-                out[name] = self.resident_params[entry[1]].detach().float().cpu().clone()
-            else:
-                slot = self.layout.slots[entry[2]]
-                master = self.host.blocks[entry[1]].master[slot.offset:slot.end]
-                out[name] = master.view(slot.shape).to(torch.float32, copy=True)
-        return out
+        return {name: self._parameter(entry).clone() for name, entry in zip(self._param_names(), self._norm_order)}
+
+    def _parameter(self, entry: tuple) -> torch.Tensor:
+        """One parameter (an entry of `_norm_order`), fp32 on the CPU: a block's is its host master (a view of an
+        fp32 one)."""
+        if entry[0] == "resident":
+            return self.resident_params[entry[1]].detach().float().cpu()
+        slot = self.layout.slots[entry[2]]
+        return self.host.blocks[entry[1]].master[slot.offset:slot.end].view(slot.shape).float()
+
+    def save_pretrained(self, path: str | Path, max_shard_size: int | str = "10GB") -> None:
+        """Write the model (a `wan` one) as a diffusers-format folder from the resident parameters and the
+        blocks' master weights (a bf16 master widened to fp32): the files of `VideoDiT.save_pretrained` of the
+        same weights. Parameters are read from the host state as their shard is written (`write_pretrained`), so
+        the host holds at most one shard (`max_shard_size`) beyond the engine's state."""
+        self.flush()
+        where = dict(zip(self._param_names(), self._norm_order))
+        params = [(n, torch.Size(self.resident_params[e[1]].shape if e[0] == "resident"
+                                 else self.layout.slots[e[2]].shape), torch.float32) for n, e in where.items()]
+        write_pretrained(self.model.cfg, params, lambda name: self._parameter(where[name]), path, max_shard_size)
 
     def _param_names(self) -> list[str]:
         return [self.resident_names[e[1]] if e[0] == "resident" else f"blocks.{e[1]}.{self.layout.slots[e[2]].name}"
@@ -446,13 +492,15 @@ class OffloadEngine:
         self.host.close()
 
 
-def _initialised_blocks(cfg: DiTConfig, first: DiTBlock) -> Iterator[DiTBlock]:
-    """`first` (block 0), then blocks 1.. of `cfg`, each built on the meta device and defined on the host by
-    `DiTBlock.initialize_weights` when asked for."""
+def _initialised_blocks(cfg: DiTConfig, first: DiTBlock, weights: WeightFiles | None = None) -> Iterator[DiTBlock]:
+    """`first` (block 0), then blocks 1.. of `cfg`, each built on the meta device when asked for and defined on
+    the host by `DiTBlock.initialize_weights`, unless `weights` hold all of its parameters (the caller copies
+    them in)."""
     yield first
     for index in range(1, cfg.depth):
         with torch.device("meta"):
             block = DiTBlock(cfg, index)
         block.to_empty(device="cpu")
-        block.initialize_weights()
+        if weights is None or not all(weights.saved(f"blocks.{index}.{n}") for n, _ in block.named_parameters()):
+            block.initialize_weights()
         yield block

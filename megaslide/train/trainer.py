@@ -24,7 +24,7 @@ from megaslide.device import resolve_device
 from megaslide.diffusion.batches import make_batch
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.chunking import apply_execution
-from megaslide.models.pretrained import build_model
+from megaslide.models.pretrained import build_model, check_pretrained
 from megaslide.offload.engine import OffloadEngine
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
@@ -38,14 +38,19 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
                  grid: tuple[int, int, int], execution: ExecutionConfig | None = None) -> StepEngine:
-    """The engine the offload config asks for, its model built on the host under the current
-    seed (the same initial weights either way) and run as `execution` says. `grid` is a training
-    clip's token grid (the offload planner's check)."""
+    """The engine the offload config asks for, run as `execution` says. `grid` is a training clip's token grid
+    (the offload planner's check). A random model is built on the host under the current seed (the same initial
+    weights either way; offload.init_on_host=false builds the offload engine's block by block instead); with
+    model.pretrained the weights come from that folder, and are not drawn first: the resident engine's model
+    by `load_pretrained`, the offload engine's blocks read one at a time into its host state
+    (`OffloadEngine.from_config`), never the whole fp32 model in host RAM."""
     execution = execution or ExecutionConfig()
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
-                                         grid=grid, build_on_host=True, execution=execution)
-    model = apply_execution(build_model(model_cfg), execution).to(device)
+                                         grid=grid, build_on_host=offload_cfg.builds_on_host(model_cfg),
+                                         execution=execution)
+    model = build_model(model_cfg)
+    model = apply_execution(model, execution).to(device)
     return ResidentEngine(model, device=device, train_cfg=train_cfg)
 
 
@@ -55,6 +60,8 @@ class Trainer:
                  execution: ExecutionConfig | None = None):
         offload_cfg, execution = offload_cfg or OffloadConfig(), execution or ExecutionConfig()
         validate_training(model_cfg, data_cfg, train_cfg, offload_cfg, execution)
+        if model_cfg.pretrained:
+            check_pretrained(model_cfg)
         self.execution = execution
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
         self.out_dir = Path(out_dir)

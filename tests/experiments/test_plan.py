@@ -68,3 +68,15 @@ def test_chunking_and_activation_offload_reach_the_plan():
     assert plan.execution.chunk_tokens == 4096 and plan.activation_offload
     assert any(k.startswith("parked block inputs") for k in plan.host)
     assert make_plan(composed("model=7B", "model.depth=6", *BIG)).hbm_total > plan.hbm_total
+
+
+def test_the_plan_counts_the_fp32_model_only_where_the_trainer_builds_it_whole():
+    """train.py builds a random model whole on the host first (offload.init_on_host, the default); block by block
+    with offload.init_on_host=false (as with a model.pretrained folder, whose config.json sets the architecture):
+    only that transient differs."""
+    keys = ["model=7B", "model.depth=3", *BIG]
+    plans = [make_plan(composed(*keys, *more)) for more in ([], ["offload.init_on_host=false"])]
+    transient = "fp32 model built on the host (transient)"
+    assert transient in plans[0].host and transient not in plans[1].host
+    assert plans[1].host == {k: v for k, v in plans[0].host.items() if k != transient}
+    assert plans[1].hbm_total == plans[0].hbm_total
