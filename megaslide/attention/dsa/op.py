@@ -146,6 +146,37 @@ class _NATritonFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class DSASplit:
+    """The fused kernels as a `SplitOp` (megaslide/attention/kept.py) on q, k, v (B, T, H, W, heads, d) and
+    offsets (B, T, H, W, heads, K, 3): out as the op returns it, lse (B, heads, N) fp32 (log2 units); the same
+    kernels and the same contiguous inputs as `_DSATritonFunction`."""
+
+    def __init__(self, kernel_size: KernelSize, scale: float):
+        self.kernel_size, self.scale = kernel_size, scale
+
+    def forward(self, q, k, v, offsets):
+        q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
+        return _fused_forward(q, k, v, offsets, self.kernel_size, self.scale, True)
+
+    def backward(self, inputs, out, lse, dout, needs):
+        q, k, v, offsets = (x.contiguous() for x in inputs)
+        dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), self.kernel_size,
+                                           self.scale, needs[3])
+        return dq, dk, dv, doff if needs[3] else None
+
+
+class NASplit(DSASplit):
+    """The zero-offset kernels as a `SplitOp` on q, k, v (B, T, H, W, heads, d), as `_NATritonFunction` runs them."""
+
+    def forward(self, q, k, v):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        return _na_forward(q, k, v, self.kernel_size, self.scale, True)
+
+    def backward(self, inputs, out, lse, dout, needs):
+        q, k, v = (x.contiguous() for x in inputs)
+        return _na_backward(q, k, v, out, lse, dout.contiguous(), self.kernel_size, self.scale)
+
+
 def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
     """The fused kernels; forward only when no input needs a gradient."""
     if _needs_grad(q, k, v, offsets):
@@ -299,7 +330,7 @@ def check_scale(scale: float | None, q: torch.Tensor) -> float:
 def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                offsets: torch.Tensor,
                                kernel_size: int | Sequence[int] = (3, 3, 3), *,
-                               scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                               scale: float | None = None, backend: str = "auto", keep=None) -> torch.Tensor:
     """3D Deformable Slide Attention.
 
     Every query token and head attends to K = kt * kh * kw samples: sample j starts at
@@ -320,18 +351,23 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "triton", "scores" (per-(batch, head) score matrices), "gather" (weighted row
             gathers; both with a hand-written backward) or "reference" (readable, slow: the
             judge the others are tested against).
+        keep: a `kept.Record` or `kept.Replay` (megaslide/attention/kept.py): run the fused kernels
+            split at their lse (`DSASplit`); a ValueError says why where they cannot run.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
     """
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
     scale = check_scale(scale, q)
+    if keep is not None:
+        select_backend("triton", BACKENDS, q, offsets)
+        return keep(DSASplit(kernel_size, scale), q, k, v, offsets)
     return select_backend(backend, BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
 
 
 def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kernel_size: int | Sequence[int] = (3, 3, 3), *,
-                           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                           scale: float | None = None, backend: str = "auto", keep=None) -> torch.Tensor:
     """3D neighbourhood attention: `deformable_slide_attention` with offsets exactly zero (`dsa_zero`).
 
     Every query token and head attends to the kt * kh * kw tokens of its clamped window
@@ -347,6 +383,7 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (zero_kernels.py: one key row per sample, deterministic backward without atomics),
             "scores" (dense attention with the window as a mask), or "gather", "reference":
             the general PyTorch backends given zero offsets that need no gradient.
+        keep: as `deformable_slide_attention`'s, through the zero-offset kernels (`NASplit`).
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
@@ -354,4 +391,7 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel_size = check_qkv(q, k, v, kernel_size)
     scale = check_scale(scale, q)
     offsets = q.new_zeros(()).expand(*q.shape[:5], math.prod(kernel_size), 3)  # (B, T, H, W, heads, K, 3), no memory
+    if keep is not None:
+        select_backend("triton", NA_BACKENDS, q, offsets)
+        return keep(NASplit(kernel_size, scale), q, k, v)
     return select_backend(backend, NA_BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
