@@ -20,8 +20,8 @@ from megaslide.attention.base import AttendMemory, Grid, SelfAttention
 from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
 from megaslide.attention.dsa.constants import SCRATCH_BYTES, backward_scratch_bytes
-from megaslide.attention.dsa.op import (BACKENDS, KernelSize, check_kernel_size, deformable_slide_attention,
-                                        neighborhood_attention)
+from megaslide.attention.dsa.op import (BACKENDS, SPLIT_BACKENDS, KernelSize, check_kernel_size,
+                                        deformable_slide_attention, neighborhood_attention)
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,12 @@ class DSAAttention(SelfAttention):
 
     @classmethod
     def keep_reason(cls, options: DSAOptions, device_type: str) -> str:
-        # only the fused kernels are split at their lse (op.DSASplit, op.NASplit)
-        if options.backend == "triton" or (options.backend == "auto" and device_type == "cuda"):
+        # the backends split at their lse (op.split_op): the fused kernels and the gathers; auto is the
+        # fused kernels on CUDA only (on the CPU it picks by size)
+        if options.backend in SPLIT_BACKENDS or (options.backend == "auto" and device_type == "cuda"):
             return ""
-        return (f"attention.backend={options.backend!r} on {device_type}: only the fused kernels (backend triton: "
-                f"on CUDA, or on the CPU under TRITON_INTERPRET=1) take a kept output and lse")
+        return (f"attention.backend={options.backend!r} on {device_type} keeps no lse; a kept attention runs on "
+                f"backend triton (CUDA, or the CPU under TRITON_INTERPRET=1) or gather")
 
     @classmethod
     def extra_macs_per_token(cls, options: DSAOptions, dim: int, num_heads: int) -> int:

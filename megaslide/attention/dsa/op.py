@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from megaslide.attention.base import Grid, check_fits_grid, option_triple
-from megaslide.attention.dsa.gather import deformable_slide_attention_gather
+from megaslide.attention.dsa.gather import GatherSplit, deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
                                              neighborhood_attention_scores, score_elements)
@@ -327,6 +327,21 @@ def check_scale(scale: float | None, q: torch.Tensor) -> float:
     return float(scale)
 
 
+SPLIT_BACKENDS = ("triton", "gather")
+"""The backends split at their lse (`keep=`): the fused kernels, and on any device the gathers."""
+
+
+def split_op(backend: str, backends: tuple[Backend, ...], q: torch.Tensor, offsets: torch.Tensor,
+             kernel_size: KernelSize, scale: float, fused: type):
+    """The `SplitOp` of `backend` ("auto": the fused kernels, `fused`), a ValueError where it cannot run."""
+    if backend == "gather":
+        return GatherSplit(kernel_size, scale)
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend={backend!r} keeps no lse; a kept attention runs on one of {SPLIT_BACKENDS}")
+    select_backend("triton", backends, q, offsets)
+    return fused(kernel_size, scale)
+
+
 def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                offsets: torch.Tensor,
                                kernel_size: int | Sequence[int] = (3, 3, 3), *,
@@ -351,8 +366,9 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "triton", "scores" (per-(batch, head) score matrices), "gather" (weighted row
             gathers; both with a hand-written backward) or "reference" (readable, slow: the
             judge the others are tested against).
-        keep: a `kept.Record` or `kept.Replay` (megaslide/attention/kept.py): run the fused kernels
-            split at their lse (`DSASplit`); a ValueError says why where they cannot run.
+        keep: a `kept.Record` or `kept.Replay` (megaslide/attention/kept.py): run the op split at its lse,
+            on backend triton (or auto: `DSASplit`) or gather (`GatherSplit`); a ValueError says why where
+            it cannot run.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
@@ -360,8 +376,7 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
     scale = check_scale(scale, q)
     if keep is not None:
-        select_backend("triton", BACKENDS, q, offsets)
-        return keep(DSASplit(kernel_size, scale), q, k, v, offsets)
+        return keep(split_op(backend, BACKENDS, q, offsets, kernel_size, scale, DSASplit), q, k, v, offsets)
     return select_backend(backend, BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
 
 
@@ -383,7 +398,8 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (zero_kernels.py: one key row per sample, deterministic backward without atomics),
             "scores" (dense attention with the window as a mask), or "gather", "reference":
             the general PyTorch backends given zero offsets that need no gradient.
-        keep: as `deformable_slide_attention`'s, through the zero-offset kernels (`NASplit`).
+        keep: as `deformable_slide_attention`'s, through the zero-offset kernels (`NASplit`) or the
+            gathers given zero offsets.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
@@ -392,6 +408,6 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = check_scale(scale, q)
     offsets = q.new_zeros(()).expand(*q.shape[:5], math.prod(kernel_size), 3)  # (B, T, H, W, heads, K, 3), no memory
     if keep is not None:
-        select_backend("triton", NA_BACKENDS, q, offsets)
-        return keep(NASplit(kernel_size, scale), q, k, v)
+        op = split_op(backend, NA_BACKENDS, q, offsets, kernel_size, scale, NASplit)
+        return keep(op, q, k, v, offsets) if isinstance(op, GatherSplit) else keep(op, q, k, v)
     return select_backend(backend, NA_BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
