@@ -89,6 +89,7 @@ from megaslide.train.resident import ResidentEngine
 
 GB = 1e9
 MODES = ("resident", "offload", "chunked_offload")
+UNBOUNDED = 10 ** 15  # bytes: an HBM budget that bounds nothing
 MIN_CELL_S = 10.0   # with less of the time budget left, a cell is not started
 NEXT_STEP_MARGIN = 1.25  # a timed step starts only if this x the last step's time is left in the cell's limit
 SMOKE = {"models": ["tiny"], "host_depth": [], "frames": [4, 8], "data": {"height": 16, "width": 16},
@@ -188,12 +189,15 @@ class Cell(Step):
 
 
 # ---- the planner's view -----------------------------------------------------------------------------
-def plan_cell(cell: Cell, device: torch.device):
-    """The planner's plan for a cell: `plan_resident` or `plan_offload` in the dtype the run uses."""
+def plan_cell(cell: Cell, device: torch.device, hbm_budget: int):
+    """The planner's plan for a cell: `plan_resident` or `plan_offload` in the dtype the run uses, its kept
+    attention (offload.keep_attention) placed within `hbm_budget` bytes of HBM (0: unbounded, as the table's
+    estimate plans it before a cell runs; the cell re-plans within the free HBM it finds) and the host budget."""
     dtype = precision_dtype(cell.run.train.precision, device)
     if cell.mode == "resident":
         return planner.plan_resident(cell.run, autocast=dtype == torch.bfloat16)
-    return planner.plan_offload(cell.run, param_dtype=dtype, ceilings=cell.ceilings)
+    budgets = planner.Budgets(hbm_budget or UNBOUNDED, cell.host_budget, device.type)
+    return planner.plan_offload(cell.run, param_dtype=dtype, ceilings=cell.ceilings, budgets=budgets)
 
 
 def step_time_parts(cell: Cell, plan) -> dict:
@@ -204,7 +208,8 @@ def step_time_parts(cell: Cell, plan) -> dict:
     offload = isinstance(plan, planner.OffloadPlan)
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
                                          ceilings=cell.ceilings, execution=cell.run.execution,
-                                         block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0)
+                                         block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0,
+                                         kept=len(plan.kept.gpu) + len(plan.kept.host) if offload else 0)
     bound = plan.lower_bound_s if offload else planner.compute_lower_bound_s(
         cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings,
         execution=cell.run.execution)
@@ -228,6 +233,8 @@ def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict
     usable = planner.usable_hbm(budget)
     row = {"predicted_peak_GB": plan.hbm_total / GB, "predicted_phase": plan.peak_phase,
            "budget_GB": budget / GB, "predicted_fits": plan.hbm_total <= usable}
+    if isinstance(plan, planner.OffloadPlan):
+        row["predicted_kept_attention"] = plan.kept.as_dict()
     host_total = getattr(plan, "host_total", None)
     if host_total is not None:
         row["predicted_host_GB"] = host_total / GB
@@ -310,7 +317,7 @@ def run_cell(cell: Cell) -> dict:
     deadline = time.monotonic() + cell.time_limit_s
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     budget = hbm_available_bytes(device) if device.type == "cuda" else cell.hbm_budget
-    plan = plan_cell(cell, device)
+    plan = plan_cell(cell, device, budget)
     row = planner_verdict(cell, plan, device, budget)
     if "status" in row:
         return {**row, "measured_peak_GB": None}
@@ -320,6 +327,10 @@ def run_cell(cell: Cell) -> dict:
         batch = synthetic_batch(cell.run, device, engine.model.tokenizer)
         timing, measured = timed_steps(cell, engine, batch, device, deadline, losses)
         row.update(status="fits", phase="", losses=losses, **timing)
+        if isinstance(engine, OffloadEngine):   # which blocks kept their attention where, and the bytes held
+            store = engine.streamer.kept
+            row["kept_attention"] = {**engine.kept_attention.as_dict(), "held_bytes": store.stored,
+                                     "device_peak_bytes": store.device_peak}
         if device.type == "cuda":
             measured = torch.cuda.max_memory_allocated(device)
     except torch.OutOfMemoryError as err:
@@ -530,7 +541,7 @@ def main(hydra_cfg: DictConfig) -> None:
         rates = cell_ceilings(ceilings, label, spec.attention, mode == "chunked_offload")
         for cell in cells:
             cell = dataclasses.replace(cell, ceilings=rates)
-            plan = plan_cell(cell, device)
+            plan = plan_cell(cell, device, cell.hbm_budget)
             timing = step_time_parts(cell, plan)
             cell = with_timing(cell, timing["predicted_estimate_s"], cfg)
             limit = min(cfg.cell_time_limit_s, deadline - time.monotonic())

@@ -47,6 +47,13 @@ post-attention graph: never more than a slab checkpoint's re-run held. Gradients
 in which contributions are summed (over slices, slabs and a halo row's two slabs). Any other block's `block_grad`
 is autograd through its recompute.
 
+Kept attention (`kept=`, a `KeptAttention`: offload.keep_attention, megaslide/attention/kept.py). The offload
+engine's streamed forward records each kept block's attention output and lse (over slabs: the rows each slab
+keeps), and `block_grad` replays them: the recompute runs the token-wise work and the QKV projection (and DSA's
+offset net), and the attention's backward starts from the kept output and lse, never its forward. A block run
+whole then runs as pre-attention, attention, post-attention like a compiled one (the same ops as the block's
+forward). The gradients equal the full recompute's bit for bit in fp32 (kept_attention.py says why for slabs).
+
 Compiled (`compile_blocks`, train.compile on either engine). A block's token-wise halves, `_project_slice`
 (pre-attention work, QKV projection, QK-norm + RoPE) and `_finish_slice` (output projection, gated residuals,
 cross-attention, MLP), run through torch.compile, which fuses their many small memory-bound kernels

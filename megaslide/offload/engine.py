@@ -13,7 +13,10 @@ One training step (`OffloadEngine.train_step`):
 4. streamed backward: block l is recomputed from its input and backpropagated; its flat
    gradient goes D2H and to the optimizer (below). With offload.resident_blocks = k the
    last k blocks kept their weights and graphs on the device from step 2 and skip the
-   recompute and the re-stream;
+   recompute and the re-stream. With offload.keep_attention the blocks the planner names kept
+   their attention output and lse from step 2 (on the device or in pinned host RAM,
+   `KeptAttentionPlan`) and their recompute skips the attention forward (selective recompute,
+   bit-identical in fp32);
 5. one backward through the stem graph with the accumulated gradients of x, t_mod, ctx,
    t_emb: each stem tensor gets exactly the gradient it gets in a resident backward;
 6. global-norm clipping and the updates.

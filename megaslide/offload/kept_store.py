@@ -3,8 +3,7 @@ the forward to the backward: on the device, or in pinned host RAM, as the plan p
 (megaslide/perf/kept_attention.py).
 
 A host-kept block's tensors are copied D2H on the D2H lane once its forward is issued; the device copies are
-dropped once that copy is done, by the time the next block but one saves (so about two blocks' worth pass
-through the device). In the backward they come back on the H2D lane one block ahead (`prefetch`), each with
+dropped, once that copy is done, when the next block saves, so two blocks' worth pass through the device. In the backward they come back on the H2D lane one block ahead (`prefetch`), each with
 its own strides, so that the backward gets exactly what the forward made. The host buffers are carved from
 one arena (`InputBuffers`), one buffer per host-kept block, sized by the first step."""
 from __future__ import annotations
@@ -39,6 +38,7 @@ class KeptStore:
         self._stored: dict[int, object] = {}              # host-kept block -> event: its D2H is done
         self._read: dict[int, object] = {}                # host-kept block -> event: its H2D is done
         self.stored = {"gpu": 0, "host": 0}               # bytes kept by the last training forward, by place
+        self.device_peak = 0                              # most kept bytes on the device at once, this step
 
     def keeps(self, index: int) -> bool:
         return index in self.gpu or index in self.slot
@@ -49,15 +49,19 @@ class KeptStore:
 
     def reset(self) -> None:
         """Before a training forward: forget the last step's (the backward released them)."""
-        self._drop_outgoing(None)
+        self._drop_outgoing()
         self.live.clear()
         self.stored = {"gpu": 0, "host": 0}
+        self.device_peak = 0
 
     def save(self, index: int, kept: KeptAttention) -> None:
-        """Keep block `index`'s recorded attention, computed by the work issued so far."""
-        self._drop_outgoing(index - 1)
+        """Keep block `index`'s recorded attention, computed by the work issued so far. The device copy of the
+        host-kept block before it, made while this one was computed, is dropped: the device holds at most
+        max(device-kept, 2) kept blocks at once (megaslide/perf/kept_attention.py)."""
         tensors = kept.tensors
         nbytes = sum(t.nbytes for t in tensors)
+        self._count(nbytes)                        # made while the earlier ones were still held
+        self._drop_outgoing()
         if index in self.gpu:
             self.live[index] = tensors
             self.stored["gpu"] += nbytes
@@ -78,21 +82,27 @@ class KeptStore:
         self._outgoing[index] = (self._stored[index], tensors)
         self.stored["host"] += nbytes
 
+    def _count(self, nbytes: int) -> None:
+        """Note `nbytes` more kept bytes on the device beside those held now."""
+        held = [t for tensors in self.live.values() for t in tensors]
+        held += [t for _, tensors in self._outgoing.values() for t in tensors]
+        self.device_peak = max(self.device_peak, nbytes + sum(t.nbytes for t in held))
+
     def _host_view(self, slot: int, offset: int, like: torch.Tensor) -> torch.Tensor:
         """Bytes [offset, offset + like.nbytes) of buffer `slot` as a tensor laid out like `like`."""
         flat = self.buffers.buffers[slot][offset:offset + like.nbytes].view(like.dtype)
         return flat.as_strided(like.shape, like.stride())
 
-    def _drop_outgoing(self, before: int | None) -> None:
-        """Drop the device copies of host-kept blocks below `before` (all: None) once their D2H is done."""
-        for index in [i for i in self._outgoing if before is None or i < before]:
+    def _drop_outgoing(self) -> None:
+        """Drop the device copies of the host-kept blocks saved so far, once their D2H is done."""
+        for index in list(self._outgoing):
             self.lanes.compute.wait(self._outgoing.pop(index)[0])
 
     def prefetch(self, index: int) -> None:
         """Start bringing host-kept block `index`'s attention back to the device, unless it is there or not kept."""
         if index not in self.slot or index in self.live:
             return
-        self._drop_outgoing(None)
+        self._drop_outgoing()
         compute, h2d = self.lanes.compute, self.lanes.h2d
         views = self._specs[index]
         device = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=self.lanes.device) for v in views]
@@ -102,6 +112,7 @@ class KeptStore:
             for dst, src in zip(device, views):
                 dst.copy_(src, non_blocking=True)
         self._read[index] = h2d.record()
+        self._count(sum(t.nbytes for t in device))
         self.live[index] = device
 
     def take(self, index: int) -> KeptAttention | None:

@@ -37,6 +37,11 @@ weights, else the shell the block before it did not use. So consecutive blocks a
 (the H2D of the next block overlaps this one's compute) also where the backward jumps from block s
 to the re-run of block s-k.
 
+Kept attention (`kept`, offload.keep_attention): the forward keeps the attention output and lse of the blocks
+the plan names, on the device or parked in pinned host RAM (megaslide/offload/kept_store.py, which brings a
+parked one back one block ahead of its backward), and a block's `grad` replays them instead of re-running its
+attention forward (megaslide/models/chunking.py, "Kept attention").
+
 Resident tail (`resident=k`, offload.resident_blocks): the last k blocks each get a shell of
 their own and, in a training forward, run with grad enabled and keep their autograd graph.
 They are the first blocks of the backward, which then neither re-streams nor recomputes

@@ -3,11 +3,13 @@
 Kept, a block's backward replays the attention output (B, N, D in the compute dtype) and its log-sum-exp (fp32,
 per token and head) instead of re-running the attention forward (megaslide/attention/kept.py). Each kept block
 holds `kept_block_bytes` from its forward to its backward: on the device, or in pinned host RAM, copied D2H in
-the forward and brought back one block ahead of the backward. Host-kept blocks pass through the device: two
-blocks' worth of staging there (one being filled or used, one in flight). The planner
-(megaslide/perf/planner.py) places them within the budgets left beside the rest of the step: the device first
-(no transfers), the latest blocks there (the backward frees them first), then host RAM, the rest re-run.
-The offload engine keeps exactly what the plan says (megaslide/offload/kept_store.py).
+the forward and brought back one block ahead of the backward. Host-kept blocks pass through the device, two at a
+time (`STAGING_BLOCKS`: one being filled or used, one in flight). The planner (megaslide/perf/planner.py) places
+them within the budgets left beside the rest of the step: the device first (no transfers), then host RAM, the
+rest re-run. The device keeps the latest blocks and host RAM the ones before them, so the host-kept blocks pass
+through the device before the first device-kept one is made and after the last one is freed: the device holds
+`device_blocks` = max(device-kept, staging) of them at any time. The offload engine keeps exactly what the plan
+says (megaslide/offload/kept_store.py).
 """
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ class KeptAttentionPlan:
         return len(self.host) * self.block_bytes
 
     @property
-    def staging_bytes(self) -> int:
-        """Device bytes of host-kept blocks passing through (`STAGING_BLOCKS`)."""
-        return STAGING_BLOCKS * self.block_bytes if self.host else 0
+    def device_blocks(self) -> int:
+        """The most kept blocks on the device at once (module docstring)."""
+        return max(len(self.gpu), STAGING_BLOCKS if self.host else 0)
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "gpu": list(self.gpu), "host": list(self.host), "recompute": list(self.recompute),
@@ -74,13 +76,9 @@ def place_kept_attention(mode: str, streamed: int, block_bytes: int, *, hbm_free
             raise ValueError(f"offload.keep_attention=on, but {unable}; set offload.keep_attention=auto (re-run "
                              f"the attention where it cannot be kept) or off")
         return KeptAttentionPlan(mode, recompute=blocks, block_bytes=block_bytes, reason=unable)
-    on_gpu = min(streamed, max(0, hbm_free) // block_bytes)
-    on_host = 0
-    if on_gpu < streamed:   # host-kept blocks need their staging on the device
-        staged = min(streamed, max(0, hbm_free - STAGING_BLOCKS * block_bytes) // block_bytes)
-        on_host = min(streamed - staged, max(0, host_free) // block_bytes)
-        if on_host:
-            on_gpu = staged
+    room = max(0, hbm_free) // block_bytes                 # kept blocks the device holds at once
+    on_gpu = min(streamed, room)
+    on_host = min(streamed - on_gpu, max(0, host_free) // block_bytes) if room >= STAGING_BLOCKS else 0
     kept = on_gpu + on_host
     if mode == "on" and kept < streamed:
         raise ValueError(f"offload.keep_attention=on: the attention output and lse of {streamed} blocks "

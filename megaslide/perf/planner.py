@@ -23,6 +23,8 @@ megaslide/perf/activation_memory.py (what each op saves, the variant's share fro
   the last block's output, the engine's dL/d(output) and the current one, and a resident tail's
   inputs and outputs;
 - the previous block's parameter gradients and the current block's so far.
+- with offload.keep_attention, the kept attention outputs and lse on the device (megaslide/perf/kept_attention.py
+  places them within the budgets left beside the rest of the step; `plan_offload`'s `budgets`).
 Checked against H200 peaks of the offload engine at the 7B width (dim 4096, ffn 16384, 32
 heads), bf16, batch 1: DSA 3x3x3, 4 blocks, 65,536 tokens: 34.2 GB predicted, 34.9 measured;
 131,072 tokens: 62.6 GB vs 63.4; dense, 20 blocks, 32,768 tokens: 22.6 GB vs 23.2. The fit
@@ -537,9 +539,9 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
 def _place_kept(run: RunConfig, phases: dict[str, dict[str, int]], host: dict[str, int], budgets: Budgets | None,
                 act: int) -> KeptAttentionPlan:
     """The kept attention of `run` (offload.keep_attention) placed within what `budgets` leave beside the step's
-    peak HBM (`phases`) and host RAM (`host`); its device bytes are added to `phases` (the device-kept ones from
-    the forward through the backward, the host-kept ones' staging in the forward and backward, and with several
-    slabs one slab's replayed output and lse in the backward)."""
+    peak HBM (`phases`) and host RAM (`host`); its device bytes are added to `phases`: in the forward and the
+    backward the most kept blocks on the device at once (`KeptAttentionPlan.device_blocks`), in between all the
+    device-kept ones, and with several slabs one slab's replayed output and lse in the backward."""
     cfg, offload, execution = run.model, run.offload, run.execution
     a, streamed, tokens = cfg.attention, cfg.depth - offload.resident_blocks, run.train.batch_size * math.prod(run.grid)
     block_bytes = kept_block_bytes(cfg, tokens, act)
@@ -556,13 +558,13 @@ def _place_kept(run: RunConfig, phases: dict[str, dict[str, int]], host: dict[st
                         a.variant.temporal_reach(a.options) if execution.slab_frames else None)
     slab = max(b - t for t, _, _, b in slabs) * run.train.batch_size * run.grid[1] * run.grid[2]
     replay = kept_block_bytes(cfg, slab, act) if len(slabs) > 1 and (kept.gpu or kept.host) else 0
-    device = f"kept attention on the device ({len(kept.gpu)} blocks: output + lse)"
-    staging = "kept attention in host RAM: on the device in passing (2 blocks)"
+    passing = f"kept attention on the device (at most {kept.device_blocks} blocks: output + lse)"
+    between = f"kept attention on the device ({len(kept.gpu)} blocks: output + lse)"
     for name, items in phases.items():
-        if name != "optimizer":
-            items[device] = kept.gpu_bytes
         if name in ("forward", "backward"):
-            items[staging] = kept.staging_bytes
+            items[passing] = kept.device_blocks * block_bytes
+        elif name != "optimizer":
+            items[between] = kept.gpu_bytes
         if name == "backward":
             items["kept attention: a slab's replayed output + lse"] = replay
         phases[name] = {item: v for item, v in items.items() if v}

@@ -47,14 +47,15 @@ def _wake(engine, scale=0.05):
     engine.streamer.invalidate()
 
 
-def _one_on_device(monkeypatch, attention, execution):
-    """Free "HBM" (the CPU engine's device memory) for one kept block on the device and the host-kept blocks'
-    staging beside the step's peak: the planner then keeps block 3 there and blocks 0-2 in host RAM."""
+def _two_on_device(monkeypatch, attention, execution):
+    """Free "HBM" (the CPU engine's device memory) for two and a half kept blocks beside the step's peak: the
+    planner then keeps blocks 2 and 3 there and blocks 0 and 1 in host RAM (which pass through the device two at a
+    time, before block 2 is made and after block 2 is freed)."""
     run = planner.grid_run(_model_cfg(attention), (7, 3, 5), batch=2, grad_clip=0.05,
                            execution=ExecutionConfig(**execution), offload=OffloadConfig(enabled=True))
     base = planner.plan_offload(run, param_dtype=torch.float32)
     block = 2 * 105 * (64 * 4 + 4 * 4)                             # tokens x (dim x fp32 + heads x fp32 lse)
-    free = base.hbm_total + (1 + STAGING_BLOCKS) * block + block // 2
+    free = base.hbm_total + STAGING_BLOCKS * block + block // 2
     monkeypatch.setattr(engine_module, "hbm_available_bytes", lambda *a: int(free / (1 - planner.HBM_MARGIN)) + 1)
 
 
@@ -65,11 +66,11 @@ CASES = [("dense", False, {}), ("dense", True, {"chunk_tokens": 24}),
 
 @pytest.mark.parametrize("attention, parked, execution", CASES)
 def test_kept_attention_is_bit_identical_to_full_recompute(tmp_path, monkeypatch, attention, parked, execution):
-    _one_on_device(monkeypatch, attention, execution)
+    _two_on_device(monkeypatch, attention, execution)
     full = _trainer(tmp_path, "full", attention, "off", parked, **execution)
     kept = _trainer(tmp_path, "kept", attention, "auto", parked, **execution)
     plan = kept.engine.kept_attention
-    assert (plan.gpu, plan.host, plan.recompute) == ((3,), (0, 1, 2), ())
+    assert (plan.gpu, plan.host, plan.recompute) == ((2, 3), (0, 1), ())
     for _ in range(STEPS):
         a, b = full.train_step(), kept.train_step()
         assert torch.equal(a["loss"], b["loss"]) and torch.equal(a["grad_norm"], b["grad_norm"])
@@ -79,18 +80,20 @@ def test_kept_attention_is_bit_identical_to_full_recompute(tmp_path, monkeypatch
 
 
 def test_the_engine_holds_what_the_planner_kept(tmp_path, monkeypatch):
-    """The bytes the engine keeps on the device and in host RAM are the plan's, and its backward runs no
-    attention forward: per step the gathers' forward runs once per block and slab (the streamed forward)."""
+    """The bytes the engine keeps on the device and in host RAM are the plan's, and so is the most it holds on
+    the device at once; its backward runs no attention forward: per step the gathers' forward runs once per block and slab (the streamed forward)."""
     execution = {"slab_frames": 2, "chunk_tokens": 40}
-    _one_on_device(monkeypatch, "dsa", execution)
+    _two_on_device(monkeypatch, "dsa", execution)
     forwards = []
     forward = gather.gather_forward
     monkeypatch.setattr(gather, "gather_forward", lambda *a, **k: forwards.append(k.get("lse")) or forward(*a, **k))
     trainer = _trainer(tmp_path, "kept", "dsa", "auto", True, **execution)
     plan = trainer.engine.kept_attention
     trainer.train_step()
-    assert trainer.engine.streamer.kept.stored == {"gpu": plan.gpu_bytes, "host": plan.host_bytes}
-    assert plan.gpu_bytes == 1 * plan.block_bytes and plan.host_bytes == 3 * plan.block_bytes
+    store = trainer.engine.streamer.kept
+    assert store.stored == {"gpu": plan.gpu_bytes, "host": plan.host_bytes}
+    assert store.device_peak == plan.device_blocks * plan.block_bytes
+    assert plan.gpu_bytes == 2 * plan.block_bytes and plan.host_bytes == 2 * plan.block_bytes
     slabs = 4                                                      # 7 frames in slabs of 2
     assert sum(lse is None for lse in forwards) == 4 * slabs       # the streamed forward's, no recompute's
     assert sum(lse is not None for lse in forwards) == 4 * slabs   # the backward's state, from the kept lse
