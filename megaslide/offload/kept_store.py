@@ -3,8 +3,9 @@ the forward to the backward: on the device, or in pinned host RAM, as the plan p
 (megaslide/perf/kept_attention.py).
 
 A host-kept block's tensors are copied D2H on the D2H lane once its forward is issued; the device copies are
-dropped, once that copy is done, when the next block saves, so two blocks' worth pass through the device. In the backward they come back on the H2D lane one block ahead (`prefetch`), each with
-its own strides, so that the backward gets exactly what the forward made. The host buffers are carved from
+dropped, once that copy is done, when the next block saves, so two blocks' worth pass through the device. In
+the backward they come back on the H2D lane one block ahead (`prefetch`), each with its own strides, so that the
+backward gets exactly what the forward made. The host buffers are carved from
 one arena (`InputBuffers`), one buffer per host-kept block, sized by the first step."""
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def test_kept_attention_is_bit_identical_to_full_recompute(tmp_path, monkeypatch
 
 def test_the_engine_holds_what_the_planner_kept(tmp_path, monkeypatch):
     """The bytes the engine keeps on the device and in host RAM are the plan's, and so is the most it holds on
-    the device at once; its backward runs no attention forward: per step the gathers' forward runs once per block and slab (the streamed forward)."""
+    the device at once; its backward runs no attention forward: per step the gathers' forward runs once per
+    block and slab (the streamed forward)."""
     execution = {"slab_frames": 2, "chunk_tokens": 40}
     _two_on_device(monkeypatch, "dsa", execution)
     forwards = []
