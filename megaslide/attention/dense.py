@@ -30,12 +30,13 @@ class DenseSplit:
         q, k, v = inputs
         if q.device.type != "cuda":
             return _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False)
-        empty = q.new_empty(0, dtype=torch.int64)  # no dropout: no RNG state; not varlen: no sequence offsets
+        # no dropout: the kernels read no RNG state (placeholders of the forward's shapes); not varlen: no offsets
         if q.dtype in (torch.float16, torch.bfloat16):
-            n_q, n_k = q.shape[2], k.shape[2]
-            return _aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, empty, empty, n_q, n_k,
-                                                                      0.0, False, empty, empty)
-        grads = _aten._scaled_dot_product_efficient_attention_backward(dout, q, k, v, None, out, lse, empty, empty,
+            rng, unused = (torch.empty(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
+            return _aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, None, None, q.shape[2],
+                                                                      k.shape[2], 0.0, False, rng, unused)
+        seed, offset = (torch.empty((), dtype=torch.int64) for _ in range(2))
+        grads = _aten._scaled_dot_product_efficient_attention_backward(dout, q, k, v, None, out, lse, seed, offset,
                                                                        0.0, [True, True, True, False], False)
         return grads[:3]
 
