@@ -37,7 +37,10 @@ of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and the 
 - attention share: the time inside the attention op (`attend`, DSA's offset net included: forward,
   recomputed forward, backward) over the step (experiments/attention_time.py);
 - the planner's step-time estimate (matmul, attention and elementwise terms) and lower bound at the
-  ceilings this run measured, beside it.
+  ceilings this run measured, beside it;
+- with offload.keep_attention (selective recompute): which blocks kept their attention output and lse on the
+  GPU, in host RAM or re-ran it, as planned (`predicted_kept_attention`) and as the engine kept them
+  (`kept_attention`, with the bytes it held and its most on the device at once).
 The fit decision: on CUDA the run itself (the planner refuses only cells it puts beyond
 `refuse_over` x the free HBM, and any that host RAM cannot hold); on CPU, which has no allocator to
 run out of, the planner against the stated `hbm_budget_GB`. The same run re-measures the ceilings:
@@ -53,6 +56,7 @@ through harness.ExperimentRun.
     python -m experiments.oom_thresholds oom_preset=headline # GPU: the long-clip headline (about 8 minutes)
     python -m experiments.oom_thresholds plan_only=true      # the planner's table, nothing run
     python -m experiments.oom_thresholds smoke=true          # tiny, CPU, stated HBM budget (CI)
+    python -m experiments.oom_thresholds oom_preset=headline offload.keep_attention=auto  # selective recompute
 """
 from __future__ import annotations
 
