@@ -2,7 +2,7 @@
 and lse, on the device and in (pinned) host RAM as the planner places them, and its backward runs no attention
 forward for them. In fp32 losses, gradient norms and every weight equal the full recompute's bit for bit: dense
 and DSA / dsa_zero (the gather backend, split at its lse like the fused kernels), whole, token-chunked and over
-frame slabs, with and without activation offload, on an odd token grid."""
+frame slabs, with and without activation offload, both block families, on an odd token grid."""
 import dataclasses
 
 import pytest
@@ -22,14 +22,14 @@ STEPS = 2
 DATA = {"frames": 7, "height": 6, "width": 10, "shape_size": 3}   # token grid (7, 3, 5): odd along every axis
 
 
-def _model_cfg(attention):
+def _model_cfg(attention, block="dit"):
     options = {"backend": "gather", "max_offset": 1.0} if attention.startswith("dsa") else {}
-    return dataclasses.replace(tiny_model_cfg(attention, **options), depth=4)
+    return dataclasses.replace(tiny_model_cfg(attention, **options), depth=4, block=block)
 
 
-def _trainer(tmp_path, name, attention, keep, activation_offload=False, **execution):
+def _trainer(tmp_path, name, attention, keep, activation_offload=False, block="dit", **execution):
     offload = OffloadConfig(enabled=True, activation_offload=activation_offload, keep_attention=keep)
-    trainer = Trainer(_model_cfg(attention), tiny_data_cfg(**DATA), tiny_train_cfg(steps=STEPS, grad_clip=0.05),
+    trainer = Trainer(_model_cfg(attention, block), tiny_data_cfg(**DATA), tiny_train_cfg(steps=STEPS, grad_clip=0.05),
                       tmp_path / name, offload_cfg=offload, execution=ExecutionConfig(**execution))
     _wake(trainer.engine)
     return trainer
@@ -47,11 +47,11 @@ def _wake(engine, scale=0.05):
     engine.streamer.invalidate()
 
 
-def _two_on_device(monkeypatch, attention, execution):
+def _two_on_device(monkeypatch, attention, execution, block="dit"):
     """Free "HBM" (the CPU engine's device memory) for two and a half kept blocks beside the step's peak: the
     planner then keeps blocks 2 and 3 there and blocks 0 and 1 in host RAM (which pass through the device two at a
     time, before block 2 is made and after block 2 is freed)."""
-    run = planner.grid_run(_model_cfg(attention), (7, 3, 5), batch=2, grad_clip=0.05,
+    run = planner.grid_run(_model_cfg(attention, block), (7, 3, 5), batch=2, grad_clip=0.05,
                            execution=ExecutionConfig(**execution), offload=OffloadConfig(enabled=True))
     base = planner.plan_offload(run, param_dtype=torch.float32)
     block = 2 * 105 * (64 * 4 + 4 * 4)                             # tokens x (dim x fp32 + heads x fp32 lse)
@@ -59,16 +59,17 @@ def _two_on_device(monkeypatch, attention, execution):
     monkeypatch.setattr(engine_module, "hbm_available_bytes", lambda *a: int(free / (1 - planner.HBM_MARGIN)) + 1)
 
 
-CASES = [("dense", False, {}), ("dense", True, {"chunk_tokens": 24}),
-         ("dsa", True, {}), ("dsa", True, {"slab_frames": 2, "chunk_tokens": 40}),
-         ("dsa_zero", False, {"slab_frames": 3}), ("dsa_zero", True, {"chunk_tokens": 40})]
+CASES = [("dense", False, {}, "dit"), ("dense", True, {"chunk_tokens": 24}, "dit"),
+         ("dsa", True, {}, "dit"), ("dsa", True, {"slab_frames": 2, "chunk_tokens": 40}, "dit"),
+         ("dsa_zero", False, {"slab_frames": 3}, "dit"), ("dsa_zero", True, {"chunk_tokens": 40}, "wan")]
 
 
-@pytest.mark.parametrize("attention, parked, execution", CASES)
-def test_kept_attention_is_bit_identical_to_full_recompute(tmp_path, monkeypatch, attention, parked, execution):
-    _two_on_device(monkeypatch, attention, execution)
-    full = _trainer(tmp_path, "full", attention, "off", parked, **execution)
-    kept = _trainer(tmp_path, "kept", attention, "auto", parked, **execution)
+@pytest.mark.parametrize("attention, parked, execution, block", CASES)
+def test_kept_attention_is_bit_identical_to_full_recompute(tmp_path, monkeypatch, attention, parked, execution,
+                                                           block):
+    _two_on_device(monkeypatch, attention, execution, block)
+    full = _trainer(tmp_path, "full", attention, "off", parked, block, **execution)
+    kept = _trainer(tmp_path, "kept", attention, "auto", parked, block, **execution)
     plan = kept.engine.kept_attention
     assert (plan.gpu, plan.host, plan.recompute) == ((2, 3), (0, 1), ())
     for _ in range(STEPS):
