@@ -138,8 +138,10 @@ def test_cuda_kept_attention_matches_full_recompute(tmp_path, attention):
     runs = {}
     for keep in ("off", "on"):
         offload = OffloadConfig(enabled=True, activation_offload=True, keep_attention=keep)
-        trainer = Trainer(cfg, tiny_data_cfg(**DATA), tiny_train_cfg(steps=STEPS, device="cuda"), tmp_path / keep,
-                          offload_cfg=offload, execution=ExecutionConfig(chunk_tokens=40))
+        train = tiny_train_cfg(steps=STEPS, device="cuda", precision="fp32")
+        trainer = Trainer(cfg, tiny_data_cfg(**DATA), train, tmp_path / keep, offload_cfg=offload,
+                          execution=ExecutionConfig(chunk_tokens=40))
+        _wake(trainer.engine)
         runs[keep] = ([trainer.train_step()["loss"].item() for _ in range(STEPS)], trainer.engine.model_state_dict())
     torch.testing.assert_close(runs["on"][0], runs["off"][0], rtol=1e-5, atol=0)
     for name, p in runs["off"][1].items():
