@@ -373,8 +373,9 @@ class OffloadPlan(PhasedHBM):
                 f"boundary stride {self.boundary_stride}")
         fmt = self.state_format
         per_param = ", ".join(f"{k} {v:g}" for k, v in host_bytes_per_param(fmt).items())
-        lines = [model, step, self.kept.line(), f"host RAM: {self.host_bytes_per_param:g} bytes per block parameter (master "
-                              f"{fmt.master_dtype}, moments {fmt.moments}: {per_param})"]
+        lines = [model, step, self.kept.line(),
+                 f"host RAM: {self.host_bytes_per_param:g} bytes per block parameter (master {fmt.master_dtype}, "
+                 f"moments {fmt.moments}: {per_param})"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
                   *self.hbm_lines(), "step time, fitted estimate (s):"]
