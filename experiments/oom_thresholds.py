@@ -37,7 +37,10 @@ of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and the 
 - attention share: the time inside the attention op (`attend`, DSA's offset net included: forward,
   recomputed forward, backward) over the step (experiments/attention_time.py);
 - the planner's step-time estimate (matmul, attention and elementwise terms) and lower bound at the
-  ceilings this run measured, beside it.
+  ceilings this run measured, beside it;
+- with offload.keep_attention (selective recompute): which blocks kept their attention output and lse on the
+  GPU, in host RAM or re-ran it, as planned (`predicted_kept_attention`) and as the engine kept them
+  (`kept_attention`, with the bytes it held and its most on the device at once).
 The fit decision: on CUDA the run itself (the planner refuses only cells it puts beyond
 `refuse_over` x the free HBM, and any that host RAM cannot hold); on CPU, which has no allocator to
 run out of, the planner against the stated `hbm_budget_GB`. The same run re-measures the ceilings:
@@ -53,6 +56,7 @@ through harness.ExperimentRun.
     python -m experiments.oom_thresholds oom_preset=headline # GPU: the long-clip headline (about 8 minutes)
     python -m experiments.oom_thresholds plan_only=true      # the planner's table, nothing run
     python -m experiments.oom_thresholds smoke=true          # tiny, CPU, stated HBM budget (CI)
+    python -m experiments.oom_thresholds oom_preset=headline offload.keep_attention=auto  # selective recompute
 """
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ from megaslide.train.resident import ResidentEngine
 
 GB = 1e9
 MODES = ("resident", "offload", "chunked_offload")
+UNBOUNDED = 10 ** 15  # bytes: an HBM budget that bounds nothing
 MIN_CELL_S = 10.0   # with less of the time budget left, a cell is not started
 NEXT_STEP_MARGIN = 1.25  # a timed step starts only if this x the last step's time is left in the cell's limit
 SMOKE = {"models": ["tiny"], "host_depth": [], "frames": [4, 8], "data": {"height": 16, "width": 16},
@@ -188,12 +193,15 @@ class Cell(Step):
 
 
 # ---- the planner's view -----------------------------------------------------------------------------
-def plan_cell(cell: Cell, device: torch.device):
-    """The planner's plan for a cell: `plan_resident` or `plan_offload` in the dtype the run uses."""
+def plan_cell(cell: Cell, device: torch.device, hbm_budget: int):
+    """The planner's plan for a cell: `plan_resident` or `plan_offload` in the dtype the run uses, its kept
+    attention (offload.keep_attention) placed within `hbm_budget` bytes of HBM (0: unbounded, as the table's
+    estimate plans it before a cell runs; the cell re-plans within the free HBM it finds) and the host budget."""
     dtype = precision_dtype(cell.run.train.precision, device)
     if cell.mode == "resident":
         return planner.plan_resident(cell.run, autocast=dtype == torch.bfloat16)
-    return planner.plan_offload(cell.run, param_dtype=dtype, ceilings=cell.ceilings)
+    budgets = planner.Budgets(hbm_budget or UNBOUNDED, cell.host_budget, device.type)
+    return planner.plan_offload(cell.run, param_dtype=dtype, ceilings=cell.ceilings, budgets=budgets)
 
 
 def step_time_parts(cell: Cell, plan) -> dict:
@@ -204,7 +212,8 @@ def step_time_parts(cell: Cell, plan) -> dict:
     offload = isinstance(plan, planner.OffloadPlan)
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
                                          ceilings=cell.ceilings, execution=cell.run.execution,
-                                         block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0)
+                                         block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0,
+                                         kept=len(plan.kept.gpu) + len(plan.kept.host) if offload else 0)
     bound = plan.lower_bound_s if offload else planner.compute_lower_bound_s(
         cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings,
         execution=cell.run.execution)
@@ -228,6 +237,8 @@ def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict
     usable = planner.usable_hbm(budget)
     row = {"predicted_peak_GB": plan.hbm_total / GB, "predicted_phase": plan.peak_phase,
            "budget_GB": budget / GB, "predicted_fits": plan.hbm_total <= usable}
+    if isinstance(plan, planner.OffloadPlan):
+        row["predicted_kept_attention"] = plan.kept.as_dict()
     host_total = getattr(plan, "host_total", None)
     if host_total is not None:
         row["predicted_host_GB"] = host_total / GB
@@ -310,7 +321,7 @@ def run_cell(cell: Cell) -> dict:
     deadline = time.monotonic() + cell.time_limit_s
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     budget = hbm_available_bytes(device) if device.type == "cuda" else cell.hbm_budget
-    plan = plan_cell(cell, device)
+    plan = plan_cell(cell, device, budget)
     row = planner_verdict(cell, plan, device, budget)
     if "status" in row:
         return {**row, "measured_peak_GB": None}
@@ -320,6 +331,10 @@ def run_cell(cell: Cell) -> dict:
         batch = synthetic_batch(cell.run, device, engine.model.tokenizer)
         timing, measured = timed_steps(cell, engine, batch, device, deadline, losses)
         row.update(status="fits", phase="", losses=losses, **timing)
+        if isinstance(engine, OffloadEngine):   # which blocks kept their attention where, and the bytes held
+            store = engine.streamer.kept
+            row["kept_attention"] = {**engine.kept_attention.as_dict(), "held_bytes": store.stored,
+                                     "device_peak_bytes": store.device_peak}
         if device.type == "cuda":
             measured = torch.cuda.max_memory_allocated(device)
     except torch.OutOfMemoryError as err:
@@ -530,7 +545,7 @@ def main(hydra_cfg: DictConfig) -> None:
         rates = cell_ceilings(ceilings, label, spec.attention, mode == "chunked_offload")
         for cell in cells:
             cell = dataclasses.replace(cell, ceilings=rates)
-            plan = plan_cell(cell, device)
+            plan = plan_cell(cell, device, cell.hbm_budget)
             timing = step_time_parts(cell, plan)
             cell = with_timing(cell, timing["predicted_estimate_s"], cfg)
             limit = min(cfg.cell_time_limit_s, deadline - time.monotonic())

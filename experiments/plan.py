@@ -12,6 +12,8 @@ naming what does not fit, before anything is allocated.
     python -m experiments.plan model=7B model.in_channels=3 offload=engine data.frames=64 execution.chunk_tokens=8192 \
         offload.activation_offload=true
     python -m experiments.plan model=105B model.in_channels=3 offload=engine check=true  # fails: what does not fit
+    python -m experiments.plan model=1B attention=dsa model.in_channels=3 offload=engine train.device=cuda \
+        offload.keep_attention=auto hbm_budget_GB=149 host_budget_GB=134   # where the kept attention goes on an H200
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.hydra_config import run_config, script_main
+from experiments.hydra_config import require_ranges, run_config, script_main
 from megaslide.config import RunConfig, from_dict
 from megaslide.device import precision_dtype
-from megaslide.perf.planner import Ceilings, OffloadPlan, ResidentPlan, plan_offload, plan_resident, require_fit
+from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.planner import (GB, Budgets, Ceilings, OffloadPlan, ResidentPlan, plan_offload, plan_resident,
+                                    require_fit)
 
 
 @dataclass(frozen=True)
@@ -34,14 +38,18 @@ class PlanConfig:
     run: RunConfig
     check: bool
     ceilings: dict[str, float | None]
+    hbm_budget_GB: float
+    host_budget_GB: float
 
 
 def plan_config(cfg: DictConfig) -> PlanConfig:
     """plan.yaml's config: the RunConfig of its train.yaml part (validated, for any device) and its own keys."""
     c = OmegaConf.to_container(cfg, resolve=True)
     config = from_dict(PlanConfig, {"run": run_config(c, check_device=False), "check": c["check"],
-                                    "ceilings": c["ceilings"]})
+                                    "ceilings": c["ceilings"], "hbm_budget_GB": c["hbm_budget_GB"],
+                                    "host_budget_GB": c["host_budget_GB"]})
     stated_ceilings(config)   # refused here, whatever the run (a resident plan uses none)
+    require_ranges(config, non_negative=("hbm_budget_GB", "host_budget_GB"))
     return config
 
 
@@ -59,11 +67,23 @@ def run_device(run: RunConfig) -> torch.device:
 def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
     """The plan of the run: the offload engine's with offload.enabled, else the resident trainer's."""
     run = cfg.run
-    dtype = precision_dtype(run.train.precision, run_device(run))
+    device = run_device(run)
+    dtype = precision_dtype(run.train.precision, device)
     if not run.offload.enabled:
         return plan_resident(run, autocast=dtype == torch.bfloat16)
     return plan_offload(run, param_dtype=dtype, ceilings=stated_ceilings(cfg),
-                        build_on_host=run.offload.builds_on_host(run.model))
+                        build_on_host=run.offload.builds_on_host(run.model),
+                        budgets=budgets(cfg, device) if run.offload.keep_attention != "off" else None)
+
+
+def budgets(cfg: PlanConfig, device: torch.device) -> Budgets:
+    """The HBM and host RAM the kept attention is placed within: the stated budgets, else this machine's."""
+    hbm = int(cfg.hbm_budget_GB * GB) or hbm_available_bytes(device)
+    if not hbm:
+        raise ValueError(f"offload.keep_attention={cfg.run.offload.keep_attention} is placed within an HBM budget, "
+                         f"and this machine has no {device.type} device to measure: set hbm_budget_GB (e.g. 149 for "
+                         f"an H200)")
+    return Budgets(hbm, int(cfg.host_budget_GB * GB) or host_available_bytes(), device.type)
 
 
 def report(cfg: PlanConfig) -> int:

@@ -328,6 +328,7 @@ class OffloadConfig:
     init_on_host: bool = True          # a random model is first built whole in fp32 on the host (see builds_on_host)
     master_dtype: str = "fp32"         # fp32 | bf16: bf16 master weights, updated with stochastic rounding
     moments: str = "fp32"              # fp32 | int8: AdamW moments block-quantised to 8 bits
+    keep_attention: str = "off"        # off | on | auto: keep attention output + lse for the backward (auto: planner)
 
     def builds_on_host(self, model: DiTConfig) -> bool:
         """Whether the engine first builds the whole fp32 model in host RAM: a random model with init_on_host,
@@ -346,6 +347,10 @@ class OffloadConfig:
         if self.boundary_stride < 1:
             raise ValueError(f"offload.boundary_stride={self.boundary_stride} must be >= 1 (1: keep every block's "
                              f"input; k: keep every k-th and re-run the forward of the others in the backward)")
+        if self.keep_attention not in KEEP_ATTENTION:
+            raise ValueError(f"offload.keep_attention={self.keep_attention!r}: choose off (the backward re-runs every "
+                             f"block's attention), on (keep every streamed block's attention output and lse, or "
+                             f"fail) or auto (keep those that fit, as the planner places them)")
         if self.activation_offload and not self.enabled:
             raise ValueError("offload.activation_offload=true needs the offload engine, but offload.enabled=false: "
                              "set offload.enabled=true, or offload.activation_offload=false")
@@ -367,6 +372,9 @@ class OffloadConfig:
             raise ValueError(f"{' '.join(compact)}: the optimizer_device=gpu ablation streams fp32 state; set "
                              f"offload.optimizer_device=cpu, or leave offload.master_dtype and offload.moments "
                              f"at fp32")
+
+
+KEEP_ATTENTION = ("off", "on", "auto")
 
 
 @dataclass

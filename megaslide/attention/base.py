@@ -12,7 +12,9 @@ Shared: the projections, QK-norm, RoPE and the output projection. A variant is o
 - `check_grid(options, grid)`, `keys_per_query(options, grid)`, `temporal_reach(options)`,
   `extra_macs_per_token(...)` and `attend_memory(...)`: what config validation, FLOP and
   activation-memory accounting need to know without building the module (parameters are counted
-  on a meta-device build, `count_params`).
+  on a meta-device build, `count_params`);
+- optionally `keep_reason(options, device_type)` "" and `attend(..., keep=)`: the variant's op split at its
+  softmax statistics, so that the offload engine's backward need not re-run it (megaslide/attention/kept.py).
 Callers that need the projected heads (the KV-cached causal generator, sequence
 parallelism) use `project_qkv` and `project_out` around their own attention.
 """
@@ -141,6 +143,12 @@ class SelfAttention(nn.Module):
         return 0
 
     @classmethod
+    def keep_reason(cls, options, device_type: str) -> str:
+        """"" if `attend` takes `keep=` (kept.py) with these options on a device of this type, else why not:
+        the offload engine then re-runs the attention in its backward (offload.keep_attention)."""
+        return f"attention {cls.name!r} has no form split at its softmax statistics"
+
+    @classmethod
     def attend_memory(cls, options, dim: int, num_heads: int, act: int, chunked: bool) -> AttendMemory:
         """`attend`'s activation memory (see `AttendMemory`) when q, k, v hold `act` bytes per
         element (2 under bf16 autocast, 4 in fp32), in a block run whole or token-chunked."""
@@ -168,7 +176,8 @@ class SelfAttention(nn.Module):
 
     def attend(self, q, k, v, x, grid):
         """q, k, v (B, N, h, d); x (B, N, D) the attention input (None unless `reads_input`);
-        grid (T, H, W) -> (B, N, h, d)."""
+        grid (T, H, W) -> (B, N, h, d). A variant whose `keep_reason` is "" also takes `keep=`: a
+        `kept.Record` or `kept.Replay` that runs its op."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, rope, grid: Grid) -> torch.Tensor:

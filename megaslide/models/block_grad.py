@@ -19,13 +19,14 @@ def autograd_block_grad(run, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_ou
     return grads[0], grads[1], grads[2], list(grads[3:])
 
 
-def slab_block_grad(runner, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params):
+def slab_block_grad(runner, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params, kept=None):
     """`BlockRunner.block_grad` of a chunked or slabbed block, slab by slab. Per slab: q, k, v from the
     pre-attention slices (checkpointed) and the attention with grad; then each slice of the kept rows
     through the post-attention work with grad and straight into its backward, giving the gradient of its
     attention output rows; then the attention's and the pre-attention slices' backward. Parameter, t_mod
     and ctx gradients sum over slices and slabs, x's over the two slabs that read a halo row. The
-    parameters' `.grad` is gathered into and restored after."""
+    parameters' `.grad` is gathered into and restored after. With `kept` (a `KeptAttention`) each slab's
+    attention replays its kept output and lse instead of running its forward."""
     x = x.detach().contiguous()                                                   # (B, N, D)
     t_mod = t_mod.detach().requires_grad_()
     with torch.enable_grad():
@@ -33,19 +34,21 @@ def slab_block_grad(runner, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out
     m, c = mod.detach().requires_grad_(), ctx.detach().requires_grad_()  # leaves: every slice's gradient sums in
     grad_x = torch.zeros_like(x)                                                  # (B, N, D)
     fr = grid[1] * grid[2]                                                        # tokens per frame
+    slabs = runner.slabs(block, grid)
     held = [p.grad for p in params]
     for p in params:
         p.grad = None
     try:
-        for slab in runner.slabs(block, grid):
+        for slab in slabs:
             xs, rope_s, grid_s, keep = slab_view(x, rope, grid, slab)
             xs = xs.detach().requires_grad_()                                     # (B, n, D), slab + halo
+            replay = kept and (kept.whole() if len(slabs) == 1 else kept.slab(slab, fr, x.shape[1]))
             with torch.enable_grad():
-                o = runner.attend_slab(block, xs, rope_s, grid_s, keep, m)        # (B, n_keep, h, d)
+                o = runner.attend_slab(block, xs, rope_s, grid_s, keep, m, replay)  # (B, n_keep, h, d)
             grad_o = torch.empty_like(o)
-            kept = range(slab[0] * fr + keep.start, slab[0] * fr + keep.stop)     # the kept rows in x
+            out_rows = range(slab[0] * fr + keep.start, slab[0] * fr + keep.stop)  # the kept rows in x
             for s in runner.spans(o.shape[1]):
-                rows = slice(kept[s].start, kept[s].stop)
+                rows = slice(out_rows[s].start, out_rows[s].stop)
                 xi, oi = x[:, rows].detach().requires_grad_(), o[:, s].detach().requires_grad_()
                 with torch.enable_grad():
                     out = runner.finish(block, xi, oi, m, c, ctx_mask)            # (B, n_s, D)

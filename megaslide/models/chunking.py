@@ -47,6 +47,13 @@ post-attention graph: never more than a slab checkpoint's re-run held. Gradients
 in which contributions are summed (over slices, slabs and a halo row's two slabs). Any other block's `block_grad`
 is autograd through its recompute.
 
+Kept attention (`kept=`, a `KeptAttention`: offload.keep_attention, megaslide/attention/kept.py). The offload
+engine's streamed forward records each kept block's attention output and lse (over slabs: the rows each slab
+keeps), and `block_grad` replays them: the recompute runs the token-wise work and the QKV projection (and DSA's
+offset net), and the attention's backward starts from the kept output and lse, never its forward. A block run
+whole then runs as pre-attention, attention, post-attention like a compiled one (the same ops as the block's
+forward). The gradients equal the full recompute's bit for bit in fp32 (kept_attention.py says why for slabs).
+
 Compiled (`compile_blocks`, train.compile on either engine). A block's token-wise halves, `_project_slice`
 (pre-attention work, QKV projection, QK-norm + RoPE) and `_finish_slice` (output projection, gated residuals,
 cross-attention, MLP), run through torch.compile, which fuses their many small memory-bound kernels
@@ -75,6 +82,8 @@ What this costs in memory, per block and item, is modelled in megaslide/perf/act
 both take the same `ExecutionConfig`.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -116,33 +125,39 @@ class BlockRunner:
             return checkpoint(self.block, *args, use_reentrant=False)
         return self.block(*args)
 
-    def block(self, block, x, t_mod, ctx, ctx_mask, rope, grid, attn=None) -> torch.Tensor:
-        """`block(x, t_mod, ctx, ctx_mask, rope, grid, attn)` (B, N, D), chunked and slabbed as configured."""
+    def block(self, block, x, t_mod, ctx, ctx_mask, rope, grid, attn=None, kept=None) -> torch.Tensor:
+        """`block(x, t_mod, ctx, ctx_mask, rope, grid, attn)` (B, N, D), chunked and slabbed as configured.
+        `kept` (a `KeptAttention`, "Kept attention"): the attention records its output and lse there, or
+        replays them; the block then runs as pre-attention, attention, post-attention even when whole."""
         ex = self.execution
         if attn is not None or not isinstance(block.attn, SelfAttention):
-            if self.compiled:
-                raise ValueError(_EAGER_ONLY)
+            if self.compiled or kept is not None:
+                raise ValueError(_EAGER_ONLY if kept is None else _KEPT_OWN)
             return block(x, t_mod, ctx, ctx_mask, rope, grid, attn)
-        if not (ex.chunk_tokens or ex.slab_frames or self.compiled):
+        if not (ex.chunk_tokens or ex.slab_frames or self.compiled or kept is not None):
             return block(x, t_mod, ctx, ctx_mask, rope, grid)
         x = x.contiguous()  # one layout for every block's input (the embedding's output is a transposed view)
         mod = block.modulation[None] + t_mod                                         # (B, R, D)
         slabs = self.slabs(block, grid)
         if len(slabs) == 1:
-            return self._run_slab(block, x, rope, grid, slice(None), mod, ctx, ctx_mask)
+            return self._run_slab(block, x, rope, grid, slice(None), mod, ctx, ctx_mask, kept and kept.whole())
+        fr = grid[1] * grid[2]                                                       # tokens per frame
         out = [checkpoint(self._run_slab, block, *slab_view(x, rope, grid, slab), mod, ctx, ctx_mask,
-                          use_reentrant=False) for slab in slabs]                   # (B, (t1-t0)*fr, D) each
+                          kept and kept.slab(slab, fr, x.shape[1]), use_reentrant=False)
+               for slab in slabs]                                                    # (B, (t1-t0)*fr, D) each
         return torch.cat(out, dim=1)                                                 # (B, N, D)
 
-    def block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params):
+    def block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params, kept=None):
         """The gradients of `self.block(block, x, t_mod, ctx, ctx_mask, rope, grid)` for the output gradient
         grad_out (B, N, D): (grad x (B, N, D), grad t_mod (B, R, D), grad ctx (B, L, D), one per parameter of
         `params`: its gradient, or None where it gets none). A chunked or slabbed block goes slab by slab
-        ("Block gradient"); any other block by autograd through its recompute. Call it under the forward's
-        autocast if any: the backward passes run outside autocast."""
+        ("Block gradient"); any other block by autograd through its recompute. `kept`: the attention's output
+        and lse kept by the forward, replayed instead of re-running the attention ("Kept attention"). Call it
+        under the forward's autocast if any: the backward passes run outside autocast."""
         if (self.execution.chunk_tokens or self.execution.slab_frames) and isinstance(block.attn, SelfAttention):
-            return slab_block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
-        return autograd_block_grad(self.block, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
+            return slab_block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params, kept)
+        run = self.block if kept is None else functools.partial(self.block, kept=kept)
+        return autograd_block_grad(run, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
 
     def slabs(self, block, grid) -> list[tuple[int, int, int, int]]:
         """`block`'s frame slabs (`frame_slabs`) on token grid `grid`; one without `slab_frames`."""
@@ -158,29 +173,31 @@ class BlockRunner:
         return torch.cat([checkpoint(final, x[:, s:s + step], t_emb, use_reentrant=False)
                           for s in range(0, x.shape[1], step)], dim=1)     # (B, n, pv*C)
 
-    def _run_slab(self, block, x, rope, grid, keep: slice, mod, ctx, ctx_mask):
+    def _run_slab(self, block, x, rope, grid, keep: slice, mod, ctx, ctx_mask, kept_slab=None):
         """The block over x (B, n, D), a run of whole frames (grid (t, H, W)), returning only the rows
         `keep` (B, n_keep, D): the halo rows outside it are there for the attention of the kept ones.
         Slices run under checkpoints, except in a block run whole (compiled, neither chunked nor slabbed)."""
-        o = self.attend_slab(block, x, rope, grid, keep, mod)                        # (B, n_keep, h, d)
+        o = self.attend_slab(block, x, rope, grid, keep, mod, kept_slab)             # (B, n_keep, h, d)
         x = x[:, keep]                                                               # (B, n_keep, D)
         run = self._slice_run()
         out = [run(self.finish, block, x[:, s], o[:, s], mod, ctx, ctx_mask) for s in self.spans(x.shape[1])]
         return _join(out)                                                            # (B, n_keep, D)
 
-    def attend_slab(self, block, x, rope, grid, keep: slice, mod) -> torch.Tensor:
+    def attend_slab(self, block, x, rope, grid, keep: slice, mod, kept_slab=None) -> torch.Tensor:
         """The self-attention output (B, n_keep, heads, d) of the rows `keep` of x (B, n, D), a run of whole
         frames (grid (t, H, W)): the pre-attention work and QKV projection over slices of x (checkpointed as
-        `_run_slab` says), then the attention; backward keeps q, k, v (and what the attention reads), never
-        a slice's intermediates."""
+        `_run_slab` says), then the attention (with `kept_slab`, a `kept.Record` or `kept.Replay`, split at
+        its lse); backward keeps q, k, v (and what the attention reads), never a slice's intermediates."""
         cos, sin = rope                                                              # (n, d/2) each
         run = self._slice_run()
         spans = self.spans(x.shape[1], len(range(x.shape[1])[keep]))
         parts = [run(self.project, block, x[:, s], mod, cos[s], sin[s]) for s in spans]
         q, k, v, *h = (_join(p) for p in zip(*parts))                                # (B, n, h, d) x 3[, (B, n, D)]
         del parts  # the slices: only their concatenations stay alive through attention
-        read = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
-        return block.attn.attend(q, k, v, None, grid, **read)[:, keep]              # (B, n_keep, h, d)
+        extra = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
+        if kept_slab is not None:
+            extra["keep"] = kept_slab
+        return block.attn.attend(q, k, v, None, grid, **extra)[:, keep]             # (B, n_keep, h, d)
 
     def spans(self, n: int, unset: int | None = None) -> list[slice]:
         """The slices of a run of n tokens: `chunk_tokens` each (the last shorter); unset, `unset` (default n)."""
@@ -232,6 +249,8 @@ def compile_blocks(model):
     return model
 
 
+_KEPT_OWN = ("kept attention (offload.keep_attention) needs the block's own self-attention; an attn= override or a "
+             "self-attention replaced by parallelize_dit has none: set offload.keep_attention=off")
 _EAGER_ONLY = ("a compiled block runner (train.compile=true) runs blocks with their own self-attention only; an "
                "attn= override (KV-cached or sequence-parallel inference) or a self-attention replaced by "
                "parallelize_dit has no compiled form: run such a model without compile_blocks (train.compile=false)")

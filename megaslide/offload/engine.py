@@ -13,7 +13,10 @@ One training step (`OffloadEngine.train_step`):
 4. streamed backward: block l is recomputed from its input and backpropagated; its flat
    gradient goes D2H and to the optimizer (below). With offload.resident_blocks = k the
    last k blocks kept their weights and graphs on the device from step 2 and skip the
-   recompute and the re-stream;
+   recompute and the re-stream. With offload.keep_attention the blocks the planner names kept
+   their attention output and lse from step 2 (on the device or in pinned host RAM,
+   `KeptAttentionPlan`) and their recompute skips the attention forward (selective recompute,
+   bit-identical in fp32);
 5. one backward through the stem graph with the accumulated gradients of x, t_mod, ctx,
    t_emb: each stem tensor gets exactly the gradient it gets in a resident backward;
 6. global-norm clipping and the updates.
@@ -82,12 +85,14 @@ from megaslide.models.pretrained import (
 from megaslide.offload.compact import rounding_key
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState
+from megaslide.offload.kept_store import KeptStore
 from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.host_memory import StateFormat, host_bytes, require_host_fit
-from megaslide.perf.memory import host_available_bytes
+from megaslide.perf.kept_attention import KeptAttentionPlan
+from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.perf.stream_schedule import parked_inputs
 
 
@@ -105,8 +110,12 @@ class OffloadEngine:
     sharded_checkpoints = True
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
-                 offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None):
+                 offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None,
+                 kept_attention: KeptAttentionPlan | None = None):
         offload_cfg.validate()
+        if kept_attention is None and offload_cfg.keep_attention != "off":
+            raise ValueError(f"offload.keep_attention={offload_cfg.keep_attention}: the planner places the kept "
+                             f"attention; build the engine with OffloadEngine.from_config, or pass kept_attention=")
         self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
         self.param_dtype = precision_dtype(train_cfg.precision, device)
         self.cuda = cuda = device.type == "cuda"
@@ -143,13 +152,16 @@ class OffloadEngine:
 
         self.autocast_dtype = torch.bfloat16 if self.param_dtype == torch.bfloat16 else None
         self.lanes = Lanes(device, serial=not offload_cfg.overlap)
+        self.kept_attention = kept_attention or KeptAttentionPlan("off")
+        kept = KeptStore(self.lanes, self.kept_attention.gpu, self.kept_attention.host, pin=cuda)
         self.versions = [0] * depth
         self.streamer = BlockStreamer(model.blocks, self.host, self.lanes, device, self.compute_ctx,
                                       before_load=lambda i: self.updater.before_load(i),
                                       version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks,
                                       offload_inputs=offload_cfg.activation_offload,
-                                      run=lambda *inputs: self.model.runner.block(*inputs), stride=stride,
-                                      grad=lambda *inputs: self.model.runner.block_grad(*inputs))
+                                      run=lambda *inputs, **kw: self.model.runner.block(*inputs, **kw),
+                                      stride=stride, kept=kept,
+                                      grad=lambda *inputs, **kw: self.model.runner.block_grad(*inputs, **kw))
         # fused on CUDA: its found_inf flag skips a non-finite step on the device, with no host sync
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay, fused=True if cuda else None)
@@ -186,7 +198,8 @@ class OffloadEngine:
         initialised first only where the folder lacks some of its parameters (a DSA offset net: zero, so the
         model starts as neighbourhood attention). The host then holds its state plus about one block.
         `execution` says how the blocks run (`apply_execution`; its checkpoint_blocks is moot: the engine
-        recomputes every streamed block anyway)."""
+        recomputes every streamed block anyway). With offload.keep_attention the plan also places the blocks' kept
+        attention output and lse, within this machine's free HBM and host RAM (`OffloadPlan.kept`)."""
         execution = execution or ExecutionConfig()
         for cfg in (model_cfg, train_cfg, offload_cfg):
             cfg.validate()
@@ -198,11 +211,14 @@ class OffloadEngine:
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
         run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, grad_clip=train_cfg.grad_clip,
                                execution=execution, offload=offload_cfg)
+        hbm = hbm_available_bytes(device, offload_cfg.gpu_memory_fraction)
         plan = planner.plan_offload(run, param_dtype=precision_dtype(train_cfg.precision, device),
-                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host)
+                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
+                                    budgets=planner.Budgets(host_available_bytes() if hbm is None else hbm,
+                                                            host_available_bytes(), device.type))
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
-              "pin_optimizer_state": pin_optimizer_state}
+              "pin_optimizer_state": pin_optimizer_state, "kept_attention": plan.kept}
         if build_on_host:
             model = build_model(model_cfg)
             return cls(apply_execution(model, execution), **kw)
@@ -490,6 +506,7 @@ class OffloadEngine:
     def close(self) -> None:
         self.updater.close()
         self.host.close()
+        self.streamer.kept.close()
 
 
 def _initialised_blocks(cfg: DiTConfig, first: DiTBlock, weights: WeightFiles | None = None) -> Iterator[DiTBlock]:

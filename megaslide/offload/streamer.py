@@ -37,6 +37,11 @@ weights, else the shell the block before it did not use. So consecutive blocks a
 (the H2D of the next block overlaps this one's compute) also where the backward jumps from block s
 to the re-run of block s-k.
 
+Kept attention (`kept`, offload.keep_attention): the forward keeps the attention output and lse of the blocks
+the plan names, on the device or parked in pinned host RAM (megaslide/offload/kept_store.py, which brings a
+parked one back one block ahead of its backward), and a block's `grad` replays them instead of re-running its
+attention forward (megaslide/models/chunking.py, "Kept attention").
+
 Resident tail (`resident=k`, offload.resident_blocks): the last k blocks each get a shell of
 their own and, in a training forward, run with grad enabled and keep their autograd graph.
 They are the first blocks of the backward, which then neither re-streams nor recomputes
@@ -54,6 +59,8 @@ import torch
 from torch import nn
 
 from megaslide.models.block_grad import autograd_block_grad
+from megaslide.models.kept_attention import KeptAttention
+from megaslide.offload.kept_store import KeptStore
 from megaslide.offload.host_state import BlockLayout, HostState, InputBuffers
 from megaslide.perf.stream_schedule import backward_ops, last_segment_start
 
@@ -295,6 +302,11 @@ class SavedInputs:
         del self.live[index]
 
 
+def _kept(kept: KeptAttention | None) -> dict:
+    """The `kept=` keyword of a block run or gradient, where the block keeps its attention."""
+    return {} if kept is None else {"kept": kept}
+
+
 class BlockStreamer:
     """Runs `blocks` (modules whose parameters get mounted here) from host weights.
 
@@ -306,13 +318,15 @@ class BlockStreamer:
     `run(block, x, t_mod, ctx, ctx_mask, rope, grid)` runs a block (the model's `BlockRunner.block`:
     token chunks and frame slabs as the execution config says; default: the block whole), and
     `grad(block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)` gives a streamed block's gradients
-    from its saved input (the model's `BlockRunner.block_grad`; default: autograd through `run` again)."""
+    from its saved input (the model's `BlockRunner.block_grad`; default: autograd through `run` again).
+    `kept` (offload.keep_attention): the blocks whose attention output and lse the forward keeps (`run` and
+    `grad` then take `kept=`, as the runner's do) and where."""
 
     def __init__(self, blocks: nn.ModuleList, host: HostState, lanes: Lanes, device: torch.device,
                  compute_ctx: Callable[[], contextlib.AbstractContextManager],
                  before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0,
                  offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None, stride: int = 1,
-                 grad: Callable[..., tuple] | None = None):
+                 grad: Callable[..., tuple] | None = None, kept: KeptStore | None = None):
         self.run = run or (lambda block, *inputs: block(*inputs))
         self.grad = grad or functools.partial(autograd_block_grad, self.run)
         if not 0 <= resident <= len(blocks):
@@ -331,6 +345,7 @@ class BlockStreamer:
             layout.mount(block, self._placed[index].params)
         self.inputs = SavedInputs(lanes, host.inputs if offload_inputs else None, stride,
                                   last_segment_start(streamed, stride))
+        self.kept = kept or KeptStore(lanes, (), (), pin=False)
 
     def shell(self, index: int) -> BlockShell:
         """The shell block `index` computes in (chosen by its last `load`)."""
@@ -377,6 +392,7 @@ class BlockStreamer:
         compute, kept = self.lanes.compute, []
         if keep_inputs:
             self.inputs.reset(h)
+            self.kept.reset()
         self.load(0)
         for index, block in enumerate(self.blocks):
             shell = self.shell(index)
@@ -392,7 +408,11 @@ class BlockStreamer:
                     kept.append((x, out))
                     h = out.detach()
                 else:
-                    h = self.run(block, h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid)  # (B, N, D)
+                    record = self.kept.recorder(index) if keep_inputs else None
+                    h = self.run(block, h, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid,
+                                 **_kept(record))                                             # (B, N, D)
+                    if record is not None:
+                        self.kept.save(index, record)
             shell.free = compute.record()
             if index + 1 < len(self.blocks):
                 self.load(index + 1)
@@ -416,6 +436,7 @@ class BlockStreamer:
         norms: list[dict[int, torch.Tensor]] = [{} for _ in range(depth)]
         ops = [(index, True) for index in reversed(range(self.first_resident, depth))]
         ops += backward_ops(self.first_resident, stride)
+        streamed_grads = [index for index, grad in ops if grad and index < self.first_resident]
         self.load(ops[0][0])
         for position, (index, with_grad) in enumerate(ops):
             following = ops[position + 1][0] if position + 1 < len(ops) else None
@@ -431,6 +452,10 @@ class BlockStreamer:
             compute.wait(shell.grads_free)
             if streamed:
                 x = self.inputs.take(index)                                                # (B, N, D)
+                kept_attention = self.kept.take(index)
+                following_grad = streamed_grads.index(index) + 1
+                if following_grad < len(streamed_grads):
+                    self.kept.prefetch(streamed_grads[following_grad])  # its H2D overlaps this backward
             else:
                 x, out = kept[index - self.first_resident]                                 # kept graph
                 kept[index - self.first_resident] = None  # its graph is freed once this backward returns
@@ -438,7 +463,8 @@ class BlockStreamer:
                 if streamed:
                     with self.compute_ctx():
                         grad_h, g_t_mod, g_ctx, param_grads = self.grad(
-                            block, x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid, grad_h, shell.params)
+                            block, x, inp.t_mod, inp.ctx, inp.ctx_mask, inp.rope, inp.grid, grad_h, shell.params,
+                            **_kept(kept_attention))
                 else:
                     grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
                                                 allow_unused=True)
@@ -457,6 +483,7 @@ class BlockStreamer:
                         views[slot].zero_()
             if streamed:
                 self.inputs.release(index)
+                self.kept.release(index)
             shell.free = grads_ready = compute.record()
             landed = None
             if grads_to_host:

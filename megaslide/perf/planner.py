@@ -23,6 +23,8 @@ megaslide/perf/activation_memory.py (what each op saves, the variant's share fro
   the last block's output, the engine's dL/d(output) and the current one, and a resident tail's
   inputs and outputs;
 - the previous block's parameter gradients and the current block's so far.
+- with offload.keep_attention, the kept attention outputs and lse on the device (megaslide/perf/kept_attention.py
+  places them within the budgets left beside the rest of the step; `plan_offload`'s `budgets`).
 Checked against H200 peaks of the offload engine at the 7B width (dim 4096, ffn 16384, 32
 heads), bf16, batch 1: DSA 3x3x3, 4 blocks, 65,536 tokens: 34.2 GB predicted, 34.9 measured;
 131,072 tokens: 62.6 GB vs 63.4; dense, 20 blocks, 32,768 tokens: 22.6 GB vs 23.2. The fit
@@ -68,6 +70,7 @@ from megaslide.models.chunking import frame_slabs
 from megaslide.models.dit import count_params
 from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
 from megaslide.perf.flops import DiTFlops, dit_flops, keys_per_query
+from megaslide.perf.kept_attention import KeptAttentionPlan, kept_block_bytes, place_kept_attention
 from megaslide.perf.host_memory import (
     HOST_RESERVE_BYTES,
     StateFormat,
@@ -168,7 +171,7 @@ class Ceilings:
 
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
                     ceilings: Ceilings, backward: bool = True, execution: ExecutionConfig | None = None,
-                    block_grads: int = 0) -> tuple[float, dict[str, float]]:
+                    block_grads: int = 0, kept: int = 0) -> tuple[float, dict[str, float]]:
     """The estimated compute of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
     trainer's checkpointed ones), or without `backward` of one forward pass (no grad: nothing re-runs):
@@ -183,7 +186,9 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     `execution` (default: whole) says how the blocks run. `block_grads` of the recomputed blocks (the offload
     engine's streamed ones) get their gradient from `BlockRunner.block_grad`: chunked, their recompute is its
     slab pass, they have no slab re-run, and of their slices only the pre-attention ones (the QKV projection
-    over the slab and its halo) run once more."""
+    over the slab and its halo) run once more. `kept` of the recomputed blocks keep their attention output and
+    lse (offload.keep_attention): their recompute runs no attention forward (its counted FLOPs), the offset net
+    still."""
     execution = execution or ExecutionConfig()
     flops = dit_flops(cfg, batch, grid)
     tokens, depth, a, D = batch * math.prod(grid), cfg.depth, cfg.attention, cfg.dim
@@ -198,13 +203,15 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     own = 2.0 * tokens * a.variant.extra_macs_per_token(a.options, D, cfg.num_heads) * depth
     qkv = 2.0 * tokens * 3 * D * D * depth
     rerun = (flops.weights + (halo - 1) * qkv) * (1 - by_slab) + halo * qkv * by_slab  # the slices' re-run
+    skipped = halo * counted * kept / depth if backward else 0.0  # the kept blocks' attention forwards not re-run
     executed = (flops.forward * passes + rerun * (backward and chunked)
-                + (halo - 1) * (qkv + counted + own) * passes)
+                + (halo - 1) * (qkv + counted + own) * passes) - skipped
     rate = ceilings.attention_rate(a.name)
     in_attend = halo * (counted + (own if rate.includes_own_weights else 0))
-    attention = halo * (counted * forwards / (rate.forward_tflops * 1e12)
-                        + 2 * backward * counted / (rate.backward_tflops * 1e12))
-    matmul = (executed - in_attend * passes) / (ceilings.tflops * 1e12)
+    attention = (halo * (counted * forwards / (rate.forward_tflops * 1e12)
+                         + 2 * backward * counted / (rate.backward_tflops * 1e12))
+                 - skipped / (rate.forward_tflops * 1e12))
+    matmul = (executed + skipped - in_attend * passes) / (ceilings.tflops * 1e12)
     elementwise = elementwise_seconds(cfg, tokens, passes, ceilings)
     return executed, {"matmul": matmul, "attention": attention, "elementwise": elementwise}
 
@@ -299,6 +306,7 @@ class OffloadPlan(PhasedHBM):
     execution: ExecutionConfig  # how the blocks run
     ceilings: Ceilings = Ceilings()  # the rates both step-time figures assume
     boundary_stride: int = 1    # block inputs kept every k blocks; the backward re-runs the others' forward
+    kept: KeptAttentionPlan = KeptAttentionPlan("off")  # where each block's attention output and lse are kept
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -352,7 +360,7 @@ class OffloadPlan(PhasedHBM):
                 "resident_blocks": self.resident_blocks, "boundary_stride": self.boundary_stride,
                 "seconds": self.seconds, "estimate_s": self.estimate_s, "serial_s": self.serial_s, "bound": self.bound,
                 "lower_bound_seconds": self.lower_bound, "lower_bound_s": self.lower_bound_s,
-                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "kept_attention": self.kept.as_dict()}
 
     def table(self) -> str:
         c = self.cfg
@@ -365,8 +373,9 @@ class OffloadPlan(PhasedHBM):
                 f"boundary stride {self.boundary_stride}")
         fmt = self.state_format
         per_param = ", ".join(f"{k} {v:g}" for k, v in host_bytes_per_param(fmt).items())
-        lines = [model, step, f"host RAM: {self.host_bytes_per_param:g} bytes per block parameter (master "
-                              f"{fmt.master_dtype}, moments {fmt.moments}: {per_param})"]
+        lines = [model, step, self.kept.line(),
+                 f"host RAM: {self.host_bytes_per_param:g} bytes per block parameter (master {fmt.master_dtype}, "
+                 f"moments {fmt.moments}: {per_param})"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
         lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
                   *self.hbm_lines(), "step time, fitted estimate (s):"]
@@ -441,16 +450,29 @@ def grid_run(model: DiTConfig, grid: tuple[int, int, int], *, batch: int = 1, gr
                      offload or OffloadConfig(enabled=True))
 
 
+@dataclass(frozen=True)
+class Budgets:
+    """What a step may use: `hbm` free device bytes (before the engine allocates), `host` available host bytes,
+    on a device of type `device_type`. The kept attention (offload.keep_attention) is placed within them."""
+
+    hbm: int
+    host: int
+    device_type: str = "cuda"
+
+
 def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings = Ceilings(),
                  pin_optimizer_state: bool | None = None, build_on_host: bool = False,
-                 block_grad: bool = True) -> OffloadPlan:
+                 block_grad: bool = True, budgets: Budgets | None = None) -> OffloadPlan:
     """Host RAM, HBM and step time (lower bound, estimate) of one training step of `run` on the offload engine
     (allocates nothing): its model, how its blocks run, its offload settings (optimizer_device, resident_blocks,
     activation_offload), train.batch_size clips of its data's token grid, and clipping (train.grad_clip > 0).
     `param_dtype`: the streamed block weights' (the run's precision on its device); `build_on_host`: the
     fp32 model is first built in host RAM; `pin_optimizer_state`: default, pinned for the GPU optimizer;
     `block_grad`: the streamed blocks take their gradient from `BlockRunner.block_grad` (the engine's backward
-    since it has one; False plans the engine before it, as steps measured then ran)."""
+    since it has one; False plans the engine before it, as steps measured then ran). With offload.keep_attention
+    on or auto the plan places the kept attention (`OffloadPlan.kept`, megaslide/perf/kept_attention.py) within
+    `budgets` beside the rest of the step, and counts it: its HBM, pinned host RAM, PCIe bytes and the attention
+    forwards it saves."""
     cfg, execution, offload = run.model, run.execution, run.offload
     batch, grid, grad_clip = run.train.batch_size, run.grid, run.train.grad_clip > 0
     optimizer_device, resident_blocks, activation_offload = (offload.optimizer_device, offload.resident_blocks,
@@ -483,6 +505,10 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     dtypes = ActivationDtypes(act=w, residual=w)   # bf16 shells run under bf16 autocast; fp32 ones without
     phases = _offload_hbm(cfg, batch, grid, dtypes, n, resident, k, activation_offload, optimizer_device, execution,
                           stride)
+    kept = _place_kept(run, phases, host, budgets, dtypes.act)
+    if kept.host:
+        host[f"kept attention, pinned ({len(kept.host)} x {kept.block_bytes / GB:.2f} GB)"] = kept.host_bytes
+        host["process reserve"] = host.pop("process reserve")
     hbm_phases = {name: sum(items.values()) for name, items in phases.items()}
 
     flops = dit_flops(cfg, batch, grid)
@@ -490,8 +516,8 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     grads_to_host = grad_clip or optimizer_device == "cpu"
     # forward + backward (`weight_loads`): the backward re-streams neither the kept blocks nor what the shells
     # still hold; with a boundary stride it re-streams the re-run blocks of each segment but the last
-    h2d = weights_bytes * weight_loads(depth, k, stride) + parked * input_bytes
-    d2h = (weights_bytes * depth if grads_to_host else 0) + parked * input_bytes
+    h2d = weights_bytes * weight_loads(depth, k, stride) + parked * input_bytes + kept.host_bytes
+    d2h = (weights_bytes * depth if grads_to_host else 0) + parked * input_bytes + kept.host_bytes
     if optimizer_device == "gpu":
         h2d += depth * n * 12 + (depth * weights_bytes if grad_clip else 0)
         d2h += depth * n * (12 + (w if param_dtype != torch.float32 else 0))
@@ -500,14 +526,50 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
         optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
     reruns = sum(not grad for _, grad in backward_ops(depth - k, stride))  # forwards re-run without grad
     executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k + reruns, ceilings=ceilings,
-                                        execution=execution, block_grads=depth - k if block_grad else 0)
+                                        execution=execution, block_grads=depth - k if block_grad else 0,
+                                        kept=len(kept.gpu) + len(kept.host))
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
-    pinned = arenas["pinned"] + parked * input_bytes
+    pinned = arenas["pinned"] + parked * input_bytes + kept.host_bytes
     peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), fmt, optimizer_device, grad_clip, params, block_params,
                        host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
-                       executed, execution, ceilings, stride)
+                       executed, execution, ceilings, stride, kept)
+
+
+def _place_kept(run: RunConfig, phases: dict[str, dict[str, int]], host: dict[str, int], budgets: Budgets | None,
+                act: int) -> KeptAttentionPlan:
+    """The kept attention of `run` (offload.keep_attention) placed within what `budgets` leave beside the step's
+    peak HBM (`phases`) and host RAM (`host`); its device bytes are added to `phases`: in the forward and the
+    backward the most kept blocks on the device at once (`KeptAttentionPlan.device_blocks`), in between all the
+    device-kept ones, and with several slabs one slab's replayed output and lse in the backward."""
+    cfg, offload, execution = run.model, run.offload, run.execution
+    a, streamed, tokens = cfg.attention, cfg.depth - offload.resident_blocks, run.train.batch_size * math.prod(run.grid)
+    block_bytes = kept_block_bytes(cfg, tokens, act)
+    if offload.keep_attention == "off":
+        return place_kept_attention("off", streamed, block_bytes, hbm_free=0, host_free=0)
+    if budgets is None:
+        raise ValueError(f"offload.keep_attention={offload.keep_attention}: the plan places the kept attention within "
+                         f"HBM and host budgets; pass budgets= (experiments/plan.py: hbm_budget_GB, host_budget_GB)")
+    base = max(sum(items.values()) for items in phases.values())
+    kept = place_kept_attention(offload.keep_attention, streamed, block_bytes,
+                                hbm_free=usable_hbm(budgets.hbm) - base, host_free=budgets.host - sum(host.values()),
+                                unable=a.variant.keep_reason(a.options, budgets.device_type))
+    slabs = frame_slabs(run.grid[0], execution.slab_frames,
+                        a.variant.temporal_reach(a.options) if execution.slab_frames else None)
+    slab = max(b - t for t, _, _, b in slabs) * run.train.batch_size * run.grid[1] * run.grid[2]
+    replay = kept_block_bytes(cfg, slab, act) if len(slabs) > 1 and (kept.gpu or kept.host) else 0
+    passing = f"kept attention on the device (at most {kept.device_blocks} blocks: output + lse)"
+    between = f"kept attention on the device ({len(kept.gpu)} blocks: output + lse)"
+    for name, items in phases.items():
+        if name in ("forward", "backward"):
+            items[passing] = kept.device_blocks * block_bytes
+        elif name != "optimizer":
+            items[between] = kept.gpu_bytes
+        if name == "backward":
+            items["kept attention: a slab's replayed output + lse"] = replay
+        phases[name] = {item: v for item, v in items.items() if v}
+    return kept
 
 
 @dataclass

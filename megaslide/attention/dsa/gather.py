@@ -108,29 +108,109 @@ def sum_shifted(per_corner: torch.Tensor, shifts: list[int]) -> torch.Tensor:
     return out.view(R, width)
 
 
+class GatherState(NamedTuple):
+    """What the backward reads of a forward: q, the padded K and V tables, the corners, the samples sorted by
+    lower corner, the sampled keys and values and the attention."""
+
+    q: torch.Tensor
+    k_table: torch.Tensor
+    v_table: torch.Tensor
+    corners: Corners
+    bits: tuple
+    order: torch.Tensor
+    k_s: torch.Tensor
+    v_s: torch.Tensor
+    attn: torch.Tensor
+
+
+def gather_forward(q, k, v, offsets, kernel_size: tuple[int, int, int], scale: float,
+                   lse: torch.Tensor | None = None, state: bool = True):
+    """(out (B, T, H, W, heads, d), lse (B, heads, N) log-sum-exp of the scores (fp32, or q's dtype if wider),
+    the backward's `GatherState` or None without `state`). The attention is exp(scores - lse); given `lse` (a
+    kept one, of this forward on these inputs), the same attention comes back from it, so a backward from the
+    kept out and lse reads exactly what this forward's would."""
+    B, T, H, W, heads, d = q.shape
+    queries = B * T * H * W * heads
+    corners = trilinear_corners(offsets, kernel_size)
+    bits = corners.live_bits()
+    rows = corners.rows(corners.shifts(bits))  # (M, n)
+    weights = corner_weights(corners.factors, bits).to(k.dtype).t().contiguous()  # (M, n)
+    # K and V in tables of their own: two narrow bags run faster than one of [K | V]
+    tables = [pad_replicate(x).reshape(-1, d) for x in (k, v)]  # 2 x (R, d), R = B*(T+1)*(H+1)*(W+1)*heads
+    k_s, v_s = (F.embedding_bag(rows, table, per_sample_weights=weights, mode="sum").view(queries, -1, d)
+                for table in tables)  # (B*N*heads, K, d) each
+    scores = torch.bmm(k_s, q.reshape(queries, d, 1)).squeeze(-1) * scale  # (B*N*heads, K)
+    wide = scores.to(torch.promote_types(scores.dtype, torch.float32))  # (B*N*heads, K)
+    if lse is None:
+        lse = torch.logsumexp(wide, dim=-1).view(B, -1, heads).transpose(1, 2)  # (B, heads, N)
+    attn = torch.exp(wide - lse.transpose(1, 2).reshape(queries, 1)).to(scores.dtype)  # (B*N*heads, K)
+    out = torch.bmm(attn[:, None, :], v_s).view(q.shape)  # (B, T, H, W, heads, d)
+    if not state:
+        return out, lse, None
+    order = torch.argsort(corners.lower.int(), stable=True)  # (M,) samples grouped by lower corner
+    return out, lse, GatherState(q, *tables, corners, bits, order, k_s, v_s, attn)
+
+
+def gather_backward(st: GatherState, dout: torch.Tensor, scale: float, offsets_grad: bool, offsets_dtype):
+    """dq, dk, dv (B, T, H, W, heads, d) and d(offsets) (None unless `offsets_grad`) from a forward's state."""
+    q, k_table, corners, order, k_s, v_s, attn = st.q, st.k_table, st.corners, st.order, st.k_s, st.v_s, st.attn
+    B, T, H, W, heads, d = q.shape
+    queries, K = attn.shape
+    q_rows = q.reshape(queries, d, 1)  # (B*N*heads, d, 1)
+    dout = dout.reshape(queries, d, 1)  # (B*N*heads, d, 1)
+    d_attn = torch.bmm(v_s, dout).squeeze(-1)  # (B*N*heads, K)
+    d_scores = attn * (d_attn - (attn * d_attn).sum(-1, keepdim=True)) * scale  # (B*N*heads, K)
+    dq = torch.bmm(d_scores[:, None, :], k_s).view(q.shape)  # (B, T, H, W, heads, d)
+
+    # dk, dv: d sample = d_scores * q (key) or attn * dout (value); each padded token sums, per
+    # corner, the weighted queries of the samples whose lower corner it is
+    R = k_table.shape[0]
+    n = len(st.bits)
+    counts = torch.bincount(corners.lower, minlength=R)  # (R,)
+    starts = (torch.cumsum(counts, 0) - counts)[None] + torch.arange(n, device=q.device)[:, None] * len(order)
+    weights = corner_weights(corners.factors[..., order], st.bits).to(q.dtype)  # (n, M), samples sorted
+    query = (order // K).repeat(n)  # (nM,) query of each sorted sample, once per corner
+    d_kv = []
+    for rows, per_sample in ((q_rows, d_scores), (dout, attn)):
+        bag_weights = (weights * per_sample.reshape(-1)[order]).reshape(-1)  # (nM,)
+        per_corner = F.embedding_bag(query, rows.view(queries, d), starts.reshape(-1),
+                                     per_sample_weights=bag_weights, mode="sum")  # (nR, d)
+        d_table = sum_shifted(per_corner.view(n, R, d), corners.shifts(st.bits))  # (R, d)
+        d_kv.append(d_table.view(B, T + 1, H + 1, W + 1, heads, d)[:, :T, :H, :W])  # (B, T, H, W, heads, d)
+
+    d_offsets = None
+    if offsets_grad:
+        # d sample / d position along an axis: the forward differences of K and V along it,
+        # read bilinearly on the sample's lower face (one bag per axis keeps its table in cache)
+        d_pos = []
+        for axis in range(3):
+            face_rows = corners.rows(corners.shifts(FACES[axis]))  # (M, 4)
+            face_weights = corner_weights(corners.factors, FACES[axis], skip=axis).to(q.dtype).t().contiguous()
+            slopes = []
+            for table, rows in ((k_table, q_rows), (st.v_table, dout)):
+                grid = table.view(B, T + 1, H + 1, W + 1, heads, d)
+                last = grid.narrow(1 + axis, grid.shape[1 + axis] - 1, 1)
+                diff = torch.diff(grid, dim=1 + axis, append=last).reshape(-1, d)  # (R, d)
+                slope = F.embedding_bag(face_rows, diff, per_sample_weights=face_weights, mode="sum")  # (M, d)
+                slopes.append(torch.bmm(slope.view(queries, K, d), rows).squeeze(-1))  # (B*N*heads, K)
+            d_pos.append(d_scores * slopes[0] + attn * slopes[1])  # (B*N*heads, K)
+        d_pos = torch.stack(d_pos, dim=-1).reshape(-1, 3)  # (M, 3)
+        d_pos = torch.where(corners.inside, d_pos.to(corners.factors.dtype), 0)  # (M, 3)
+        d_offsets = d_pos.view(B, T, H, W, heads, K, 3).to(offsets_dtype)
+    return dq, d_kv[0], d_kv[1], d_offsets
+
+
 class DSAGatherFunction(torch.autograd.Function):
     """3D-DSA forward by weighted gathers; the backward by hand, reusing the forward's corners."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets, kernel_size: tuple[int, int, int], scale: float):
-        B, T, H, W, heads, d = q.shape
-        queries = B * T * H * W * heads
-        corners = trilinear_corners(offsets, kernel_size)
-        bits = corners.live_bits()
-        rows = corners.rows(corners.shifts(bits))  # (M, n)
-        weights = corner_weights(corners.factors, bits).to(k.dtype).t().contiguous()  # (M, n)
-        # K and V in tables of their own: two narrow bags run faster than one of [K | V]
-        tables = [pad_replicate(x).reshape(-1, d) for x in (k, v)]  # 2 x (R, d), R = B*(T+1)*(H+1)*(W+1)*heads
-        k_s, v_s = (F.embedding_bag(rows, table, per_sample_weights=weights, mode="sum").view(queries, -1, d)
-                    for table in tables)  # (B*N*heads, K, d) each
-        scores = torch.bmm(k_s, q.reshape(queries, d, 1)).squeeze(-1) * scale  # (B*N*heads, K)
-        attn = torch.softmax(scores, dim=-1)  # (B*N*heads, K)
-        out = torch.bmm(attn[:, None, :], v_s).view(q.shape)  # (B, T, H, W, heads, d)
-        if any(ctx.needs_input_grad[:4]):  # not while sampling
-            order = torch.argsort(corners.lower.int(), stable=True)  # (M,) samples grouped by lower corner
-            ctx.save_for_backward(q, *tables, corners.lower, corners.factors, corners.inside, order, k_s, v_s, attn)
-        ctx.strides = corners.strides
-        ctx.bits = bits
+        grads = any(ctx.needs_input_grad[:4])  # not while sampling
+        out, _, state = gather_forward(q, k, v, offsets, kernel_size, scale, state=grads)
+        if grads:
+            ctx.save_for_backward(state.q, state.k_table, state.v_table, state.corners.lower, state.corners.factors,
+                                  state.corners.inside, state.order, state.k_s, state.v_s, state.attn)
+            ctx.strides, ctx.bits = state.corners.strides, state.bits
         ctx.scale = scale
         ctx.offsets_dtype = offsets.dtype
         return out
@@ -138,51 +218,28 @@ class DSAGatherFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k_table, v_table, lower, factors, inside, order, k_s, v_s, attn = ctx.saved_tensors
-        corners = Corners(lower, ctx.strides, factors, inside)
-        B, T, H, W, heads, d = q.shape
-        queries, K = attn.shape
-        q_rows = q.reshape(queries, d, 1)  # (B*N*heads, d, 1)
-        dout = dout.reshape(queries, d, 1)  # (B*N*heads, d, 1)
-        d_attn = torch.bmm(v_s, dout).squeeze(-1)  # (B*N*heads, K)
-        d_scores = attn * (d_attn - (attn * d_attn).sum(-1, keepdim=True)) * ctx.scale  # (B*N*heads, K)
-        dq = torch.bmm(d_scores[:, None, :], k_s).view(q.shape)  # (B, T, H, W, heads, d)
+        state = GatherState(q, k_table, v_table, Corners(lower, ctx.strides, factors, inside), ctx.bits, order,
+                            k_s, v_s, attn)
+        grads = gather_backward(state, dout, ctx.scale, ctx.needs_input_grad[3], ctx.offsets_dtype)
+        return (*grads, None, None)
 
-        # dk, dv: d sample = d_scores * q (key) or attn * dout (value); each padded token sums, per
-        # corner, the weighted queries of the samples whose lower corner it is
-        R = k_table.shape[0]
-        n = len(ctx.bits)
-        counts = torch.bincount(lower, minlength=R)  # (R,)
-        starts = (torch.cumsum(counts, 0) - counts)[None] + torch.arange(n, device=q.device)[:, None] * len(order)
-        weights = corner_weights(factors[..., order], ctx.bits).to(q.dtype)  # (n, M), samples sorted
-        query = (order // K).repeat(n)  # (nM,) query of each sorted sample, once per corner
-        d_kv = []
-        for rows, per_sample in ((q_rows, d_scores), (dout, attn)):
-            bag_weights = (weights * per_sample.reshape(-1)[order]).reshape(-1)  # (nM,)
-            per_corner = F.embedding_bag(query, rows.view(queries, d), starts.reshape(-1),
-                                         per_sample_weights=bag_weights, mode="sum")  # (nR, d)
-            d_table = sum_shifted(per_corner.view(n, R, d), corners.shifts(ctx.bits))  # (R, d)
-            d_kv.append(d_table.view(B, T + 1, H + 1, W + 1, heads, d)[:, :T, :H, :W])  # (B, T, H, W, heads, d)
 
-        d_offsets = None
-        if ctx.needs_input_grad[3]:
-            # d sample / d position along an axis: the forward differences of K and V along it,
-            # read bilinearly on the sample's lower face (one bag per axis keeps its table in cache)
-            d_pos = []
-            for axis in range(3):
-                face_rows = corners.rows(corners.shifts(FACES[axis]))  # (M, 4)
-                face_weights = corner_weights(factors, FACES[axis], skip=axis).to(q.dtype).t().contiguous()  # (M, 4)
-                slopes = []
-                for table, rows in ((k_table, q_rows), (v_table, dout)):
-                    grid = table.view(B, T + 1, H + 1, W + 1, heads, d)
-                    last = grid.narrow(1 + axis, grid.shape[1 + axis] - 1, 1)
-                    diff = torch.diff(grid, dim=1 + axis, append=last).reshape(-1, d)  # (R, d)
-                    slope = F.embedding_bag(face_rows, diff, per_sample_weights=face_weights, mode="sum")  # (M, d)
-                    slopes.append(torch.bmm(slope.view(queries, K, d), rows).squeeze(-1))  # (B*N*heads, K)
-                d_pos.append(d_scores * slopes[0] + attn * slopes[1])  # (B*N*heads, K)
-            d_pos = torch.stack(d_pos, dim=-1).reshape(-1, 3)  # (M, 3)
-            d_pos = torch.where(inside, d_pos.to(factors.dtype), 0)  # (M, 3)
-            d_offsets = d_pos.view(B, T, H, W, heads, K, 3).to(ctx.offsets_dtype)
-        return dq, d_kv[0], d_kv[1], d_offsets, None, None
+class GatherSplit:
+    """The gather backend as a `SplitOp` (megaslide/attention/kept.py) on q, k, v (B, T, H, W, heads, d) and
+    offsets (B, T, H, W, heads, K, 3): the forward and backward of `DSAGatherFunction`, the backward's state
+    recomputed from the inputs and the kept lse (no softmax: the attention is exp(scores - lse) as in the forward)."""
+
+    def __init__(self, kernel_size: tuple[int, int, int], scale: float):
+        self.kernel_size, self.scale = kernel_size, scale
+
+    def forward(self, q, k, v, offsets):
+        out, lse, _ = gather_forward(q, k, v, offsets, self.kernel_size, self.scale, state=False)
+        return out, lse
+
+    def backward(self, inputs, out, lse, dout, needs):
+        q, k, v, offsets = inputs
+        _, _, state = gather_forward(q, k, v, offsets, self.kernel_size, self.scale, lse=lse)
+        return gather_backward(state, dout, self.scale, needs[3], offsets.dtype)
 
 
 def deformable_slide_attention_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,

@@ -20,8 +20,8 @@ from megaslide.attention.base import AttendMemory, Grid, SelfAttention
 from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
 from megaslide.attention.dsa.constants import SCRATCH_BYTES, backward_scratch_bytes
-from megaslide.attention.dsa.op import (BACKENDS, KernelSize, check_kernel_size, deformable_slide_attention,
-                                        neighborhood_attention)
+from megaslide.attention.dsa.op import (BACKENDS, SPLIT_BACKENDS, KernelSize, check_kernel_size,
+                                        deformable_slide_attention, neighborhood_attention)
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,15 @@ class DSAAttention(SelfAttention):
         return kt + (0 if cls.fixed_zero_offsets else math.ceil(options.max_offset))
 
     @classmethod
+    def keep_reason(cls, options: DSAOptions, device_type: str) -> str:
+        # the backends split at their lse (op.split_op): the fused kernels and the gathers; auto is the
+        # fused kernels on CUDA only (on the CPU it picks by size)
+        if options.backend in SPLIT_BACKENDS or (options.backend == "auto" and device_type == "cuda"):
+            return ""
+        return (f"attention.backend={options.backend!r} on {device_type} keeps no lse; a kept attention runs on "
+                f"backend triton (CUDA, or the CPU under TRITON_INTERPRET=1) or gather")
+
+    @classmethod
     def extra_macs_per_token(cls, options: DSAOptions, dim: int, num_heads: int) -> int:
         return 27 * dim + dim * num_heads * options.num_samples * 3
 
@@ -121,17 +130,17 @@ class DSAAttention(SelfAttention):
         o = o.view(B, t1 - t0, H, W, self.num_heads, self.options.num_samples, 3)  # (B, t1-t0, H, W, heads, K, 3)
         return bounded_offsets(o, self.options.max_offset, backend=self.net_backend)  # fp32
 
-    def attend(self, q, k, v, x, grid, read: torch.Tensor | None = None):
+    def attend(self, q, k, v, x, grid, read: torch.Tensor | None = None, keep=None):
         """As `SelfAttention.attend`; `read`: the offsets (`read_input` of every frame) when the caller
-        computed them (a chunked block), else they come from x."""
+        computed them (a chunked block), else they come from x; `keep`: run the op split at its lse (kept.py)."""
         B, N, h, d = q.shape
         q6, k6, v6 = (t.reshape(B, *grid, h, d) for t in (q, k, v))  # (B, T, H, W, h, d)
         kernel_size, backend = self.options.kernel_size, self.options.backend
         if self.fixed_zero_offsets:
-            o = neighborhood_attention(q6, k6, v6, kernel_size, backend=backend)  # (B, T, H, W, h, d)
+            o = neighborhood_attention(q6, k6, v6, kernel_size, backend=backend, keep=keep)  # (B, T, H, W, h, d)
         else:
             offsets = self.offsets(x, grid) if read is None else read             # (B, T, H, W, h, K, 3)
-            o = deformable_slide_attention(q6, k6, v6, offsets, kernel_size, backend=backend)
+            o = deformable_slide_attention(q6, k6, v6, offsets, kernel_size, backend=backend, keep=keep)
         return o.reshape(B, N, h, d)                                  # (B, N, h, d)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from megaslide.attention.base import Grid, check_fits_grid, option_triple
-from megaslide.attention.dsa.gather import deformable_slide_attention_gather
+from megaslide.attention.dsa.gather import GatherSplit, deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
                                              neighborhood_attention_scores, score_elements)
@@ -144,6 +144,37 @@ class _NATritonFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _na_backward(q, k, v, out, lse, dout.contiguous(), ctx.kernel_size, ctx.scale)
         return dq, dk, dv, None, None
+
+
+class DSASplit:
+    """The fused kernels as a `SplitOp` (megaslide/attention/kept.py) on q, k, v (B, T, H, W, heads, d) and
+    offsets (B, T, H, W, heads, K, 3): out as the op returns it, lse (B, heads, N) fp32 (log2 units); the same
+    kernels and the same contiguous inputs as `_DSATritonFunction`."""
+
+    def __init__(self, kernel_size: KernelSize, scale: float):
+        self.kernel_size, self.scale = kernel_size, scale
+
+    def forward(self, q, k, v, offsets):
+        q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
+        return _fused_forward(q, k, v, offsets, self.kernel_size, self.scale, True)
+
+    def backward(self, inputs, out, lse, dout, needs):
+        q, k, v, offsets = (x.contiguous() for x in inputs)
+        dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), self.kernel_size,
+                                           self.scale, needs[3])
+        return dq, dk, dv, doff if needs[3] else None
+
+
+class NASplit(DSASplit):
+    """The zero-offset kernels as a `SplitOp` on q, k, v (B, T, H, W, heads, d), as `_NATritonFunction` runs them."""
+
+    def forward(self, q, k, v):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        return _na_forward(q, k, v, self.kernel_size, self.scale, True)
+
+    def backward(self, inputs, out, lse, dout, needs):
+        q, k, v = (x.contiguous() for x in inputs)
+        return _na_backward(q, k, v, out, lse, dout.contiguous(), self.kernel_size, self.scale)
 
 
 def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
@@ -296,10 +327,25 @@ def check_scale(scale: float | None, q: torch.Tensor) -> float:
     return float(scale)
 
 
+SPLIT_BACKENDS = ("triton", "gather")
+"""The backends split at their lse (`keep=`): the fused kernels, and on any device the gathers."""
+
+
+def split_op(backend: str, backends: tuple[Backend, ...], q: torch.Tensor, offsets: torch.Tensor,
+             kernel_size: KernelSize, scale: float, fused: type):
+    """The `SplitOp` of `backend` ("auto": the fused kernels, `fused`), a ValueError where it cannot run."""
+    if backend == "gather":
+        return GatherSplit(kernel_size, scale)
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend={backend!r} keeps no lse; a kept attention runs on one of {SPLIT_BACKENDS}")
+    select_backend("triton", backends, q, offsets)
+    return fused(kernel_size, scale)
+
+
 def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                offsets: torch.Tensor,
                                kernel_size: int | Sequence[int] = (3, 3, 3), *,
-                               scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                               scale: float | None = None, backend: str = "auto", keep=None) -> torch.Tensor:
     """3D Deformable Slide Attention.
 
     Every query token and head attends to K = kt * kh * kw samples: sample j starts at
@@ -320,18 +366,23 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "triton", "scores" (per-(batch, head) score matrices), "gather" (weighted row
             gathers; both with a hand-written backward) or "reference" (readable, slow: the
             judge the others are tested against).
+        keep: a `kept.Record` or `kept.Replay` (megaslide/attention/kept.py): run the op split at its lse,
+            on backend triton (or auto: `DSASplit`) or gather (`GatherSplit`); a ValueError says why where
+            it cannot run.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
     """
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
     scale = check_scale(scale, q)
+    if keep is not None:
+        return keep(split_op(backend, BACKENDS, q, offsets, kernel_size, scale, DSASplit), q, k, v, offsets)
     return select_backend(backend, BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
 
 
 def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kernel_size: int | Sequence[int] = (3, 3, 3), *,
-                           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                           scale: float | None = None, backend: str = "auto", keep=None) -> torch.Tensor:
     """3D neighbourhood attention: `deformable_slide_attention` with offsets exactly zero (`dsa_zero`).
 
     Every query token and head attends to the kt * kh * kw tokens of its clamped window
@@ -347,6 +398,8 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (zero_kernels.py: one key row per sample, deterministic backward without atomics),
             "scores" (dense attention with the window as a mask), or "gather", "reference":
             the general PyTorch backends given zero offsets that need no gradient.
+        keep: as `deformable_slide_attention`'s, through the zero-offset kernels (`NASplit`) or the
+            gathers given zero offsets.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
@@ -354,4 +407,7 @@ def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel_size = check_qkv(q, k, v, kernel_size)
     scale = check_scale(scale, q)
     offsets = q.new_zeros(()).expand(*q.shape[:5], math.prod(kernel_size), 3)  # (B, T, H, W, heads, K, 3), no memory
+    if keep is not None:
+        op = split_op(backend, NA_BACKENDS, q, offsets, kernel_size, scale, NASplit)
+        return keep(op, q, k, v, offsets) if isinstance(op, GatherSplit) else keep(op, q, k, v)
     return select_backend(backend, NA_BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
