@@ -167,3 +167,30 @@ def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
         return min(blocks, 2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(blocks, EXACT_PROGRAMS_PER_SM * sms // lists_groups))
+
+
+@dataclass(frozen=True)
+class HaloConfig:
+    """Tile of the halo forward (halo.py): tile = (t, y, x) queries per program (powers of two, at least 16
+    queries in all: the M of its score dot), num_warps per program."""
+
+    tile: tuple[int, int, int]
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if any(s < 1 or s & (s - 1) for s in self.tile) or self.tile[0] * self.tile[1] * self.tile[2] < 16:
+            raise ValueError(f"HaloConfig: tile={self.tile} must be powers of two with at least 16 queries in all")
+
+
+def halo_extent(tile: tuple[int, int, int], kernel_size: tuple[int, int, int], reach: int) -> tuple[int, int, int]:
+    """Tokens of a tile's halo along (t, y, x): the tile grown by the window's reach kernel // 2 and by `reach`
+    tokens of offset on each side. A clamped sample inside [first - kernel // 2 - reach, last + kernel // 2 +
+    reach] has both trilinear corners there (the upper one at weight 0 at the last index)."""
+    return tuple(s + 2 * (k // 2) + 2 * reach for s, k in zip(tile, kernel_size))
+
+
+def halo_config(reach: int) -> HaloConfig:
+    """The halo forward's default tile for offsets of up to `reach` tokens: 4 x 4 x 4 queries, whose halo at
+    a 3 x 3 x 3 window is 8 x 8 x 8 tokens at reach 1 (1000 at reach 2, padded to 1024); 2 x 4 x 4 past
+    reach 2, so that the halo's scores stay within a program's registers."""
+    return HaloConfig(tile=(4, 4, 4) if reach <= 2 else (2, 4, 4), num_warps=4)
