@@ -17,8 +17,9 @@ log-sum-exp in log2 units (B, heads, N), exactly what `backward.dsa_backward` re
 its path (1: halo, 0: gathers) to a per-tile int8 tensor, so a caller can count the tiles of each path.
 
 Layout as forward.py: q, k, v, out contiguous (B, T, H, W, heads, d); offsets (B, T, H, W, heads, K, 3).
-Scores are fp32 (tensor-core dots of the input dtype, fp32 inputs at full fp32 precision); head dims are
-padded to the next power of two (at least 16) with masked columns.
+Scores are fp32 (tensor-core dots of the input dtype, fp32 inputs at full fp32 precision; under the CPU
+interpreter bf16 operands are widened to fp32 first, as its dots would read bf16 bits as integers); head dims
+are padded to the next power of two (at least 16) with masked columns.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import triton.language as tl
 
 from megaslide.attention.dsa.constants import LOG2E
 from megaslide.attention.dsa.forward import _forward_queries
-from megaslide.attention.dsa.launch import HaloConfig, halo_config, halo_extent, head_dim_block
+from megaslide.attention.dsa.launch import INTERPRETED, HaloConfig, halo_config, head_dim_block
+from megaslide.attention.dsa.reference import halo_extent
 from megaslide.attention.dsa.rows import _token_rows, row_flags
 from megaslide.attention.dsa.sampling import _corner_axes, _sample_axes, _softmax_step, _window_start
 from megaslide.backends import device_guard
@@ -63,7 +65,7 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
                          TILE_T: tl.constexpr, TILE_Y: tl.constexpr, TILE_X: tl.constexpr, REACH: tl.constexpr,
                          ET: tl.constexpr, EY: tl.constexpr, EX: tl.constexpr, HALO: tl.constexpr,
                          BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, WIDE: tl.constexpr,
-                         EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
+                         EVEN_D: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     BQ: tl.constexpr = TILE_T * TILE_Y * TILE_X
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS).to(tl.int64)
@@ -106,9 +108,11 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
         h_ok = (hh < ET * EY * EX) & (ht < T) & (hy < H) & (hx < W)  # (HALO,) halo rows on the grid
         halo_rows = _token_rows(tl.where(h_ok, (ht * H + hy) * W + hx, 0), stride_tok, cols, WIDE)  # (HALO, BD)
         k_halo = tl.load(k_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
-        v_halo = tl.load(v_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0).to(tl.float32)
+        v_halo = tl.load(v_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
         own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
         q = tl.load(q_ptr + head_off + own_rows, mask=col_ok, other=0.0)  # (BQ, BD)
+        if DOT_FP32:  # the same products: a bf16 value is exact in fp32
+            q, k_halo = q.to(tl.float32), k_halo.to(tl.float32)
         scores = tl.dot(q, tl.trans(k_halo), input_precision=PRECISION) * qk_scale  # (BQ, HALO) log2 units
 
         m_i = tl.full([BQ], float("-inf"), tl.float32)  # running max (log2 units)
@@ -128,7 +132,7 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
                         w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
                         s += w * tl.sum(tl.gather(scores, corner[:, None], axis=1), axis=1)
                         v_rows = tl.gather(v_halo, tl.broadcast_to(corner[:, None], (BQ, BLOCK_D)), axis=0)
-                        v_sample += w[:, None] * v_rows  # (BQ, BD)
+                        v_sample += w[:, None] * v_rows.to(tl.float32)  # (BQ, BD)
             m_i, l_i, alpha, p_j = _softmax_step(m_i, l_i, s)
             acc = acc * alpha[:, None] + p_j[:, None] * v_sample
 
@@ -163,13 +167,15 @@ def dsa_halo_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None  # (B, heads, N)
     path = torch.empty((B * heads, tiles), dtype=torch.int8, device=q.device)  # (B * heads, tiles)
     block_d = head_dim_block(d)
+    dot_fp32 = INTERPRETED and q.dtype == torch.bfloat16  # the interpreter's dots read bf16 as integers
     with device_guard(q):
         _dsa_halo_fwd_kernel[(tiles, B * heads)](
             q, k, v, offsets, out, lse if store_lse else out, path,  # lse never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
             KT=kt, KH=kh, KW=kw, TILE_T=cfg.tile[0], TILE_Y=cfg.tile[1], TILE_X=cfg.tile[2], REACH=reach,
             ET=extent[0], EY=extent[1], EX=extent[2], HALO=triton.next_power_of_2(extent[0] * extent[1] * extent[2]),
-            BLOCK_D=block_d, STORE_LSE=store_lse, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            BLOCK_D=block_d, STORE_LSE=store_lse, DOT_FP32=dot_fp32,
+            PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else "tf32",
             num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, block_d),
         )
     return out, lse, path

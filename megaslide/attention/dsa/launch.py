@@ -182,13 +182,6 @@ class HaloConfig:
             raise ValueError(f"HaloConfig: tile={self.tile} must be powers of two with at least 16 queries in all")
 
 
-def halo_extent(tile: tuple[int, int, int], kernel_size: tuple[int, int, int], reach: int) -> tuple[int, int, int]:
-    """Tokens of a tile's halo along (t, y, x): the tile grown by the window's reach kernel // 2 and by `reach`
-    tokens of offset on each side. A clamped sample inside [first - kernel // 2 - reach, last + kernel // 2 +
-    reach] has both trilinear corners there (the upper one at weight 0 at the last index)."""
-    return tuple(s + 2 * (k // 2) + 2 * reach for s, k in zip(tile, kernel_size))
-
-
 def halo_config(reach: int) -> HaloConfig:
     """The halo forward's default tile for offsets of up to `reach` tokens: 4 x 4 x 4 queries, whose halo at
     a 3 x 3 x 3 window is 8 x 8 x 8 tokens at reach 1 (1000 at reach 2, padded to 1024); 2 x 4 x 4 past

@@ -49,14 +49,19 @@ def _needs_grad(*inputs: torch.Tensor) -> bool:
 # checked (kt, kh, kw) tuple, goes in as it is; the dispatcher hands it to the op as a list (int[]).
 @torch.library.custom_op("megaslide::dsa_fused_forward", mutates_args=())
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                   kernel_size: list[int], scale: float, store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from megaslide.attention.dsa import forward  # on first use (module docstring)
-    out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale, store_lse=store_lse)
+                   kernel_size: list[int], scale: float, store_lse: bool,
+                   halo_reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if halo_reach >= 0:  # the halo forward (halo.py); -1: the gather forward
+        from megaslide.attention.dsa import halo  # on first use (module docstring)
+        out, lse, _ = halo.dsa_halo_forward(q, k, v, offsets, kernel_size, scale, halo_reach, store_lse=store_lse)
+    else:
+        from megaslide.attention.dsa import forward  # on first use (module docstring)
+        out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale, store_lse=store_lse)
     return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
 
 
 @_fused_forward.register_fake
-def _(q, k, v, offsets, kernel_size, scale, store_lse):
+def _(q, k, v, offsets, kernel_size, scale, store_lse, halo_reach):
     B, T, H, W, heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, heads, T * H * W) if store_lse else 0, dtype=torch.float32)
 
@@ -106,13 +111,14 @@ def _(q, k, v, out, lse, dout, kernel_size, scale):
 
 
 class _DSATritonFunction(torch.autograd.Function):
-    """Fused Triton forward / backward; saves q, k, v, offsets, out and the log-sum-exp."""
+    """Fused Triton forward (the gather or the halo kernel) / backward; saves q, k, v, offsets, out and the
+    log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float):
+    def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         # out (B, T, H, W, heads, d), lse (B, heads, N)
-        out, lse = _fused_forward(q, k, v, offsets, kernel_size, scale, True)
+        out, lse = _fused_forward(q, k, v, offsets, kernel_size, scale, True, halo_reach)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.kernel_size = kernel_size
         ctx.scale = scale
@@ -124,7 +130,7 @@ class _DSATritonFunction(torch.autograd.Function):
         offsets_grad = ctx.needs_input_grad[3]
         dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), ctx.kernel_size,
                                            ctx.scale, offsets_grad)
-        return dq, dk, dv, doff if offsets_grad else None, None, None
+        return dq, dk, dv, doff if offsets_grad else None, None, None, None
 
 
 class _NATritonFunction(torch.autograd.Function):
@@ -146,12 +152,15 @@ class _NATritonFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
-    """The fused kernels; forward only when no input needs a gradient."""
+def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int | None = None
+                ) -> torch.Tensor:
+    """The fused kernels; forward only when no input needs a gradient. halo_reach: the forward runs on the
+    halo kernel (halo.py) with halos for offsets of up to that many tokens; None: the gather forward."""
+    reach = -1 if halo_reach is None else halo_reach
     if _needs_grad(q, k, v, offsets):
-        return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale)
+        return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale, reach)
     q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-    return _fused_forward(q, k, v, offsets, kernel_size, scale, False)[0]
+    return _fused_forward(q, k, v, offsets, kernel_size, scale, False, reach)[0]
 
 
 def _na_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
@@ -287,6 +296,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: in
     return check_kernel_size(kernel_size, q.shape[1:4])
 
 
+def check_halo_reach(halo_reach: int | None) -> int | None:
+    """halo_reach: None, or an int >= 0 (tokens of offset the halo forward's halos cover); else a ValueError."""
+    if halo_reach is not None and (isinstance(halo_reach, bool) or not isinstance(halo_reach, int) or halo_reach < 0):
+        raise ValueError(f"halo_reach must be None (the gather forward) or an int >= 0 (tokens of offset the halo "
+                         f"forward covers, e.g. ceil(attention.max_offset)), got {halo_reach!r}")
+    return halo_reach
+
+
 def check_scale(scale: float | None, q: torch.Tensor) -> float:
     """The softmax scale: d ** -0.5 when None, else a finite number (a ValueError otherwise)."""
     if scale is None:
@@ -299,7 +316,8 @@ def check_scale(scale: float | None, q: torch.Tensor) -> float:
 def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                offsets: torch.Tensor,
                                kernel_size: int | Sequence[int] = (3, 3, 3), *,
-                               scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                               scale: float | None = None, backend: str = "auto",
+                               halo_reach: int | None = None) -> torch.Tensor:
     """3D Deformable Slide Attention.
 
     Every query token and head attends to K = kt * kh * kw samples: sample j starts at
@@ -320,13 +338,21 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             "triton", "scores" (per-(batch, head) score matrices), "gather" (weighted row
             gathers; both with a hand-written backward) or "reference" (readable, slow: the
             judge the others are tested against).
+        halo_reach: with the triton backend, run the forward on the halo kernel (halo.py: scores on tensor
+            cores over each query tile's halo), with halos that cover offsets of up to this many tokens;
+            tiles whose samples leave their halo take the gather forward, and the backward is the same.
+            None: the gather forward. The other backends compute the same op and do not read it.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
     """
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
     scale = check_scale(scale, q)
-    return select_backend(backend, BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
+    halo_reach = check_halo_reach(halo_reach)
+    chosen = select_backend(backend, BACKENDS, q, offsets)
+    if chosen.name == "triton":
+        return _dsa_triton(q, k, v, offsets, kernel_size, scale, halo_reach)
+    return chosen.run(q, k, v, offsets, kernel_size, scale)
 
 
 def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

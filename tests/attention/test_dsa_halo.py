@@ -1,0 +1,120 @@
+"""The halo forward of 3D-DSA (megaslide/attention/dsa/halo.py) against the float64 reference, on CPU through
+the Triton interpreter: out and the log-sum-exp with tiles inside, on and beyond the halo bound in one call,
+odd grids, clamped edges, padded head dims, fp32 and bf16; its choice of path against the plain rule
+(`reference.halo_paths_reference`); and the op's backward after the halo forward.
+
+Tolerance rule as tests/attention/test_dsa_triton.py (megaslide.testing.within_tolerance): with every input
+rounded to the tested dtype, the float64 reference is the truth, and the kernel may be at most 2x as wrong
+as the same-dtype reference, plus a floor at rounding level.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.attention.test_dsa_triton import FLOOR_ULPS, forward, launch, run  # noqa: E402  (built for the interpreter)
+from megaslide.attention.dsa import deformable_slide_attention, halo  # noqa: E402
+from megaslide.attention.dsa.launch import HaloConfig  # noqa: E402
+from megaslide.attention.dsa.reference import (deformable_slide_attention_reference, halo_paths_reference,  # noqa: E402
+                                               log_sum_exp_reference)
+from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
+
+if halo._forward_queries is not forward._forward_queries:  # halo.py was built before the interpreter was set
+    importlib.reload(halo)
+assert launch.INTERPRETED
+
+F64 = torch.float64
+KERNEL = (3, 3, 3)
+
+
+def halo_inputs(shape, reach, dtype, beyond=(), seed=0):
+    """q, k, v (B, T, H, W, heads, d) and offsets (B, T, H, W, heads, 27, 3), drawn in float64, rounded to
+    dtype: offsets uniform in +-reach, a quarter of them exactly +-reach (on the bound); `beyond` maps
+    (t, y, x) queries to the (dt, dy, dx) of their centre sample in every head (past the bound)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, W, heads, d = shape
+    q, k, v = (torch.randn(shape, generator=g, dtype=F64) for _ in range(3))
+    offsets = reach * (2 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, dtype=F64) - 1)
+    on_bound = torch.rand(offsets.shape, generator=g, dtype=F64) < 0.25
+    offsets = torch.where(on_bound, reach * offsets.sign(), offsets)
+    for (t, y, x), shift in dict(beyond).items():
+        offsets[:, t, y, x, :, 13] = torch.tensor(shift, dtype=F64)
+    return [x.to(dtype) for x in (q, k, v, offsets)]
+
+
+def assert_close(name, got, want, same_dtype):
+    err = (got.to(F64) - want).abs().max().item()
+    ref_err = (same_dtype.to(F64) - want).abs().max().item()
+    floor = rounding_floor(got.dtype, want, FLOOR_ULPS)
+    assert within_tolerance(err, ref_err, floor), f"{name}: error {err:.3e} > 2 x {ref_err:.3e} + {floor:.1e}"
+
+
+def check_halo_forward(shape, reach, tile, dtype, beyond):
+    """The halo forward's out and lse against the reference; its paths against the plain rule. Returns the
+    path counts."""
+    q, k, v, offsets = halo_inputs(shape, reach, dtype, beyond)
+    scale = shape[-1] ** -0.5
+    out, lse, path = halo.dsa_halo_forward(q, k, v, offsets, KERNEL, scale, reach, config=HaloConfig(tile))
+    wide = [x.to(F64) for x in (q, k, v, offsets)]
+    assert_close("out", out, deformable_slide_attention_reference(*wide, KERNEL, scale),
+                 deformable_slide_attention_reference(q, k, v, offsets, KERNEL, scale))
+    # the lse's same-dtype error: the reference's scores at fp32 (a bf16 softmax would not store an lse)
+    assert_close("lse", lse, log_sum_exp_reference(wide[0], wide[1], wide[3], KERNEL, scale),
+                 log_sum_exp_reference(q.float(), k.float(), offsets, KERNEL, scale))
+    assert torch.equal(path, halo_paths_reference(offsets, KERNEL, reach, tile))
+    return halo.path_counts(path)
+
+
+def test_mixed_tiles_odd_grid_padded_head_dim():
+    # 3 x 5 x 13 in two tiles of 4 x 8 x 8 (clamped edges on every side) whose reach-1 halos span 12 tokens
+    # along x: [0, 11] and [1, 12]; (0, 1, 9)'s centre sample at x 0.5 leaves the second, (2, 4, 3)'s at
+    # y 0, x 11 stays in the first. d = 24 runs padded to 32
+    counts = check_halo_forward((1, 3, 5, 13, 1, 24), 1, (4, 8, 8), torch.float32,
+                                beyond={(0, 1, 9): (0.0, 0.0, -8.5), (2, 4, 3): (0.0, -9.0, 8.0)})
+    assert counts["halo"] > 0 and counts["gather"] > 0, counts
+
+
+def test_reach_two_bf16_two_heads():
+    # 3 x 7 x 16 in two tiles of 4 x 8 x 8 whose reach-2 halos span 14 tokens along x: [0, 13] and [2, 15]
+    counts = check_halo_forward((1, 3, 7, 16, 2, 16), 2, (4, 8, 8), torch.bfloat16,
+                                beyond={(1, 3, 8): (0.5, 2.5, -7.25)})
+    assert counts["halo"] > 0 and counts["gather"] > 0, counts
+
+
+def test_path_choice_counts():
+    """Tiles whose samples stay in their halo take it, the rest the gathers: one sample 5 tokens past the
+    bound moves exactly its tile, in its head only; a far offset clamped at the grid's corner stays in the
+    corner tile's halo. (Offsets on the bound: the accuracy tests, whose paths match the plain rule.)"""
+    # 3 x 8 x 16 in two tiles of 4 x 8 x 8 whose reach-1 halos span [0, 11] and [4, 15] along x
+    shape, reach, tile = (1, 3, 8, 16, 2, 16), 1, (4, 8, 8)
+    q, k, v, offsets = halo_inputs(shape, reach, torch.float32)
+    moved = offsets.new_zeros(offsets.shape)
+    moved[0, 1, 5, 9, 1, 4, 2] = -(reach + 5)  # query (t 1, y 5, x 9), sample at x 3: tile 1 of head 1
+    moved[0, 0, 0, 0, 0, 4, :] = -100.0  # clamped onto (0, 0, 0): in tile 0's halo
+    _, _, path = halo.dsa_halo_forward(q, k, v, moved, KERNEL, 0.25, reach, store_lse=False, config=HaloConfig(tile))
+    assert halo.path_counts(path) == {"halo": 3, "gather": 1}
+    assert path.tolist() == [[1, 1], [1, 0]]
+
+
+def test_op_backward_after_halo_forward():
+    """The op with halo_reach runs the halo forward and the gather kernels' backward on the lse it stored."""
+    q, k, v, offsets = halo_inputs((1, 3, 4, 5, 1, 16), 1, torch.float32)  # one tile of 4 x 4 x 4
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    inputs = [q, k, v, offsets, grad]
+    truth = run("reference", inputs, KERNEL, F64)
+    same_dtype = run("reference", inputs, KERNEL, torch.float32)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, offsets)]
+    out = deformable_slide_attention(*leaves, KERNEL, backend="triton", halo_reach=1)
+    got = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+    for name, g, want, ref in zip(["out", "dq", "dk", "dv", "doffsets"], got, truth, same_dtype):
+        assert_close(name, g, want, ref)
+
+
+@pytest.mark.parametrize("reach", [-1, 1.5, True])
+def test_bad_reach_is_refused(reach):
+    q = torch.zeros(1, 3, 3, 3, 1, 16)
+    offsets = torch.zeros(1, 3, 3, 3, 1, 27, 3)
+    with pytest.raises(ValueError, match="halo_reach"):
+        deformable_slide_attention(q, q, q, offsets, KERNEL, backend="reference", halo_reach=reach)
