@@ -17,9 +17,7 @@ import torch
 from tests.attention.test_dsa_triton import FLOOR_ULPS, forward, launch, run  # noqa: E402  (built for the interpreter)
 from megaslide.attention.dsa import deformable_slide_attention, halo  # noqa: E402
 from megaslide.attention.dsa.launch import HaloConfig  # noqa: E402
-from megaslide.attention.dsa.reference import (deformable_slide_attention_reference, halo_paths_reference,  # noqa: E402
-                                               log_sum_exp_reference)
-from megaslide.testing import rounding_floor, within_tolerance  # noqa: E402
+from megaslide.testing import check_dsa_halo, dsa_halo_inputs, rounding_floor, within_tolerance  # noqa: E402
 
 if halo._forward_queries is not forward._forward_queries:  # halo.py was built before the interpreter was set
     importlib.reload(halo)
@@ -27,21 +25,6 @@ assert launch.INTERPRETED
 
 F64 = torch.float64
 KERNEL = (3, 3, 3)
-
-
-def halo_inputs(shape, reach, dtype, beyond=(), seed=0):
-    """q, k, v (B, T, H, W, heads, d) and offsets (B, T, H, W, heads, 27, 3), drawn in float64, rounded to
-    dtype: offsets uniform in +-reach, a quarter of them exactly +-reach (on the bound); `beyond` maps
-    (t, y, x) queries to the (dt, dy, dx) of their centre sample in every head (past the bound)."""
-    g = torch.Generator().manual_seed(seed)
-    B, T, H, W, heads, d = shape
-    q, k, v = (torch.randn(shape, generator=g, dtype=F64) for _ in range(3))
-    offsets = reach * (2 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, dtype=F64) - 1)
-    on_bound = torch.rand(offsets.shape, generator=g, dtype=F64) < 0.25
-    offsets = torch.where(on_bound, reach * offsets.sign(), offsets)
-    for (t, y, x), shift in dict(beyond).items():
-        offsets[:, t, y, x, :, 13] = torch.tensor(shift, dtype=F64)
-    return [x.to(dtype) for x in (q, k, v, offsets)]
 
 
 def assert_close(name, got, want, same_dtype):
@@ -52,19 +35,11 @@ def assert_close(name, got, want, same_dtype):
 
 
 def check_halo_forward(shape, reach, tile, dtype, beyond):
-    """The halo forward's out and lse against the reference; its paths against the plain rule. Returns the
-    path counts."""
-    q, k, v, offsets = halo_inputs(shape, reach, dtype, beyond)
-    scale = shape[-1] ** -0.5
-    out, lse, path = halo.dsa_halo_forward(q, k, v, offsets, KERNEL, scale, reach, config=HaloConfig(tile))
-    wide = [x.to(F64) for x in (q, k, v, offsets)]
-    assert_close("out", out, deformable_slide_attention_reference(*wide, KERNEL, scale),
-                 deformable_slide_attention_reference(q, k, v, offsets, KERNEL, scale))
-    # the lse's same-dtype error: the reference's scores at fp32 (a bf16 softmax would not store an lse)
-    assert_close("lse", lse, log_sum_exp_reference(wide[0], wide[1], wide[3], KERNEL, scale),
-                 log_sum_exp_reference(q.float(), k.float(), offsets, KERNEL, scale))
-    assert torch.equal(path, halo_paths_reference(offsets, KERNEL, reach, tile))
-    return halo.path_counts(path)
+    """The halo forward's out and lse against the reference and its paths against the plain rule
+    (megaslide.testing.check_dsa_halo); returns the path counts."""
+    check = check_dsa_halo(*dsa_halo_inputs(shape, reach, dtype, beyond), reach, tile)
+    assert check["passed"], check
+    return check["paths"]
 
 
 def test_mixed_tiles_odd_grid_padded_head_dim():
@@ -89,7 +64,7 @@ def test_path_choice_counts():
     corner tile's halo. (Offsets on the bound: the accuracy tests, whose paths match the plain rule.)"""
     # 3 x 8 x 16 in two tiles of 4 x 8 x 8 whose reach-1 halos span [0, 11] and [4, 15] along x
     shape, reach, tile = (1, 3, 8, 16, 2, 16), 1, (4, 8, 8)
-    q, k, v, offsets = halo_inputs(shape, reach, torch.float32)
+    q, k, v, offsets = dsa_halo_inputs(shape, reach, torch.float32)
     moved = offsets.new_zeros(offsets.shape)
     moved[0, 1, 5, 9, 1, 4, 2] = -(reach + 5)  # query (t 1, y 5, x 9), sample at x 3: tile 1 of head 1
     moved[0, 0, 0, 0, 0, 4, :] = -100.0  # clamped onto (0, 0, 0): in tile 0's halo
@@ -100,7 +75,7 @@ def test_path_choice_counts():
 
 def test_op_backward_after_halo_forward():
     """The op with halo_reach runs the halo forward and the gather kernels' backward on the lse it stored."""
-    q, k, v, offsets = halo_inputs((1, 3, 4, 5, 1, 16), 1, torch.float32)  # one tile of 4 x 4 x 4
+    q, k, v, offsets = dsa_halo_inputs((1, 3, 4, 5, 1, 16), 1, torch.float32)  # one tile of 4 x 4 x 4
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     inputs = [q, k, v, offsets, grad]
     truth = run("reference", inputs, KERNEL, F64)
