@@ -18,6 +18,7 @@ from tests.attention.test_dsa_triton import FLOOR_ULPS, forward, launch, run  # 
 from megaslide.attention.dsa import deformable_slide_attention, halo  # noqa: E402
 from megaslide.attention.dsa.launch import HaloConfig  # noqa: E402
 from megaslide.testing import check_dsa_halo, dsa_halo_inputs, rounding_floor, within_tolerance  # noqa: E402
+from tests.helpers import builds_for_sm90  # noqa: E402
 
 if halo._forward_queries is not forward._forward_queries:  # halo.py was built before the interpreter was set
     importlib.reload(halo)
@@ -75,7 +76,7 @@ def test_path_choice_counts():
 
 def test_op_backward_after_halo_forward():
     """The op with halo_reach runs the halo forward and the gather kernels' backward on the lse it stored."""
-    q, k, v, offsets = dsa_halo_inputs((1, 3, 4, 5, 1, 16), 1, torch.float32)  # one tile of 4 x 4 x 4
+    q, k, v, offsets = dsa_halo_inputs((1, 3, 4, 5, 1, 16), 1, torch.float32)  # two tiles of 2 x 4 x 4
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     inputs = [q, k, v, offsets, grad]
     truth = run("reference", inputs, KERNEL, F64)
@@ -87,9 +88,25 @@ def test_op_backward_after_halo_forward():
         assert_close(name, g, want, ref)
 
 
-@pytest.mark.parametrize("reach", [-1, 1.5, True])
+@pytest.mark.parametrize("reach", [-1, 1.5, True, 3])
 def test_bad_reach_is_refused(reach):
     q = torch.zeros(1, 3, 3, 3, 1, 16)
     offsets = torch.zeros(1, 3, 3, 3, 1, 27, 3)
     with pytest.raises(ValueError, match="halo_reach"):
         deformable_slide_attention(q, q, q, offsets, KERNEL, backend="reference", halo_reach=reach)
+
+
+def test_halo_kernel_compiles_for_sm90():
+    """The interpreter cannot catch GPU lowering errors (the dot, the gathers, the branch to the gather
+    forward); build the kernel to sm_90 SASS on a small tile (tests/helpers.py: builds_for_sm90)."""
+    assert builds_for_sm90("""
+        from megaslide.attention.dsa import halo
+
+        fwd = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "out_ptr"]}, "off_ptr": "*fp32",
+               "lse_ptr": "*fp32", "path_ptr": "*i8", **{n: "i32" for n in ["T", "H", "W", "HEADS", "D", "stride_tok",
+                                                                              "stride_off_tok"]}, "qk_scale": "fp32"}
+        tile = {"KT": 3, "KH": 3, "KW": 3, "TILE_T": 2, "TILE_Y": 2, "TILE_X": 4, "REACH": 0, "ET": 4, "EY": 4,
+                "EX": 6, "HALO": 128, "BLOCK_D": 64, "STORE_LSE": True, "WIDE": False, "EVEN_D": True,
+                "PRECISION": "tf32", "DOT_FP32": False}
+        build(halo._dsa_halo_fwd_kernel, fwd, tile, 4, aligned_ints=("D", "stride_tok"))
+    """) == 1

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megaslide.attention.dsa.constants import LOG2E
+from megaslide.attention.dsa.constants import LOG2E, MAX_HALO_REACH
 from megaslide.attention.dsa.forward import _forward_queries
 from megaslide.attention.dsa.launch import INTERPRETED, HaloConfig, halo_config, head_dim_block
 from megaslide.attention.dsa.reference import halo_extent
@@ -155,8 +155,9 @@ def dsa_halo_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     heads, d) in q's dtype, the fp32 log-sum-exp (B, heads, T*H*W) in log2 units if `store_lse` (else
     None), and every tile's path (B * heads, tiles) int8: 1 halo, 0 gathers (`path_counts`). `config`
     overrides the default tile (`launch.halo_config`)."""
-    if not isinstance(reach, int) or reach < 0:
-        raise ValueError(f"reach={reach!r} must be an int >= 0 (tokens of offset the halo covers)")
+    if not isinstance(reach, int) or not 0 <= reach <= MAX_HALO_REACH:
+        raise ValueError(f"reach={reach!r} must be an int in [0, {MAX_HALO_REACH}] (tokens of offset the halo "
+                         "covers; constants.MAX_HALO_REACH says why)")
     B, T, H, W, heads, d = q.shape
     N = T * H * W
     kt, kh, kw = kernel_size

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from megaslide.attention.base import Grid, check_fits_grid, option_triple
+from megaslide.attention.dsa.constants import MAX_HALO_REACH
 from megaslide.attention.dsa.gather import deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
@@ -297,10 +298,13 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: in
 
 
 def check_halo_reach(halo_reach: int | None) -> int | None:
-    """halo_reach: None, or an int >= 0 (tokens of offset the halo forward's halos cover); else a ValueError."""
-    if halo_reach is not None and (isinstance(halo_reach, bool) or not isinstance(halo_reach, int) or halo_reach < 0):
-        raise ValueError(f"halo_reach must be None (the gather forward) or an int >= 0 (tokens of offset the halo "
-                         f"forward covers, e.g. ceil(attention.max_offset)), got {halo_reach!r}")
+    """halo_reach: None, or an int in [0, MAX_HALO_REACH] (tokens of offset the halo forward's halos cover);
+    else a ValueError naming the key and the fix."""
+    if halo_reach is not None and (isinstance(halo_reach, bool) or not isinstance(halo_reach, int)
+                                   or not 0 <= halo_reach <= MAX_HALO_REACH):
+        raise ValueError(f"halo_reach (attention.halo_reach) must be None (the gather forward) or an int in "
+                         f"[0, {MAX_HALO_REACH}] (tokens of offset the halo forward covers; tiles with larger "
+                         f"offsets take the gathers), got {halo_reach!r}")
     return halo_reach
 
 
