@@ -34,8 +34,8 @@ from megaslide.testing import check_dsa_halo, dsa_halo_inputs
 
 KERNEL = (3, 3, 3)
 CHECK_CASES = [  # (shape, reach, tile, beyond): mixed tiles, clamped edges, odd grids, padded head dims
-    ((1, 5, 9, 23, 2, 24), 1, (4, 4, 8), {(2, 4, 9): (0.0, 0.0, -6.5), (4, 8, 22): (-9.0, 9.0, 9.0)}),
-    ((2, 7, 13, 17, 1, 64), 2, (2, 4, 4), {(3, 6, 8): (2.5, -4.5, 3.25)}),
+    ((1, 5, 9, 23, 2, 24), 0, (2, 2, 4), {(2, 4, 9): (0.0, 0.0, -6.5), (4, 8, 22): (-9.0, 9.0, 9.0)}),
+    ((2, 7, 13, 17, 1, 64), 1, (1, 4, 4), {(3, 6, 8): (2.5, -4.5, 3.25)}),
 ]
 SMOKE_CHECK_CASES = [((1, 3, 5, 13, 1, 24), 1, (4, 8, 8), {(0, 1, 9): (0.0, 0.0, -8.5)})]
 SMOKE = {"grid": [3, 4, 4], "heads": 1, "head_dim": 16, "bounds": [1], "tiles": [[4, 4, 4, 4]], "repeats": 5}
