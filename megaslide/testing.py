@@ -191,6 +191,51 @@ def check_qk_rope(q, k, q_weight, k_weight, cos, sin, grads, heads: int, dtype, 
             "passed": len(fused) == len(names) and all(e["ok"] for e in errors.values()), "errors": errors}
 
 
+def dsa_halo_inputs(shape, reach: int, dtype, beyond: dict | None = None, device="cpu", seed: int = 0):
+    """q, k, v (B, T, H, W, heads, d) and offsets (B, T, H, W, heads, 27, 3) of a halo-forward check, drawn in
+    float64 and rounded to dtype: offsets uniform in +-reach, a quarter of them exactly +-reach (on the bound);
+    `beyond` maps (t, y, x) queries to the (dt, dy, dx) of their centre sample in every head (past the bound)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, T, H, W, heads, d = shape
+    q, k, v = (torch.randn(shape, generator=g, dtype=F64, device=device) for _ in range(3))
+    offsets = reach * (2 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, dtype=F64, device=device) - 1)
+    on_bound = torch.rand(offsets.shape, generator=g, dtype=F64, device=device) < 0.25
+    offsets = torch.where(on_bound, reach * offsets.sign(), offsets)
+    for (t, y, x), shift in (beyond or {}).items():
+        offsets[:, t, y, x, :, 13] = torch.tensor(shift, dtype=F64, device=device)
+    return [x.to(dtype) for x in (q, k, v, offsets)]
+
+
+def check_dsa_halo(q, k, v, offsets, reach: int, tile: tuple[int, int, int]) -> dict:
+    """The DSA halo forward (megaslide/attention/dsa/halo.py, 3 x 3 x 3 window) on q, k, v, offsets in one
+    dtype against the float64 reference: out and the log-sum-exp, each beside the same-dtype reference's
+    error (the lse's at fp32 scores: a low-precision softmax stores none), by `within_tolerance`; and its
+    per-tile paths against the plain rule (`reference.halo_paths_reference`). Returns the errors, the path
+    counts, `paths_match` and `passed`."""
+    from megaslide.attention.dsa import halo
+    from megaslide.attention.dsa.launch import HaloConfig
+    from megaslide.attention.dsa.reference import (deformable_slide_attention_reference, halo_paths_reference,
+                                                   log_sum_exp_reference)
+    kernel, scale = (3, 3, 3), q.shape[-1] ** -0.5
+    out, lse, path = halo.dsa_halo_forward(q, k, v, offsets, kernel, scale, reach, config=HaloConfig(tuple(tile)))
+    wide = [x.to(F64) for x in (q, k, v, offsets)]
+    cases = {"out": (out, deformable_slide_attention_reference(*wide, kernel, scale),
+                     deformable_slide_attention_reference(q, k, v, offsets, kernel, scale)),
+             "lse": (lse, log_sum_exp_reference(wide[0], wide[1], wide[3], kernel, scale),
+                     log_sum_exp_reference(q.float(), k.float(), offsets, kernel, scale))}
+    errors = {}
+    for name, (got, want, ref) in cases.items():
+        err = (got.to(F64) - want).abs().max().item()
+        ref_err = (ref.to(F64) - want).abs().max().item()
+        floor = rounding_floor(got.dtype, want)
+        errors[name] = {"err": err, "ref_err": ref_err, "floor": floor,
+                        "ok": got.shape == want.shape and within_tolerance(err, ref_err, floor)}
+    paths_match = torch.equal(path.cpu(), halo_paths_reference(offsets, kernel, reach, tuple(tile)).cpu())
+    return {"shape": list(q.shape), "reach": reach, "tile": list(tile), "dtype": str(q.dtype).removeprefix("torch."),
+            "errors": errors, "paths": halo.path_counts(path), "paths_match": paths_match,
+            "passed": paths_match and all(e["ok"] for e in errors.values())}
+
+
 # ----------------------------------------------------------------------------- processes
 def free_port() -> int:
     """A TCP port on localhost that nothing listens on now."""

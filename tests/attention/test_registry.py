@@ -24,9 +24,11 @@ def test_swin_loads_through_its_entry_point_and_the_core_never_imports_baselines
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("name,option,known", [("swin", "windw", r"\['window'\]"),
-                                               ("dsa", "kernel", r"\['kernel_size', 'max_offset', 'backend'\]"),
-                                               ("dsa_zero", "window", r"\['kernel_size', 'max_offset', 'backend'\]")])
+DSA_OPTIONS = r"\['kernel_size', 'max_offset', 'backend', 'halo_reach'\]"
+
+
+@pytest.mark.parametrize("name,option,known", [("swin", "windw", r"\['window'\]"), ("dsa", "kernel", DSA_OPTIONS),
+                                               ("dsa_zero", "window", DSA_OPTIONS)])
 def test_an_option_the_variant_does_not_take_names_it_the_variant_and_the_known_ones(name, option, known):
     message = rf"\['{option}'\] unknown to the '{name}' attention, which takes only {known}"
     with pytest.raises(ValueError, match=message):

@@ -14,6 +14,12 @@ ENTRY_FLOATS = 8
 """fp32 words of a (query, sample)'s scratch entry: ds, p, the clamped (t, y, x) position and 3 words of
 padding, so that one entry is one aligned 32-byte sector (backward.py)."""
 
+MAX_HALO_REACH = 2
+"""The widest halo reach the halo forward takes (halo.py): a program holds its halo's V rows and its tile x halo
+scores on chip (shared memory for the gathers), HALO x (2 block_d + 4 BLOCK_Q) bytes at bf16; at a
+3 x 3 x 3 window and reach 2 the halo of a 1 x 4 x 4 tile is 7 x 10 x 10 tokens (1024 padded), 192 KiB at
+d 64, near an H200 SM's 227 KiB; reach 3 doubles it."""
+
 
 def backward_scratch_bytes(num_samples: int) -> int:
     """Upper bound of the fused backward's scratch per token and head for K = num_samples: an entry of

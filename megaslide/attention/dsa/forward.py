@@ -42,7 +42,22 @@ def _dsa_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr,
                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
                     WIDE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_Y: tl.constexpr):
-    b, h, N, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
+    b, h, _, n, q_valid, t, y, x = _query_block(T, H, W, HEADS, BLOCK_Q, BLOCK_Y)
+    _forward_queries(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, b, h, n, q_valid, t, y, x,
+                     T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale, KT, KH, KW,
+                     BLOCK_D, STORE_LSE, WIDE, EVEN_D)
+
+
+@triton.jit
+def _forward_queries(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, b, h, n, q_valid, t, y, x,
+                     T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
+                     KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                     BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr):
+    """The forward of queries n (BQ,) at grid coordinates t, y, x (valid tokens; stores masked by q_valid) of
+    (batch b, head h): sample gathers and an online softmax; stores out and, with STORE_LSE, the lse. The
+    halo kernel's fallback for tiles whose samples leave the halo (halo.py) runs it too."""
+    BLOCK_Q: tl.constexpr = n.shape[0]
+    N = T * H * W
     head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
     k_bh = k_ptr + head_off
     v_bh = v_ptr + head_off

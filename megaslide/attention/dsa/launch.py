@@ -167,3 +167,23 @@ def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
         return min(blocks, 2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(blocks, EXACT_PROGRAMS_PER_SM * sms // lists_groups))
+
+
+@dataclass(frozen=True)
+class HaloConfig:
+    """Tile of the halo forward (halo.py): tile = (t, y, x) queries per program (powers of two, at least 16
+    queries in all: the M of its score dot), num_warps per program."""
+
+    tile: tuple[int, int, int]
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if any(s < 1 or s & (s - 1) for s in self.tile) or self.tile[0] * self.tile[1] * self.tile[2] < 16:
+            raise ValueError(f"HaloConfig: tile={self.tile} must be powers of two with at least 16 queries in all")
+
+
+def halo_config(reach: int) -> HaloConfig:
+    """The halo forward's default tile for offsets of up to `reach` tokens: 2 x 4 x 4 queries up to reach 1
+    (a 6 x 8 x 8 halo at a 3 x 3 x 3 window, 512 padded: 128 KiB on chip at d 64), 1 x 4 x 4 beyond (see
+    constants.MAX_HALO_REACH). Not yet timed: `python -m experiments.bench_dsa_halo` times candidates."""
+    return HaloConfig(tile=(2, 4, 4) if reach <= 1 else (1, 4, 4), num_warps=4)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from megaslide.attention.base import Grid, check_fits_grid, option_triple
+from megaslide.attention.dsa.constants import MAX_HALO_REACH
 from megaslide.attention.dsa.gather import GatherSplit, deformable_slide_attention_gather
 from megaslide.attention.dsa.reference import deformable_slide_attention_reference
 from megaslide.attention.dsa.scores import (MAX_SCORES, deformable_slide_attention_scores,
@@ -49,14 +50,19 @@ def _needs_grad(*inputs: torch.Tensor) -> bool:
 # checked (kt, kh, kw) tuple, goes in as it is; the dispatcher hands it to the op as a list (int[]).
 @torch.library.custom_op("megaslide::dsa_fused_forward", mutates_args=())
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-                   kernel_size: list[int], scale: float, store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from megaslide.attention.dsa import forward  # on first use (module docstring)
-    out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale, store_lse=store_lse)
+                   kernel_size: list[int], scale: float, store_lse: bool,
+                   halo_reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if halo_reach >= 0:  # the halo forward (halo.py); -1: the gather forward
+        from megaslide.attention.dsa import halo  # on first use (module docstring)
+        out, lse, _ = halo.dsa_halo_forward(q, k, v, offsets, kernel_size, scale, halo_reach, store_lse=store_lse)
+    else:
+        from megaslide.attention.dsa import forward  # on first use (module docstring)
+        out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale, store_lse=store_lse)
     return out, lse if store_lse else q.new_empty(0, dtype=torch.float32)  # an op returns tensors only
 
 
 @_fused_forward.register_fake
-def _(q, k, v, offsets, kernel_size, scale, store_lse):
+def _(q, k, v, offsets, kernel_size, scale, store_lse, halo_reach):
     B, T, H, W, heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, heads, T * H * W) if store_lse else 0, dtype=torch.float32)
 
@@ -106,13 +112,14 @@ def _(q, k, v, out, lse, dout, kernel_size, scale):
 
 
 class _DSATritonFunction(torch.autograd.Function):
-    """Fused Triton forward / backward; saves q, k, v, offsets, out and the log-sum-exp."""
+    """Fused Triton forward (the gather or the halo kernel) / backward; saves q, k, v, offsets, out and the
+    log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float):
+    def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         # out (B, T, H, W, heads, d), lse (B, heads, N)
-        out, lse = _fused_forward(q, k, v, offsets, kernel_size, scale, True)
+        out, lse = _fused_forward(q, k, v, offsets, kernel_size, scale, True, halo_reach)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.kernel_size = kernel_size
         ctx.scale = scale
@@ -124,7 +131,7 @@ class _DSATritonFunction(torch.autograd.Function):
         offsets_grad = ctx.needs_input_grad[3]
         dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), ctx.kernel_size,
                                            ctx.scale, offsets_grad)
-        return dq, dk, dv, doff if offsets_grad else None, None, None
+        return dq, dk, dv, doff if offsets_grad else None, None, None, None
 
 
 class _NATritonFunction(torch.autograd.Function):
@@ -156,7 +163,7 @@ class DSASplit:
 
     def forward(self, q, k, v, offsets):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-        return _fused_forward(q, k, v, offsets, self.kernel_size, self.scale, True)
+        return _fused_forward(q, k, v, offsets, self.kernel_size, self.scale, True, -1)   # the gather forward
 
     def backward(self, inputs, out, lse, dout, needs):
         q, k, v, offsets = (x.contiguous() for x in inputs)
@@ -177,12 +184,15 @@ class NASplit(DSASplit):
         return _na_backward(q, k, v, out, lse, dout.contiguous(), self.kernel_size, self.scale)
 
 
-def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
-    """The fused kernels; forward only when no input needs a gradient."""
+def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int | None = None
+                ) -> torch.Tensor:
+    """The fused kernels; forward only when no input needs a gradient. halo_reach: the forward runs on the
+    halo kernel (halo.py) with halos for offsets of up to that many tokens; None: the gather forward."""
+    reach = -1 if halo_reach is None else halo_reach
     if _needs_grad(q, k, v, offsets):
-        return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale)
+        return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale, reach)
     q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-    return _fused_forward(q, k, v, offsets, kernel_size, scale, False)[0]
+    return _fused_forward(q, k, v, offsets, kernel_size, scale, False, reach)[0]
 
 
 def _na_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
@@ -318,6 +328,17 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: in
     return check_kernel_size(kernel_size, q.shape[1:4])
 
 
+def check_halo_reach(halo_reach: int | None) -> int | None:
+    """halo_reach: None, or an int in [0, MAX_HALO_REACH] (tokens of offset the halo forward's halos cover);
+    else a ValueError naming the key and the fix."""
+    if halo_reach is not None and (isinstance(halo_reach, bool) or not isinstance(halo_reach, int)
+                                   or not 0 <= halo_reach <= MAX_HALO_REACH):
+        raise ValueError(f"halo_reach (attention.halo_reach) must be None (the gather forward) or an int in "
+                         f"[0, {MAX_HALO_REACH}] (tokens of offset the halo forward covers; tiles with larger "
+                         f"offsets take the gathers), got {halo_reach!r}")
+    return halo_reach
+
+
 def check_scale(scale: float | None, q: torch.Tensor) -> float:
     """The softmax scale: d ** -0.5 when None, else a finite number (a ValueError otherwise)."""
     if scale is None:
@@ -345,7 +366,8 @@ def split_op(backend: str, backends: tuple[Backend, ...], q: torch.Tensor, offse
 def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                offsets: torch.Tensor,
                                kernel_size: int | Sequence[int] = (3, 3, 3), *,
-                               scale: float | None = None, backend: str = "auto", keep=None) -> torch.Tensor:
+                               scale: float | None = None, backend: str = "auto", keep=None,
+                               halo_reach: int | None = None) -> torch.Tensor:
     """3D Deformable Slide Attention.
 
     Every query token and head attends to K = kt * kh * kw samples: sample j starts at
@@ -369,15 +391,23 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         keep: a `kept.Record` or `kept.Replay` (megaslide/attention/kept.py): run the op split at its lse,
             on backend triton (or auto: `DSASplit`) or gather (`GatherSplit`); a ValueError says why where
             it cannot run.
+        halo_reach: with the triton backend, run the forward on the halo kernel (halo.py: scores on tensor
+            cores over each query tile's halo), with halos that cover offsets of up to this many tokens;
+            tiles whose samples leave their halo take the gather forward, and the backward is the same.
+            None: the gather forward. The other backends, and a `keep` split, compute the same op on their own forward.
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
     """
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
     scale = check_scale(scale, q)
+    halo_reach = check_halo_reach(halo_reach)
     if keep is not None:
         return keep(split_op(backend, BACKENDS, q, offsets, kernel_size, scale, DSASplit), q, k, v, offsets)
-    return select_backend(backend, BACKENDS, q, offsets).run(q, k, v, offsets, kernel_size, scale)
+    chosen = select_backend(backend, BACKENDS, q, offsets)
+    if chosen.name == "triton":
+        return _dsa_triton(q, k, v, offsets, kernel_size, scale, halo_reach)
+    return chosen.run(q, k, v, offsets, kernel_size, scale)
 
 
 def neighborhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,6 +14,7 @@ fused Triton kernels (forward.py, backward.py, zero_kernels.py) are tested again
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -68,6 +69,51 @@ def trilinear_corners(pos: torch.Tensor, grid: tuple[int, int, int]):
         yield token, weight
 
 
+def sample_positions(offsets: torch.Tensor, kernel_size: tuple[int, int, int]) -> torch.Tensor:
+    """Every sample's clamped position: base window position + offset, clamped to [0, S - 1] per axis.
+    offsets (B, T, H, W, heads, K, 3) -> (B, T, H, W, heads, K, 3) in at least float32."""
+    grid = tuple(offsets.shape[1:4])
+    coord_dtype = torch.promote_types(offsets.dtype, torch.float32)
+    base = base_positions(grid, kernel_size, offsets.device).to(coord_dtype)  # (T, H, W, K, 3)
+    pos = base[None, :, :, :, None] + offsets.to(coord_dtype)  # (B, T, H, W, heads, K, 3)
+    hi = torch.tensor([s - 1 for s in grid], dtype=coord_dtype, device=offsets.device)  # (3,)
+    return torch.clamp(pos, min=torch.zeros_like(hi), max=hi)  # (B, T, H, W, heads, K, 3)
+
+
+def halo_extent(tile: tuple[int, int, int], kernel_size: tuple[int, int, int], reach: int) -> tuple[int, int, int]:
+    """Tokens of a query tile's halo along (t, y, x) (the halo forward, halo.py): the tile grown by the window's
+    reach kernel // 2 and by `reach` tokens of offset on each side. A clamped sample of the tile inside
+    [first - kernel // 2 - reach, last + kernel // 2 + reach] has both trilinear corners there (the upper one
+    at weight 0 at the last index)."""
+    return tuple(s + 2 * (k // 2) + 2 * reach for s, k in zip(tile, kernel_size))
+
+
+def halo_paths_reference(offsets: torch.Tensor, kernel_size: tuple[int, int, int], reach: int,
+                         tile: tuple[int, int, int]) -> torch.Tensor:
+    """The halo forward's choice of path written out plainly: (B * heads, tiles) int8, 1 where every sample of
+    the tile (tiles row-major over (t, y, x) tile indices) lies inside its halo, else 0 (the gathers). Along
+    an axis of size S a tile starting at a has the halo [o, o + E - 1], o = max(0, min(a - k // 2 - reach,
+    S - E)), E from `halo_extent`."""
+    B, T, H, W, heads = offsets.shape[:5]
+    extent = halo_extent(tile, kernel_size, reach)
+    pos = sample_positions(offsets, kernel_size)  # (B, T, H, W, heads, K, 3)
+    inside = torch.ones(pos.shape[:-1], dtype=torch.bool, device=pos.device)  # (B, T, H, W, heads, K)
+    for axis, (size, step, kernel, length) in enumerate(zip((T, H, W), tile, kernel_size, extent)):
+        first = torch.arange(size, device=pos.device) // step * step  # (S,) first query of each query's tile
+        origin = torch.clamp(torch.minimum(first - kernel // 2 - reach, torch.tensor(size - length)), min=0)  # (S,)
+        shape = [1] * 6
+        shape[1 + axis] = size
+        origin = origin.view(shape).to(pos.dtype)  # broadcast along this axis
+        inside &= (pos[..., axis] >= origin) & (pos[..., axis] <= origin + length - 1)
+    tiles = [-(-size // step) for size, step in zip((T, H, W), tile)]
+    per_query = inside.all(dim=-1).permute(0, 4, 1, 2, 3)  # (B, heads, T, H, W)
+    padded = torch.ones(B, heads, *(n * step for n, step in zip(tiles, tile)), dtype=torch.bool,
+                        device=pos.device)  # (B, heads, tT * t, tY * y, tX * x): queries past the grid pass
+    padded[:, :, :T, :H, :W] = per_query
+    blocks = padded.view(B, heads, tiles[0], tile[0], tiles[1], tile[1], tiles[2], tile[2])
+    return blocks.all(dim=7).all(dim=5).all(dim=3).reshape(B * heads, -1).to(torch.int8)  # (B * heads, tiles)
+
+
 def deformable_slide_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                          offsets: torch.Tensor,
                                          kernel_size: tuple[int, int, int],
@@ -79,16 +125,32 @@ def deformable_slide_attention_reference(q: torch.Tensor, k: torch.Tensor, v: to
     q's dtype. Positions and interpolation weights are computed in at least float32;
     the sampling, scores, softmax and weighted sum run in q's dtype.
     """
+    k_samples, v_samples = sampled_keys_values(q, k, v, offsets, kernel_size)  # (B, T, H, W, heads, K, d) each
+    scores = torch.einsum("bthwnd,bthwnkd->bthwnk", q, k_samples) * scale  # (B, T, H, W, heads, K)
+    attn = torch.softmax(scores, dim=-1)  # (B, T, H, W, heads, K)
+    return torch.einsum("bthwnk,bthwnkd->bthwnd", attn, v_samples)  # (B, T, H, W, heads, d)
+
+
+def log_sum_exp_reference(q: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor,
+                          kernel_size: tuple[int, int, int], scale: float) -> torch.Tensor:
+    """The log-sum-exp of every query's scaled sample scores in log2 units, (B, heads, N) with N = T * H * W:
+    what the fused forwards save for the backward; inputs as `deformable_slide_attention_reference`."""
+    B, T, H, W, heads, d = q.shape
+    k_samples, _ = sampled_keys_values(q, k, k, offsets, kernel_size)  # (B, T, H, W, heads, K, d)
+    scores = torch.einsum("bthwnd,bthwnkd->bthwnk", q, k_samples) * scale  # (B, T, H, W, heads, K)
+    lse = torch.logsumexp(scores, dim=-1) / math.log(2)  # (B, T, H, W, heads)
+    return lse.reshape(B, T * H * W, heads).transpose(1, 2)  # (B, heads, N)
+
+
+def sampled_keys_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                        kernel_size: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query's sampled keys and values, (B, T, H, W, heads, K, d) each in k's dtype: the trilinear
+    samples at the clamped positions base + offset; inputs as `deformable_slide_attention_reference`."""
     B, T, H, W, heads, d = q.shape
     grid = (T, H, W)
     N = T * H * W
     device = q.device
-    coord_dtype = torch.promote_types(offsets.dtype, torch.float32)
-
-    base = base_positions(grid, kernel_size, device).to(coord_dtype)  # (T, H, W, K, 3)
-    pos = base[None, :, :, :, None] + offsets.to(coord_dtype)  # (B, T, H, W, heads, K, 3)
-    hi = torch.tensor([s - 1 for s in grid], dtype=coord_dtype, device=device)  # (3,)
-    pos = torch.clamp(pos, min=torch.zeros_like(hi), max=hi)  # (B, T, H, W, heads, K, 3)
+    pos = sample_positions(offsets, kernel_size)  # (B, T, H, W, heads, K, 3)
 
     batch = torch.arange(B, device=device).view(B, 1, 1, 1, 1, 1)  # (B, 1, 1, 1, 1, 1)
     head = torch.arange(heads, device=device).view(1, 1, 1, 1, heads, 1)  # (1, 1, 1, 1, heads, 1)
@@ -101,7 +163,4 @@ def deformable_slide_attention_reference(q: torch.Tensor, k: torch.Tensor, v: to
         weight = weight.to(k.dtype)[..., None]  # (B, T, H, W, heads, K, 1)
         k_samples = k_samples + weight * k_rows[row]  # (B, T, H, W, heads, K, d)
         v_samples = v_samples + weight * v_rows[row]  # (B, T, H, W, heads, K, d)
-
-    scores = torch.einsum("bthwnd,bthwnkd->bthwnk", q, k_samples) * scale  # (B, T, H, W, heads, K)
-    attn = torch.softmax(scores, dim=-1)  # (B, T, H, W, heads, K)
-    return torch.einsum("bthwnk,bthwnkd->bthwnd", attn, v_samples)  # (B, T, H, W, heads, d)
+    return k_samples, v_samples

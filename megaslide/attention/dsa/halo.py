@@ -1,0 +1,188 @@
+"""The halo forward of 3D Deformable Slide Attention: scores on tensor cores over a tile's neighbourhood.
+
+Idea. Trilinear interpolation is linear, so a query's score against a sample is the weighted sum of its
+scores against the sample's 8 corner tokens: <q, sum_c w_c K_c> = sum_c w_c <q, K_c>. A program owns a
+tile of TILE_T x TILE_Y x TILE_X queries of one (batch, head). When every sample of the tile lies inside
+the tile's halo (the tile grown by the window's reach kernel // 2 and by `reach` tokens of offset along
+each axis), it loads the halo's K and V rows once, computes the scores of the tile against the whole halo
+with one `tl.dot` (BQ x HALO), and takes each sample's score from there (`tl.gather` of its 8 corner
+scores, combined with the trilinear weights). The softmax runs over the K samples as in forward.py; each
+sample's value is combined from its 8 corner rows gathered out of the halo's V tile, which the program
+holds on chip. So a tile reads its K and V halo rows once instead of 8 corner rows per (query, sample).
+
+Path choice, per tile at run time. The program first computes every sample's clamped position; if one
+leaves the halo (an offset past `reach`), the tile runs the gather forward of forward.py
+(`forward._forward_queries`) instead. Either way the results are the same to rounding: out and the fp32
+log-sum-exp in log2 units (B, heads, N), exactly what `backward.dsa_backward` reads. Each program writes
+its path (1: halo, 0: gathers) to a per-tile int8 tensor, so a caller can count the tiles of each path.
+
+Layout as forward.py: q, k, v, out contiguous (B, T, H, W, heads, d); offsets (B, T, H, W, heads, K, 3).
+Scores are fp32 (tensor-core dots of the input dtype, fp32 inputs at full fp32 precision; under the CPU
+interpreter bf16 operands are widened to fp32 first, as its dots would read bf16 bits as integers); head dims
+are padded to the next power of two (at least 16) with masked columns.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from megaslide.attention.dsa.constants import LOG2E, MAX_HALO_REACH
+from megaslide.attention.dsa.forward import _forward_queries
+from megaslide.attention.dsa.launch import INTERPRETED, HaloConfig, halo_config, head_dim_block
+from megaslide.attention.dsa.reference import halo_extent
+from megaslide.attention.dsa.rows import _token_rows, row_flags
+from megaslide.attention.dsa.sampling import _corner_axes, _sample_axes, _softmax_step, _window_start
+from megaslide.backends import device_guard
+
+
+@triton.jit
+def _halo_origin(tile_first, kernel: tl.constexpr, reach: tl.constexpr, extent: tl.constexpr, size):
+    """First index of a tile's halo along an axis: the tile's first query less the window's and the offsets'
+    reach, moved inside [0, size - extent] (at 0 when the halo is longer than the axis)."""
+    return tl.maximum(tl.minimum(tile_first - kernel // 2 - reach, size - extent), 0)
+
+
+@triton.jit
+def _in_halo(sample, origin, extent: tl.constexpr):
+    """Whether clamped positions (the last item of an `_axis_sample` result, (BQ,) fp32) lie in the halo."""
+    return (sample[4] >= origin) & (sample[4] <= origin + extent - 1)
+
+
+@triton.jit
+def _halo_index(idx, origin, extent: tl.constexpr):
+    """Halo-local index of grid indices idx along an axis; an upper corner one past the halo has weight 0
+    (its position is the halo's last index) and is moved onto that index."""
+    return tl.minimum(idx - origin, extent - 1)
+
+
+@triton.jit
+def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_ptr,
+                         T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale,
+                         KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                         TILE_T: tl.constexpr, TILE_Y: tl.constexpr, TILE_X: tl.constexpr, REACH: tl.constexpr,
+                         ET: tl.constexpr, EY: tl.constexpr, EX: tl.constexpr, HALO: tl.constexpr,
+                         BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, WIDE: tl.constexpr,
+                         EVEN_D: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    BQ: tl.constexpr = TILE_T * TILE_Y * TILE_X
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HEADS).to(tl.int64)
+    h = pid_bh % HEADS
+    N = T * H * W
+    p = tl.program_id(0)
+    x_tiles = tl.cdiv(W, TILE_X)
+    y_tiles = tl.cdiv(H, TILE_Y)
+    t0 = p // (x_tiles * y_tiles) * TILE_T  # the tile's first query along each axis
+    y0 = p // x_tiles % y_tiles * TILE_Y
+    x0 = p % x_tiles * TILE_X
+    i = tl.arange(0, BQ)  # (BQ,)
+    t = t0 + i // (TILE_Y * TILE_X)  # (BQ,) query coordinates, clamped onto the grid below
+    y = y0 + i // TILE_X % TILE_Y
+    x = x0 + i % TILE_X
+    q_valid = (t < T) & (y < H) & (x < W)
+    t, y, x = tl.minimum(t, T - 1), tl.minimum(y, H - 1), tl.minimum(x, W - 1)
+    n = (t * H + y) * W + x  # (BQ,) valid tokens
+
+    head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
+    off_q = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)
+    starts = (_window_start(t, KT, T), _window_start(y, KH, H), _window_start(x, KW, W))  # (BQ,) each
+    ht0 = _halo_origin(t0, KT, REACH, ET, T)
+    hy0 = _halo_origin(y0, KH, REACH, EY, H)
+    hx0 = _halo_origin(x0, KW, REACH, EX, W)
+
+    inside = q_valid | True  # (BQ,) every sample of the query in the halo
+    for j in range(KT * KH * KW):
+        window = (j // (KH * KW), j // KW % KH, j % KW)
+        st, sy, sx = _sample_axes(off_q, j, starts, window, (T, H, W))
+        inside &= _in_halo(st, ht0, ET) & _in_halo(sy, hy0, EY) & _in_halo(sx, hx0, EX)
+    on_halo = tl.min(inside.to(tl.int32), axis=0) == 1
+    tl.store(path_ptr + pid_bh * tl.num_programs(0) + p, on_halo.to(tl.int8))
+
+    if on_halo:
+        cols = tl.arange(0, BLOCK_D)  # (BD,)
+        col_ok = (cols < D)[None, :]  # (1, BD)
+        hh = tl.arange(0, HALO)  # (HALO,) flat halo index, row-major over (ET, EY, EX), padded to a power of 2
+        ht, hy, hx = ht0 + hh // (EY * EX), hy0 + hh // EX % EY, hx0 + hh % EX
+        h_ok = (hh < ET * EY * EX) & (ht < T) & (hy < H) & (hx < W)  # (HALO,) halo rows on the grid
+        halo_rows = _token_rows(tl.where(h_ok, (ht * H + hy) * W + hx, 0), stride_tok, cols, WIDE)  # (HALO, BD)
+        k_halo = tl.load(k_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
+        v_halo = tl.load(v_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
+        own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
+        q = tl.load(q_ptr + head_off + own_rows, mask=col_ok, other=0.0)  # (BQ, BD)
+        if DOT_FP32:  # the same products: a bf16 value is exact in fp32
+            q, k_halo = q.to(tl.float32), k_halo.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k_halo), input_precision=PRECISION) * qk_scale  # (BQ, HALO) log2 units
+
+        m_i = tl.full([BQ], float("-inf"), tl.float32)  # running max (log2 units)
+        l_i = tl.zeros([BQ], tl.float32)  # running softmax denominator
+        acc = tl.zeros([BQ, BLOCK_D], tl.float32)  # running numerator
+        for j in range(KT * KH * KW):
+            window = (j // (KH * KW), j // KW % KH, j % KW)
+            st, sy, sx = _sample_axes(off_q, j, starts, window, (T, H, W))
+            t_idx, y_idx, x_idx, t_w, y_w, x_w = _corner_axes(st, sy, sx)
+            s = tl.zeros([BQ], tl.float32)
+            v_sample = tl.zeros([BQ, BLOCK_D], tl.float32)
+            for ct in tl.static_range(2):
+                for cy in tl.static_range(2):
+                    for cx in tl.static_range(2):
+                        corner = ((_halo_index(t_idx[ct], ht0, ET) * EY + _halo_index(y_idx[cy], hy0, EY)) * EX
+                                  + _halo_index(x_idx[cx], hx0, EX))  # (BQ,) halo index
+                        w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
+                        s += w * tl.sum(tl.gather(scores, corner[:, None], axis=1), axis=1)
+                        v_rows = tl.gather(v_halo, tl.broadcast_to(corner[:, None], (BQ, BLOCK_D)), axis=0)
+                        v_sample += w[:, None] * v_rows.to(tl.float32)  # (BQ, BD)
+            m_i, l_i, alpha, p_j = _softmax_step(m_i, l_i, s)
+            acc = acc * alpha[:, None] + p_j[:, None] * v_sample
+
+        out = acc / l_i[:, None]  # (BQ, BD)
+        tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None] & col_ok)
+        if STORE_LSE:
+            tl.store(lse_ptr + (b * HEADS + h) * N + n, m_i + tl.log2(l_i), mask=q_valid)
+    else:
+        _forward_queries(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, b, h, n, q_valid, t, y, x,
+                         T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale, KT, KH, KW,
+                         BLOCK_D, STORE_LSE, WIDE, EVEN_D)
+
+
+def dsa_halo_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                     kernel_size: Sequence[int], scale: float, reach: int, store_lse: bool = True,
+                     config: HaloConfig | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The halo forward (module docstring), inputs as `forward.dsa_forward`; `reach`: the offsets, in whole
+    tokens, that the halo covers (tiles with larger offsets take the gathers). Returns out (B, T, H, W,
+    heads, d) in q's dtype, the fp32 log-sum-exp (B, heads, T*H*W) in log2 units if `store_lse` (else
+    None), and every tile's path (B * heads, tiles) int8: 1 halo, 0 gathers (`path_counts`). `config`
+    overrides the default tile (`launch.halo_config`)."""
+    if not isinstance(reach, int) or not 0 <= reach <= MAX_HALO_REACH:
+        raise ValueError(f"reach={reach!r} must be an int in [0, {MAX_HALO_REACH}] (tokens of offset the halo "
+                         "covers; constants.MAX_HALO_REACH says why)")
+    B, T, H, W, heads, d = q.shape
+    N = T * H * W
+    kt, kh, kw = kernel_size
+    cfg = config or halo_config(reach)
+    extent = halo_extent(cfg.tile, kernel_size, reach)  # (ET, EY, EX)
+    tiles = triton.cdiv(T, cfg.tile[0]) * triton.cdiv(H, cfg.tile[1]) * triton.cdiv(W, cfg.tile[2])
+    out = torch.empty_like(q)  # (B, T, H, W, heads, d)
+    lse = torch.empty((B, heads, N), dtype=torch.float32, device=q.device) if store_lse else None  # (B, heads, N)
+    path = torch.empty((B * heads, tiles), dtype=torch.int8, device=q.device)  # (B * heads, tiles)
+    block_d = head_dim_block(d)
+    dot_fp32 = INTERPRETED and q.dtype == torch.bfloat16  # the interpreter's dots read bf16 as integers
+    with device_guard(q):
+        _dsa_halo_fwd_kernel[(tiles, B * heads)](
+            q, k, v, offsets, out, lse if store_lse else out, path,  # lse never written without STORE_LSE
+            T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
+            KT=kt, KH=kh, KW=kw, TILE_T=cfg.tile[0], TILE_Y=cfg.tile[1], TILE_X=cfg.tile[2], REACH=reach,
+            ET=extent[0], EY=extent[1], EX=extent[2], HALO=triton.next_power_of_2(extent[0] * extent[1] * extent[2]),
+            BLOCK_D=block_d, STORE_LSE=store_lse, DOT_FP32=dot_fp32,
+            PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else "tf32",
+            num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, block_d),
+        )
+    return out, lse, path
+
+
+def path_counts(path: torch.Tensor) -> dict[str, int]:
+    """Tiles of each path from `dsa_halo_forward`'s per-tile paths: {"halo": n, "gather": m}."""
+    halo = int(path.sum().item())
+    return {"halo": halo, "gather": path.numel() - halo}

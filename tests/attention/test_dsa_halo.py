@@ -1,0 +1,112 @@
+"""The halo forward of 3D-DSA (megaslide/attention/dsa/halo.py) against the float64 reference, on CPU through
+the Triton interpreter: out and the log-sum-exp with tiles inside, on and beyond the halo bound in one call,
+odd grids, clamped edges, padded head dims, fp32 and bf16; its choice of path against the plain rule
+(`reference.halo_paths_reference`); and the op's backward after the halo forward.
+
+Tolerance rule as tests/attention/test_dsa_triton.py (megaslide.testing.within_tolerance): with every input
+rounded to the tested dtype, the float64 reference is the truth, and the kernel may be at most 2x as wrong
+as the same-dtype reference, plus a floor at rounding level.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.attention.test_dsa_triton import FLOOR_ULPS, forward, launch, run  # noqa: E402  (built for the interpreter)
+from megaslide.attention.dsa import deformable_slide_attention, halo  # noqa: E402
+from megaslide.attention.dsa.launch import HaloConfig  # noqa: E402
+from megaslide.testing import check_dsa_halo, dsa_halo_inputs, rounding_floor, within_tolerance  # noqa: E402
+from tests.helpers import builds_for_sm90  # noqa: E402
+
+if halo._forward_queries is not forward._forward_queries:  # halo.py was built before the interpreter was set
+    importlib.reload(halo)
+assert launch.INTERPRETED
+
+F64 = torch.float64
+KERNEL = (3, 3, 3)
+
+
+def assert_close(name, got, want, same_dtype):
+    err = (got.to(F64) - want).abs().max().item()
+    ref_err = (same_dtype.to(F64) - want).abs().max().item()
+    floor = rounding_floor(got.dtype, want, FLOOR_ULPS)
+    assert within_tolerance(err, ref_err, floor), f"{name}: error {err:.3e} > 2 x {ref_err:.3e} + {floor:.1e}"
+
+
+def check_halo_forward(shape, reach, tile, dtype, beyond):
+    """The halo forward's out and lse against the reference and its paths against the plain rule
+    (megaslide.testing.check_dsa_halo); returns the path counts."""
+    check = check_dsa_halo(*dsa_halo_inputs(shape, reach, dtype, beyond), reach, tile)
+    assert check["passed"], check
+    return check["paths"]
+
+
+def test_mixed_tiles_odd_grid_padded_head_dim():
+    # 3 x 5 x 13 in two tiles of 4 x 8 x 8 (clamped edges on every side) whose reach-1 halos span 12 tokens
+    # along x: [0, 11] and [1, 12]; (0, 1, 9)'s centre sample at x 0.5 leaves the second, (2, 4, 3)'s at
+    # y 0, x 11 stays in the first. d = 24 runs padded to 32
+    counts = check_halo_forward((1, 3, 5, 13, 1, 24), 1, (4, 8, 8), torch.float32,
+                                beyond={(0, 1, 9): (0.0, 0.0, -8.5), (2, 4, 3): (0.0, -9.0, 8.0)})
+    assert counts["halo"] > 0 and counts["gather"] > 0, counts
+
+
+def test_reach_two_bf16_two_heads():
+    # 3 x 7 x 16 in two tiles of 4 x 8 x 8 whose reach-2 halos span 14 tokens along x: [0, 13] and [2, 15]
+    counts = check_halo_forward((1, 3, 7, 16, 2, 16), 2, (4, 8, 8), torch.bfloat16,
+                                beyond={(1, 3, 8): (0.5, 2.5, -7.25)})
+    assert counts["halo"] > 0 and counts["gather"] > 0, counts
+
+
+def test_path_choice_counts():
+    """Tiles whose samples stay in their halo take it, the rest the gathers: one sample 5 tokens past the
+    bound moves exactly its tile, in its head only; a far offset clamped at the grid's corner stays in the
+    corner tile's halo. (Offsets on the bound: the accuracy tests, whose paths match the plain rule.)"""
+    # 3 x 8 x 16 in two tiles of 4 x 8 x 8 whose reach-1 halos span [0, 11] and [4, 15] along x
+    shape, reach, tile = (1, 3, 8, 16, 2, 16), 1, (4, 8, 8)
+    q, k, v, offsets = dsa_halo_inputs(shape, reach, torch.float32)
+    moved = offsets.new_zeros(offsets.shape)
+    moved[0, 1, 5, 9, 1, 4, 2] = -(reach + 5)  # query (t 1, y 5, x 9), sample at x 3: tile 1 of head 1
+    moved[0, 0, 0, 0, 0, 4, :] = -100.0  # clamped onto (0, 0, 0): in tile 0's halo
+    _, _, path = halo.dsa_halo_forward(q, k, v, moved, KERNEL, 0.25, reach, store_lse=False, config=HaloConfig(tile))
+    assert halo.path_counts(path) == {"halo": 3, "gather": 1}
+    assert path.tolist() == [[1, 1], [1, 0]]
+
+
+def test_op_backward_after_halo_forward():
+    """The op with halo_reach runs the halo forward and the gather kernels' backward on the lse it stored."""
+    q, k, v, offsets = dsa_halo_inputs((1, 3, 4, 5, 1, 16), 1, torch.float32)  # two tiles of 2 x 4 x 4
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    inputs = [q, k, v, offsets, grad]
+    truth = run("reference", inputs, KERNEL, F64)
+    same_dtype = run("reference", inputs, KERNEL, torch.float32)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, offsets)]
+    out = deformable_slide_attention(*leaves, KERNEL, backend="triton", halo_reach=1)
+    got = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+    for name, g, want, ref in zip(["out", "dq", "dk", "dv", "doffsets"], got, truth, same_dtype):
+        assert_close(name, g, want, ref)
+
+
+@pytest.mark.parametrize("reach", [-1, 1.5, True, 3])
+def test_bad_reach_is_refused(reach):
+    q = torch.zeros(1, 3, 3, 3, 1, 16)
+    offsets = torch.zeros(1, 3, 3, 3, 1, 27, 3)
+    with pytest.raises(ValueError, match="halo_reach"):
+        deformable_slide_attention(q, q, q, offsets, KERNEL, backend="reference", halo_reach=reach)
+
+
+def test_halo_kernel_compiles_for_sm90():
+    """The interpreter cannot catch GPU lowering errors (the dot, the gathers, the branch to the gather
+    forward); build the kernel to sm_90 SASS on a small tile (tests/helpers.py: builds_for_sm90)."""
+    assert builds_for_sm90("""
+        from megaslide.attention.dsa import halo
+
+        fwd = {**{n: "*bf16" for n in ["q_ptr", "k_ptr", "v_ptr", "out_ptr"]}, "off_ptr": "*fp32",
+               "lse_ptr": "*fp32", "path_ptr": "*i8", **{n: "i32" for n in ["T", "H", "W", "HEADS", "D", "stride_tok",
+                                                                              "stride_off_tok"]}, "qk_scale": "fp32"}
+        tile = {"KT": 3, "KH": 3, "KW": 3, "TILE_T": 2, "TILE_Y": 2, "TILE_X": 4, "REACH": 0, "ET": 4, "EY": 4,
+                "EX": 6, "HALO": 128, "BLOCK_D": 64, "STORE_LSE": True, "WIDE": False, "EVEN_D": True,
+                "PRECISION": "tf32", "DOT_FP32": False}
+        build(halo._dsa_halo_fwd_kernel, fwd, tile, 4, aligned_ints=("D", "stride_tok"))
+    """) == 1
