@@ -38,8 +38,8 @@ class PlanConfig:
     run: RunConfig
     check: bool
     ceilings: dict[str, float | None]
-    hbm_budget_GB: float
-    host_budget_GB: float
+    hbm_budget_GB: float = 0.0     # the kept attention's budgets (offload.keep_attention); 0: this machine's
+    host_budget_GB: float = 0.0
 
 
 def plan_config(cfg: DictConfig) -> PlanConfig:
