@@ -36,6 +36,8 @@ of the timed steps, megaslide/perf/live_bytes.py) beside the planner's, and the 
   excluded; `step_over_compute` = step / compute-only, with the H2D, D2H and CPU AdamW times;
 - attention share: the time inside the attention op (`attend`, DSA's offset net included: forward,
   recomputed forward, backward) over the step (experiments/attention_time.py);
+- with `profile_steps` > 0, that many more steps under torch.profiler: the operators with the most device
+  time per step and the compute kernels' sum beside the step (`profile`; experiments/op_profile.py);
 - the planner's step-time estimate (matmul, attention and elementwise terms) and lower bound at the
   ceilings this run measured, beside it;
 - with offload.keep_attention (selective recompute): which blocks kept their attention output and lse on the
@@ -75,6 +77,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
+from experiments.op_profile import profile_calls, top_operators
 from experiments.hydra_config import (base_overrides, compose_run, require_ranges, script_config, script_main,
                                       train_overrides, trial_preset)
 from experiments.report import render
@@ -144,6 +147,8 @@ class OOMConfig:
     matmul_n: int
     pcie_probe_MiB: int
     probe_frames: int
+    profile_steps: int
+    profile_top: int
     wandb_dir: str
     wandb_project: str
 
@@ -165,7 +170,8 @@ class OOMConfig:
                                  f"warm-up steps ({self.warmup_steps}, long: {self.long_warmup_steps}) >= 0")
         require_ranges(self, positive=("long_step_s", "cell_time_limit_s", "refuse_over", "hide_ratio", "matmul_n",
                                        "pcie_probe_MiB", "probe_frames"),
-                       non_negative=("time_budget_s", "hbm_budget_GB", "host_budget_GB", "hide_min_tokens"),
+                       non_negative=("time_budget_s", "hbm_budget_GB", "host_budget_GB", "hide_min_tokens",
+                                     "profile_steps", "profile_top"),
                        fraction=("host_ram_fraction",))
         bad = [f for f in [*self.frames, *(f for r in self.rows for f in r.frames)] if f < 1]
         if bad:
@@ -189,6 +195,8 @@ class Cell(Step):
     host_budget: int          # bytes
     ceilings: planner.Ceilings  # the step-time figures': measured in this run where it could be
     timing_rule: str = ""     # how warmup_steps and timed_steps were chosen
+    profile_steps: int = 0    # steps after the timed ones run under torch.profiler (experiments/op_profile.py)
+    profile_top: int = 20     # operators kept from that profile
     time_limit_s: float = math.inf
 
 
@@ -313,6 +321,9 @@ def timed_steps(cell: Cell, engine, batch, device: torch.device, deadline: float
         parts = engine.breakdown(range(begin, engine.step))
         row.update(compute_only_s=parts.compute_s, h2d_s=parts.h2d_s, d2h_s=parts.d2h_s, optimizer_s=parts.optimizer_s,
                    step_over_compute=parts.step_s / parts.compute_s)
+    if cell.profile_steps:   # after the timing: the profiler slows the steps it watches
+        prof = profile_calls(lambda: _step_s(engine, batch, device, losses, lr), cell.profile_steps, device)
+        row["profile"] = top_operators(prof, cell.profile_steps, cell.profile_top, device)
     return row, (live.peak if device.type == "cpu" else None)
 
 
@@ -454,7 +465,8 @@ def cells_of_row(cfg: OOMConfig, base: DictConfig, label: str, model: list[str],
         changes = cell_changes(model, spec.attention, mode, frames)
         cells.append(Cell(compose_run(base, changes), tuple(train_overrides(base, changes)), label, mode,
                           cfg.warmup_steps, cfg.timed_steps, cfg.refuse_over, int(cfg.hbm_budget_GB * GB),
-                          host_budget(cfg), planner.Ceilings()))
+                          host_budget(cfg), planner.Ceilings(), profile_steps=cfg.profile_steps,
+                          profile_top=cfg.profile_top))
     return cells
 
 
@@ -462,6 +474,14 @@ def cell_row(cell: Cell) -> dict:
     return {"model": cell.model, "attention": cell.cfg.attention.name, "mode": cell.mode,
             "frames": cell.run.data.frames, "tokens": cell.batch * math.prod(cell.grid),
             "slab_frames": cell.run.execution.slab_frames, "run_overrides": list(cell.run_overrides)}
+
+
+def top_operator_rows(rows: list[dict]) -> list[dict]:
+    """The profiled cells' operators as one table, each with its cell and the cell's step beside it."""
+    return [{"model": r["model"], "attention": r["attention"], "mode": r["mode"], "frames": r["frames"],
+             "step_s": r["step_s"], "kernels_s": r["profile"].get("kernel_ms_per_call", math.nan) / 1e3,
+             "op": op["op"], "s_per_step": op["ms_per_call"] / 1e3, "share": op["share"],
+             "calls_per_step": op["calls_per_call"]} for r in rows if "profile" in r for op in r["profile"]["top"]]
 
 
 def summary(rows: list[dict], hide_min_tokens: int, hide_ratio: float) -> list[dict]:
@@ -571,6 +591,8 @@ def main(hydra_cfg: DictConfig) -> None:
             if not row["status"].startswith(("fits", "not run")):   # a row stops at its first failure
                 break
     payload["tables"]["summary"] = summary(rows, cfg.hide_min_tokens, cfg.hide_ratio)
+    if cfg.profile_steps:
+        payload["tables"]["top operators"] = top_operator_rows(rows)
     images = {}
     if not cfg.plan_only and any(r["status"] == "fits" for r in rows):
         images["frames vs peak HBM and step time"] = plot(rows, run.result_path.with_suffix(".png"))

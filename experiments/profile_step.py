@@ -2,10 +2,10 @@
 
 For each variant: build the reference Trainer on MovingShapes, warm up, time `steps` steps
 (synchronised; median and spread), then run `torch.profiler` over two more and keep the
-operators with the most device time (CPU time on a CPU run). Batches are made inside the step,
-so the data cost is part of the step time. The DiT comes from the `model` group; each variant
-takes from the `attention` group the options it has (with `attention=swin`, `attention.window`
-sets Swin's window), else its defaults.
+operators with the most device time (CPU time on a CPU run; experiments/op_profile.py).
+Batches are made inside the step, so the data cost is part of the step time. The DiT comes from
+the `model` group; each variant takes from the `attention` group the options it has (with
+`attention=swin`, `attention.window` sets Swin's window), else its defaults.
 Configuration: experiments/conf/profile_step.yaml.
 
     python -m experiments.profile_step device=cpu model=tiny frames=4 size=16                # tiny
@@ -18,10 +18,10 @@ import tempfile
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
-from torch.profiler import ProfilerActivity, profile
 
 from experiments.harness import ExperimentRun
-from megaslide.perf.timing import sync, timed
+from experiments.op_profile import profile_calls, top_operators
+from megaslide.perf.timing import timed
 from experiments.hydra_config import script_config, script_main
 from experiments.report import markdown_table
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
@@ -56,20 +56,13 @@ def profile_variant(name: str, cfg: ProfileStepConfig) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(model, data, train, tmp)
         step = timed(trainer.train_step, trainer.device, cfg.steps, warmup=cfg.warmup)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            for _ in range(2):
-                trainer.train_step()
-            sync(trainer.device)
-    on_gpu = trainer.device.type == "cuda"
-    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events)
-    top = [{"variant": name, "op": e.key[:60], "ms_per_step": getattr(e, key) / 2e3,
-            "share": getattr(e, key) / total, "calls_per_step": e.count / 2} for e in events[:cfg.top]]
+        prof = profile_calls(trainer.train_step, 2, trainer.device)
+        ops = top_operators(prof, 2, cfg.top, trainer.device)
+    top = [{"variant": name, "op": t["op"], "ms_per_step": t["ms_per_call"], "share": t["share"],
+            "calls_per_step": t["calls_per_call"]} for t in ops["top"]]
     t, h, w = model.token_grid(cfg.frames, cfg.size, cfg.size)
     return {"variant": name, "tokens_per_step": cfg.batch * t * h * w, **step.ms("step_ms"),
-            "profiled_ms_per_step": total / 2e3, "top": top}
+            **{f"{k.removesuffix('_call')}_step": v for k, v in ops.items() if k != "top"}, "top": top}
 
 
 @script_main("profile_step")

@@ -55,3 +55,18 @@ def test_a_cell_over_its_time_limit_is_stopped_and_reported():
     """The sleeper would answer "fits" after 10 minutes: "time limit" means it was stopped at its limit."""
     assert run_isolated(sleep_then_answer, (600.0,), time_limit_s=1.0)["status"] == "time limit"
     assert run_isolated(sleep_then_answer, (0.0,), time_limit_s=600.0) == {"status": "fits"}
+
+
+def test_profile_steps_record_the_top_operators_after_the_timed_steps(tmp_path):
+    run_script(["-m", "experiments.oom_thresholds", "smoke=true", "rows=[{attention:dense,modes:[offload],frames:[4]}]",
+                "profile_steps=1", "profile_top=3", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    tables = load_result(tmp_path, "oom_thresholds", "smoke")["tables"]
+    cell, = tables["cells"]
+    assert cell["status"] == "fits" and len(cell["losses"]) == 1 + 2 + 1    # warm-up, timed, profiled
+    profile = cell["profile"]
+    times = [op["ms_per_call"] for op in profile["top"]]
+    assert len(times) == 3 and times == sorted(times, reverse=True) and times[-1] > 0
+    assert sum(times) <= profile["profiled_ms_per_call"]
+    assert all(op["calls_per_call"] >= 1 for op in profile["top"])
+    assert [op["s_per_step"] * 1e3 for op in tables["top operators"]] == times   # the page's table
+    assert "| dense | offload | 4 |" in (tmp_path / "oom_thresholds.md").read_text()
