@@ -30,6 +30,12 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def ranks_per_node() -> int:
+    """The processes torchrun started on this node (LOCAL_WORLD_SIZE; 1 for a plain `python` run): they share
+    its host RAM."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def check_world(parallel: ParallelConfig, world: int) -> None:
     """ValueError naming `parallel.dp` / `parallel.sp` and WORLD_SIZE unless dp * sp == world."""
     if parallel.dp * parallel.sp != world:
