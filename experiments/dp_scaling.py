@@ -102,6 +102,7 @@ def train_steps(run: RunConfig, device: torch.device, dp: DataParallel, cfg: DPS
     """Warm-up and timed steps of the engine on `run` (its train.batch_size is the global batch of dp): the
     slowest rank's per-step breakdown and this rank's host bytes."""
     train = dataclasses.replace(run.train, device=device.type)
+    torch.manual_seed(train.seed)   # the same initial blocks on every rank
     engine = OffloadEngine.from_config(run.model, device=device, train_cfg=train, offload_cfg=run.offload,
                                        grid=run.grid, execution=run.execution, dp=dp)
     try:
