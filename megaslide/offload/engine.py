@@ -58,7 +58,9 @@ the error at its next wait: the next step's first block load, or `flush` (which 
 `breakdown` and `model_state_dict` call first), so no checkpoint of the refused step is written. On
 the CPU device the values are checked on the training thread as soon as each is computed: the loss
 before the backward, the norm before any clipped or resident update. The optimizer_device="gpu"
-ablation (`GpuUpdater`) applies block updates unchecked; the error still comes at the next `flush`.
+ablation (`GpuUpdater`) applies block updates unchecked; the error still comes at the next `flush`. Sharded over
+data-parallel ranks, the loss and norm are the replicas' (the same on every rank), and each step starts by waiting
+for the last one's, so every rank raises at the same call rather than one while its peers wait in a collective.
 """
 from __future__ import annotations
 
@@ -261,7 +263,8 @@ class OffloadEngine:
         if not all(self.host.loaded):
             missing = [i for i, ok in enumerate(self.host.loaded) if not ok]
             raise ValueError(f"blocks {missing} have no weights yet; fill them with engine.host.load_block_")
-        self._check_health(wait=False)
+        # sharded: every rank waits for the last step's values, so all refuse a non-finite step at the same call
+        self._check_health(wait=self.dp.size > 1)
         compute, tag = self.lanes.compute, self.step
         self._marks[tag] = compute.marker()
         self.lanes.tag = tag
