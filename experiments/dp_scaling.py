@@ -41,7 +41,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from experiments.hydra_config import base_overrides, compose_run, script_config, script_main
+from experiments.hydra_config import base_overrides, compose_run, script_config, script_main, trial_preset
 from experiments.step_runs import clip_fields, synthetic_batch
 from megaslide.config import ParallelConfig, RunConfig
 from megaslide.device import precision_dtype, resolve_device
@@ -170,7 +170,7 @@ def model_ceilings(reference: dict, ranks: int, run: RunConfig, busbw: dict, pci
 
 @script_main("dp_scaling")
 def main(hydra_cfg: DictConfig) -> None:
-    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})
+    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
     cfg = script_config(DPScalingConfig, base)
     world = world_size_from_env()
     run = compose_run(base, [f"parallel.dp={world}", f"train.batch_size={world * cfg.clips_per_gpu}"])
