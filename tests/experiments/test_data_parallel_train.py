@@ -98,3 +98,19 @@ def test_bad_input_is_refused_naming_the_key(tmp_path, args, message):
                           timeout=300)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_sharded_offload_engine_with_compact_state_on_two_ranks_equals_one_process(tmp_path):
+    """bf16 master (stochastic rounding) and 8-bit moments on 2 ranks' shards: each rank rounds and quantises its
+    shard as the one process does that part of the block, so the runs agree to the gradients' summation order;
+    the 2-rank checkpoint (codes and scales per rank part) resumes in one process."""
+    engine = ["offload=engine", "offload.master_dtype=bf16", "offload.moments=int8", "train.ckpt_every=1", *TINY]
+    torchrun(2, [f"out_dir={tmp_path / 'two'}", "train.steps=3", *engine])
+    one_losses, one = one_process(tmp_path / "one", ["train.steps=3", *engine])
+    assert losses(tmp_path / "two") == pytest.approx(one_losses, rel=RTOL)
+    step = tmp_path / "two" / "checkpoints" / "step_3"
+    assert_same_weights(one, sampling_weights(step)[0])
+    resumed_losses, resumed = one_process(tmp_path / "resumed", ["train.steps=3", *engine,
+                                                                 f"train.resume={step.with_name('step_2')}"])
+    assert resumed_losses == pytest.approx(one_losses[2:], rel=RTOL)
+    assert_same_weights(one, resumed)

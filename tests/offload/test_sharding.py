@@ -1,5 +1,6 @@
 """The pieces of the sharded (data-parallel) offload engine that need no process group: a rank's shard of a
-block, sharded checkpoint parts read back on another number of ranks, a rank's share of the global batch, and the
+block, sharded checkpoint parts read back on another number of ranks (fp32 and compact state), the compact
+state's sharded update equal to the whole block's bit for bit, a rank's share of the global batch, and the
 planner's and the engine's host RAM per rank and per node (a P that does not fit is refused, naming it)."""
 import dataclasses
 
@@ -12,8 +13,12 @@ from megaslide.data.build import build_dataset
 from megaslide.diffusion.batches import make_batch
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
 from megaslide.offload import engine as engine_module
+from megaslide.offload.compact import SIGNED, QuantizedMoment, rounding_key
+from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState, Shard
-from megaslide.perf.host_memory import PARAM_ALIGN, StateFormat, shard_numel
+from megaslide.offload.streamer import DoneEvent
+from megaslide.offload.updaters import AdamHyper, CpuUpdater, UpdateJob
+from megaslide.perf.host_memory import MOMENT_BLOCK, PARAM_ALIGN, StateFormat, shard_numel
 from megaslide.perf.planner import Ceilings, check_fits, grid_run, plan_offload
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
@@ -125,3 +130,64 @@ def test_engine_refuses_host_state_of_its_node_ranks_naming_parallel_dp(monkeypa
     with pytest.raises(ValueError, match=r"offload.optimizer_device='gpu' with parallel.dp=4.*optimizer_device=cpu"):
         engine_module.OffloadEngine(model, device=torch.device("cpu"), train_cfg=tiny_train_cfg(),
                                     offload_cfg=OffloadConfig(enabled=True, optimizer_device="gpu"), dp=dp)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sharded_compact_updates_equal_the_whole_block_bit_for_bit(ranks):
+    """A bf16 master with 8-bit moments, updated shard by shard on `ranks` ranks from the same gradients, equals the
+    one-process update bit for bit: shards hold whole quantisation blocks, and the stochastic rounding draws each
+    element's bits by its index in the whole block."""
+    layout = BlockLayout.from_module(VideoDiT(tiny_model_cfg()).blocks[0])
+    fmt = StateFormat(torch.bfloat16, torch.bfloat16, "int8")
+    assert all(shard_numel(layout.numel, p) % MOMENT_BLOCK == 0 for p in (2, 3, 5, 7))
+    whole = HostState(layout, 1, fmt, pin=False)
+    shards = [HostState(layout, 1, fmt, pin=False, shard=Shard.of(layout.numel, rank, ranks))
+              for rank in range(ranks)]
+    flat = torch.randn(layout.numel)
+    for host in (whole, *shards):
+        host.load_block_(0, flat)
+    updaters = [CpuUpdater(host, AdamHyper(0.9, 0.999, 1e-8, 0.01), adamw_step_, serial=True)
+                for host in (whole, *shards)]
+    spans = layout.spans([True] * len(layout.slots))
+    for step in (1, 2, 3):
+        grad = torch.randn(layout.numel) * 1e-3
+        for updater in updaters:
+            shard = updater.host.shard
+            updater.host.blocks[0].grads.copy_(shard.take(grad))
+            updater.submit(UpdateJob(0, step, 1e-2, shard.spans(spans), step, DoneEvent(),
+                                     rounding_key=rounding_key(7, 0, step)))
+            updater.before_load(0)
+    for key, value in whole.block_state(0).items():
+        parts = [host.block_state(0)[key] for host in shards]
+        if isinstance(value, dict):
+            assert torch.equal(torch.cat([p["codes"] for p in parts])[:layout.numel], value["codes"]), key
+            assert torch.equal(torch.cat([p["scales"] for p in parts])[:len(value["scales"])], value["scales"]), key
+        else:
+            assert torch.equal(torch.cat(parts)[:layout.numel], value), key
+    assert not torch.equal(whole.blocks[0].master, flat.bfloat16())      # the steps moved the weights
+    for updater in updaters:
+        updater.close()
+
+
+def test_a_compact_checkpoint_sharded_over_three_ranks_reads_back_on_two(tmp_path):
+    """8-bit moments' codes and scales of whole quantisation blocks join exactly and cut into another P's shards;
+    parts that are not whole blocks are refused naming the fix."""
+    numel = 1000
+    values = torch.randn(numel)
+    moment = QuantizedMoment.zeros(numel, SIGNED)
+    moment.store_(values)
+    state = {"master": values.bfloat16(), "exp_avg": moment.state()}
+    for rank in range(3):
+        shard = Shard.of(numel, rank, 3)
+        save_checkpoint(block_shard(tmp_path, 0, rank, 3), {k: shard.take_state(v) for k, v in state.items()})
+    whole = read_block(tmp_path, 0, 3, numel, moment_block=MOMENT_BLOCK)
+    assert torch.equal(whole["master"], state["master"])
+    assert all(torch.equal(whole["exp_avg"][k], state["exp_avg"][k]) for k in ("codes", "scales"))
+    two = [Shard.of(numel, rank, 2).take_state(whole["exp_avg"]) for rank in range(2)]
+    joined = QuantizedMoment(torch.cat([p["codes"] for p in two]), torch.cat([p["scales"] for p in two]), SIGNED)
+    assert torch.equal(joined.values()[:numel], moment.values())
+    for rank in range(2):   # parts of 500 elements: not whole blocks of 64
+        save_checkpoint(block_shard(tmp_path / "odd", 0, rank, 2),
+                        {"exp_avg": {"codes": moment.codes[500 * rank:500 * (rank + 1)], "scales": moment.scales}})
+    with pytest.raises(ValueError, match="not whole quantisation blocks of 64 elements.*parallel.dp=2"):
+        read_block(tmp_path / "odd", 0, 2, numel, moment_block=MOMENT_BLOCK)
