@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from megaslide.attention import SelfAttention, attention_class
-from megaslide.parallel import MODES, PLACEMENTS, TRANSPORTS
+from megaslide.parallel import MODES, PLACEMENTS, TRANSPORTS, resolve_degrees
 
 
 def _tuple3(name: str, value) -> tuple[int, int, int]:
@@ -310,6 +310,29 @@ class ParallelConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1, or null to derive it")
 
+    def check_sequence_parallel(self, model: DiTConfig, grid: tuple[int, int, int], offload: OffloadConfig) -> None:
+        """That `sp` ranks can train one clip of token grid `grid` (megaslide/parallel/sp_train.py): at most one
+        rank per token frame, an attention with a sequence-parallel form (dense in `sp_mode`), the resident
+        trainer. ValueError naming the key, before anything is built."""
+        if self.sp == 1:
+            return
+        attention = model.attention
+        form = attention.variant.sp_form
+        if form is None:
+            raise ValueError(f"parallel.sp={self.sp} with attention.name={attention.name!r}: this attention has no "
+                             f"sequence-parallel form; use dense, dsa, dsa_zero or swin, or set parallel.sp=1")
+        if self.sp > grid[0]:
+            raise ValueError(f"parallel.sp={self.sp} is larger than the clip's {grid[0]} token frames (data.frames / "
+                             f"model.patch_size[0]): every rank needs a frame; set parallel.sp <= {grid[0]}")
+        if offload.enabled:
+            raise ValueError(f"parallel.sp={self.sp} trains on the resident trainer only: set offload=none (the "
+                             f"offload engine, its activation offload and boundary stride have no SP form)")
+        if form == "global":
+            try:
+                resolve_degrees(self.sp_mode, self.sp, model.num_heads, self.ulysses_degree, self.ring_degree)
+            except ValueError as e:
+                raise ValueError(f"parallel.sp_mode={self.sp_mode!r} on parallel.sp={self.sp} ranks: {e}") from None
+
 
 @dataclass
 class RunConfig:
@@ -339,10 +362,10 @@ class RunConfig:
         self.execution.validate(self.model.attention)
         self.model.attention.validate(self.grid)
         self.data.check_channels(self.model.in_channels)
-        if self.parallel.dp * self.parallel.sp != 1:
-            raise ValueError(f"parallel.dp={self.parallel.dp} x parallel.sp={self.parallel.sp}: training runs in one "
-                             f"process; set parallel.dp=1 parallel.sp=1 (sequence parallelism serves generation: "
-                             f"experiments/generate_full.py)")
+        if self.parallel.dp != 1:
+            raise ValueError(f"parallel.dp={self.parallel.dp}: data-parallel training is not on this branch; set "
+                             f"parallel.dp=1")
+        self.parallel.check_sequence_parallel(self.model, self.grid, self.offload)
 
 
 def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, offload: OffloadConfig,
