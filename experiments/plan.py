@@ -12,6 +12,10 @@ naming what does not fit, before anything is allocated.
     python -m experiments.plan model=7B model.in_channels=3 offload=engine data.frames=64 execution.chunk_tokens=8192 \
         offload.activation_offload=true
     python -m experiments.plan model=105B model.in_channels=3 offload=engine check=true  # fails: what does not fit
+    python -m experiments.plan model=14B model.in_channels=3 offload=engine parallel.dp=2  # host GB per rank, node
+
+With parallel.dp = P the plan is one rank's (its batch share, its 1/P shard of the block state) and the node's
+host RAM holds `ranks_per_node` of them (default: all P on this node).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class PlanConfig:
 
     run: RunConfig
     check: bool
+    ranks_per_node: int | None
     ceilings: dict[str, float | None]
 
 
@@ -40,7 +45,7 @@ def plan_config(cfg: DictConfig) -> PlanConfig:
     """plan.yaml's config: the RunConfig of its train.yaml part (validated, for any device) and its own keys."""
     c = OmegaConf.to_container(cfg, resolve=True)
     return from_dict(PlanConfig, {"run": run_config(c, check_device=False), "check": c["check"],
-                                  "ceilings": c["ceilings"]})
+                                  "ranks_per_node": c["ranks_per_node"], "ceilings": c["ceilings"]})
 
 
 def run_device(run: RunConfig) -> torch.device:
@@ -55,8 +60,8 @@ def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
     dtype = precision_dtype(run.train.precision, run_device(run))
     if not run.offload.enabled:
         return plan_resident(run, autocast=dtype == torch.bfloat16)
-    return plan_offload(run, param_dtype=dtype, ceilings=Ceilings(**{k: v for k, v in cfg.ceilings.items()
-                                                                     if v is not None}))
+    return plan_offload(run, param_dtype=dtype, ranks_per_node=cfg.ranks_per_node,
+                        ceilings=Ceilings(**{k: v for k, v in cfg.ceilings.items() if v is not None}))
 
 
 def report(cfg: PlanConfig) -> int:

@@ -355,23 +355,26 @@ class RunConfig:
     def validate(self) -> None:
         """Every check of a training run that needs nothing but its configs: each config's own, the
         clip's token grid against the patch size and the attention's window or kernel, the model's
-        input channels against the data's, and that training runs in one process. Scripts call it
+        input channels against the data's, the global batch against the data-parallel ranks and the clip
+        against the sequence-parallel ones (the world size itself is checked where the processes are,
+        `megaslide.parallel.mesh`). Scripts call it
         before they create a folder or a W&B run."""
         for cfg in (self.model, self.data, self.train, self.offload, self.parallel):
             cfg.validate()
         self.execution.validate(self.model.attention)
         self.model.attention.validate(self.grid)
         self.data.check_channels(self.model.in_channels)
-        if self.parallel.dp != 1:
-            raise ValueError(f"parallel.dp={self.parallel.dp}: data-parallel training is not on this branch; set "
-                             f"parallel.dp=1")
+        if self.train.batch_size % self.parallel.dp:
+            raise ValueError(f"train.batch_size={self.train.batch_size} (the global batch) is not divisible by "
+                             f"parallel.dp={self.parallel.dp}: each data-parallel rank takes an equal share; use a "
+                             f"multiple of {self.parallel.dp}")
         self.parallel.check_sequence_parallel(self.model, self.grid, self.offload)
 
 
 def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, offload: OffloadConfig,
-                      execution: ExecutionConfig | None = None) -> None:
+                      execution: ExecutionConfig | None = None, parallel: ParallelConfig | None = None) -> None:
     """`RunConfig.validate` of these parts (the default execution and parallelism where not given)."""
-    RunConfig(model, execution or ExecutionConfig(), data, train, offload).validate()
+    RunConfig(model, execution or ExecutionConfig(), data, train, offload, parallel or ParallelConfig()).validate()
 
 
 def _require_finite(cfg, key: str) -> None:

@@ -15,7 +15,6 @@ a plain one-process run) to shard over all ranks.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 from dataclasses import dataclass
 
@@ -23,9 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megaslide.device import resolve_device
-from megaslide.parallel.groups import release_meshes
-
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+from megaslide.parallel.mesh import MULTICAST_OFF, leave_process_groups
 
 
 @dataclass(frozen=True)
@@ -62,15 +59,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Leave the job in a fixed order: a barrier (no rank tears down while a peer still talks to
-    it), destroy every process group, drop the cached SP meshes' references to them and collect,
-    so that gloo's worker threads end now rather than during interpreter exit (where one of them
-    can abort the process after its work is done)."""
-    if ctx.backend is not None and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        release_meshes()
-        gc.collect()
+    """Leave the job (`megaslide.parallel.mesh.leave_process_groups`)."""
+    if ctx.backend is not None:
+        leave_process_groups()
 
 
 def barrier(ctx: DistContext) -> None:

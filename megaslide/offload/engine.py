@@ -27,6 +27,15 @@ It is a step engine of `Trainer` (megaslide/train/engine.py), chosen by offload.
 `OffloadEngine.from_config` builds the model for it. Checkpoints are sharded: one file per
 block (master weights and moments) plus the resident state.
 
+Data parallel, ZeRO-3 style (`dp`, parallel.dp = P ranks, each training on its share of the global batch): each
+rank's host holds 1/P of every block's weights, gradient staging, master and moments (`Shard`, the flat block
+padded to P equal parts), and its CPU AdamW updates that shard only. The streamer copies the shard H2D and
+all-gathers the block on the device, one block ahead as before, and reduce-scatters each block's gradient (the
+replicas' mean) before the shard goes D2H. The resident (non-block) parameters are replicated, their gradients
+averaged in one all-reduce. The loss is the replicas' mean, and the clip norm is exact: the shards' squared norms
+are summed over the replicas. A checkpoint holds each rank's shard of each block (`block_shard`), and resumes on
+any number of ranks.
+
 Clipping scheme (global norm, exact): per-parameter gradient norms are computed on the
 device as each block's gradient is produced (no sync) and combined once, after the
 backward, in the model's parameter order, exactly as `clip_grad_norm_` combines them. The
@@ -60,19 +69,30 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
-from megaslide.config import DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from megaslide.checkpoint import (
+    BLOCK_LAYOUT,
+    SHARD_RANKS,
+    SHARDED_STATE,
+    block_shard,
+    load_checkpoint,
+    read_block,
+    save_sharded_checkpoint,
+)
+from megaslide.config import DiTConfig, ExecutionConfig, OffloadConfig, ParallelConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
 from megaslide.models.chunking import apply_execution, compile_blocks
 from megaslide.models.dit import DiTBlock, VideoDiT
 from megaslide.offload.cpu_adam import adamw_step_
-from megaslide.offload.host_state import BlockLayout, HostState
-from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
+from megaslide.offload.host_state import BlockLayout, HostState, Shard
+from megaslide.offload.streamer import BackwardResult, BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
+from megaslide.parallel.data_parallel import DataParallel
+from megaslide.parallel.mesh import ranks_per_node
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.host_memory import host_bytes, require_host_fit
@@ -94,9 +114,11 @@ class OffloadEngine:
     sharded_checkpoints = True
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
-                 offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None):
+                 offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None,
+                 dp: DataParallel = DataParallel.single()):
         offload_cfg.validate()
-        self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
+        check_sharding(offload_cfg, dp.size)
+        self.device, self.train_cfg, self.offload_cfg, self.dp = device, train_cfg, offload_cfg, dp
         self.param_dtype = precision_dtype(train_cfg.precision, device)
         self.cuda = cuda = device.type == "cuda"
         if cuda and offload_cfg.gpu_memory_fraction > 0:
@@ -107,12 +129,15 @@ class OffloadEngine:
             raise ValueError(f"offload.resident_blocks={offload_cfg.resident_blocks} exceeds the model's "
                              f"{depth} blocks; use at most {depth}")
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
-        require_host_fit(host_bytes(self.layout.numel, depth, self.param_dtype, pin_state),
-                         host_available_bytes(), what=f"the host state of {depth} blocks")
+        shard = Shard.of(self.layout.numel, dp.rank, dp.size)   # this rank's part of every block (all of it: P=1)
+        require_host_fit(host_bytes(shard.numel, depth, self.param_dtype, pin_state), host_available_bytes(),
+                         what=f"the host state of {depth} blocks" + (f" (1/{dp.size} of it per rank)" if dp.size > 1
+                                                                     else ""),
+                         ranks=dp.size, ranks_per_node=ranks_per_node() if dp.size > 1 else 1)
         stride = offload_cfg.boundary_stride
         parked = parked_inputs(depth, offload_cfg.resident_blocks, stride) if offload_cfg.activation_offload else 0
         self.host = HostState(self.layout, depth, self.param_dtype, pin=cuda, pin_optimizer_state=pin_state,
-                              input_buffers=parked)
+                              input_buffers=parked, shard=shard)
         for index, block in enumerate(model.blocks):
             if not any(p.is_meta for p in block.parameters()):
                 self.host.load_block_(index, self.layout.flatten(block))
@@ -137,7 +162,7 @@ class OffloadEngine:
                                       version=lambda i: self.versions[i], resident=offload_cfg.resident_blocks,
                                       offload_inputs=offload_cfg.activation_offload,
                                       run=lambda *inputs: self.model.runner.block(*inputs), stride=stride,
-                                      grad=lambda *inputs: self.model.runner.block_grad(*inputs))
+                                      grad=lambda *inputs: self.model.runner.block_grad(*inputs), group=dp.group)
         # fused on CUDA: its found_inf flag skips a non-finite step on the device, with no host sync
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay, fused=True if cuda else None)
@@ -148,7 +173,7 @@ class OffloadEngine:
         self.updater = self._make_updater(offload_cfg.optimizer_device)
         self._coef_host = torch.zeros((), pin_memory=cuda)
         self._landed: list = [None] * depth                       # per block: event of its gradient's D2H
-        self._spans = [[(0, self.layout.numel)] for _ in range(depth)]  # per block: ranges AdamW updates
+        self._spans = [[(0, shard.numel)] for _ in range(depth)]  # per block: ranges of its shard AdamW updates
         self._marks: dict[int, object] = {}
         self.step = 0
         self.phase = ""  # the part of the step running now (forward, loss, backward, optimizer step), for OOM reports
@@ -157,7 +182,8 @@ class OffloadEngine:
     def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
                     offload_cfg: OffloadConfig, grid: tuple[int, int, int],
                     pin_optimizer_state: bool | None = None, build_on_host: bool = False,
-                    execution: ExecutionConfig | None = None) -> OffloadEngine:
+                    execution: ExecutionConfig | None = None, dp: DataParallel = DataParallel.single()
+                    ) -> OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
 
@@ -169,7 +195,8 @@ class OffloadEngine:
         host by `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
         so the same statistics and the same exact zeros (adaLN-Zero gates, final layer), though
         not its random stream. `execution` says how the blocks run (`apply_execution`; its
-        checkpoint_blocks is moot: the engine recomputes every streamed block anyway)."""
+        checkpoint_blocks is moot: the engine recomputes every streamed block anyway). With `dp` the blocks' host
+        state is sharded over the data-parallel replicas, and train_cfg.batch_size is their global batch."""
         execution = execution or ExecutionConfig()
         for cfg in (model_cfg, train_cfg, offload_cfg):
             cfg.validate()
@@ -177,13 +204,15 @@ class OffloadEngine:
         if train_cfg.ema_decay > 0:
             raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
+        check_sharding(offload_cfg, dp.size)
         run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, grad_clip=train_cfg.grad_clip,
-                               execution=execution, offload=offload_cfg)
+                               execution=execution, offload=offload_cfg, parallel=ParallelConfig(dp=dp.size))
         plan = planner.plan_offload(run, param_dtype=precision_dtype(train_cfg.precision, device),
-                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host)
+                                    pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
+                                    ranks_per_node=ranks_per_node() if dp.size > 1 else 1)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
-              "pin_optimizer_state": pin_optimizer_state}
+              "pin_optimizer_state": pin_optimizer_state, "dp": dp}
         if build_on_host:
             return cls(apply_execution(VideoDiT(model_cfg), execution), **kw)
         with torch.device("meta"):
@@ -250,7 +279,9 @@ class OffloadEngine:
             with self.compute_ctx():
                 v = self.model.unembed(h, dataclasses.replace(e, t_emb=t_emb))  # (B, C, T, H, W)
                 loss = F.mse_loss(v.float(), (batch.noise - batch.x0).float())
-            loss_health = self._share_health(loss.detach().float().reshape(1))
+            # the global batch's loss: the replicas' mean (one process: this loss)
+            global_loss = self.dp.mean_(loss.detach().float().reshape(1).clone())    # (1,)
+            loss_health = self._share_health(global_loss)
             # autograd.grad, not .backward: a leaf's .grad is copied into the leaf's layout, and the
             # blocks' reductions must see the gradient exactly as a resident backward passes it on
             grad_h, grad_t_emb, *grads = torch.autograd.grad(loss, [h, t_emb, *self.resident_params],
@@ -264,8 +295,9 @@ class OffloadEngine:
         with compute.timed():
             torch.autograd.backward([e.x, e.t_mod, e.ctx, e.t_emb], [bw.grad_x, bw.grad_t_mod, bw.grad_ctx, grad_t_emb])
             self.phase = "optimizer step"
-            grad_norm = self._global_norm(bw.norms)
-            values = torch.stack([loss.detach().float(), grad_norm.float()])   # (2,)
+            self.dp.mean_grads_(self.resident_params, global_loss[:0])   # replicated: the replicas' mean gradient
+            grad_norm = self._global_norm(bw)
+            values = torch.cat([global_loss, grad_norm.float().reshape(1)])   # (2,)
             health = self._share_health(values)
             clip = self._clip_resident_and_share(grad_norm) if self.clip > 0 else None
             self._resident_update(values, health)
@@ -274,12 +306,12 @@ class OffloadEngine:
                 self._submit(UpdateJob(index, self.step + 1, lr, self._spans[index], tag, self._landed[index],
                                        None, clip, health))
         self.step += 1
-        return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
+        return {"loss": global_loss[0], "grad_norm": grad_norm.detach(), "lr": lr}
 
     def _on_block_grads(self, index: int, shell, landed, used: list[bool], *, step: int, lr: float,
                         health: StepHealth) -> None:
         self._landed[index] = landed
-        self._spans[index] = self.layout.spans(used)
+        self._spans[index] = self.host.shard.spans(self.layout.spans(used))
         if self.clip <= 0:
             device_grads = None if landed is not None else shell.grads
             self._submit(UpdateJob(index, step, lr, self._spans[index], self.step, landed, device_grads,
@@ -316,11 +348,16 @@ class OffloadEngine:
         self.versions[job.block] += 1
         self.updater.submit(job)
 
-    def _global_norm(self, block_norms: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    def _global_norm(self, bw: BackwardResult) -> torch.Tensor:
         """L2 norm of all gradients: per-parameter norms stacked in the model's parameter
-        order, then their norm (what clip_grad_norm_ computes)."""
+        order, then their norm (what clip_grad_norm_ computes). Sharded, the blocks' part is the sum over the
+        replicas of their shards' squared norms (one all-reduce), beside the replicated resident gradients'."""
         present = [(i, p.grad) for i, p in enumerate(self.resident_params) if p.grad is not None]
         resident = dict(zip((i for i, _ in present), torch._foreach_norm([g for _, g in present], 2)))
+        if self.dp.group is not None:
+            blocks = self.dp.sum_(torch.stack(bw.shard_squares).sum().reshape(1))[0]
+            return (blocks + torch.stack(list(resident.values())).float().square().sum()).sqrt()
+        block_norms = bw.norms
         norms = []
         for entry in self._norm_order:
             n = resident.get(entry[1]) if entry[0] == "resident" else block_norms[entry[1]].get(entry[2])
@@ -385,16 +422,28 @@ class OffloadEngine:
 
     # ---- state -----------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the model by name, fp32 on the CPU (blocks from the host master)."""
+        """Every parameter of the model by name, fp32 on the CPU (blocks from the host master; sharded, gathered
+        from the replicas: every rank calls it)."""
         self.flush()
+        masters = [self._master(index) for index in range(self.host.depth)]
         out = {}
         for name, entry in zip(self._param_names(), self._norm_order):
             if entry[0] == "resident":
                 out[name] = self.resident_params[entry[1]].detach().float().cpu().clone()
             else:
                 slot = self.layout.slots[entry[2]]
-                out[name] = self.host.blocks[entry[1]].master[slot.offset:slot.end].view(slot.shape).clone()
+                out[name] = masters[entry[1]][slot.offset:slot.end].view(slot.shape).clone()
         return out
+
+    def _master(self, index: int) -> torch.Tensor:
+        """Block `index`'s fp32 master weights (layout.numel,) on the CPU, all-gathered on the device from the
+        replicas' shards when sharded."""
+        master, shard = self.host.blocks[index].master, self.host.shard
+        if self.dp.group is None:
+            return master
+        whole = torch.empty(shard.padded, device=self.device)
+        dist.all_gather_single(whole, master.to(self.device), group=self.dp.group)
+        return whole[:self.layout.numel].cpu()
 
     def _param_names(self) -> list[str]:
         return [self.resident_names[e[1]] if e[0] == "resident" else f"blocks.{e[1]}.{self.layout.slots[e[2]].name}"
@@ -402,15 +451,19 @@ class OffloadEngine:
 
     # ---- checkpoints: a folder checkpoints/step_N/ of block_0000.pt ... and state.pt -----------------
     def save(self, path: Path, extra: dict) -> Path:
-        """Each block's master weights and moments in a file of its own, then the resident
-        parameters, their AdamW state, the step and block versions, the blocks' flat layout (so
-        that a reader needs no engine) and `extra` in state.pt."""
+        """Each block's master weights and moments in a file of its own (sharded: every rank writes its shard of
+        each, `block_shard`), then (rank 0) the resident parameters, their AdamW state, the step and block
+        versions, the blocks' flat layout (so that a reader needs no engine), the ranks and `extra` in state.pt.
+        Collective when sharded; the folder appears complete or not at all."""
         self.flush()
-        blocks = ((f"block_{index:04d}", self.host.block_state(index)) for index in range(self.host.depth))
+        shard = self.host.shard
+        blocks = ((block_shard(path, index, shard.rank, shard.ranks).stem, self.host.block_state(index))
+                  for index in range(self.host.depth))
         state = {"step": self.step, "versions": list(self.versions),
                  "params": {n: p.detach().cpu().clone() for n, p in zip(self.resident_names, self.resident_params)},
-                 "optimizer": self.optimizer.state_dict(), BLOCK_LAYOUT: self.layout.record(), **extra}
-        return save_sharded_checkpoint(path, blocks, state)
+                 "optimizer": self.optimizer.state_dict(), BLOCK_LAYOUT: self.layout.record(),
+                 SHARD_RANKS: shard.ranks, **extra}
+        return save_sharded_checkpoint(path, blocks, state, main=self.dp.is_main, barrier=self.dp.barrier)
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path / SHARDED_STATE)
@@ -419,8 +472,14 @@ class OffloadEngine:
             raise ValueError(f"checkpoint {str(path)!r} lays its blocks out otherwise than this model does; resume it "
                              f"with the model config it was saved with (its state.pt holds model_cfg)")
         self.flush()
+        saved_ranks, shard = state.get(SHARD_RANKS, 1), self.host.shard
         for index in range(self.host.depth):
-            self.host.load_block_state(index, load_checkpoint(path / f"block_{index:04d}.pt"))
+            if saved_ranks == shard.ranks:   # this rank's own file
+                part = load_checkpoint(block_shard(path, index, shard.rank, shard.ranks))
+            else:                            # saved over another number of ranks: the whole block, then its shard
+                whole = read_block(path, index, saved_ranks, self.layout.numel)
+                part = {key: shard.take(value) for key, value in whole.items()}
+            self.host.load_block_state(index, part)
         with torch.no_grad():
             for name, p in zip(self.resident_names, self.resident_params):
                 p.copy_(state["params"][name])
@@ -432,6 +491,14 @@ class OffloadEngine:
     def close(self) -> None:
         self.updater.close()
         self.host.close()
+
+
+def check_sharding(offload_cfg: OffloadConfig, ranks: int) -> None:
+    """The sharded engine (parallel.dp > 1) runs AdamW on the CPU, each rank over its shard."""
+    if ranks > 1 and offload_cfg.optimizer_device != "cpu":
+        raise ValueError(f"offload.optimizer_device={offload_cfg.optimizer_device!r} with parallel.dp={ranks}: the "
+                         f"sharded offload engine updates each rank's shard on the CPU; set "
+                         f"offload.optimizer_device=cpu (or parallel.dp=1)")
 
 
 def _initialised_blocks(cfg: DiTConfig, first: DiTBlock) -> Iterator[DiTBlock]:

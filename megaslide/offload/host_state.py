@@ -22,6 +22,8 @@ With activation offload (offload.activation_offload) the block inputs saved for 
 backward's recompute are parked in `InputBuffers`: one more arena, of one block input per
 parked block, pinned like the first and regrown only when the input grows.
 
+With data parallelism (`Shard`) each rank holds the same buffers for its 1/P shard of every block.
+
 Non-block parameters (patch embed, timestep MLPs, text encoder, caption projection, final
 layer) are not here: they are small and the engine keeps them resident on the device.
 """
@@ -42,9 +44,11 @@ from megaslide.perf.host_memory import (
     arena_sizes,
     host_bytes_per_param,
     round_up,
+    shard_numel,
 )
 
 FP32 = torch.float32
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -125,6 +129,43 @@ class BlockLayout:
                 out.append((slot.offset, slot.end))
             previous_used = u
         return out
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of every block's flat buffer that data-parallel rank `rank` of `ranks` holds (ZeRO-3 style):
+    elements [start, start + numel) of the block padded with zeros to `padded` = ranks x numel elements
+    (`shard_numel`). One rank holds the whole block (`Shard.whole`)."""
+
+    rank: int
+    ranks: int
+    numel: int
+
+    @classmethod
+    def of(cls, block_numel: int, rank: int, ranks: int) -> Shard:
+        return cls(rank, ranks, shard_numel(block_numel, ranks))
+
+    @classmethod
+    def whole(cls, block_numel: int) -> Shard:
+        return cls(0, 1, block_numel)
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.numel
+
+    @property
+    def padded(self) -> int:
+        return self.ranks * self.numel
+
+    def take(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's (numel,) part of a block's flat (n,) buffer, n <= padded (the padding reads as zero)."""
+        part = flat[self.start:self.start + self.numel]
+        return torch.cat([part, part.new_zeros(self.numel - len(part))]) if len(part) < self.numel else part
+
+    def spans(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Element ranges of the whole block (`BlockLayout.spans`) as ranges of this shard, those that meet it."""
+        out = [(max(lo, self.start) - self.start, min(hi, self.start + self.numel) - self.start) for lo, hi in spans]
+        return [(lo, hi) for lo, hi in out if lo < hi]
 
 
 class HostArena:
@@ -230,14 +271,16 @@ class HostBlock:
 
 
 class HostState:
-    """Host buffers of all `depth` blocks; see the module docstring for the layout."""
+    """Host buffers of all `depth` blocks, or of this rank's `shard` of each (every buffer then holds
+    shard.numel elements); see the module docstring for the layout."""
 
     def __init__(self, layout: BlockLayout, depth: int, param_dtype: torch.dtype, *, pin: bool,
-                 pin_optimizer_state: bool = False, input_buffers: int = 0):
+                 pin_optimizer_state: bool = False, input_buffers: int = 0, shard: Shard | None = None):
         if param_dtype not in (torch.bfloat16, FP32):
             raise ValueError(f"param_dtype={param_dtype} is not supported; use torch.bfloat16 or torch.float32")
         self.layout, self.depth, self.param_dtype = layout, depth, param_dtype
-        n, aliased = layout.numel, param_dtype == FP32
+        self.shard = shard or Shard.whole(layout.numel)
+        n, aliased = self.shard.numel, param_dtype == FP32
         pinned_sizes, pageable_sizes = arena_sizes(n, depth, param_dtype, pin_optimizer_state)
         self.pinned_arena = HostArena(pinned_sizes, pin)
         self.pageable_arena = HostArena(pageable_sizes, False)
@@ -257,10 +300,10 @@ class HostState:
 
     # ---- contents ----------------------------------------------------------------------------
     def load_block_(self, index: int, master: torch.Tensor) -> None:
-        """Set block `index`'s weights from a (numel,) fp32 flat (see `BlockLayout.flatten`);
-        moments are reset to zero."""
+        """Set block `index`'s weights from a (layout.numel,) fp32 flat of the whole block (see
+        `BlockLayout.flatten`; this rank's shard of it is kept); moments are reset to zero."""
         b = self.blocks[index]
-        b.master.copy_(master)
+        b.master.copy_(self.shard.take(master))
         if b.weights is not b.master:
             b.weights.copy_(b.master)  # round to nearest even, as the fused AdamW writes it
         b.exp_avg.zero_()
@@ -269,17 +312,17 @@ class HostState:
         self.loaded[index] = True
 
     def block_state(self, index: int) -> dict[str, torch.Tensor]:
-        """Copies of block `index`'s master weights and moments (what a checkpoint needs)."""
+        """Copies of block `index`'s master weights and moments, this rank's shard (what a checkpoint needs)."""
         b = self.blocks[index]
         return {"master": b.master.clone(), "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
 
     def load_block_state(self, index: int, state: dict[str, torch.Tensor]) -> None:
         b = self.blocks[index]
         for key in ("master", "exp_avg", "exp_avg_sq"):
-            if state[key].shape != (self.layout.numel,):
+            if state[key].shape != (self.shard.numel,):
                 raise ValueError(f"checkpoint block {index} {key} has shape {tuple(state[key].shape)}, but this "
-                                 f"model's blocks have {self.layout.numel} elements; load a checkpoint of the "
-                                 f"same model config")
+                                 f"rank's shards of the model's blocks have {self.shard.numel} elements; load a "
+                                 f"checkpoint of the same model config")
         b.master.copy_(state["master"])
         if b.weights is not b.master:
             b.weights.copy_(b.master)
@@ -300,7 +343,7 @@ class HostState:
     def bytes_report(self) -> dict:
         """Bytes per parameter by buffer, and the totals actually allocated."""
         per_param = host_bytes_per_param(self.param_dtype)
-        params = self.layout.param_count * self.depth
+        params = self.layout.param_count * self.depth / self.shard.ranks   # this rank's share
         return {"block_params": params, "bytes_per_param": per_param,
                 "bytes_per_param_total": sum(per_param.values()),
                 "bytes_per_param_allocated": self.total_bytes / params,

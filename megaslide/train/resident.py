@@ -4,7 +4,8 @@ bf16 autocast where train.precision asks for it, global gradient-norm clipping, 
 non-finite loss or gradient norm before the update (one host sync per step reads both), an optional
 EMA copy (sampled from when kept) and, with train.compile, the blocks' token-wise work compiled
 (`compile_blocks`, megaslide/models/chunking.py, as the offload engine does). It is the
-reference the offload engine (megaslide/offload) is tested against.
+reference the offload engine (megaslide/offload) is tested against. With data parallelism
+(`DataParallel`) each replica holds the whole model and the gradients are averaged before clipping.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import flow_matching_loss
 from megaslide.models.chunking import compile_blocks
 from megaslide.models.dit import VideoDiT
+from megaslide.parallel.data_parallel import DataParallel
 from megaslide.train.engine import check_finite
 
 
@@ -30,8 +32,9 @@ class ResidentEngine:
 
     sharded_checkpoints = False
 
-    def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig):
-        self.model, self.device, self.cfg = model, device, train_cfg
+    def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
+                 dp: DataParallel = DataParallel.single()):
+        self.model, self.device, self.cfg, self.dp = model, device, train_cfg, dp
         self.autocast_dtype = torch.bfloat16 if precision_dtype(train_cfg.precision, device) == torch.bfloat16 else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
@@ -59,6 +62,8 @@ class ResidentEngine:
         self.phase = "backward"
         loss.backward()
         self.phase = "optimizer step"
+        # data parallel: the replicas' mean gradient and loss, those of the global batch (one collective)
+        loss = self.dp.mean_grads_(list(self.model.parameters()), loss.detach().float().reshape(1))[0]
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()  # one host sync
