@@ -1,8 +1,9 @@
 """Sequence-parallel training of one clip: its token rows split over the P ranks of an SP group.
 
-`SequenceParallel(model, group, parallel, grid)` is applied to a built model from outside: it installs a
-`ShardRunner` (a `BlockRunner` that keeps the model's execution config: chunks, slabs, block checkpoints) and
-gives the loss of this rank's share of the clip. Every rank holds the whole model and the whole batch (the same
+`SequenceParallel(model, group, parallel, grid)` is applied to a built model from outside and gives the loss of
+this rank's share of the clip; while it runs the model, the model's blocks go through a `ShardRunner` (a
+`BlockRunner` that keeps the model's own execution config: chunks, slabs, block checkpoints, compile), and at
+any other time the model is the one-process model it was (sampling, checkpoints, an EMA copy). Every rank holds the whole model and the whole batch (the same
 seeded batch), and runs the model on its own rows only: the patch embedding, timestep modulation, token-wise
 block work and final layer act on each row alone (`embed_shard`, `head`), so only self-attention needs other
 ranks' tokens. How depends on the variant's `sp_form`:
@@ -23,6 +24,7 @@ gradient: `reduce_gradients` all-reduces them (sum) over the group, `reduce_loss
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -92,8 +94,8 @@ class ShardRunner(BlockRunner):
 
 
 class SequenceParallel:
-    """This rank's share of one clip of token grid `grid` over `group` (P ranks) for training `model`; installs
-    the model's `ShardRunner`. `parallel` gives the dense attention's SP form (sp_mode and its degrees)."""
+    """This rank's share of one clip of token grid `grid` over `group` (P ranks) for training `model`.
+    `parallel` gives the dense attention's SP form (sp_mode and its degrees)."""
 
     def __init__(self, model: VideoDiT, group: dist.ProcessGroup, parallel: ParallelConfig,
                  grid: tuple[int, int, int]):
@@ -106,7 +108,20 @@ class SequenceParallel:
         self.group, self.parallel, self.grid, self.model = group, parallel, grid, model
         self.shard = FrameShard(T, H * W, world, rank) if form == "frames" else TokenShard(T * H * W, world, rank)
         self._ropes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        model.runner = ShardRunner(model.runner, self)
+        self._runners: tuple[BlockRunner, ShardRunner] | None = None  # (the model's runner, its sharded form)
+
+    @contextlib.contextmanager
+    def sharded(self):
+        """The model's blocks run on this rank's rows (`ShardRunner`, built from the model's runner) inside."""
+        model = self.model
+        base = model.runner
+        if self._runners is None or self._runners[0] is not base:
+            self._runners = (base, ShardRunner(base, self))
+        model.runner = self._runners[1]
+        try:
+            yield
+        finally:
+            model.runner = base
 
     def window_rope(self, a: int, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ((b - a) * H * W, d/2) of the clip's token frames [a, b) (built once per window)."""
@@ -124,7 +139,8 @@ class SequenceParallel:
         rows = self.shard.take(patchify(xt, model.cfg.patch_size))                   # (B, n, pv*C)
         ctx, ctx_mask = model.embed_context(context, context_mask)                   # (B, L, D), (B, L)
         rope = shard_rope(model.rope_table(self.grid), self.grid, 0, self.shard, xt.device)  # (n, d/2) x 2
-        v = forward_shard(model, rows, t, ctx, ctx_mask, rope, self.grid)           # (B, n, pv*C)
+        with self.sharded():
+            v = forward_shard(model, rows, t, ctx, ctx_mask, rope, self.grid)       # (B, n, pv*C)
         return v[:, :self.shard.valid]
 
     def loss(self, x0: torch.Tensor, context: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,

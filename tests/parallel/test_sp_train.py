@@ -7,18 +7,22 @@ rows of the velocity, its part of the loss and, after `reduce_gradients`, every 
 the reference (fp32; the SP step sums the same terms in another order). Clips of 7 token frames do not divide
 over 2 or 3 ranks; DSA's offsets are driven to near their bound, so samples land in halo frames; with
 max_offset 2.5 the halo (6 frames) is longer than a neighbour's shard, so halos come from ranks two away.
-Swin runs shifted and unshifted layers over 8 frames with windows of 2 and 4 frames along t.
+Swin runs shifted and unshifted layers over 8 frames with windows of 2 and 4 frames along t. Bad configs are
+refused by `RunConfig.validate` (before anything is built), naming the key.
 """
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megaslide.config import ExecutionConfig, ParallelConfig
+from megaslide.attention.dense import DenseAttention
+from megaslide.config import (AttentionConfig, DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, ParallelConfig,
+                              RunConfig)
 from megaslide.diffusion.flow import TIME_SCALE, flow_matching_loss, interpolate
 from megaslide.models.dit import build_dit, patchify
 from megaslide.models.chunking import apply_execution
@@ -115,3 +119,32 @@ def _run(rank: int, world: int, names: list[str]) -> None:
 ])
 def test_sp_training_equals_one_process(world, names):
     spawn(_run, world, (names,))
+
+
+def _run_config(**parallel) -> RunConfig:
+    model = DiTConfig(attention=AttentionConfig("dsa"))
+    return RunConfig(model=model, data=DataConfig(frames=5, height=8, width=8), parallel=ParallelConfig(**parallel))
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"sp": 6}, "parallel.sp=6 is larger than the clip's 5 token frames"),
+    ({"sp": 2, "sp_mode": "rings"}, "parallel.sp_mode='rings'"),
+])
+def test_bad_sequence_parallel_configs_are_refused_naming_the_key(change, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        _run_config(**change).validate()
+
+
+def test_sp_needs_an_attention_with_an_sp_form_the_resident_trainer_and_fitting_degrees(monkeypatch):
+    run = _run_config(sp=2)
+    run.validate()
+    run.offload = OffloadConfig(enabled=True)
+    with pytest.raises(ValueError, match=r"parallel.sp=2 trains on the resident trainer only: set offload=none"):
+        run.validate()
+    run = _run_config(sp=3)
+    run.model.attention = AttentionConfig("dense")
+    with pytest.raises(ValueError, match=r"parallel.sp_mode='ulysses' on parallel.sp=3 ranks: heads=4"):
+        run.validate()
+    monkeypatch.setattr(DenseAttention, "sp_form", None)  # a variant without a sequence-parallel form
+    with pytest.raises(ValueError, match=r"parallel.sp=3 with attention.name='dense': this attention has no"):
+        run.validate()
