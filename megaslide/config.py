@@ -310,10 +310,11 @@ class ParallelConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1, or null to derive it")
 
-    def check_sequence_parallel(self, model: DiTConfig, grid: tuple[int, int, int], offload: OffloadConfig) -> None:
+    def check_sequence_parallel(self, model: DiTConfig, grid: tuple[int, int, int], offload: OffloadConfig,
+                                train: TrainConfig) -> None:
         """That `sp` ranks can train one clip of token grid `grid` (megaslide/parallel/sp_train.py): at most one
         rank per token frame, an attention with a sequence-parallel form (dense in `sp_mode`), the resident
-        trainer. ValueError naming the key, before anything is built."""
+        trainer, eager blocks. ValueError naming the key, before anything is built."""
         if self.sp == 1:
             return
         attention = model.attention
@@ -327,6 +328,8 @@ class ParallelConfig:
         if offload.enabled:
             raise ValueError(f"parallel.sp={self.sp} trains on the resident trainer only: set offload=none (the "
                              f"offload engine, its activation offload and boundary stride have no SP form)")
+        if train.compile:
+            raise ValueError(f"parallel.sp={self.sp} runs its blocks eager: set train.compile=false")
         if form == "global":
             try:
                 resolve_degrees(self.sp_mode, self.sp, model.num_heads, self.ulysses_degree, self.ring_degree)
@@ -368,7 +371,7 @@ class RunConfig:
             raise ValueError(f"train.batch_size={self.train.batch_size} (the global batch) is not divisible by "
                              f"parallel.dp={self.parallel.dp}: each data-parallel rank takes an equal share; use a "
                              f"multiple of {self.parallel.dp}")
-        self.parallel.check_sequence_parallel(self.model, self.grid, self.offload)
+        self.parallel.check_sequence_parallel(self.model, self.grid, self.offload, self.train)
 
 
 def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, offload: OffloadConfig,

@@ -2,11 +2,11 @@
 
 `SequenceParallel(model, group, parallel, grid)` is applied to a built model from outside and gives the loss of
 this rank's share of the clip; while it runs the model, the model's blocks go through a `ShardRunner` (a
-`BlockRunner` that keeps the model's own execution config: chunks, slabs, block checkpoints, compile), and at
-any other time the model is the one-process model it was (sampling, checkpoints, an EMA copy). Every rank holds the whole model and the whole batch (the same
-seeded batch), and runs the model on its own rows only: the patch embedding, timestep modulation, token-wise
-block work and final layer act on each row alone (`embed_shard`, `head`), so only self-attention needs other
-ranks' tokens. How depends on the variant's `sp_form`:
+`BlockRunner` that keeps the model's own execution config: chunks, slabs, block checkpoints), and at
+any other time the model is the one-process model it was (sampling, checkpoints, an EMA copy). Every rank holds
+the whole model and the whole batch (the same seeded batch), and runs the model on its own rows only: the patch
+embedding, timestep modulation, token-wise block work and final layer act on each row alone (`embed_shard`,
+`head`), so only self-attention needs other ranks' tokens. How depends on the variant's `sp_form`:
 
 - "frames" (dsa, dsa_zero, swin): rank r owns whole token frames (`halo.FrameShard`: runs of T // P or
   T // P + 1 frames, not padded). Before each block's attention the rank receives the frames of the other ranks
@@ -15,7 +15,7 @@ ranks' tokens. How depends on the variant's `sp_form`:
   work and attention run over [halo before | own frames | halo after] with the clip's RoPE positions, and only
   the own queries go on (the frame slabs of chunking.py, with a halo that comes from other ranks).
 - "global" (dense): rank r owns rows [r * n, r * n + valid) with n = ceil(N / P), tail-padded
-  (`megaslide.parallel.padding.TokenShard`); the attention is `sequence_parallel_attention` in
+  (`megaslide.inference.sharded.TokenShard`); the attention is `sequence_parallel_attention` in
   `parallel.sp_mode` (ulysses, ring, hybrid, torus), whose all-to-all and ring exchanges have their own backward.
 
 Loss: each rank's squared error summed over its real rows, divided by the element count of the whole batch, so

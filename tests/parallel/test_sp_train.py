@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megaslide.attention.dense import DenseAttention
 from megaslide.config import (AttentionConfig, DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, ParallelConfig,
-                              RunConfig)
+                              RunConfig, TrainConfig)
 from megaslide.diffusion.flow import TIME_SCALE, flow_matching_loss, interpolate
 from megaslide.models.dit import build_dit, patchify
 from megaslide.models.chunking import apply_execution
@@ -140,6 +140,9 @@ def test_sp_needs_an_attention_with_an_sp_form_the_resident_trainer_and_fitting_
     run.validate()
     run.offload = OffloadConfig(enabled=True)
     with pytest.raises(ValueError, match=r"parallel.sp=2 trains on the resident trainer only: set offload=none"):
+        run.validate()
+    run.offload, run.train = OffloadConfig(), TrainConfig(compile=True)
+    with pytest.raises(ValueError, match=r"parallel.sp=2 runs its blocks eager: set train.compile=false"):
         run.validate()
     run = _run_config(sp=3)
     run.model.attention = AttentionConfig("dense")
