@@ -1,7 +1,7 @@
 """A sequence-parallel training step of one clip on P GPUs (issue 37: SP on the 1B 256-frame clip).
 
 Started by torchrun with P processes (or plain python for P = 1), it trains the run of train.py's groups
-(experiments/conf/sp_training.yaml: 1B, DSA, 32 latent frames of 1080p) with parallel.sp = P on the resident
+(experiments/conf/sp_training.yaml: 1B, DSA, 48 latent frames of 1080p) with parallel.sp = P on the resident
 trainer and times the step (median and spread of `repeats`, the slowest rank's). In the same run it measures what
 the cost model (megaslide/parallel/sp_cost.py) needs: one halo exchange of the busiest rank (forward and
 backward) and the gradient all-reduce, as bandwidths. It fits the one-GPU blocks' time to the measured step and
