@@ -61,7 +61,7 @@ class Watchdog:
         try:
             yield
         finally:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():  # a graph runs later
                 entry.event = torch.cuda.Event()
                 entry.event.record()
             entry.host_done = True
