@@ -64,9 +64,10 @@ def read_block(folder: str | Path, index: int, ranks: int, numel: int) -> dict[s
     for key, value in state.items():
         sizes = {len(part[key]) for part in parts}
         if len(sizes) > 1 or len(value) < numel or (ranks == 1 and len(value) != numel):
-            raise ValueError(f"checkpoint folder {str(folder)!r}: block {index}'s {key} holds {len(value)} "
-                             f"elements in parts of {sorted(sizes)}, but its {BLOCK_LAYOUT} record places {numel}; "
-                             f"the folder mixes checkpoints of different models, use a complete one")
+            files = str(block_shard(folder, index)) if ranks == 1 else f"{folder}/block_{index:04d}.rank*of{ranks}.pt"
+            raise ValueError(f"checkpoint file {files!r} holds {len(value)} {key} elements (parts of "
+                             f"{sorted(sizes)}), but its {BLOCK_LAYOUT} record places {numel}; the folder mixes "
+                             f"checkpoints of different models, use a complete one")
     return {key: value[:numel] for key, value in state.items()}
 
 

@@ -458,7 +458,8 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     Data parallel (run.parallel.dp = P): one rank's step, on its batch share (train.batch_size / P), its 1/P shard of
     the block state (host bytes, H2D and D2H bytes, CPU AdamW work fall by P), plus the all-gather of every block
     load and the reduce-scatter of every block gradient at `Ceilings.collective_GBps` (each moves (P-1)/P of the
-    block), which run beside compute on their own stream. `ranks_per_node` (default: all P on one node) share a
+    block): the engine issues them on the H2D and the D2H lane, after and before the shard's copy, so they add
+    to those lanes' seconds and overlap compute as the copies do. `ranks_per_node` (default: all P on one node) share a
     node's host RAM (`node_host_total`, what `check_fits` compares with the node)."""
     cfg, execution, offload = run.model, run.execution, run.offload
     ranks = run.parallel.dp
@@ -517,9 +518,10 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
                                         execution=execution, block_grads=depth - k if block_grad else 0)
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
-    if ranks > 1:   # all-gather per load, reduce-scatter per block: each moves (P-1)/P of the padded block
-        moved = (ranks - 1) * shard * w * (loads + depth)
-        seconds["collectives"] = moved / (ceilings.collective_GBps * 1e9)
+    if ranks > 1:   # after each load's H2D its all-gather, before each gradient's D2H its reduce-scatter, on the lane
+        block_moved = (ranks - 1) * shard * w        # each moves (P-1)/P of the padded block per rank
+        seconds["h2d"] += block_moved * loads / (ceilings.collective_GBps * 1e9)
+        seconds["d2h"] += block_moved * depth / (ceilings.collective_GBps * 1e9)
     pinned = arenas["pinned"] + parked * input_bytes
     peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), param_dtype, optimizer_device, grad_clip, params, block_params,
@@ -553,7 +555,8 @@ class ResidentPlan(PhasedHBM):
 
 def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
     """HBM of a steady-state step of the resident trainer on `run` (one data-parallel rank's share of
-    train.batch_size clips of its data's token grid) with checkpoint_blocks, its blocks otherwise run as run.execution says (allocates nothing).
+    train.batch_size clips of its data's token grid) with checkpoint_blocks, its blocks otherwise run as
+    run.execution says (allocates nothing).
 
     fp32 weights, gradients and AdamW moments of every parameter stay on the device. Under bf16
     autocast the forward caches a bf16 copy of every weight until it ends (the recompute casts one
@@ -616,8 +619,8 @@ def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_ava
         if plan.ranks > 1:
             need = (f"parallel.dp={plan.ranks} with {plan.ranks_per_node} ranks on a node needs "
                     f"{plan.node_host_total / GB:.1f} GB there, {plan.host_total / GB:.1f} GB per rank ({items})")
-            fix = (f"Spread parallel.dp over more nodes (fewer ranks per node) or raise it: each rank holds "
-                   f"1/parallel.dp of the block state; or use a smaller model")
+            fix = ("Spread parallel.dp over more nodes (fewer ranks per node) or raise it: each rank holds "
+                   "1/parallel.dp of the block state; or use a smaller model")
         else:
             need = f"it needs {plan.host_total / GB:.1f} GB ({items}"
             need += f"; {plan.params / 1e9:.2f} B params, {plan.tokens} tokens per step)"

@@ -144,13 +144,17 @@ class Trainer:
         the output folder) unless training is past it already, and say which; nothing for a fresh run."""
         if self.resume_from is not None and self.step < self.resume_from[1]:
             self.load(self.resume_from[0])
-            print(f"resumed from {self.resume_from[0]} at step {self.step}")
+            if self.dp.is_main:
+                print(f"resumed from {self.resume_from[0]} at step {self.step}")
 
     def export_model(self, path: str | Path) -> Path:
         """The sampling weights in the single-file format (fp32 `model` state dict, no optimizer
-        state), which experiments/sample.py reads whichever engine trained them."""
-        return save_checkpoint(path, {"step": self.step, "model": self.engine.model_state_dict(), "ema": None,
-                                      **self._configs()})
+        state), which experiments/sample.py reads whichever engine trained them. Data parallel: every rank calls
+        it (the sharded engine gathers the weights), rank 0 writes."""
+        model = self.engine.model_state_dict()
+        if not self.dp.is_main:
+            return Path(path)
+        return save_checkpoint(path, {"step": self.step, "model": model, "ema": None, **self._configs()})
 
     # ---- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
