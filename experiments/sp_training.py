@@ -126,6 +126,10 @@ def predictions(cfg: SPTrainingConfig, run, world: int, step_s: float, comm: dic
 def benchmark(cfg: SPTrainingConfig, hydra_cfg: DictConfig) -> None:
     world = world_size_from_env()
     run = compose_run(hydra_cfg, [*(SMOKE if cfg.smoke else []), f"parallel.sp={world}"])
+    attn = run.model.attention
+    if attn.variant.temporal_reach(attn.options) is None:
+        raise ValueError(f"attention={attn.name}: the cost model of experiments/sp_training.py counts a halo of "
+                         f"bounded reach; use attention=dsa or attention=dsa_zero")
     device = resolve_device(run.train.device, key="train.device", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     mesh = init_training_mesh(run.parallel, device)
     rank = 0 if mesh is None else mesh.get_rank()
