@@ -49,8 +49,9 @@ from omegaconf import DictConfig
 from baselines.swin_attention import SwinAttention
 from experiments.dsa_candidates import launch_of
 from experiments.harness import ExperimentRun
+from experiments.module_cell import KERNEL, module_fn
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, matmul_tflops, measure, timed
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
@@ -59,7 +60,7 @@ from megaslide.attention.dsa.op import check_kernel_size
 from megaslide.testing import deterministic_algorithms, within_tolerance
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
-KERNEL, WINDOW = (3, 3, 3), (2, 4, 4)
+WINDOW = (2, 4, 4)
 SWIN = "swin" + "x".join(map(str, WINDOW))
 VARIANTS = ("dense", SWIN, "dsa_reference", "dsa_fused", "dsa_fused_fwd", "dsa_fused_deterministic", "dsa_zero_fused")
 MODULES = ("dsa", "dsa_zero")
@@ -159,27 +160,6 @@ def variant_fns(grid, heads, d, dtype, device, max_offset=4.0):
     return {"dense": (dense, n), SWIN: (swin, math.prod(win)), "dsa_reference": (dsa("reference"), K),
             "dsa_fused": (dsa("triton"), K), "dsa_fused_fwd": (dsa("triton", backward=False), K),
             "dsa_fused_deterministic": (dsa("triton", deterministic=True), K), "dsa_zero_fused": (dsa_zero, K)}
-
-
-def module_fn(name, grid, heads, d, device, backend):
-    """setup() -> step closure: the `name` module's attend (offset net + op) fwd+bwd on bf16 q, k, v and
-    block input x under bf16 autocast over fp32 weights on CUDA; fp32 without autocast on CPU."""
-    def setup():
-        cuda = device.type == "cuda"
-        dtype = torch.bfloat16 if cuda else torch.float32
-        g = torch.Generator(device=device).manual_seed(0)
-        n, dim = math.prod(grid), heads * d
-        q, k, v = (torch.randn(1, n, heads, d, generator=g, device=device, dtype=dtype).requires_grad_()
-                   for _ in range(3))
-        x = torch.randn(1, n, dim, generator=g, device=device, dtype=dtype).requires_grad_()  # (1, N, D)
-        attn = build_attention(name, dim, heads, kernel_size=KERNEL, backend=backend).to(device)
-
-        def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                o = attn.attend(q, k, v, x, grid)  # (1, N, heads, d)
-            o.float().sum().backward()
-        return step
-    return setup
 
 
 def _print_row(row: dict) -> None:
@@ -544,7 +524,7 @@ def load_baseline(name: str) -> dict | None:
 
 @script_main("bench_attention")
 def main(hydra_cfg: DictConfig) -> None:
-    preset = SMOKE if hydra_cfg.smoke else QUICK if hydra_cfg.quick else None
+    preset = trial_preset(hydra_cfg, smoke=SMOKE, quick=QUICK)
     cfg = script_config(BenchAttentionConfig, hydra_cfg, preset)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import copy_gbps, timed
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from megaslide.offload import cpu_adam
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -243,7 +243,8 @@ def print_table(payload: dict) -> None:
 @script_main("bench_cpu_adam")
 def main(hydra_cfg: DictConfig) -> None:
     threads = hydra_cfg.threads or torch.get_num_threads()
-    cfg = script_config(BenchCpuAdamConfig, hydra_cfg, {"threads": threads, **(TINY if hydra_cfg.tiny else {})})
+    tiny = trial_preset(hydra_cfg, tiny=TINY) or {}
+    cfg = script_config(BenchCpuAdamConfig, hydra_cfg, {"threads": threads, **tiny})
     name = cfg.name or ("tiny" if cfg.tiny else "n" + "-".join(str(n) for n in cfg.params) + f"_t{cfg.threads}")
     run = ExperimentRun("cpu_adam", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project, trial=cfg.tiny)
     payload = bench(cfg.params, cfg.threads, cfg.warmup, cfg.iters, cfg.bw_bytes)

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, check_line, kernel_check_device
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from megaslide.nn.rope import RopeTable
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, measure
 from megaslide.testing import check_qk_rope
@@ -159,7 +159,7 @@ def bench(cfg: BenchQKRopeConfig) -> int:
 @script_main("bench_qk_rope")
 def main(hydra_cfg: DictConfig) -> None:
     """Exit status 0: the check passed and the cells ran; 1: the check failed (nothing timed); 2: no GPU."""
-    sys.exit(bench(script_config(BenchQKRopeConfig, hydra_cfg, SMOKE if hydra_cfg.smoke else None)))
+    sys.exit(bench(script_config(BenchQKRopeConfig, hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE))))
 
 
 if __name__ == "__main__":

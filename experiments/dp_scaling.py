@@ -5,12 +5,15 @@ Launched under torchrun on one node of P GPUs (P = the world size; NCCL, or gloo
 1. ceilings, in this run: PCIe each way (rank 0, CUDA) and the bus bandwidth of all-gather and reduce-scatter of one
    block's flat bf16 weights over the P ranks ((P-1)/P x bytes / time, the slowest rank's time);
 2. one GPU: rank 0 trains the run with the unsharded engine (train.batch_size = clips_per_gpu clips) while the
-   other ranks wait: the step time and its breakdown (compute, H2D, D2H, CPU AdamW) and the engine's host state;
+   other ranks wait: the step time and its breakdown (compute, H2D, D2H, CPU AdamW) and the engine's host state.
+   Skipped with one_gpu=false, or refused when one process cannot hold the model (its row is then the predicted
+   one, with the reason): a model beyond one host's RAM that P ranks hold;
 3. P GPUs: every rank trains its clips_per_gpu clips of the global batch with the engine sharded over the P ranks:
    the slowest rank's figures (each the largest over the ranks), the host state per rank;
 4. the cost model, megaslide/perf/planner.py's step for one data-parallel rank (`plan_offload` with parallel.dp):
    max(compute, H2D + all-gather, D2H + reduce-scatter, CPU AdamW) with the ceilings measured here, compute taken
-   from the one-GPU step (tokens per GPU are fixed) and the AdamW rate from its optimizer time. It is checked
+   from the one-GPU step (tokens per GPU are fixed; without one, the P-GPU step) and the AdamW rate from its
+   optimizer time. It is checked
    against the P-GPU step measured here (`model_error`) and predicts 4, 8 and 16 GPUs on nodes of
    `gpus_per_node` and two nodes of this machine's P; rows that were not run say `measured: predicted`. Across
    nodes a collective runs at the smaller of the measured bus bandwidth and `inter_node_GBps`, a stated figure
@@ -21,6 +24,7 @@ Writes results/dp_scaling/<name>.json (tables: rows) and the W&B run (harness.Ex
 
     torchrun --nproc-per-node=2 experiments/dp_scaling.py                 # 2 GPUs: 7B width, 32K tokens per GPU
     torchrun --nproc-per-node=2 experiments/dp_scaling.py model.depth=8   # fewer blocks: less host RAM and time
+    torchrun --nproc-per-node=2 experiments/dp_scaling.py model=14B one_gpu=false name=h200_x2_14B  # beyond 125 GiB
     torchrun --nproc-per-node=2 experiments/dp_scaling.py smoke=true      # tiny, CPU (gloo)
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from experiments.hydra_config import base_overrides, compose_run, script_config, script_main
+from experiments.hydra_config import base_overrides, compose_run, script_config, script_main, trial_preset
 from experiments.step_runs import clip_fields, synthetic_batch
 from megaslide.config import ParallelConfig, RunConfig
 from megaslide.device import precision_dtype, resolve_device
@@ -60,6 +64,7 @@ class DPScalingConfig:
 
     name: str
     smoke: bool
+    one_gpu: bool
     clips_per_gpu: int
     warmup_steps: int
     timed_steps: int
@@ -102,6 +107,7 @@ def train_steps(run: RunConfig, device: torch.device, dp: DataParallel, cfg: DPS
     """Warm-up and timed steps of the engine on `run` (its train.batch_size is the global batch of dp): the
     slowest rank's per-step breakdown and this rank's host bytes."""
     train = dataclasses.replace(run.train, device=device.type)
+    torch.manual_seed(train.seed)   # the same initial blocks on every rank
     engine = OffloadEngine.from_config(run.model, device=device, train_cfg=train, offload_cfg=run.offload,
                                        grid=run.grid, execution=run.execution, dp=dp)
     try:
@@ -137,22 +143,34 @@ def predict(run: RunConfig, gpus: int, per_node: int, ceilings: planner.Ceilings
             "predicted_host_GB_per_node": plan.node_host_total / GB}
 
 
-def model_ceilings(single: dict, run: RunConfig, busbw: dict, pcie: dict | None, inter_node: float | None) -> \
-        planner.Ceilings:
-    """The planner's ceilings from this run: PCIe each way, the CPU AdamW rate of the one-GPU step, the smaller
-    collective bus bandwidth (across nodes at most `inter_node`)."""
+def one_gpu(run: RunConfig, device: torch.device, cfg: DPScalingConfig) -> dict:
+    """The one-GPU step's figures (rank 0), or why there are none: `one_gpu=false`, or a model whose host state one
+    process cannot hold (the planner refuses it before allocating; the P-GPU run may still hold it)."""
+    if not cfg.one_gpu:
+        return {"status": "not run (one_gpu=false)"}
+    try:
+        return train_steps(run, device, DataParallel.single(), cfg)
+    except ValueError as err:
+        return {"status": f"refused: {err}"}
+
+
+def model_ceilings(reference: dict, ranks: int, run: RunConfig, busbw: dict, pcie: dict | None,
+                   inter_node: float | None) -> planner.Ceilings:
+    """The planner's ceilings from this run: PCIe each way, the CPU AdamW rate of the `reference` step (on `ranks`
+    GPUs, each updating 1/ranks of the blocks), the smaller collective bus bandwidth (across nodes at most
+    `inter_node`)."""
     base = planner.Ceilings()
-    blocks = run.model.depth * block_layout(run.model).param_count
+    blocks = run.model.depth * block_layout(run.model).param_count / ranks
     collective = min(busbw.values()) if busbw else base.collective_GBps
     pcie = pcie or {"h2d_GBps": base.h2d_GBps, "d2h_GBps": base.d2h_GBps}
-    adam = blocks / single["optimizer_s"] / 1e9 if single["optimizer_s"] > 0 else base.cpu_adam_gparams
+    adam = blocks / reference["optimizer_s"] / 1e9 if reference["optimizer_s"] > 0 else base.cpu_adam_gparams
     return dataclasses.replace(base, h2d_GBps=pcie["h2d_GBps"], d2h_GBps=pcie["d2h_GBps"], cpu_adam_gparams=adam,
                                collective_GBps=min(collective, inter_node) if inter_node else collective)
 
 
 @script_main("dp_scaling")
 def main(hydra_cfg: DictConfig) -> None:
-    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})
+    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
     cfg = script_config(DPScalingConfig, base)
     world = world_size_from_env()
     run = compose_run(base, [f"parallel.dp={world}", f"train.batch_size={world * cfg.clips_per_gpu}"])
@@ -171,28 +189,34 @@ def main(hydra_cfg: DictConfig) -> None:
     pcie = pcie_ceiling(device, cfg.pcie_probe_MiB * 2 ** 20) if device.type == "cuda" and dp.is_main else None
     dtype = precision_dtype(run.train.precision, device)
     busbw = collective_busbw(dp, block, dtype, device, cfg.collective_repeats) if world > 1 else {}
-    single = train_steps(single_run, device, DataParallel.single(), cfg) if dp.is_main else None
+    single = one_gpu(single_run, device, cfg) if dp.is_main else None
     dp.barrier()
     sharded = train_steps(run, device, dp, cfg) if world > 1 else None
     if exp is None:
         leave_process_groups()
         return
+    measured = {gpus: m for gpus, m in ((1, single), (world, sharded)) if m is not None and "step_time_s" in m}
+    if not measured:
+        raise ValueError(f"nothing was measured ({single['status']}): run on several GPUs, or with a model one "
+                         f"process holds")
+    # the model's calibration: the one-GPU step, else the P-GPU one (whose AdamW does 1/P of the blocks)
+    ranks, reference = min(measured.items())
+    intra, across = (model_ceilings(reference, ranks, run, busbw, pcie, cap) for cap in (None, cfg.inter_node_GBps))
     tokens = cfg.clips_per_gpu * math.prod(run.grid)
-    intra = model_ceilings(single, run, busbw, pcie, None)
-    across = model_ceilings(single, run, busbw, pcie, cfg.inter_node_GBps)
-    rows = []
-    for gpus, measured in [(1, single), *([(world, sharded)] if sharded else [])]:
-        row = {**predict(run, gpus, gpus, intra, single["compute_s"], cfg.clips_per_gpu),
-               "measured": "run", **measured, "tokens_per_s": gpus * tokens / measured["step_time_s"]}
+    rows = [] if 1 in measured else [{**predict(run, 1, 1, intra, reference["compute_s"], cfg.clips_per_gpu),
+                                      "measured": "predicted", **(single or {})}]
+    for gpus, m in measured.items():
+        row = {**predict(run, gpus, gpus, intra, reference["compute_s"], cfg.clips_per_gpu),
+               "measured": "run", **m, "tokens_per_s": gpus * tokens / m["step_time_s"]}
         row["model_error"] = abs(row["predicted_step_s"] - row["step_time_s"]) / row["step_time_s"]
         rows.append(row)
     predicted = [(g, min(g, cfg.gpus_per_node)) for g in cfg.predict_gpus] + [(2 * world, world)]
     for gpus, per_node in predicted:
         ceilings = intra if gpus <= per_node else across
-        rows.append({**predict(run, gpus, per_node, ceilings, single["compute_s"], cfg.clips_per_gpu),
+        rows.append({**predict(run, gpus, per_node, ceilings, reference["compute_s"], cfg.clips_per_gpu),
                      "measured": "predicted"})
-    for row in rows:   # measured against measured, predicted against predicted
-        if "tokens_per_s" in row:
+    for row in rows:   # measured against the measured GPU, predicted against the predicted one
+        if "tokens_per_s" in row and 1 in measured:
             row["speedup_vs_1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         row["predicted_speedup_vs_1"] = row["predicted_tokens_per_s"] / rows[0]["predicted_tokens_per_s"]
     payload = {"config": config, "ceilings": {"pcie": pcie, "collectives": busbw,
@@ -200,9 +224,11 @@ def main(hydra_cfg: DictConfig) -> None:
                                               "model_inter_node": dataclasses.asdict(across)},
                "tables": {"rows": rows}}
     headline = {}
-    if sharded is not None:
-        headline = {f"speedup_{world}gpu": rows[1]["speedup_vs_1"], f"model_error_{world}gpu": rows[1]["model_error"],
-                    "host_state_per_rank_ratio": rows[1]["host_state_GB_per_rank"] / rows[0]["host_state_GB_per_rank"]}
+    if world in measured and world > 1:
+        headline = {f"model_error_{world}gpu": rows[1]["model_error"], f"step_s_{world}gpu": rows[1]["step_time_s"]}
+        if 1 in measured:
+            headline.update({f"speedup_{world}gpu": rows[1]["speedup_vs_1"], "host_state_per_rank_ratio":
+                             rows[1]["host_state_GB_per_rank"] / rows[0]["host_state_GB_per_rank"]})
     progress(f"rows {rows}")
     progress(f"wrote {exp.finish(payload, headline)}")
     leave_process_groups()

@@ -9,16 +9,17 @@ import torch
 from experiments.hydra_config import model_config
 from megaslide.config import from_dict
 from megaslide.device import precision_dtype
-from megaslide.inference.weights import load_model
+from megaslide.inference.weights import caption_input, load_model
 
 
 def build_inputs(c: dict, device: torch.device):
-    """(model, noise (1, C, T, H, W), caption ids (1, L)), the same on every rank, from a generate_* config."""
+    """(model, noise (1, C, T, H, W), the caption as ids (1, L) or embeddings (`caption_input`)), the same on
+    every rank, from a generate_* config."""
     model = load_model(model_config(c["model"], c["attention"]), checkpoint=c["checkpoint"], seed=c["seed"],
                        device=device, dtype=precision_dtype(c["dtype"], device, key="dtype"))
     gen = torch.Generator().manual_seed(c["seed"])
     noise = torch.randn(1, model.cfg.in_channels, c["frames"], c["height"], c["width"], generator=gen)
-    return model, noise, model.tokenizer([c["caption"]]).to(device)
+    return model, noise, caption_input(model, [c["caption"]], device)
 
 
 def sampler_config(cls, c: dict):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -61,6 +62,47 @@ def script_main(config_name: str):
                 sys.exit(2 if isinstance(err, ValueError) else 3)
         return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run)
     return decorate
+
+
+def trial_preset(cfg: DictConfig | dict, **presets: dict) -> dict | None:
+    """The preset of the first trial flag set in `cfg` (e.g. smoke=SMOKE, quick=QUICK: sizes that replace the
+    script's), or None. A key given on the command line that the preset would replace is refused, naming both,
+    rather than lost without a word."""
+    for flag, preset in presets.items():
+        if cfg.get(flag):
+            replaced = _flat_keys(preset)
+            clash = [key for key in command_line_keys()
+                     if any(key == k or k.startswith(key + ".") or key.startswith(k + ".") for k in replaced)]
+            if clash:
+                raise ValueError(f"{flag}=true sets {', '.join(clash)} itself (its own small sizes): drop "
+                                 f"{', '.join(clash)} from the command line, or drop {flag}=true to run your sizes")
+            return preset
+    return None
+
+
+def command_line_keys() -> list[str]:
+    """The keys (and groups) this run's command line sets, without Hydra's +/++/~ prefixes ([] outside Hydra)."""
+    if not HydraConfig.initialized():
+        return []
+    return [line.lstrip("+~").split("=", 1)[0] for line in HydraConfig.get().overrides.task]
+
+
+def _flat_keys(tree: dict, prefix: str = "") -> list[str]:
+    return [k for key, value in tree.items()
+            for k in (_flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
+
+
+def require_ranges(cfg, *, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
+                   fraction: tuple[str, ...] = ()) -> None:
+    """A script config's numeric keys in range, each error naming the key: `positive` > 0, `non_negative` >= 0
+    (where 0 means "measure it" or "none"), `fraction` in (0, 1]. NaN fails every one of them."""
+    rules = [(positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0 (0: see its comment)"),
+             (fraction, lambda v: 0 < v <= 1, "in (0, 1]")]
+    for names, ok, wanted in rules:
+        for name in names:
+            value = getattr(cfg, name)
+            if not ok(value):
+                raise ValueError(f"{name}={value} must be {wanted}; see experiments/conf/ for its meaning and default")
 
 
 def model_config(model: dict, attention: dict) -> DiTConfig:

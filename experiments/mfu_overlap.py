@@ -43,7 +43,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from experiments.hydra_config import compose_run, refuse_moved, script_main, train_overrides
+from experiments.hydra_config import compose_run, refuse_moved, script_main, train_overrides, trial_preset
 from experiments.step_runs import clip_fields, non_finite, synthetic_batch
 from megaslide.config import DataConfig, ExecutionConfig, OffloadConfig, RunConfig, TrainConfig
 from megaslide.device import precision_dtype
@@ -84,7 +84,8 @@ def bench_config(cfg: DictConfig) -> DictConfig:
     naming its key."""
     bench = OmegaConf.to_container(cfg.bench, resolve=True)
     refuse_moved(bench, BENCH_MOVED, prefix="bench.", why="a field of the run, as on train.py")
-    return OmegaConf.create({**{k: v for k, v in bench.items() if k not in BENCH_MOVED}, **(TINY if cfg.tiny else {})})
+    tiny = trial_preset(cfg, tiny={"bench": TINY, **{line.split("=")[0]: None for line in TINY_RUN}})
+    return OmegaConf.create({**{k: v for k, v in bench.items() if k not in BENCH_MOVED}, **(TINY if tiny else {})})
 
 
 def engine_changes(tiny: bool, cuda: bool, depth: int | None = None, threads: int | None = None) -> list[str]:

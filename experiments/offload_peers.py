@@ -49,7 +49,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, progress
-from experiments.hydra_config import RUN_GROUPS, run_config, script_main
+from experiments.hydra_config import RUN_GROUPS, run_config, script_main, trial_preset
 from experiments.step_runs import NON_FINITE, non_finite, run_isolated
 from megaslide.config import RunConfig, from_dict
 from megaslide.data.build import build_dataset
@@ -331,7 +331,7 @@ def print_table(p: dict) -> None:
 
 @script_main("offload_peers")
 def main(cfg: DictConfig) -> None:
-    c = OmegaConf.to_container(OmegaConf.merge(cfg, SMOKE if cfg.smoke else {}), resolve=True)
+    c = OmegaConf.to_container(OmegaConf.merge(cfg, trial_preset(cfg, smoke=SMOKE) or {}), resolve=True)
     script = from_dict(PeersConfig, {f.name: c[f.name] for f in dataclasses.fields(PeersConfig)})
     script.validate()
     run = run_config({k: c[k] for k in RUN_GROUPS})         # every check before anything is built

@@ -71,7 +71,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.attention_time import AttendTimer, attend_rate
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from experiments.hydra_config import base_overrides, compose_run, script_config, script_main, train_overrides
+from experiments.hydra_config import (base_overrides, compose_run, require_ranges, script_config, script_main,
+                                      train_overrides, trial_preset)
 from experiments.report import render
 from experiments.step_runs import Step, clip_fields, non_finite, run_isolated, synthetic_batch
 from megaslide.config import AttentionConfig, RunConfig
@@ -156,6 +157,13 @@ class OOMConfig:
             if steps < 1 or warmup < 0:
                 raise ValueError(f"timed steps ({self.timed_steps}, long: {self.long_timed_steps}) must be >= 1 and "
                                  f"warm-up steps ({self.warmup_steps}, long: {self.long_warmup_steps}) >= 0")
+        require_ranges(self, positive=("long_step_s", "cell_time_limit_s", "refuse_over", "hide_ratio", "matmul_n",
+                                       "pcie_probe_MiB", "probe_frames"),
+                       non_negative=("time_budget_s", "hbm_budget_GB", "host_budget_GB", "hide_min_tokens"),
+                       fraction=("host_ram_fraction",))
+        bad = [f for f in [*self.frames, *(f for r in self.rows for f in r.frames)] if f < 1]
+        if bad:
+            raise ValueError(f"frames {bad} must be >= 1 (latent frames of a cell)")
 
     def row_specs(self) -> list[RowSpec]:
         """`rows`, or every attention with all `modes` and `frames`."""
@@ -500,7 +508,7 @@ def over_time(cell: Cell, estimate_s: float, limit_s: float) -> bool:
 
 @script_main("oom_thresholds")
 def main(hydra_cfg: DictConfig) -> None:
-    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})   # the script's run and its own keys
+    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
     cfg = script_config(OOMConfig, base)
     name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
     deadline = time.monotonic() + (cfg.time_budget_s if cfg.time_budget_s > 0 else math.inf)

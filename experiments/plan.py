@@ -44,8 +44,15 @@ class PlanConfig:
 def plan_config(cfg: DictConfig) -> PlanConfig:
     """plan.yaml's config: the RunConfig of its train.yaml part (validated, for any device) and its own keys."""
     c = OmegaConf.to_container(cfg, resolve=True)
-    return from_dict(PlanConfig, {"run": run_config(c, check_device=False), "check": c["check"],
-                                  "ranks_per_node": c["ranks_per_node"], "ceilings": c["ceilings"]})
+    config = from_dict(PlanConfig, {"run": run_config(c, check_device=False), "check": c["check"],
+                                    "ranks_per_node": c["ranks_per_node"], "ceilings": c["ceilings"]})
+    stated_ceilings(config)   # refused here, whatever the run (a resident plan uses none)
+    return config
+
+
+def stated_ceilings(cfg: PlanConfig) -> Ceilings:
+    """The planner's ceilings with the ones plan.yaml's `ceilings` states (null: the default), each checked."""
+    return Ceilings(**{k: v for k, v in cfg.ceilings.items() if v is not None})
 
 
 def run_device(run: RunConfig) -> torch.device:
@@ -60,8 +67,7 @@ def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
     dtype = precision_dtype(run.train.precision, run_device(run))
     if not run.offload.enabled:
         return plan_resident(run, autocast=dtype == torch.bfloat16)
-    return plan_offload(run, param_dtype=dtype, ranks_per_node=cfg.ranks_per_node,
-                        ceilings=Ceilings(**{k: v for k, v in cfg.ceilings.items() if v is not None}))
+    return plan_offload(run, param_dtype=dtype, ranks_per_node=cfg.ranks_per_node, ceilings=stated_ceilings(cfg))
 
 
 def report(cfg: PlanConfig) -> int:

@@ -24,7 +24,9 @@ from typing import Callable
 
 import numpy as np
 import torch
+from hydra.core.hydra_config import HydraConfig
 
+from experiments.hydra_config import RUN_GROUPS
 from experiments.report import render
 from experiments.results_io import check_result_name, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
@@ -159,7 +161,7 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         trainer.maybe_resume()
         row.update(init_step=trainer.step, init_weights=weights_digest(trainer.engine))
         t0 = time.perf_counter()
-        last = trainer.fit()
+        last = trainer.fit(label=f"{attention} {data.frames}f seed {train.seed}")
         row["train_s"] = time.perf_counter() - t0
         row["final_loss"] = last.get("loss", math.nan)
         row["final_weights"] = weights_digest(trainer.engine)
@@ -331,12 +333,30 @@ def check_study(cfg) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1: {meaning}")
     check_result_name(cfg.results_name, "results_name")
+    refuse_added_keys(added_keys())
     seeds = cfg.seeds
     if (isinstance(seeds, str) or not isinstance(seeds, Sequence) or not seeds
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         shown = list(seeds) if isinstance(seeds, Sequence) and not isinstance(seeds, str) else seeds
         raise ValueError(f"seeds={shown!r} must be a non-empty list of integers (one run per seed), e.g. "
                          f"seeds=[0] or 'seeds=[0,1,2]'")
+
+
+def added_keys() -> list[str]:
+    """The keys this run's command line added with `+key=value` (Hydra's task overrides; [] outside Hydra)."""
+    if not HydraConfig.initialized():
+        return []
+    lines = HydraConfig.get().overrides.task
+    return [line[1:].split("=", 1)[0] for line in lines if line.startswith("+") and not line.startswith("++")]
+
+
+def refuse_added_keys(keys: list[str]) -> None:
+    """A study script reads its config's keys by name, so a key it does not declare would be ignored: refuse
+    every added key outside RunConfig's groups (whose typed configs refuse unknown fields themselves)."""
+    unknown = [k for k in keys if k.split(".", 1)[0] not in RUN_GROUPS]
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join('+' + k for k in unknown)}: this script has no such key and "
+                         f"would ignore it; see its keys in experiments/conf/<script>.yaml (drop the '+' to set one)")
 
 
 def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, tag: str) -> dict:

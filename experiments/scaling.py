@@ -34,7 +34,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from experiments.hydra_config import base_overrides, compose_run, script_config, script_main, train_overrides
+from experiments.hydra_config import (base_overrides, compose_run, require_ranges, script_config, script_main,
+                                      train_overrides, trial_preset)
 from experiments.step_runs import Step, clip_fields, non_finite, run_isolated, synthetic_batch
 from megaslide.config import RunConfig
 from megaslide.device import precision_dtype
@@ -77,8 +78,10 @@ class ScalingConfig:
         unknown = [p for p in self.presets if p not in DIT_PRESETS]
         if unknown:
             raise ValueError(f"presets has unknown {unknown}; known: {sorted(DIT_PRESETS)}")
-        if self.cap_GB <= 0:
+        if not self.cap_GB > 0:
             raise ValueError(f"cap_GB={self.cap_GB} must be > 0 (94 for an H100 NVL)")
+        require_ranges(self, positive=("forward_repeats", "cell_time_limit_s", "matmul_n", "pcie_probe_MiB"),
+                       non_negative=("warmup_steps", "hbm_budget_GB", "host_budget_GB"))
         if self.plan_only and (self.hbm_budget_GB <= 0 or self.host_budget_GB <= 0):
             raise ValueError(f"plan_only=true needs the stated budgets: hbm_budget_GB={self.hbm_budget_GB} and "
                              f"host_budget_GB={self.host_budget_GB} must be > 0 (an H200: 146.8 and 125)")
@@ -196,7 +199,7 @@ def preset_row(cfg: ScalingConfig, run: RunConfig, preset: str) -> tuple[dict, p
 
 @script_main("scaling")
 def main(hydra_cfg: DictConfig) -> None:
-    base = OmegaConf.merge(hydra_cfg, SMOKE if hydra_cfg.smoke else {})   # the script's run and its own keys
+    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
     cfg = script_config(ScalingConfig, base)
     name = cfg.name or ("smoke" if cfg.smoke else "plan" if cfg.plan_only else "table")
     runs = {p: compose_run(base, [f"model={p}"]) for p in cfg.presets}   # every run checked before any starts

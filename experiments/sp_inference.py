@@ -47,12 +47,12 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import Timing, matmul_tflops, sync
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.causal import CausalConfig, CausalGenerator
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
-from megaslide.inference.weights import random_weights_
+from megaslide.inference.weights import caption_input, random_weights_
 from megaslide.models.dit import build_dit
 from megaslide.perf.flops import token_path_flops
 from megaslide.testing import within_tolerance
@@ -192,7 +192,7 @@ class Bench:
         self.model = copy.deepcopy(self.master).to(torch.bfloat16)
         self.noise = torch.randn(1, cfg.model.in_channels, setup.frames, setup.height, setup.width,
                                  generator=torch.Generator().manual_seed(0))
-        self.ids = self.model.tokenizer([setup.caption]).to(ctx.device)
+        self.ids = caption_input(self.model, [setup.caption], ctx.device)
         patch = math.prod(cfg.model.patch_size)
         shape = dict(preset=cfg.model_preset, latent=(setup.frames, setup.height, setup.width),
                      tokens_per_chunk=setup.chunk_frames * setup.height * setup.width // patch,
@@ -283,7 +283,7 @@ class Bench:
 
 @script_main("sp_inference")
 def main(hydra_cfg: DictConfig) -> None:
-    cfg = script_config(SPInferenceConfig, hydra_cfg, TINY if hydra_cfg.tiny else None)  # tiny: TINY's sizes
+    cfg = script_config(SPInferenceConfig, hydra_cfg, trial_preset(hydra_cfg, tiny=TINY))  # tiny: TINY's sizes
     ctx = init_distributed("cpu" if cfg.tiny else "auto", timeout_s=300)
     bench = Bench(ctx, cfg)
     bench.check_correctness()

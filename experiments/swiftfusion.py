@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import timed
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import script_config, script_main, trial_preset
 from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps
 from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.launch import init_distributed, shutdown
@@ -426,7 +426,7 @@ def run_rank(rank: int, world: int, cfg: SwiftFusionConfig) -> None:
 
 @script_main("swiftfusion")
 def main(cfg: DictConfig) -> None:
-    config = script_config(SwiftFusionConfig, cfg, SMOKE if cfg.smoke else None)  # smoke: SMOKE's sizes
+    config = script_config(SwiftFusionConfig, cfg, trial_preset(cfg, smoke=SMOKE))  # smoke: SMOKE's sizes
     if "RANK" in os.environ:  # torchrun
         run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), config)
     elif config.world_size > 1:

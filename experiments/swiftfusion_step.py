@@ -21,7 +21,7 @@ import torch
 from megaslide.perf.timing import timed
 from megaslide.config import DiTConfig
 from megaslide.inference.full import FullConfig, FullSequenceSampler
-from megaslide.inference.weights import random_weights_
+from megaslide.inference.weights import caption_input, random_weights_
 from megaslide.models.dit import build_dit
 
 CAPTION = "a red circle moving left"
@@ -48,7 +48,7 @@ def measure_denoising_steps(rows: list[dict], variants: list, unavailable: dict[
     with torch.device(device):
         model = random_weights_(build_dit(model_cfg), seed=0)
     model.to(dtype).eval()
-    ids = model.tokenizer([CAPTION]).to(device)
+    ids = caption_input(model, [CAPTION], device)
     chosen = [v for v in variants if (v.plan is None) == (world == 1)]
     too_slow: dict[str, str] = {}
     for frames in step.frames:

@@ -80,6 +80,13 @@ def architecture_changes(saved: DiTConfig, current: DiTConfig) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
+BLOCK_FAMILIES = {
+    "dit": "9 modulation rows: self-attention, cross-attention and MLP each get a shift, scale and gate",
+    "wan": "6 modulation rows (self-attention and MLP); cross-attention unmodulated, after an affine LayerNorm",
+}
+"""The block families of `DiTConfig.block` (megaslide/models/dit.py, `DiTBlock`), what each one modulates."""
+
+
 @dataclass
 class DiTConfig:
     """Shape of a video DiT. Input latents are (B, in_channels, T, H, W)."""
@@ -96,6 +103,8 @@ class DiTConfig:
     vocab_size: int = 1024      # hashed word vocabulary of the built-in tokenizer
     qk_norm: bool = True
     freq_dim: int = 256         # sinusoidal timestep features
+    block: str = "dit"          # dit: MegaSlide's 9-row adaLN-Zero block; wan: Wan 2.x's 6-row block (BLOCK_FAMILIES)
+    text_encoder: bool = True   # the built-in hashed-word encoder; false: captions come as embeddings (B, L, text_dim)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     # how the blocks run, which configs and checkpoints written before ExecutionConfig kept here: `from_dict`
@@ -124,6 +133,8 @@ class DiTConfig:
             raise ValueError(f"model.patch_size={self.patch_size} must be positive")
         if self.text_layers < 0:
             raise ValueError(f"model.text_layers={self.text_layers} must be >= 0")
+        if self.block not in BLOCK_FAMILIES:
+            raise ValueError(f"model.block={self.block!r}: choose one of {list(BLOCK_FAMILIES)}")
         self.attention.validate()
 
     def architecture(self) -> dict[str, Any]:
@@ -197,6 +208,13 @@ class DataConfig:
             if not os.path.isfile(os.path.join(self.root, "captions.jsonl")):
                 raise ValueError(f"data.root={self.root!r} has no captions.jsonl; write one JSON line per clip "
                                  f'in it, e.g. {{"file": "a.mp4", "caption": "a red circle moving left"}}')
+
+    def check_captions(self, text_encoder: bool) -> None:
+        """Both datasets caption their clips in words, which only the built-in text encoder reads."""
+        if not text_encoder:
+            raise ValueError(f"model.text_encoder=false: the model takes caption embeddings (B, L, text_dim), but "
+                             f"data={self.name} gives captions in words; add model.text_encoder=true to train it "
+                             f"with the built-in encoder")
 
     def check_channels(self, in_channels: int) -> None:
         """The model must take the data's channels: MegaSlide has no VAE, so a latent-space preset
@@ -367,6 +385,7 @@ class RunConfig:
         self.execution.validate(self.model.attention)
         self.model.attention.validate(self.grid)
         self.data.check_channels(self.model.in_channels)
+        self.data.check_captions(self.model.text_encoder)
         if self.train.batch_size % self.parallel.dp:
             raise ValueError(f"train.batch_size={self.train.batch_size} (the global batch) is not divisible by "
                              f"parallel.dp={self.parallel.dp}: each data-parallel rank takes an equal share; use a "

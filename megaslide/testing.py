@@ -4,6 +4,7 @@
   `rounding_floor` its floor at rounding level; `TOLERANCE_RULE` the rule in words, for result files.
 - `deterministic_algorithms()`: a block under `torch.use_deterministic_algorithms(True)`.
 - `check_conv(...)`: the offset net's Triton depthwise Conv3d against F.conv3d by that rule;
+  `check_offset_net(...)`: the whole offset net (conv + GELU, Linear, bound) against a plain float64 one;
   `check_qk_rope(...)`: fused QK-norm + RoPE against its eager reference by that rule.
 - `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
 
@@ -57,22 +58,22 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(before)
 
 
-def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype):
-    """The depthwise conv's output and its x, weight and bias gradients on one backend, x in `dtype`; the
-    weights stay fp32 on the Triton path (as the module keeps them) and take `dtype` for F.conv3d (as
-    autocast casts them)."""
+def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype, gelu=False):
+    """The depthwise conv's (with `gelu`, conv + GELU's) output and its x, weight and bias gradients on one
+    backend, x in `dtype`; the weights stay fp32 on the Triton path (as the module keeps them) and take
+    `dtype` for F.conv3d (as autocast casts them)."""
     from megaslide.attention.dsa.depthwise import depthwise_conv3d  # the kernels build on first import
     wdtype = dtype if backend == "torch" else weight.dtype
     leaves = [x.to(dtype), weight.to(wdtype), bias.to(wdtype)]
     for t in leaves:
         t.requires_grad_()
-    y = depthwise_conv3d(*leaves, frames, backend=backend)
+    y = depthwise_conv3d(*leaves, frames, backend=backend, gelu=gelu)
     return [y.detach(), *torch.autograd.grad(y, leaves, grad.to(y.dtype))]
 
 
-def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
-    """The Triton conv against F.conv3d in float64 (the truth) and in `dtype`: per output, both max errors,
-    the rounding floor and whether `within_tolerance` holds."""
+def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0, gelu=False) -> dict:
+    """The Triton conv (with `gelu`, conv + GELU) against F.conv3d (+ F.gelu) in float64 (the truth) and in
+    `dtype`: per output, both max errors, the rounding floor and whether `within_tolerance` holds."""
     g = torch.Generator(device=device).manual_seed(seed)
     B, _, H, W, C = shape
     lo, hi = frames
@@ -80,9 +81,8 @@ def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
     weight = torch.randn((C, 1, *kernel), generator=g, device=device, dtype=F64).float()
     bias = torch.randn(C, generator=g, device=device, dtype=F64).float()
     grad = torch.randn((B, hi - lo, H, W, C), generator=g, device=device, dtype=F64).to(dtype)
-    truth = conv_and_grads("torch", x, weight, bias, grad, frames, F64)
-    same = conv_and_grads("torch", x, weight, bias, grad, frames, dtype)
-    fused = conv_and_grads("triton", x, weight, bias, grad, frames, dtype)
+    truth, same, fused = (conv_and_grads(backend, x, weight, bias, grad, frames, dt, gelu)
+                          for backend, dt in (("torch", F64), ("torch", dtype), ("triton", dtype)))
     errors = {}
     for name, want, ref, got in zip(("y", "dx", "dweight", "dbias"), truth, same, fused):
         err = (got.to(F64) - want).abs().max().item()
@@ -90,8 +90,71 @@ def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0) -> dict:
         floor = rounding_floor(got.dtype if name in ("y", "dx") else torch.float32, want)
         ok = got.shape == want.shape and within_tolerance(err, ref_err, floor)
         errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
-    return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."),
+    return {"shape": list(shape), "frames": list(frames), "dtype": str(dtype).removeprefix("torch."), "gelu": gelu,
             "passed": all(e["ok"] for e in errors.values()), "errors": errors}
+
+
+def offset_net_reference(x, conv_weight, conv_bias, proj_weight, proj_bias, grid, frames, max_offset):
+    """The DSA module's offset net written out plainly, in x's dtype: Conv3d (zero padding) over the whole
+    grid, output frames [lo, hi), exact GELU, Linear, max_offset * tanh. x (B, N, D) -> (B, hi - lo, H, W, F)
+    with F = heads * K * 3 (not split into heads)."""
+    import torch.nn.functional as F
+    B, _, D = x.shape
+    lo, hi = frames
+    h = x.view(B, *grid, D).permute(0, 4, 1, 2, 3)                              # (B, D, T, H, W)
+    h = F.conv3d(h, conv_weight, conv_bias, padding=1, groups=D)[:, :, lo:hi]  # (B, D, hi-lo, H, W)
+    h = F.gelu(h.permute(0, 2, 3, 4, 1))                                        # (B, hi-lo, H, W, D)
+    return max_offset * torch.tanh(F.linear(h, proj_weight, proj_bias))
+
+
+def offset_net_and_grads(attn, backend: str, x, grad, grid, frames, dtype):
+    """The `dsa` module `attn`'s offsets of output frames `frames` (`read_input`) and the gradients of x and
+    the four offset-net parameters, on `backend` ("reference": `offset_net_reference` in float64; "torch" or
+    "triton": the module's net_backend, under `dtype` autocast over fp32 weights as training runs it)."""
+    params = [attn.offset_conv.weight, attn.offset_conv.bias, attn.offset_proj.weight, attn.offset_proj.bias]
+    if backend == "reference":
+        leaves = [t.detach().to(F64).requires_grad_() for t in (x, *params)]
+        out = offset_net_reference(*leaves, grid, frames, attn.options.max_offset)
+    else:
+        leaves = [x.detach().to(dtype).requires_grad_(), *params]
+        attn.net_backend = backend
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = attn.read_input(leaves[0], grid, *frames)                    # (B, hi-lo, H, W, heads, K, 3)
+        out = out.flatten(-3)
+    grads = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+    return [out.detach(), *grads]
+
+
+def check_offset_net(grid, dim: int, heads: int, frames, dtype, device, seed=0, batch=1) -> dict:
+    """The `dsa` module's offset net on its Triton kernels against the plain float64 net (the truth) and the
+    module's PyTorch path (F.conv3d, F.gelu, torch.tanh) in `dtype`: per output (offsets and the gradients
+    of x, the conv's weight and bias, the Linear's weight and bias), both max errors, the rounding floor and
+    whether `within_tolerance` holds, for x (batch, N, dim). The Linear gets random weights (not the zero
+    init) so the offsets depend on the conv."""
+    from megaslide.attention import build_attention
+    g = torch.Generator(device=device).manual_seed(seed)
+    attn = build_attention("dsa", dim, heads, kernel_size=(3, 3, 3)).to(device)
+    with torch.no_grad():
+        attn.offset_proj.weight.copy_(torch.randn(attn.offset_proj.weight.shape, generator=g, device=device)
+                                      * dim ** -0.5)
+        attn.offset_proj.bias.copy_(0.1 * torch.randn(attn.offset_proj.bias.shape, generator=g, device=device))
+    B, (lo, hi) = batch, frames
+    x = torch.randn(B, math.prod(grid), dim, generator=g, device=device, dtype=F64).to(dtype)
+    grad = torch.randn((B, hi - lo, *grid[1:], attn.offset_proj.out_features), generator=g, device=device,
+                       dtype=F64)
+    truth, same, fused = (offset_net_and_grads(attn, backend, x, grad, grid, frames, dtype)
+                          for backend in ("reference", "torch", "triton"))
+    errors = {}
+    for name, want, ref, got in zip(("offsets", "dx", "dconv_weight", "dconv_bias", "dproj_weight", "dproj_bias"),
+                                    truth, same, fused):
+        err = (got.to(F64) - want).abs().max().item()
+        ref_err = (ref.to(F64) - want).abs().max().item()
+        floor = rounding_floor(dtype, want)  # the parameters' gradients pass through dtype under autocast
+        ok = got.shape == want.shape and within_tolerance(err, ref_err, floor)
+        errors[name] = {"err": err, "ref_err": ref_err, "floor": floor, "ok": ok}
+    return {"grid": list(grid), "batch": batch, "dim": dim, "heads": heads, "frames": list(frames),
+            "dtype": str(dtype).removeprefix("torch."), "passed": all(e["ok"] for e in errors.values()),
+            "errors": errors}
 
 
 def qk_rope_and_grads(backend: str, q, k, q_weight, k_weight, cos, sin, grads, heads: int, dtype, eps: float):

@@ -49,7 +49,7 @@ def widest(results_dir: Path, experiment: str, ranks_key: str, timed: str | None
     return max(found, key=lambda nd: nd[1].get(ranks_key, 0), default=None)
 
 
-def under_previous_rule(rule: str, verdict: str) -> str:
-    """A verdict as the rule it replaced gave it, shown beside the new one: `rule` says what that rule was and
-    `verdict` is what it gives on the same data."""
-    return f"under the previous rule ({rule}): {verdict}"
+def under_previous_rule(rule: str, verdict: str, until: str = "") -> str:
+    """A verdict as the rule it replaced gave it, shown beside the new one: `rule` says what that rule was,
+    `verdict` is what it gives on the same data and `until` the last commit that applied it, where recorded."""
+    return f"under the previous rule ({f'up to commit {until}: ' if until else ''}{rule}): {verdict}"

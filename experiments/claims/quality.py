@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from experiments.claims.common import link, read_results
+from experiments.claims.common import link, read_results, under_previous_rule
 from experiments.quality_protocol import aggregate
 
 # Run settings that two quality results must share to pool, besides their config (seeds aside) and the
@@ -20,7 +20,7 @@ from experiments.quality_protocol import aggregate
 POOL_SETTINGS = {"model": ("model",), "batch": ("batch_size", "batch_sizes", "train.batch_size"),
                  "n_eval": ("n_eval",), "eval_seed": ("eval_seed",)}
 VERDICT_KEYS = ("text_alignment", "temporal_consistency")
-NOT_WORSE = -0.05   # C6 "DSA matches dense": DSA may score this much lower (the paper's own gaps are 0.01-0.02)
+NOT_WORSE = -0.05   # C6 "DSA matches dense": parity is |DSA - dense| within this (the paper's own gaps: 0.01-0.02)
 
 
 def _overrides(command: str) -> dict:
@@ -163,21 +163,59 @@ def gap(p: Pooled, a: str, b: str, frames: int, key: str) -> Gap:
     return Gap(key, ra[f"{key}_mean"] - rb[f"{key}_mean"], 2 * math.sqrt(spread))
 
 
-def decide(gaps: list[Gap], claimed: float, weak: str | None) -> tuple[str, str]:
-    """The one verdict rule of C6-C8, for a claim that a - b > `claimed` on every gap.
+def not_learned(p: Pooled, frames: int, variants: tuple[str, ...]) -> str | None:
+    """Why a comparison at this clip length says nothing: one of its `variants` did not learn the task (its TA
+    below half the ground truth's there, as `undertrained` judges the best model), or None. A comparison against a
+    model that learned nothing is reported as that, never as support."""
+    truth = max((r["text_alignment_mean"] for (v, fr), r in p.rows.items() if v == "ground_truth" and fr == frames),
+                default=max(r["text_alignment_mean"] for (v, _), r in p.rows.items() if v == "ground_truth"))
+    weak = [f"{v} TA {p.rows[(v, frames)]['text_alignment_mean']:.2f}" for v in variants
+            if p.rows[(v, frames)]["text_alignment_mean"] < truth / 2]
+    return f"{' and '.join(w.split()[0] for w in weak)} did not learn the task ({', '.join(weak)} vs ground " \
+           f"truth {truth:.2f})" if weak else None
 
-    inconclusive if the models are under-trained (`weak`) or a margin is unknown (one seed, or
-    n_eval unknown); else supported if every diff - margin > claimed, contradicted if some
-    diff + margin < claimed, inconclusive otherwise. Returns (word, why)."""
+
+BETTER = "better on this proxy"
+
+
+def decide(gaps: list[Gap], claimed: float, weak: str | None, parity: bool = False) -> tuple[str, str]:
+    """The one verdict rule of C6-C8. A one-sided claim says a - b > `claimed` on every gap; a parity claim
+    (`parity`) says |a - b| <= -`claimed` on every gap.
+
+    inconclusive if a model is too weak to test it (`weak`) or a margin is unknown (one seed, or n_eval
+    unknown). One-sided: supported if every diff - margin > claimed, contradicted if some diff + margin <
+    claimed. Parity: supported if every |diff| + margin <= -claimed, contradicted if some diff + margin <
+    claimed (a worse), "better on this proxy" if some diff - margin > -claimed (a ahead of b beyond parity).
+    Otherwise inconclusive. Returns (word, why)."""
     if weak:
         return "inconclusive", weak
     if any(math.isnan(g.margin) for g in gaps):
         return "inconclusive", "margin unknown (one seed, or n_eval not recorded)"
-    if all(g.diff - g.margin > claimed for g in gaps):
-        return "supported", "beyond the margin"
     if any(g.diff + g.margin < claimed for g in gaps):
         return "contradicted", "the other way beyond the margin"
+    if not parity and all(g.diff - g.margin > claimed for g in gaps):
+        return "supported", "beyond the margin"
+    if parity and all(abs(g.diff) + g.margin <= -claimed for g in gaps):
+        return "supported", f"within ±{-claimed:.2f} beyond the margin"
+    if parity and any(g.diff - g.margin > -claimed for g in gaps):
+        return BETTER, "ahead beyond the margin, not at parity"
     return "inconclusive", "inside the margin"
+
+
+def overall(words: set[str]) -> str:
+    """A claim's word from the words of its clip lengths."""
+    if "contradicted" in words:
+        return "contradicted"
+    if words == {"supported"}:
+        return "supported"
+    return BETTER if words and words <= {"supported", BETTER} else "inconclusive"
+
+
+def mean_loss(p: Pooled, variant: str, frames: int) -> float:
+    """The mean over seeds of a variant's final training loss at one clip length (NaN where none is recorded)."""
+    losses = [r["final_loss"] for r in p.per_seed if (r["variant"], r["frames"]) == (variant, frames)
+              and r.get("final_loss") is not None]
+    return sum(losses) / len(losses) if losses else math.nan
 
 
 ABBREV = {"text_alignment": "TA", "temporal_consistency": "TC"}
@@ -196,12 +234,13 @@ class QualityClaim:
     keys: tuple[str, ...]
     claimed: float
     studies: tuple[str, ...]
+    parity: bool = False   # the paper claims a match (|a - b| small), not a lead
 
     def judge(self, results_dir: Path) -> tuple[str, str]:
         found = [(e, p) for e in self.studies if (p := pooled(results_dir, e))]
         if not found:
             return "not measured at GPU scale", "open"
-        ours, parts = [], []
+        ours, parts, previous = [], [], []
         newest = max(p.settings["scorer_version"] for _, p in found)
         for experiment, p in found:
             version = p.settings["scorer_version"]
@@ -211,29 +250,49 @@ class QualityClaim:
                 if missing:
                     ours.append(f"{where}: no finished run of {' or '.join(missing)}")
                     word, text = "inconclusive", f"not measured (no finished run of {' or '.join(missing)})"
+                    old = word
                 else:
                     a, b = p.rows[(self.variant, frames)], p.rows[(self.baseline, frames)]
                     gaps = [gap(p, self.variant, self.baseline, frames, k) for k in VERDICT_KEYS]
-                    word, why = decide([g for g in gaps if g.key in self.keys], self.claimed, undertrained(p, frames))
-                    ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}")
+                    voting = [g for g in gaps if g.key in self.keys]
+                    weak = undertrained(p, frames) or not_learned(p, frames, (self.variant, self.baseline))
+                    word, why = decide(voting, self.claimed, weak, self.parity)
+                    old = decide(voting, self.claimed, undertrained(p, frames))[0]
+                    losses = {v: mean_loss(p, v, frames) for v in (self.variant, self.baseline)}
+                    ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}; final "
+                                f"training loss {losses[self.variant]:.3f} vs {losses[self.baseline]:.3f}")
                     measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
                     text = f"{why}; {self.variant} minus {self.baseline} {measured}"
+                    if word == BETTER:
+                        text += (f" (held-out captions; the training losses above show whether "
+                                 f"{self.baseline} fit its training clips better while failing on held-out ones)")
                 if version < newest:
                     word, text = SUPERSEDED, f"scorer v{version}, the verdict uses v{newest} ({word}, {text})"
+                    old = SUPERSEDED
                 parts.append((word, f"{where}: {word}, {text}"))
+                previous.append(old)
             truth = max(fr for v, fr in p.rows if v == "ground_truth")
             gt = p.rows[("ground_truth", truth)]
             ours.append(f"{experiment} ground truth TC {gt['temporal_consistency_mean']:.2f}, TA "
                         f"{gt['text_alignment_mean']:.2f}; {p.training}, n_eval {p.settings['n_eval']}, scorer "
                         f"v{version}, H200 ({', '.join(p.links)})")
-        words = {w for w, _ in parts} - {SUPERSEDED}
-        overall = "contradicted" if "contradicted" in words else "supported" if words == {"supported"} else \
-            "inconclusive"
-        return "; ".join(ours), f"{overall}: " + "; ".join(text for _, text in parts)
+        verdict = overall({w for w, _ in parts} - {SUPERSEDED})
+        was = overall(set(previous) - {SUPERSEDED})
+        text = f"{verdict}: " + "; ".join(text for _, text in parts)
+        if was != verdict:
+            text += "; " + under_previous_rule(PREVIOUS_RULE + (PREVIOUS_PARITY if self.parity else ""), was,
+                                               until=PREVIOUS_RULE_UNTIL)
+        return "; ".join(ours), text
+
+
+PREVIOUS_RULE = ("only the best model had to clear the training check, so a baseline that learned nothing still "
+                 "voted")
+PREVIOUS_RULE_UNTIL = "6e97fca32"   # the last commit whose verdicts used PREVIOUS_RULE
+PREVIOUS_PARITY = f", and parity was one-sided: DSA no worse than {NOT_WORSE:+.2f}"
 
 
 QUALITY_CLAIMS = {
-    "C6": QualityClaim("dsa", "dense", VERDICT_KEYS, NOT_WORSE, ("quality",)),
+    "C6": QualityClaim("dsa", "dense", VERDICT_KEYS, NOT_WORSE, ("quality",), parity=True),
     "C7": QualityClaim("dsa", "swin", ("temporal_consistency",), 0.0, ("quality",)),
     "C8": QualityClaim("dsa", "dsa_zero", ("temporal_consistency",), 0.0, ("ablate_offsets", "quality")),
 }
@@ -261,11 +320,13 @@ QUALITY_NOTE = (
     "Mean ± sample standard deviation over seeds of the GPU runs behind C6-C8 (MovingShapes scores; "
     "a table pools only runs of one config, model, batch, n_eval, eval seed and scorer version). Each "
     "ground_truth row is what that table's scorer gives the true clips of the same captions: the ceiling "
-    "a model can reach. The verdict rule of C6-C8: inconclusive while every model is under-trained (best "
-    "caption match below half the ground truth's, at each clip length); else a difference counts when it "
-    "clears a margin of twice the combined spread of one run of each side (seed-to-seed sample std and the "
-    "sampling error of scoring n_eval clips); supported if every difference clears it in the claimed "
-    "direction, contradicted if any clears it the other way, inconclusive otherwise. Scorer v1 (rows "
+    "a model can reach. The verdict rule of C6-C8: inconclusive while either side of a comparison did not "
+    "learn the task (its caption match below half the ground truth's, at that clip length); else a difference "
+    "counts when it clears a margin of twice the combined spread of one run of each side (seed-to-seed sample "
+    "std and the sampling error of scoring n_eval clips); supported if every difference clears it in the claimed "
+    "direction, contradicted if any clears it the other way, inconclusive otherwise. C6 claims parity: supported "
+    "only if every difference is within ±0.05 beyond its margin, and 'better on this proxy' where DSA leads "
+    "beyond it. Scorer v1 (rows "
     "without a version) let a frozen clip score full temporal consistency; v2 multiplies it by how well "
     "the object moves with the caption's velocity. Of a claim's studies only those of the newest scorer "
     "vote; the others are shown, marked 'not counted'.")

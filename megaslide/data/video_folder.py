@@ -90,6 +90,19 @@ class VideoFolder(Dataset):
         self.height = height
         self.width = width
         self.entries = self._read_captions(captions_path)
+        self._check_first_clip(captions_path)
+
+    def _check_first_clip(self, captions_path: Path) -> None:
+        """Decode the first clip now: a missing decord or an unreadable file stops a run before its model is
+        built, not at its first batch (ValueError, shown by the scripts as a message naming the clip)."""
+        path = self.entries[0][0]
+        try:
+            read_video_frames(path, self.frames, self.height, self.width)
+        except ImportError as error:
+            raise ValueError(f"{error} (needed for the clips of {captions_path.parent})") from error
+        except Exception as error:  # decord raises its own DECORDError for a damaged or non-video file
+            raise ValueError(f"{path}, the first clip of {captions_path}, could not be decoded ({error}); re-encode "
+                             f"it as an H.264 mp4 or remove its line") from error
 
     def _read_captions(self, captions_path: Path) -> list[tuple[Path, str]]:
         entries = []

@@ -36,6 +36,16 @@ def random_weights_(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
+def caption_input(model: VideoDiT, captions: list[str], device: torch.device, seed: int = 0) -> torch.Tensor:
+    """The captions as `model`'s forward takes them: token ids (B, L) of its built-in tokenizer, or, for a model
+    that reads caption embeddings (model.text_encoder=false: the Wan presets), seeded random stand-ins
+    (B, text_len, text_dim) of the text encoder's output: a random-weight speed run needs their shape only."""
+    if model.text_encoder is not None:
+        return model.tokenizer(captions).to(device)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(len(captions), model.cfg.text_len, model.cfg.text_dim, generator=gen).to(device)
+
+
 def sampling_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(weights, run state) of a checkpoint of either format: the state dict to sample with (the EMA
     when the run kept one, else the trained weights; fp32 masters of a sharded checkpoint) and

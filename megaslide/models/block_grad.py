@@ -29,7 +29,7 @@ def slab_block_grad(runner, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out
     x = x.detach().contiguous()                                                   # (B, N, D)
     t_mod = t_mod.detach().requires_grad_()
     with torch.enable_grad():
-        mod = block.modulation[None] + t_mod                                      # (B, 9, D)
+        mod = block.modulation[None] + t_mod                                      # (B, R, D)
     m, c = mod.detach().requires_grad_(), ctx.detach().requires_grad_()  # leaves: every slice's gradient sums in
     grad_x = torch.zeros_like(x)                                                  # (B, N, D)
     fr = grid[1] * grid[2]                                                        # tokens per frame

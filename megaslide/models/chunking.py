@@ -126,7 +126,7 @@ class BlockRunner:
         if not (ex.chunk_tokens or ex.slab_frames or self.compiled):
             return block(x, t_mod, ctx, ctx_mask, rope, grid)
         x = x.contiguous()  # one layout for every block's input (the embedding's output is a transposed view)
-        mod = block.modulation[None] + t_mod                                         # (B, 9, D)
+        mod = block.modulation[None] + t_mod                                         # (B, R, D)
         return self.run_slabs(block, x, rope, grid, self.slabs(block, grid), mod, ctx, ctx_mask)
 
     def run_slabs(self, block, x, rope, grid, slabs, mod, ctx, ctx_mask) -> torch.Tensor:
@@ -140,7 +140,7 @@ class BlockRunner:
 
     def block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params):
         """The gradients of `self.block(block, x, t_mod, ctx, ctx_mask, rope, grid)` for the output gradient
-        grad_out (B, N, D): (grad x (B, N, D), grad t_mod (B, 9, D), grad ctx (B, L, D), one per parameter of
+        grad_out (B, N, D): (grad x (B, N, D), grad t_mod (B, R, D), grad ctx (B, L, D), one per parameter of
         `params`: its gradient, or None where it gets none). A chunked or slabbed block goes slab by slab
         ("Block gradient"); any other block by autograd through its recompute. Call it under the forward's
         autocast if any: the backward passes run outside autocast."""

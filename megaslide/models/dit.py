@@ -29,7 +29,9 @@ from megaslide.models.layers import MLP, CrossAttention, FinalLayer, PatchEmbed3
 from megaslide.models.text import HashTokenizer, TextEncoder
 from megaslide.nn import RopeTable, modulate
 
-N_MOD = 9  # (shift, scale, gate) for self-attention, cross-attention and MLP
+MOD_ROWS = {"dit": 9, "wan": 6}
+"""Modulation rows of a block (config.BLOCK_FAMILIES): (shift, scale, gate) for self-attention, then
+cross-attention (dit only), then the MLP."""
 
 
 def _xavier_linears(module: nn.Module) -> None:
@@ -41,10 +43,13 @@ def _xavier_linears(module: nn.Module) -> None:
 
 
 class DiTBlock(nn.Module):
-    """adaLN-Zero block: self-attention, cross-attention to the caption and an MLP, each gated by the timestep.
+    """adaLN-Zero block: self-attention, cross-attention to the caption and an MLP, gated by the timestep.
 
-    `forward` reads pre-attention -> attention -> post-attention; everything but the attention acts on each
-    token alone, which is what lets the chunk runner (chunking.py) run those two halves over slices."""
+    Two families (`cfg.block`) share it: `dit` modulates and gates all three; `wan` (Wan 2.x, as diffusers'
+    `WanTransformerBlock`) modulates and gates self-attention and MLP only, and runs cross-attention on an
+    affine LayerNorm of its input, ungated. `forward` reads pre-attention -> attention -> post-attention;
+    everything but the attention acts on each token alone, which is what lets the chunk runner (chunking.py)
+    run those two halves over slices."""
 
     def __init__(self, cfg: DiTConfig, layer_idx: int):
         super().__init__()
@@ -52,11 +57,12 @@ class DiTBlock(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.attn = build_attention(a.name, cfg.dim, cfg.num_heads, qk_norm=cfg.qk_norm, layer_idx=layer_idx,
                                     **dataclasses.asdict(a.options))
-        self.norm2 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
+        self.modulated_cross = cfg.block == "dit"
+        self.norm2 = nn.LayerNorm(cfg.dim, elementwise_affine=not self.modulated_cross, eps=1e-6)
         self.cross = CrossAttention(cfg.dim, cfg.num_heads, cfg.dim, cfg.qk_norm)
         self.norm3 = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=1e-6)
         self.mlp = MLP(cfg.dim, cfg.ffn_dim)
-        self.modulation = nn.Parameter(torch.zeros(N_MOD, cfg.dim))  # per-block offsets to the shared t_mod
+        self.modulation = nn.Parameter(torch.zeros(MOD_ROWS[cfg.block], cfg.dim))  # offsets to the shared t_mod
 
     def reset_parameters(self) -> None:
         """Every parameter as the constructors define it (zero modulation, unit norms, torch's default
@@ -78,28 +84,31 @@ class DiTBlock(nn.Module):
             init()
 
     def forward(self, x, t_mod, ctx, ctx_mask, rope, grid, attn=None):
-        """x (B, N, D); t_mod (B, 9, D); ctx (B, L, D); ctx_mask (B, L); rope (cos, sin) (N, d/2).
+        """x (B, N, D); t_mod (B, R, D), R = MOD_ROWS; ctx (B, L, D); ctx_mask (B, L); rope (cos, sin) (N, d/2).
 
         `attn(h, rope, grid) -> (B, N, D)` replaces the self-attention call (default
         `self.attn`); KV-cached and sequence-parallel inference pass their own, built from
         `self.attn.project_qkv` / `project_out`."""
         attn = self.attn if attn is None else attn
-        mod = self.modulation[None] + t_mod                                  # (B, 9, D)
+        mod = self.modulation[None] + t_mod                                  # (B, R, D)
         h = self.pre_attention(x, mod)                                       # (B, N, D)
         return self.post_attention(x, attn(h, rope, grid), mod, ctx, ctx_mask)  # (B, N, D)
 
     def pre_attention(self, x, mod):
-        """Tokens x (B, n, D), modulation mod (B, 9, D) -> the self-attention input (B, n, D)."""
-        m = mod.unbind(1)                                                    # 9 x (B, D)
+        """Tokens x (B, n, D), modulation mod (B, R, D) -> the self-attention input (B, n, D)."""
+        m = mod.unbind(1)                                                    # R x (B, D)
         return modulate(self.norm1(x), m[0], m[1])                           # (B, n, D)
 
     def post_attention(self, x, a, mod, ctx, ctx_mask):
         """Tokens x (B, n, D) and their self-attention output a (B, n, D) -> the block output (B, n, D):
-        the gated residual, cross-attention to the caption and the MLP."""
-        m = mod.unbind(1)                                                    # 9 x (B, D)
+        the gated residual, cross-attention to the caption and the MLP (its rows are the last three)."""
+        m = mod.unbind(1)                                                    # R x (B, D)
         x = x + m[2][:, None] * a                                            # (B, n, D)
-        x = x + m[5][:, None] * self.cross(modulate(self.norm2(x), m[3], m[4]), ctx, ctx_mask)
-        return x + m[8][:, None] * self.mlp(modulate(self.norm3(x), m[6], m[7]))
+        if self.modulated_cross:
+            x = x + m[5][:, None] * self.cross(modulate(self.norm2(x), m[3], m[4]), ctx, ctx_mask)
+        else:
+            x = x + self.cross(self.norm2(x), ctx, ctx_mask)                 # (B, n, D)
+        return x + m[-1][:, None] * self.mlp(modulate(self.norm3(x), m[-3], m[-2]))
 
 
 @dataclasses.dataclass
@@ -108,7 +117,7 @@ class Embedded:
 
     x: torch.Tensor                 # (B, N, D) tokens
     t_emb: torch.Tensor             # (B, D) timestep embedding
-    t_mod: torch.Tensor             # (B, 9, D) shared block modulation
+    t_mod: torch.Tensor             # (B, R, D) shared block modulation, R = MOD_ROWS[cfg.block]
     ctx: torch.Tensor               # (B, L, D) caption features, projected to the model width
     ctx_mask: torch.Tensor          # (B, L) True where a caption token is real
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (N, d/2)
@@ -151,8 +160,9 @@ class VideoDiT(nn.Module):
         with torch.device("meta"):
             self.patch_embed = PatchEmbed3D(cfg.in_channels, D, cfg.patch_size)
             self.t_embed = TimestepEmbedder(D, cfg.freq_dim)
-            self.t_proj = nn.Sequential(nn.SiLU(), nn.Linear(D, N_MOD * D))
-            self.text_encoder = TextEncoder(cfg.vocab_size, cfg.text_len, cfg.text_dim, cfg.text_layers)
+            self.t_proj = nn.Sequential(nn.SiLU(), nn.Linear(D, MOD_ROWS[cfg.block] * D))
+            self.text_encoder = (TextEncoder(cfg.vocab_size, cfg.text_len, cfg.text_dim, cfg.text_layers)
+                                 if cfg.text_encoder else None)
             self.text_proj = nn.Sequential(nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
             self.blocks = nn.ModuleList(DiTBlock(cfg, i) for i in range(cfg.depth))
             self.final = FinalLayer(D, self.patch_volume, cfg.in_channels)
@@ -197,6 +207,9 @@ class VideoDiT(nn.Module):
     def encode_text(self, context: torch.Tensor, context_mask: torch.Tensor | None = None):
         """Token ids (B, L) long -> encoded features; float (B, L, Dt) embeddings pass through."""
         if context.dtype == torch.long:
+            if self.text_encoder is None:
+                raise ValueError("this model has no built-in text encoder (model.text_encoder=false): pass caption "
+                                 "embeddings (B, L, model.text_dim), not token ids")
             return self.text_encoder(context)  # (B, L, Dt), (B, L)
         if context.shape[-1] != self.cfg.text_dim:
             raise ValueError(f"precomputed caption embeddings have width {context.shape[-1]}, "
@@ -212,7 +225,7 @@ class VideoDiT(nn.Module):
         return self.text_proj(ctx.to(self.text_proj[0].weight.dtype)), ctx_mask  # (B, L, D), (B, L)
 
     def embed_timestep(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Timesteps t (B,) in [0, 1000] -> t_emb (B, D), the shared block modulation t_mod (B, 9, D).
+        """Timesteps t (B,) in [0, 1000] -> t_emb (B, D), the shared block modulation t_mod (B, R, D).
 
         The sinusoidal features are fp32; a model with bf16 / fp16 weights runs the timestep MLP
         under autocast to its own dtype (an fp32 model runs it as called)."""
@@ -220,7 +233,7 @@ class VideoDiT(nn.Module):
         low = dtype in (torch.bfloat16, torch.float16)
         with torch.autocast(t.device.type, dtype=dtype, cache_enabled=False) if low else contextlib.nullcontext():
             t_emb = self.t_embed(t)                          # (B, D)
-        t_mod = self.t_proj(t_emb).unflatten(1, (N_MOD, -1))  # (B, 9, D)
+        t_mod = self.t_proj(t_emb).unflatten(1, (-1, self.cfg.dim))  # (B, R, D)
         return t_emb, t_mod
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
@@ -230,7 +243,7 @@ class VideoDiT(nn.Module):
         `t_start` is the global index of the first latent frame (in tokens along t), used for RoPE."""
         grid = self.cfg.token_grid(*x.shape[2:])
         tokens = self.patch_embed(x.to(self.patch_embed.proj.weight.dtype))  # (B, N, D)
-        t_emb, t_mod = self.embed_timestep(t)                      # (B, D), (B, 9, D)
+        t_emb, t_mod = self.embed_timestep(t)                      # (B, D), (B, R, D)
         ctx, ctx_mask = self.embed_context(context, context_mask)  # (B, L, D), (B, L)
         rope = self.rope_table(grid, t_start).grid(grid, t_start, device=x.device)  # (N, d/2) x 2
         return Embedded(tokens, t_emb, t_mod, ctx, ctx_mask, rope, grid)
@@ -246,7 +259,7 @@ class VideoDiT(nn.Module):
         w = self.patch_embed.proj.weight                                # (D, C, pt, ph, pw)
         w = w.permute(0, 2, 3, 4, 1).flatten(1)                         # (D, pv*C), (pt, ph, pw, C) order
         tokens = F.linear(rows.to(w.dtype), w, self.patch_embed.proj.bias)  # (B, n, D)
-        t_emb, t_mod = self.embed_timestep(t)                           # (B, D), (B, 9, D)
+        t_emb, t_mod = self.embed_timestep(t)                           # (B, D), (B, R, D)
         return Embedded(tokens, t_emb, t_mod, ctx, ctx_mask, rope, grid)
 
     def run_block(self, i: int, x: torch.Tensor, e: Embedded, attn=None) -> torch.Tensor:
@@ -261,6 +274,11 @@ class VideoDiT(nn.Module):
     def unembed(self, x: torch.Tensor, e: Embedded) -> torch.Tensor:
         """Tokens (B, N, D) -> latents (B, C, T, H, W)."""
         return unpatchify(self.head(x, e), e.grid, self.cfg.patch_size)
+
+    def save_pretrained(self, path, max_shard_size: int | str = "10GB") -> None:
+        """Write this (`wan`) model as a diffusers-format folder: megaslide/models/pretrained.py."""
+        from megaslide.models.pretrained import save_pretrained  # it imports this module
+        save_pretrained(self, path, max_shard_size)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None, t_start: int = 0) -> torch.Tensor:
@@ -284,6 +302,13 @@ def _preset(dim, depth, heads, ffn, **kw) -> DiTConfig:
     return DiTConfig(dim=dim, depth=depth, num_heads=heads, ffn_dim=ffn, **{**base, **kw})
 
 
+def _wan(dim, depth, heads, ffn) -> DiTConfig:
+    """Wan 2.x (diffusers' WanTransformer3DModel): umT5 caption embeddings (512 x 4096) come precomputed;
+    `model.text_encoder=true` adds an embeddings-only built-in encoder for training on worded captions."""
+    return _preset(dim, depth, heads, ffn, text_dim=4096, text_len=512, text_layers=0, vocab_size=4096, block="wan",
+                   text_encoder=False)
+
+
 DIT_PRESETS: dict[str, DiTConfig] = {
     "tiny": DiTConfig(dim=64, depth=2, num_heads=4, ffn_dim=256, in_channels=3, text_dim=64, text_layers=1,
                       text_len=16, vocab_size=1024),
@@ -296,7 +321,8 @@ DIT_PRESETS: dict[str, DiTConfig] = {
     "14B": _preset(5120, 31, 40, 20480, text_dim=4096),
     "33B": _preset(7168, 39, 56, 28672, text_dim=4096),
     "105B": _preset(12288, 43, 96, 49152, text_dim=4096),
-    "wan-1.3b": _preset(1536, 30, 12, 8960, text_dim=4096, text_len=512, text_layers=0, vocab_size=4096),
+    "wan-1.3b": _wan(1536, 30, 12, 8960),
+    "wan-14b": _wan(5120, 40, 40, 13824),
 }
 
 

@@ -58,7 +58,9 @@ the error at its next wait: the next step's first block load, or `flush` (which 
 `breakdown` and `model_state_dict` call first), so no checkpoint of the refused step is written. On
 the CPU device the values are checked on the training thread as soon as each is computed: the loss
 before the backward, the norm before any clipped or resident update. The optimizer_device="gpu"
-ablation (`GpuUpdater`) applies block updates unchecked; the error still comes at the next `flush`.
+ablation (`GpuUpdater`) applies block updates unchecked; the error still comes at the next `flush`. Sharded over
+data-parallel ranks, the loss and norm are the replicas' (the same on every rank), and each step starts by waiting
+for the last one's, so every rank raises at the same call rather than one while its peers wait in a collective.
 """
 from __future__ import annotations
 
@@ -92,7 +94,6 @@ from megaslide.offload.host_state import BlockLayout, HostState, Shard
 from megaslide.offload.streamer import BackwardResult, BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
 from megaslide.parallel.data_parallel import DataParallel
-from megaslide.parallel.mesh import ranks_per_node
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.host_memory import host_bytes, require_host_fit
@@ -133,7 +134,7 @@ class OffloadEngine:
         require_host_fit(host_bytes(shard.numel, depth, self.param_dtype, pin_state), host_available_bytes(),
                          what=f"the host state of {depth} blocks" + (f" (1/{dp.size} of it per rank)" if dp.size > 1
                                                                      else ""),
-                         ranks=dp.size, ranks_per_node=ranks_per_node() if dp.size > 1 else 1)
+                         ranks=dp.size, ranks_per_node=dp.ranks_per_node)
         stride = offload_cfg.boundary_stride
         parked = parked_inputs(depth, offload_cfg.resident_blocks, stride) if offload_cfg.activation_offload else 0
         self.host = HostState(self.layout, depth, self.param_dtype, pin=cuda, pin_optimizer_state=pin_state,
@@ -209,7 +210,7 @@ class OffloadEngine:
                                execution=execution, offload=offload_cfg, parallel=ParallelConfig(dp=dp.size))
         plan = planner.plan_offload(run, param_dtype=precision_dtype(train_cfg.precision, device),
                                     pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
-                                    ranks_per_node=ranks_per_node() if dp.size > 1 else 1)
+                                    ranks_per_node=dp.ranks_per_node)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
               "pin_optimizer_state": pin_optimizer_state, "dp": dp}
@@ -244,7 +245,9 @@ class OffloadEngine:
     def set_mode(self, *, overlap: bool, optimizer_device: str, grad_clip: float | None = None) -> None:
         """Switch the ablations (and optionally the clip norm, 0 = off) between steps, on the
         same host state and weights."""
-        dataclasses.replace(self.offload_cfg, optimizer_device=optimizer_device).validate()
+        switched = dataclasses.replace(self.offload_cfg, optimizer_device=optimizer_device)
+        switched.validate()
+        check_sharding(switched, self.dp.size)
         self.updater.close()
         self.lanes.synchronize()
         self.lanes.serial = not overlap
@@ -260,7 +263,8 @@ class OffloadEngine:
         if not all(self.host.loaded):
             missing = [i for i, ok in enumerate(self.host.loaded) if not ok]
             raise ValueError(f"blocks {missing} have no weights yet; fill them with engine.host.load_block_")
-        self._check_health(wait=False)
+        # sharded: every rank waits for the last step's values, so all refuse a non-finite step at the same call
+        self._check_health(wait=self.dp.size > 1)
         compute, tag = self.lanes.compute, self.step
         self._marks[tag] = compute.marker()
         self.lanes.tag = tag

@@ -196,7 +196,7 @@ class BlockShell:
 class BlockInputs:
     """What every block call needs besides its input tokens."""
 
-    t_mod: torch.Tensor                      # (B, 9, D)
+    t_mod: torch.Tensor                      # (B, R, D)
     ctx: torch.Tensor                        # (B, L, D)
     ctx_mask: torch.Tensor                   # (B, L)
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (N, d/2)
@@ -206,7 +206,7 @@ class BlockInputs:
 @dataclass
 class BackwardResult:
     grad_x: torch.Tensor                     # (B, N, D) gradient of the first block's input
-    grad_t_mod: torch.Tensor                 # (B, 9, D) summed over blocks
+    grad_t_mod: torch.Tensor                 # (B, R, D) summed over blocks
     grad_ctx: torch.Tensor                   # (B, L, D) summed over blocks
     norms: list[dict[int, torch.Tensor]]     # per block: parameter slot -> () gradient norm (fp32); unsharded
     shard_squares: list[torch.Tensor]        # sharded: per block () fp32, the squared norm of this rank's
@@ -469,7 +469,7 @@ class BlockStreamer:
                     grads = torch.autograd.grad(out, [x, inp.t_mod, inp.ctx, *shell.params], grad_h,
                                                 allow_unused=True)
                     grad_h, g_t_mod, g_ctx, param_grads = grads[0], grads[1], grads[2], grads[3:]
-                grad_t_mod = g_t_mod if grad_t_mod is None else grad_t_mod + g_t_mod  # (B, 9, D)
+                grad_t_mod = g_t_mod if grad_t_mod is None else grad_t_mod + g_t_mod  # (B, R, D)
                 grad_ctx = g_ctx if grad_ctx is None else grad_ctx + g_ctx             # (B, L, D)
                 used = [g is not None for g in param_grads]
                 present = [(slot, g) for slot, g in enumerate(param_grads) if g is not None]

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megaslide.parallel.mesh import ranks_per_node
+
 
 @dataclass(frozen=True)
 class DataParallel:
@@ -40,6 +42,11 @@ class DataParallel:
     def is_main(self) -> bool:
         """Whether this replica writes the run's files (its metrics, checkpoints, samples)."""
         return self.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The replicas on this node, which share its host RAM (torchrun's local world size; 1 without replicas)."""
+        return ranks_per_node() if self.size > 1 else 1
 
     def barrier(self) -> None:
         """Wait for every rank of the run (all of the world: files are written by rank 0 for all of it)."""

@@ -58,7 +58,7 @@ class ShardRunner(BlockRunner):
             raise ValueError("a sequence-parallel training model runs each block with its own self-attention; "
                              "an attn= override or a parallelize_dit model has no training form here")
         x = x.contiguous()                                                           # (B, n, D)
-        mod = block.modulation[None] + t_mod                                         # (B, 9, D)
+        mod = block.modulation[None] + t_mod                                         # (B, R, D)
         if block.attn.sp_form == "global":
             return self._run_slab(block, x, rope, grid, slice(None), mod, ctx, ctx_mask)
         sp = self.sp

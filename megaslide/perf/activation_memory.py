@@ -18,7 +18,8 @@ Kept from a block's (re)computed forward to its backward, unchunked:
 - the qkv output (3 act D, kept by QK-norm, which saves its strided q and k views, or by an
   attention that keeps v as passed), q and k after RoPE (2 act D) and a contiguous v (act D)
   as the variant keeps them, QK-norm statistics; the variant's own `saved`;
-- the three gated branch outputs (act D each: a gate keeps what it multiplies), the
+- the three gated branch outputs (act D each: a gate keeps what it multiplies; two in the `wan` block family,
+  whose cross-attention is ungated and whose norm 2 output, kept by no modulation, is not counted), the
   cross-attention q (before and after QK-norm), output and lse, the MLP hidden
   (fc1 and GELU outputs, 2 act F), and the block output (residual D).
 Peak of an unchunked block's backward: everything kept, plus dL/d(GELU output) (act F) while
@@ -121,10 +122,13 @@ def block_memory(cfg: DiTConfig, tokens: int, dtypes: ActivationDtypes, frames: 
         return {f"{cfg.attention.name} attention backward: scratch": attend.scratch_bytes(n)}
 
     # token-wise work after self-attention: kept per token, and one of it for a slice when chunked
-    post = {"norms 2, 3: fp32 inputs, outputs, statistics": 2 * (8 * D + 8),
+    # the wan block family's cross-attention is ungated, on a LayerNorm output that no modulation keeps
+    wan = cfg.block == "wan"
+    post = {"norms 2, 3: fp32 inputs, outputs, statistics": (12 if wan else 16) * D + 16,
             "cross q and fc1 projection inputs": 2 * a * D,
             "cross-attention q, output, lse": a * D * (3 if qk else 2) + 4 * heads + (4 if qk else 0),
-            "gated branch outputs (attention, cross, MLP)": 3 * a * D,
+            "gated branch outputs (attention, MLP)" if wan else "gated branch outputs (attention, cross, MLP)":
+                (2 if wan else 3) * a * D,
             "MLP hidden (fc1, GELU outputs)": 2 * a * F}
     mlp_grad = {"MLP backward: dL/d(GELU output)": a * F}
     output = {"block output": r * D}

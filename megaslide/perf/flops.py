@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from megaslide.config import AttentionConfig, DiTConfig
-from megaslide.models.dit import N_MOD
+from megaslide.models.dit import MOD_ROWS
 
 H200_DATASHEET_BF16_TFLOPS = 989.0  # dense bf16, NVIDIA H200 SXM datasheet
 
@@ -76,10 +76,11 @@ def dit_flops(cfg: DiTConfig, batch: int, grid: tuple[int, int, int]) -> DiTFlop
     D, Dt, L = cfg.dim, cfg.text_dim, cfg.text_len
     tokens = token_path_flops(cfg, math.prod(grid), keys_per_query(cfg.attention, grid), L)
     text_layer = 4 * Dt * Dt + 2 * Dt * 4 * Dt                      # in/out projections, FFN (4x)
-    stem_caption = cfg.text_layers * text_layer + Dt * D + D * D    # text encoder, text_proj
-    per_sample = cfg.freq_dim * D + D * D + N_MOD * D * D           # t_embed MLP, t_proj
+    text_layers = cfg.text_layers if cfg.text_encoder else 0        # none without the built-in encoder
+    stem_caption = text_layers * text_layer + Dt * D + D * D        # text encoder, text_proj
+    per_sample = cfg.freq_dim * D + D * D + MOD_ROWS[cfg.block] * D * D  # t_embed MLP, t_proj
     weights = batch * (tokens.weights + 2 * (L * stem_caption + per_sample))
-    attention = batch * (tokens.attention + cfg.text_layers * 4 * L * L * Dt)
+    attention = batch * (tokens.attention + text_layers * 4 * L * L * Dt)
     return DiTFlops(float(weights), float(attention))
 
 

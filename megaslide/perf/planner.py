@@ -161,6 +161,13 @@ class Ceilings:
     collective_GBps: float = 150.0  # data parallel: NCCL all-gather / reduce-scatter bus bandwidth per GPU
     attention: AttentionRate | None = None  # the model's `attend`; None: DEFAULT_ATTENTION_RATES, else `tflops`
 
+    def __post_init__(self) -> None:
+        for name in ("tflops", "h2d_GBps", "d2h_GBps", "cpu_adam_gparams", "hbm_TBps"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"ceilings.{name}={value} must be a finite number > 0 (a rate the step time is "
+                                 f"divided by); leave it null for the planner's default {getattr(Ceilings, name)}")
+
     def attention_rate(self, name: str) -> AttentionRate:
         """The rate of attention variant `name`: the measured one, its default, or the matmul ceiling."""
         return (self.attention or DEFAULT_ATTENTION_RATES.get(name)

@@ -5,7 +5,8 @@ result tables (`log_table`), its headline numbers (`summary`) and its plots (`lo
 Only rank 0 logs. metrics.jsonl holds one run (a non-finite value is written as null: valid JSON): a fresh run
 empties it, a resumed run keeps the rows up to the checkpoint it resumed from (those after it are logged again).
 The W&B mode comes from `WANDB_MODE` when set, else `offline`, so runs never need a network; upload them later with
-`wandb sync <run folder>/wandb/offline-run-*`.
+`wandb sync <run folder>/wandb/offline-run-*`. W&B's own banners are silenced (the scripts print where the run
+is); `WANDB_SILENT=false` brings them back.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class RunLogger:
         if mode != "disabled":
             import wandb  # lazy: a heavy import, and optional for library users
             self.run = wandb.init(project=project, name=name, config=config or {}, dir=str(self.out_dir),
-                                  mode=mode, reinit="finish_previous")
+                                  mode=mode, reinit="finish_previous", settings=wandb.Settings(silent=quiet_wandb()))
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.active:
@@ -112,3 +113,8 @@ def _cell(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return json.dumps(value, default=str)
+
+
+def quiet_wandb() -> bool:
+    """W&B's banners off unless the user asks for them with WANDB_SILENT=false (W&B's own variable)."""
+    return os.environ.get("WANDB_SILENT", "true").lower() not in ("false", "0", "no")

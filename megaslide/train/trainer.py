@@ -98,13 +98,14 @@ class Trainer:
             if self.dp.is_main == turn:
                 self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)
             self.dp.barrier()
+        # the dataset before the engine: a video folder decodes its first clip (decord present, file readable)
+        # before any weights are allocated; the offload planner then refuses a model too big before it is built
+        self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         torch.manual_seed(train_cfg.seed)
-        # the engine before the dataset: the offload planner refuses a model too big before anything is built
         grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
         sp_group = self.mesh["sp"].get_group() if self.mesh is not None and self.mesh["sp"].size() > 1 else None
         self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
                                    execution=execution, dp=self.dp, sp_group=sp_group, parallel=parallel)
-        self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         self.logger = logger
 
     @property
@@ -171,15 +172,16 @@ class Trainer:
         return x.float().clamp(-1, 1).cpu()
 
     # ---- the loop ------------------------------------------------------------------------------
-    def fit(self) -> dict:
-        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown).
+    def fit(self, label: str = "train") -> dict:
+        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown). `label` names
+        the progress bar (the study scripts run several trainers at once, each bar labelled with its run).
         A step the engine refuses as non-finite (`NonFiniteStep`, a FloatingPointError naming the step)
         ends the run: it propagates before that step is logged or checkpointed, so the checkpoints
         written are those of the finite steps before it."""
         self.maybe_resume()
         last: dict = {}
         first = self.step
-        with tqdm(total=self.cfg.steps, initial=self.step, desc="train", dynamic_ncols=True,
+        with tqdm(total=self.cfg.steps, initial=self.step, desc=label, dynamic_ncols=True,
                   disable=not self.dp.is_main) as bar:
             while self.step < self.cfg.steps:
                 out = self.train_step()

@@ -1,5 +1,5 @@
-"""The offset net's Triton depthwise Conv3d (channels-last) against F.conv3d, on CPU through the Triton
-interpreter, for the output and the gradients of x, weight and bias.
+"""The offset net's Triton depthwise Conv3d (channels-last), alone and fused with GELU, against F.conv3d
+(+ F.gelu), on CPU through the Triton interpreter, for the output and the gradients of x, weight and bias.
 
 Truth: F.conv3d in float64 on the inputs rounded to the tested dtype; the kernel may be at most 2x as
 wrong as F.conv3d in the tested dtype, plus a rounding floor (megaslide.testing.within_tolerance).
@@ -27,8 +27,8 @@ if not depthwise_kernels.INTERPRETED:  # built earlier in this process without t
     importlib.reload(depthwise_kernels)
 
 
-def assert_matches_conv3d(shape, kernel, frames, dtype=torch.float32):
-    result = check_conv(shape, frames, dtype, torch.device("cpu"), kernel)
+def assert_matches_conv3d(shape, kernel, frames, dtype=torch.float32, gelu=False):
+    result = check_conv(shape, frames, dtype, torch.device("cpu"), kernel, gelu=gelu)
     assert result["passed"], result["errors"]
 
 
@@ -49,12 +49,24 @@ def test_bf16_input():
     assert_matches_conv3d((1, 3, 4, 5, 4), (3, 3, 3), (0, 3), dtype=torch.bfloat16)
 
 
-def test_gpu_tiles_partial_blocks_and_several_rows_per_weight_program(monkeypatch):
-    """The GPU's tiling: x and channel blocks smaller than the row (partial last blocks), and weight
-    programs that each sum several rows, the last one partial (interpreter tiles are whole rows)."""
-    monkeypatch.setattr(depthwise, "_blocks", lambda W, C, gpu: (4, 4, 1))
-    monkeypatch.setattr(depthwise, "WGRAD_PROGRAMS", 4)
-    assert_matches_conv3d((2, 3, 2, 5, 6), (3, 3, 3), (1, 3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_gelu_odd_grid_and_channels(dtype):
+    """Conv + GELU fused, on a 3 x 5 x 7 grid with 6 channels: every border zero-padded as Conv3d pads."""
+    assert_matches_conv3d((1, 3, 5, 7, 6), (3, 3, 3), (0, 3), dtype, gelu=True)
+
+
+def test_conv_gelu_frame_slab():
+    assert_matches_conv3d((2, 5, 3, 5, 3), (3, 3, 3), (1, 4), gelu=True)
+
+
+def test_gpu_tiles_partial_blocks_and_several_columns_per_weight_program(monkeypatch):
+    """The GPU's tiling: x and channel blocks smaller than the row (partial last blocks), runs of 2 frames
+    per program (the last partial), and weight programs that each sum several columns, the last one
+    partial (interpreter tiles are whole rows and all frames)."""
+    monkeypatch.setattr(depthwise, "_conv_blocks", lambda W, C, frames: (4, 4, 1, 2))
+    monkeypatch.setattr(depthwise, "_wgrad_blocks", lambda W, C: (4, 4, 1))
+    monkeypatch.setattr(depthwise, "WGRAD_PROGRAMS", 2)  # 3 columns (x blocks): 2 and 1 per program
+    assert_matches_conv3d((1, 4, 1, 9, 5), (3, 3, 3), (1, 4), gelu=True)
 
 
 def test_output_dtype_follows_autocast_as_conv3d():
@@ -92,18 +104,20 @@ def test_bad_weight_and_frames_are_refused():
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter cannot catch GPU lowering errors (the while loops, the tuple of tap tiles): build both."""
+    """The interpreter cannot catch GPU lowering errors (the while loops, the tuples of rolling and tap tiles):
+    build both, the conv with and without GELU."""
     assert builds_for_sm90("""
         from megaslide.attention.dsa import depthwise as dw, depthwise_kernels as dk
 
         sizes = {n: "i32" for n in ("H", "W", "C", "shift", "stride_xb", "stride_yb")}
         taps = {"KT": 3, "KH": 3, "KW": 3}
-        bx, bc, warps = dw.CONV_BLOCK
-        build(dk._conv_kernel, {"x_ptr": "*fp32", "taps_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",
-                                "TX": "i32", **sizes},
-              {**taps, "HAS_BIAS": True, "BLOCK_X": bx, "BLOCK_C": bc}, warps, aligned_ints=("C",))
+        bx, bc, warps, _ = dw.CONV_BLOCK
+        for gelu in (True, False):
+            build(dk._conv_kernel, {"x_ptr": "*bf16", "taps_ptr": "*fp32", "bias_ptr": "*fp32", "y_ptr": "*bf16",
+                                    "pre_ptr": "*bf16", "TX": "i32", "TY": "i32", **sizes, "FRAMES": "i32"},
+                  {**taps, "HAS_BIAS": gelu, "GELU": gelu, "BLOCK_X": bx, "BLOCK_C": bc}, warps, aligned_ints=("C",))
         bx, bc, warps = dw.WGRAD_BLOCK
         build(dk._wgrad_kernel, {"x_ptr": "*fp32", "dy_ptr": "*bf16", "part_ptr": "*fp32", "B": "i32", "TX": "i32",
-                                 "TY": "i32", **sizes, "ROWS": "i32"},
+                                 "TY": "i32", **sizes, "COLS": "i32"},
               {**taps, "BLOCK_X": bx, "BLOCK_C": bc}, warps, aligned_ints=("C",))
-    """) == 2
+    """) == 3

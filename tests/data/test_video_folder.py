@@ -96,3 +96,11 @@ def test_missing_decord_gives_install_hint(folder, monkeypatch):
     monkeypatch.setitem(sys.modules, "decord", None)
     with pytest.raises(ImportError, match="pip install decord2"):
         read_video_frames(folder / "red.mp4", 2, 16, 16)
+    with pytest.raises(ValueError, match="pip install decord2"):             # found when the folder is opened
+        VideoFolder(folder, frames=2, height=16, width=16)
+
+
+def test_an_undecodable_first_clip_is_named_when_the_folder_is_opened(folder):
+    (folder / "red.mp4").write_bytes(b"not a video")
+    with pytest.raises(ValueError, match="red.mp4, the first clip of .*could not be decoded"):
+        VideoFolder(folder, frames=2, height=16, width=16)

@@ -115,6 +115,9 @@ BAD_STUDY = {
     "seed not a list": (["seeds=3"], "seeds=3 must be a non-empty list of integers"),
     "fractional seed": (["seeds=[0.5]"], "seeds=[0.5] must be a non-empty list of integers"),
     "variants not a list": (["variants=dsa"], "variants='dsa' must be a list, e.g. variants=[dsa]"),
+    "unknown added key": (["+lr=1e-3"], "unknown key(s) +lr: this script has no such key and would ignore it"),
+    "unknown added nested key": (["+eval.n=4"], "unknown key(s) +eval.n"),
+    "unknown added run field": (["+train.lrate=1e-3"], "unknown TrainConfig field(s) ['lrate'] under train"),
 }
 
 
@@ -223,3 +226,37 @@ def test_a_pixel_space_preset_trains_on_rgb_clips():
     model, data, _, _ = _compose(["model=1B", "model.in_channels=3", "data.height=16", "data.width=16",
                                   "data.frames=2"])
     assert model.in_channels == data.channels == 3 and model.dim == 2048
+
+
+# zero, negative and NaN sizes and ceilings of the table scripts: refused with the key, before any run or W&B run
+BAD_TABLE = [
+    (experiments.oom_thresholds, "hbm_budget_GB=-1", "hbm_budget_GB=-1.0 must be >= 0"),
+    (experiments.oom_thresholds, "host_ram_fraction=0", "host_ram_fraction=0.0 must be in (0, 1]"),
+    (experiments.oom_thresholds, "long_step_s=nan", "long_step_s=nan must be > 0"),
+    (experiments.oom_thresholds, "frames=[0,8]", "frames [0] must be >= 1"),
+    (experiments.scaling, "forward_repeats=0", "forward_repeats=0 must be > 0"),
+    (experiments.scaling, "host_budget_GB=-5", "host_budget_GB=-5.0 must be >= 0"),
+    (experiments.scaling, "cap_GB=nan", "cap_GB=nan must be > 0"),
+]
+
+
+@pytest.mark.parametrize("script,arg,message", BAD_TABLE, ids=lambda v: getattr(v, "__name__", v))
+def test_table_scripts_refuse_bad_sizes_first(script, arg, message, tmp_path, monkeypatch, capsys):
+    assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+# a trial flag's preset replaces sizes: a key the user also gave is refused, never lost without a word
+PRESET_CLASHES = [
+    (experiments.oom_thresholds, ["smoke=true", "frames=[4]"], "smoke=true sets frames itself"),
+    (experiments.offload_peers, ["smoke=true", "model=7B"], "smoke=true sets model itself"),
+    (experiments.mfu_overlap, ["tiny=true", "model.depth=5"], "tiny=true sets model.depth itself"),
+    (experiments.mfu_overlap, ["tiny=true", "bench.timed_steps=3"], "tiny=true sets bench.timed_steps itself"),
+]
+
+
+@pytest.mark.parametrize("script,args,message", PRESET_CLASHES, ids=lambda v: getattr(v, "__name__", None))
+def test_a_trial_preset_refuses_the_keys_it_would_replace(script, args, message, tmp_path, monkeypatch, capsys):
+    err = run_main(script, args, tmp_path, monkeypatch, capsys)
+    assert message in err and "drop " in err
+    assert list(tmp_path.iterdir()) == []

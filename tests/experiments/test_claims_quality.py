@@ -46,9 +46,9 @@ def _verdict(results, claim_id: str) -> str:
 
 
 def test_seeds_pool_across_files_of_one_config(results):
-    _write(results, "a", 1500, [0], _rows(0, {"dsa": (0.70, 0.8), "dsa_zero": (0.50, 0.2)}))
-    _write(results, "b", 1500, [1, 2], _rows(1, {"dsa": (0.72, 0.8), "dsa_zero": (0.52, 0.2)})[:-1]
-           + _rows(2, {"dsa": (0.71, 0.8), "dsa_zero": (0.51, 0.2)}))
+    _write(results, "a", 1500, [0], _rows(0, {"dsa": (0.70, 0.8), "dsa_zero": (0.50, 0.6)}))
+    _write(results, "b", 1500, [1, 2], _rows(1, {"dsa": (0.72, 0.8), "dsa_zero": (0.52, 0.6)})[:-1]
+           + _rows(2, {"dsa": (0.71, 0.8), "dsa_zero": (0.51, 0.6)}))
     _write(results, "short", 100, [0], _rows(0, {"dsa": (0.1, 0.0), "dsa_zero": (0.9, 0.9)}))  # fewer runs
     pooled = quality.pooled(results, "ablate_offsets")
     assert pooled.training == "1500 steps" and len(pooled.links) == 2
@@ -105,6 +105,16 @@ def _gap(diff, margin=0.1):
 ])
 def test_decide_is_one_rule(gaps, claimed, weak, word):
     assert quality.decide(gaps, claimed, weak)[0] == word
+
+
+@pytest.mark.parametrize("gaps,word", [
+    ([_gap(-0.01, 0.02), _gap(0.02, 0.02)], "supported"),              # both within ±0.05 beyond the margin
+    ([_gap(0.03, 0.04)], "inconclusive"),                              # could be over 0.05 either way
+    ([_gap(0.58, 0.26), _gap(0.32, 0.19)], "better on this proxy"),    # C6 at 64 frames: DSA well ahead
+    ([_gap(-0.2, 0.05), _gap(0.3, 0.05)], "contradicted"),             # worse beyond the margin outweighs ahead
+])
+def test_a_parity_claim_is_two_sided(gaps, word):
+    assert quality.decide(gaps, -0.05, None, parity=True)[0] == word
 
 
 def test_margin_counts_seed_spread_and_sampling_error(results):
@@ -202,18 +212,18 @@ def test_a_run_in_two_files_counts_once(results):
 
 
 def test_a_clip_without_a_finished_run_is_not_measured(results):
-    strong = [_four((0.80, 0.80), (0.60, 0.60), (0.60, 0.50), (0.60, 0.40)) for _ in range(3)]
+    strong = [_four((0.80, 0.80), (0.60, 0.60), (0.60, 0.50), (0.60, 0.55)) for _ in range(3)]
     _quality(results, {16: strong, 64: [{k: v for k, v in s.items() if k != "dsa"} for s in strong]},
              clip_steps=[2800, 1400], batch_sizes=[8, 2])
     assert quality.pooled(results, "quality").training == "2800 + 1400 steps (batch 8, 2)"
-    for claim in ("C6", "C7", "C8"):
+    for claim, word in (("C6", "better on this proxy"), ("C7", "supported"), ("C8", "supported")):
         verdict = _verdict(results, claim)
-        assert verdict.startswith("inconclusive") and "quality, 16 frames: supported" in verdict
+        assert verdict.startswith("inconclusive") and f"quality, 16 frames: {word}" in verdict
         assert "quality, 64 frames: inconclusive, not measured (no finished run of dsa)" in verdict
 
 
 def test_under_training_is_judged_at_each_clip_length(results):
-    strong = [_four((0.80, 0.80), (0.80, 0.60), (0.60, 0.50), (0.60, 0.40)) for _ in range(3)]
+    strong = [_four((0.80, 0.80), (0.80, 0.60), (0.60, 0.50), (0.60, 0.55)) for _ in range(3)]
     weak = [_four((0.30, 0.30), (0.05, 0.05), (0.05, 0.05), (0.05, 0.05)) for _ in range(3)]
     _quality(results, {16: strong, 64: weak})       # dsa far ahead at 64 frames, but no model learned the captions
     verdict = _verdict(results, "C8")
@@ -287,3 +297,22 @@ def test_scorer_version_reads_only_scored_rows():
     assert quality.scorer_version({"tables": {"per seed": rows}}) == 2
     with pytest.raises(ValueError, match="mixes rows of scorer versions"):
         quality.scorer_version({"tables": {"per seed": [*rows, {"variant": "dsa_zero", "status": "ok"}]}})
+
+
+def test_both_sides_must_learn_and_parity_is_two_sided_with_the_previous_rule_shown(results):
+    """A baseline whose caption match is below half the ground truth's did not learn the task: the comparison says
+    so instead of supporting the claim. C6 (parity) with DSA far ahead of a dense that learned is "better on this
+    proxy". Each verdict the new rule changed shows the previous rule's verdict beside it."""
+    runs = [_four((0.80, 0.90), (0.40, 0.60), (0.10, 0.10), (0.50, 0.60)),
+            _four((0.82, 0.92), (0.42, 0.62), (0.12, 0.12), (0.52, 0.62)),
+            _four((0.81, 0.91), (0.41, 0.61), (0.11, 0.11), (0.51, 0.61))]
+    _quality(results, {16: runs})
+    c7 = _verdict(results, "C7")
+    assert c7.startswith("inconclusive: quality, 16 frames: inconclusive, swin did not learn the task (swin TA 0.11")
+    assert c7.endswith(f"up to commit {quality.PREVIOUS_RULE_UNTIL}: only the best model had to clear the training "
+                       "check, so a baseline that learned nothing still voted): supported")
+    c6 = _verdict(results, "C6")
+    assert c6.startswith("better on this proxy: quality, 16 frames: better on this proxy, ahead beyond the margin")
+    assert "parity was one-sided: DSA no worse than -0.05): supported" in c6
+    c8 = _verdict(results, "C8")
+    assert c8.startswith("supported") and "under the previous rule" not in c8     # unchanged: nothing shown

@@ -2,7 +2,7 @@
 parallel.dp=P train.device=cpu ...`, gloo) equals one process on the same global batch: the losses rank 0 logs
 and the final weights, fp32, with clipping active (the clip norm well under the gradient norm). The offload
 engine on 3 ranks (its flat blocks not divisible by 3) also resumes from its sharded checkpoint as if never
-stopped. Bad input is refused before anything is built, naming the key."""
+stopped, on 3 ranks and in one process. Bad input is refused before anything is built, naming the key."""
 import json
 import os
 import subprocess
@@ -81,6 +81,11 @@ def test_sharded_offload_engine_on_three_ranks_equals_one_process_and_resumes(tm
                                                       "block_0000.rank2of3.pt", "block_0001.rank0of3.pt",
                                                       "block_0001.rank1of3.pt", "block_0001.rank2of3.pt", "state.pt"]
     assert_same_weights(one, sampling_weights(step)[0])
+    # the 3-rank checkpoint of step 2 resumes in one process (another number of ranks) as well
+    resumed_losses, resumed = one_process(tmp_path / "resumed", ["train.steps=3", *engine,
+                                                                 f"train.resume={step.with_name('step_2')}"])
+    assert resumed_losses == pytest.approx(one_losses[2:], rel=RTOL)
+    assert_same_weights(one, resumed)
 
 
 @pytest.mark.parametrize("args, message", [

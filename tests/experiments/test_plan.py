@@ -57,6 +57,9 @@ def test_bad_arguments_are_named():
         make_plan(composed("train.precision=fp16"))
     with pytest.raises(ValueError, match="model.in_channels=16, but data=moving_shapes is RGB"):
         composed("model=7B")                                    # as train.py refuses it
+    for key, value in (("tflops", "0"), ("h2d_GBps", "-3"), ("cpu_adam_gparams", "nan"), ("hbm_TBps", "inf")):
+        with pytest.raises(ValueError, match=f"ceilings.{key}={value} must be a finite number > 0"):
+            composed(f"ceilings.{key}={value}")             # refused even where the plan would not use it
 
 
 def test_chunking_and_activation_offload_reach_the_plan():

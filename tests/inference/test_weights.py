@@ -20,8 +20,8 @@ from megaslide.checkpoint import (
     save_sharded_checkpoint,
 )
 from megaslide.config import OffloadConfig
-from megaslide.inference.weights import load_model, sampling_weights
-from megaslide.models.dit import VideoDiT
+from megaslide.inference.weights import caption_input, load_model, sampling_weights
+from megaslide.models.dit import DIT_PRESETS, VideoDiT, build_dit
 from megaslide.train.trainer import Trainer
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
@@ -126,3 +126,16 @@ def test_inference_never_imports_the_offload_engine():
 def test_flat_layout_aligns_each_parameter():
     record = flat_layout([("a", (3, 5)), ("b", (7,)), ("c", ())], align=8)
     assert record == {"names": ["a", "b", "c"], "shapes": [[3, 5], [7], []], "offsets": [0, 16, 24], "numel": 32}
+
+
+def test_caption_input_is_ids_or_seeded_embeddings():
+    """Token ids for a model with the built-in encoder; for one that reads embeddings (the Wan presets),
+    seeded stand-ins of the encoder's output shape, the same on every call."""
+    tiny = build_dit("tiny")
+    assert torch.equal(caption_input(tiny, ["a red circle"], torch.device("cpu")), tiny.tokenizer(["a red circle"]))
+    cfg = dataclasses.replace(DIT_PRESETS["tiny"], block="wan", text_encoder=False, text_len=7)
+    wan = build_dit(cfg)
+    ctx = caption_input(wan, ["a", "b"], torch.device("cpu"))
+    assert ctx.shape == (2, 7, cfg.text_dim) and ctx.dtype == torch.float32
+    assert torch.equal(ctx, caption_input(wan, ["a", "b"], torch.device("cpu")))
+    assert wan(torch.randn(2, 3, 2, 4, 4), torch.tensor([10.0, 500.0]), ctx).shape == (2, 3, 2, 4, 4)

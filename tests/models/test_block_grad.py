@@ -72,6 +72,18 @@ def test_block_grad_equals_autograd(attention, grid, execution):
     _assert_same(got, _grads(runner, block, inputs, grad_out, autograd=True), names)
 
 
+def test_block_grad_of_a_wan_block_equals_autograd():
+    """The wan family's block (6 modulation rows, unmodulated cross-attention), slab by slab."""
+    cfg = DiTConfig(dim=32, num_heads=2, ffn_dim=64, block="wan", attention={"name": "dsa_zero"})
+    block = DiTBlock(cfg, layer_idx=1)
+    _randomise(block)
+    runner = BlockRunner(ExecutionConfig(slab_frames=2, chunk_tokens=5))
+    inputs = _block_inputs(cfg, grid=(5, 3, 3))      # slabs of 2, 2 and 1 frames with halos of up to 3
+    grad_out = torch.randn_like(inputs[0])
+    names = ["x", "t_mod", "ctx"] + [n for n, _ in block.named_parameters()]
+    _assert_same(_grads(runner, block, inputs, grad_out), _grads(runner, block, inputs, grad_out, autograd=True), names)
+
+
 def test_block_grad_of_an_unchunked_block_is_autograd():
     """Neither chunked nor slabbed: `block_grad` is autograd through the whole block, bit for bit."""
     block, cfg = _block("dsa")

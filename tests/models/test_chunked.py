@@ -8,7 +8,7 @@ import torch
 from megaslide.attention import build_attention
 from megaslide.config import DiTConfig, ExecutionConfig
 from megaslide.models.chunking import BlockRunner, frame_slabs, read_over_frame_runs
-from megaslide.models.dit import DiTBlock, build_dit
+from megaslide.models.dit import MOD_ROWS, DiTBlock, build_dit
 from megaslide.nn import RopeTable
 from megaslide.parallel.apply import parallelize_dit
 
@@ -55,7 +55,7 @@ def _block_inputs(cfg: DiTConfig, grid=GRID, seed: int = 1):
     torch.manual_seed(seed)
     B, L, N = 2, 5, grid[0] * grid[1] * grid[2]
     x = torch.randn(B, N, cfg.dim, requires_grad=True)
-    t_mod = torch.randn(B, 9, cfg.dim, requires_grad=True)
+    t_mod = torch.randn(B, MOD_ROWS[cfg.block], cfg.dim, requires_grad=True)
     ctx = torch.randn(B, L, cfg.dim, requires_grad=True)
     ctx_mask = torch.tensor([[True] * L, [True, True, True, False, False]])  # one padded caption
     rope = RopeTable(cfg.head_dim, *grid).grid(grid)
@@ -93,6 +93,17 @@ def test_chunked_block_equals_unchunked(attention, chunk):
     plain, chunked, cfg = _block_pair(attention, chunk)
     inputs = _block_inputs(cfg)
     _assert_same_block(plain, chunked, inputs)
+
+
+@pytest.mark.parametrize("execution", [{"chunk_tokens": 7}, {"slab_frames": 1, "chunk_tokens": 5}])
+def test_wan_block_chunked_and_slabbed_equals_whole(execution):
+    """The wan family's block (6 rows, unmodulated cross-attention) runs through the same chunk and slab runner."""
+    cfg = DiTConfig(dim=32, num_heads=2, ffn_dim=64, block="wan", attention={"name": "dsa", "max_offset": 0.5})
+    plain = DiTBlock(cfg, layer_idx=1)
+    _randomise(plain)
+    other = DiTBlock(cfg, layer_idx=1)
+    other.load_state_dict(plain.state_dict())
+    _assert_same_block(plain, Executed(other, **execution), _block_inputs(cfg))
 
 
 @pytest.mark.parametrize("chunk_tokens", [5, 16, 17, 33, 200])  # 1, 1, 1, 2 frames, the whole clip

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,10 +31,25 @@ def test_count_params_allocates_nothing_and_counts_the_built_model():
     assert count_params(DIT_PRESETS["105B"]) > 1e11         # on the meta device: no 400 GB allocated
 
 
-def test_wan_preset_shapes():
-    cfg = DIT_PRESETS["wan-1.3b"]
-    assert (cfg.depth, cfg.dim, cfg.num_heads, cfg.ffn_dim, cfg.in_channels, cfg.patch_size) == \
-        (30, 1536, 12, 8960, 16, (1, 2, 2))
+@pytest.mark.parametrize("name,shape", [("wan-1.3b", (30, 1536, 12, 8960)), ("wan-14b", (40, 5120, 40, 13824))])
+def test_wan_preset_shapes(name, shape):
+    """The shapes of Wan 2.1's models (tests/models/test_pretrained.py checks them against diffusers' build)."""
+    cfg = DIT_PRESETS[name]
+    assert (cfg.depth, cfg.dim, cfg.num_heads, cfg.ffn_dim, cfg.in_channels, cfg.patch_size) == (*shape, 16, (1, 2, 2))
+    assert (cfg.block, cfg.text_encoder, cfg.text_dim, cfg.text_len) == ("wan", False, 4096, 512)
+
+
+def test_wan_block_family_without_text_encoder():
+    """A wan model has 6 modulation rows and no built-in text encoder: it takes caption embeddings, not ids."""
+    model = build_dit(dataclasses.replace(DIT_PRESETS["tiny"], block="wan", text_encoder=False))
+    assert model.text_encoder is None and model.blocks[0].modulation.shape == (6, 64)
+    assert sum(p.numel() for p in model.parameters()) == count_params(model.cfg)
+    x = torch.randn(1, 3, 2, 4, 4)
+    assert model(x, torch.tensor([300.0]), torch.randn(1, 5, 64)).shape == x.shape
+    with pytest.raises(ValueError, match="no built-in text encoder"):
+        model(x, torch.tensor([300.0]), model.tokenizer(["a red circle"]))
+    with pytest.raises(ValueError, match="model.block='nope'"):
+        build_dit("tiny", block="nope")
 
 
 def test_precomputed_text_embeddings_and_checkpointing_match():

@@ -68,6 +68,14 @@ def test_bit_identical_to_resident_trainer_with_clipping(tmp_path, overlap, opti
     _assert_weights(ref, eng)
 
 
+def test_wan_blocks_train_bit_identical_to_resident_trainer(tmp_path):
+    """A model of the wan block family (6 modulation rows, unmodulated cross-attention) streams and trains."""
+    ref, eng = _pair(tmp_path, dataclasses.replace(_model_cfg(), block="wan"))
+    for loss_ref, loss_eng, norm_ref, norm_eng in _run_both(ref, eng, steps=2):
+        assert loss_ref == loss_eng and norm_ref == norm_eng
+    _assert_weights(ref, eng)
+
+
 @pytest.mark.parametrize("optimizer_device", ["cpu", "gpu"])
 def test_bit_identical_without_clipping(tmp_path, optimizer_device):
     """grad_clip=0: updates are queued during the backward, as each gradient lands."""

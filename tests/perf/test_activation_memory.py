@@ -6,7 +6,7 @@ import torch
 
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig
 from megaslide.models.chunking import BlockRunner
-from megaslide.models.dit import DIT_PRESETS, DiTBlock
+from megaslide.models.dit import DIT_PRESETS, MOD_ROWS, DiTBlock
 from megaslide.nn import RopeTable
 from megaslide.perf.activation_memory import ActivationDtypes, block_memory
 from megaslide.perf.live_bytes import LiveTensorBytes
@@ -74,7 +74,7 @@ def _measured(cfg: DiTConfig, grid, dtype=torch.float32, layer_idx=0, **executio
     block = DiTBlock(cfg, layer_idx).to(dtype)
     tokens = grid[0] * grid[1] * grid[2]
     x = torch.randn(1, tokens, cfg.dim, dtype=dtype, requires_grad=True)
-    t_mod = torch.randn(1, 9, cfg.dim, dtype=dtype, requires_grad=True)
+    t_mod = torch.randn(1, MOD_ROWS[cfg.block], cfg.dim, dtype=dtype, requires_grad=True)
     ctx = torch.randn(1, 8, cfg.dim, dtype=dtype, requires_grad=True)
     rope, grad = RopeTable(cfg.head_dim, *grid).grid(grid), torch.randn(1, tokens, cfg.dim, dtype=dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), LiveTensorBytes() as live:
@@ -85,12 +85,15 @@ def _measured(cfg: DiTConfig, grid, dtype=torch.float32, layer_idx=0, **executio
     return kept, live.peak
 
 
-@pytest.mark.parametrize("attention,options", [("dense", {}), ("swin", {"window": (2, 4, 4)})])
+@pytest.mark.parametrize("attention,options,block", [("dense", {}, "dit"), ("swin", {"window": (2, 4, 4)}, "dit"),
+                                                     ("dense", {}, "wan")])
 @pytest.mark.parametrize("chunk", [0, 512])
-def test_fp32_block_matches_a_block_measured_on_cpu(attention, options, chunk):
+def test_fp32_block_matches_a_block_measured_on_cpu(attention, options, block, chunk):
     """fp32 runs the same ops on CPU as on CUDA but for the kernels (QK-norm is unfused on CPU, so
-    it is off here); parameters are small beside 2048 tokens, so their gradients hardly count."""
-    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=256, qk_norm=False, attention=AttentionConfig(attention, options))
+    it is off here); parameters are small beside 2048 tokens, so their gradients hardly count. Both block
+    families."""
+    cfg = DiTConfig(dim=64, num_heads=4, ffn_dim=256, qk_norm=False, block=block,
+                    attention=AttentionConfig(attention, options))
     grid = (8, 16, 16)
     kept, peak = _measured(cfg, grid, chunk_tokens=chunk)
     model = block_memory(cfg, 2048, ActivationDtypes(act=4, residual=4), execution=ExecutionConfig(chunk_tokens=chunk))

@@ -22,6 +22,7 @@ def fake_wandb(monkeypatch):
     mod.init = lambda **kw: FakeRun(**kw)
     mod.Table = lambda columns, data: ("table", columns, data)
     mod.Image = lambda path: ("image", path)
+    mod.Settings = lambda **kw: kw
     monkeypatch.setitem(sys.modules, "wandb", mod)
 
 
@@ -33,12 +34,15 @@ def test_tables_images_and_summary_reach_wandb(tmp_path, monkeypatch):
     logger.summary({"speedup": 2.0})
     run = logger.run
     assert run.init["config"] == {"heads": 2} and run.init["mode"] == "offline"
+    assert run.init["settings"] == {"silent": True}            # W&B's banners are off unless asked for
     assert run.logged[0] == {"sweep": ("table", ["variant", "ms", "grid", "peak"],
                                        [["dense", 1.5, None, None], ["dsa", None, "[4, 8]", None]])}
     assert run.logged[1] == {"plot": ("image", str(tmp_path / "p.png"))}
     assert run.summary == {"speedup": 2.0}
     assert logger.wandb_dir == str(tmp_path / "wandb" / "run-x")
     logger.finish()
+    monkeypatch.setenv("WANDB_SILENT", "false")
+    assert RunLogger(tmp_path / "loud", mode="offline").run.init["settings"] == {"silent": False}
 
 
 def test_disabled_writes_nothing_for_wandb(tmp_path):

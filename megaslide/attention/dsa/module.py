@@ -1,9 +1,9 @@
 """The DSA self-attention module (`dsa`, `dsa_zero` in the registry).
 
-Offsets are predicted from the block input: a depthwise Conv3d over the token grid (depthwise.py), GELU,
-and a Linear to heads * K * 3, bounded by `max_offset * tanh` (bounded.py). The Linear starts at zero,
-so a fresh `dsa` layer is exactly 3D neighbourhood attention and learns to move its
-samples. `dsa_zero` is the ablation: offsets fixed at exactly zero, run as 3D neighbourhood
+Offsets are predicted from the block input: a depthwise Conv3d over the token grid and GELU (one fused
+op, depthwise.py), and a Linear to heads * K * 3, bounded by `max_offset * tanh` (bounded.py). The
+Linear starts at zero, so a fresh `dsa` layer is exactly 3D neighbourhood attention and learns to move
+its samples. `dsa_zero` is the ablation: offsets fixed at exactly zero, run as 3D neighbourhood
 attention (`neighborhood_attention`: no offsets tensor, no offset gradient). It keeps the
 (inert) offset net so both variants have the same parameter count. Both take `DSAOptions`.
 """
@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megaslide.attention import register_attention
@@ -118,8 +117,7 @@ class DSAAttention(SelfAttention):
         a, b = max(t0 - 1, 0), min(t1 + 1, T)
         h = x[:, a * H * W:b * H * W].reshape(B, b - a, H, W, D)    # (B, b-a, H, W, D), in place
         h = depthwise_conv3d(h, self.offset_conv.weight, self.offset_conv.bias, (t0 - a, t1 - a),
-                             backend=self.net_backend)              # (B, t1-t0, H, W, D)
-        h = F.gelu(h)
+                             backend=self.net_backend, gelu=True)   # (B, t1-t0, H, W, D), after GELU
         o = self.offset_proj(h)                                      # (B, t1-t0, H, W, heads*K*3)
         o = o.view(B, t1 - t0, H, W, self.num_heads, self.options.num_samples, 3)  # (B, t1-t0, H, W, heads, K, 3)
         return bounded_offsets(o, self.options.max_offset, backend=self.net_backend)  # fp32
