@@ -12,6 +12,7 @@ from megaslide.attention.base import AttendMemory, Grid, SelfAttention
 @register_attention
 class DenseAttention(SelfAttention):
     name = "dense"
+    sp_form = "global"
 
     @classmethod
     def keys_per_query(cls, options, grid: Grid) -> int:

@@ -5,7 +5,9 @@
 `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), picks NCCL for CUDA and gloo for CPU, binds each rank to GPU LOCAL_RANK, and
 turns NVLink multicast (NVLS) off before the first communicator exists: NCCL_NVLS_ENABLE=0 and
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (the lent machines do not support it). A plain `python`
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (the lent machines do not support it). With a process group it arms
+`megaslide.parallel.watchdog` with the group's timeout: sequence-parallel attention that cannot finish, on the
+host or on the device, ends the process with an error naming the mode and the rank. A plain `python`
 run (no WORLD_SIZE) gets a one-rank context with no process group.
 
 Convention of the inference code (`megaslide.parallel.groups`): an SP `group` of None means
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megaslide.device import resolve_device
+from megaslide.parallel import watchdog
 from megaslide.parallel.mesh import MULTICAST_OFF, leave_process_groups
 
 
@@ -55,12 +58,14 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    watchdog.arm(timeout_s)  # SP attention that cannot finish (host or device) ends with an error, not a hang
     return DistContext(rank, world, local_rank, dev, backend, dist.group.WORLD)
 
 
 def shutdown(ctx: DistContext) -> None:
     """Leave the job (`megaslide.parallel.mesh.leave_process_groups`)."""
     if ctx.backend is not None:
+        watchdog.disarm()
         leave_process_groups()
 
 

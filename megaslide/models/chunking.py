@@ -127,12 +127,16 @@ class BlockRunner:
             return block(x, t_mod, ctx, ctx_mask, rope, grid)
         x = x.contiguous()  # one layout for every block's input (the embedding's output is a transposed view)
         mod = block.modulation[None] + t_mod                                         # (B, R, D)
-        slabs = self.slabs(block, grid)
+        return self.run_slabs(block, x, rope, grid, self.slabs(block, grid), mod, ctx, ctx_mask)
+
+    def run_slabs(self, block, x, rope, grid, slabs, mod, ctx, ctx_mask) -> torch.Tensor:
+        """The block's output on the kept frames of `slabs` ((a, t0, t1, b) each, frames of x's grid), in
+        order: (B, sum (t1 - t0) * fr, D); each slab under its own checkpoint when there are several."""
         if len(slabs) == 1:
-            return self._run_slab(block, x, rope, grid, slice(None), mod, ctx, ctx_mask)
+            return self._run_slab(block, *slab_view(x, rope, grid, slabs[0]), mod, ctx, ctx_mask)
         out = [checkpoint(self._run_slab, block, *slab_view(x, rope, grid, slab), mod, ctx, ctx_mask,
                           use_reentrant=False) for slab in slabs]                   # (B, (t1-t0)*fr, D) each
-        return torch.cat(out, dim=1)                                                 # (B, N, D)
+        return torch.cat(out, dim=1)
 
     def block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params):
         """The gradients of `self.block(block, x, t_mod, ctx, ctx_mask, rope, grid)` for the output gradient
@@ -180,7 +184,12 @@ class BlockRunner:
         q, k, v, *h = (_join(p) for p in zip(*parts))                                # (B, n, h, d) x 3[, (B, n, D)]
         del parts  # the slices: only their concatenations stay alive through attention
         read = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
-        return block.attn.attend(q, k, v, None, grid, **read)[:, keep]              # (B, n_keep, h, d)
+        return self.attend(block, q, k, v, grid, read)[:, keep]                      # (B, n_keep, h, d)
+
+    def attend(self, block, q, k, v, grid, read: dict) -> torch.Tensor:
+        """`block`'s self-attention of q, k, v (B, n, heads, d) over the token grid `grid` (B, n, heads, d);
+        `read`: what the variant read of its input, if it reads it. The sequence-parallel runner replaces it."""
+        return block.attn.attend(q, k, v, None, grid, **read)
 
     def spans(self, n: int, unset: int | None = None) -> list[slice]:
         """The slices of a run of n tokens: `chunk_tokens` each (the last shorter); unset, `unset` (default n)."""

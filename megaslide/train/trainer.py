@@ -14,6 +14,10 @@ global batch of step s and trains on its share; the engine averages the gradient
 host state too), so losses and weights are those of one process on the global batch. Rank 0 writes the files:
 metrics (the Trainer's logger is set on rank 0 only), one-file checkpoints and samples; every rank writes its
 shards of a sharded checkpoint.
+
+Sequence parallel (parallel.sp = P, megaslide/parallel/sp_train.py): the P ranks of an SP group train each clip of
+their replica's batch together, each on its share of the clip's token frames; the resident engine sums their loss
+parts and gradients over the group. dp x sp ranks form the run's 2D mesh (`init_training_mesh`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
@@ -43,6 +48,7 @@ from megaslide.models.dit import VideoDiT
 from megaslide.offload.engine import OffloadEngine
 from megaslide.parallel.data_parallel import DataParallel
 from megaslide.parallel.mesh import init_training_mesh, leave_process_groups
+from megaslide.parallel.sp_train import SequenceParallel
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine
@@ -55,17 +61,20 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
                  grid: tuple[int, int, int], execution: ExecutionConfig | None = None,
-                 dp: DataParallel = DataParallel.single()) -> StepEngine:
+                 dp: DataParallel = DataParallel.single(), sp_group: dist.ProcessGroup | None = None,
+                 parallel: ParallelConfig | None = None) -> StepEngine:
     """The engine the offload config asks for, its model built on the host under the current
     seed (the same initial weights either way) and run as `execution` says. `grid` is a training
     clip's token grid (the offload planner's check); `dp` the data-parallel replicas it is one of (the
-    offload engine shards the blocks' host state over them)."""
+    offload engine shards the blocks' host state over them); `sp_group` the sequence-parallel group that
+    shares each clip (None: none), in the form `parallel` gives (the resident engine only: RunConfig.validate)."""
     execution = execution or ExecutionConfig()
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
                                          grid=grid, build_on_host=True, execution=execution, dp=dp)
     model = apply_execution(VideoDiT(model_cfg), execution).to(device)
-    return ResidentEngine(model, device=device, train_cfg=train_cfg, dp=dp)
+    sp = None if sp_group is None else SequenceParallel(model, sp_group, parallel or ParallelConfig(), grid)
+    return ResidentEngine(model, device=device, train_cfg=train_cfg, dp=dp, sp=sp)
 
 
 class Trainer:
@@ -94,8 +103,9 @@ class Trainer:
         self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         torch.manual_seed(train_cfg.seed)
         grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
+        sp_group = self.mesh["sp"].get_group() if self.mesh is not None and self.mesh["sp"].size() > 1 else None
         self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
-                                   execution=execution, dp=self.dp)
+                                   execution=execution, dp=self.dp, sp_group=sp_group, parallel=parallel)
         self.logger = logger
 
     @property
