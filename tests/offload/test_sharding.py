@@ -90,8 +90,8 @@ def test_a_rank_share_of_the_global_batch_is_those_rows_of_it():
         assert part.captions == whole.captions[rows]
 
 
-def _plan(ranks: int, ranks_per_node: int | None = None):
-    run = grid_run(DIT_PRESETS["14B"], (16, 32, 64), batch=ranks, offload=OffloadConfig(enabled=True),
+def _plan(ranks: int, ranks_per_node: int | None = None, **offload):
+    run = grid_run(DIT_PRESETS["14B"], (16, 32, 64), batch=ranks, offload=OffloadConfig(enabled=True, **offload),
                    parallel=ParallelConfig(dp=ranks))
     return plan_offload(run, param_dtype=torch.bfloat16, ceilings=Ceilings(), ranks_per_node=ranks_per_node)
 
@@ -107,6 +107,15 @@ def test_planner_gives_host_bytes_per_rank_and_per_node():
     assert two.seconds["h2d"] == pytest.approx(two.h2d_bytes / Ceilings().h2d_GBps / 1e9 + gathered)
     assert two.seconds["optimizer"] == pytest.approx(one.seconds["optimizer"] / 2)
     assert "per rank" in two.table() and "per node (2 ranks)" in two.table()
+
+
+def test_planner_counts_a_rank_shard_in_the_compact_state_format():
+    compact = {"master_dtype": "bf16", "moments": "int8"}
+    one, two, full = _plan(1, **compact), _plan(2, **compact), _plan(2)
+    arenas = [p.host["block state, pinned arena"] + p.host["block state, pageable arena"] for p in (one, two, full)]
+    assert arenas[1] == pytest.approx(arenas[0] / 2, rel=1e-3)
+    assert arenas[1] == pytest.approx(arenas[2] * 6.125 / 16, rel=1e-3)   # bf16 master, int8 moments vs 16 B
+    assert "host RAM per rank: 6.125 bytes per block parameter" in two.table()
 
 
 def test_planner_refuses_a_data_parallel_run_a_node_cannot_hold_naming_it():
