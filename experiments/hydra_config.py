@@ -32,6 +32,7 @@ from megaslide.config import (
 )
 from megaslide.device import resolve_device
 from megaslide.models.dit import DIT_PRESETS
+from megaslide.models.pretrained import pretrained_config
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # every script's Hydra config (absolute: also when imported)
 RESULT_NAME_KEYS = ("name", "results_name")   # the top-level keys that name a result file or a run folder
@@ -41,7 +42,8 @@ def script_main(config_name: str):
     """`hydra.main` for a script of experiments/ with its config experiments/conf/<config_name>.yaml.
 
     The project's ValueError (a bad config value, named with its key and fix) reaches the user as
-    the message alone on stderr with exit status 2, not inside a Hydra traceback, and a training step
+    the message alone on stderr with exit status 2, not inside a Hydra traceback (so is an ImportError: an
+    optional package missing, megaslide/extras.py says which extra installs it), and a training step
     refused as non-finite (FloatingPointError, megaslide.train.engine.NonFiniteStep) likewise with exit
     status 3; set HYDRA_FULL_ERROR=1 for the traceback. The script's config keeps Hydra from writing anything
     (`hydra.run.dir: .`, `hydra.output_subdir: null`, job logging disabled), so a refused config
@@ -55,11 +57,11 @@ def script_main(config_name: str):
                     if isinstance(cfg.get(key), str) and cfg.get(key) != "":   # "": the script's own default
                         check_result_name(cfg.get(key), key)
                 return task(cfg)
-            except (ValueError, FloatingPointError) as err:
+            except (ValueError, ImportError, FloatingPointError) as err:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 print(f"error: {err}", file=sys.stderr)
-                sys.exit(2 if isinstance(err, ValueError) else 3)
+                sys.exit(3 if isinstance(err, FloatingPointError) else 2)
         return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run)
     return decorate
 
@@ -106,7 +108,8 @@ def require_ranges(cfg, *, positive: tuple[str, ...] = (), non_negative: tuple[s
 
 
 def model_config(model: dict, attention: dict) -> DiTConfig:
-    """A preset (`model.preset`) with any other `model.*` keys and the attention group applied, validated.
+    """A preset (`model.preset`; with `model.pretrained`, that folder's config instead) with any other `model.*`
+    keys and the attention group applied, validated.
     A key set to null keeps the preset's value (every model group file lists each DiTConfig field as
     null, conf/model/fields.yaml, so that `model.depth=22` needs no `+`)."""
     model = {k: v for k, v in model.items() if v is not None}
@@ -114,7 +117,8 @@ def model_config(model: dict, attention: dict) -> DiTConfig:
     preset = model.pop("preset", "tiny")
     if preset not in DIT_PRESETS:
         raise ValueError(f"model.preset={preset!r} is unknown; known: {sorted(DIT_PRESETS)}")
-    base = dataclasses.asdict(DIT_PRESETS[preset])
+    pretrained = model.get("pretrained")   # a diffusers-format folder: its config.json is the architecture
+    base = dataclasses.asdict(pretrained_config(pretrained) if pretrained else DIT_PRESETS[preset])
     base.pop("attention")
     merged = {**base, **model, "attention": from_dict(AttentionConfig, attention)}
     config = from_dict(DiTConfig, merged, key="model")

@@ -177,7 +177,7 @@ def build_fsdp2(run: RunConfig, device: torch.device):
     clip = run.train.grad_clip if run.train.grad_clip > 0 else math.inf
 
     def step(batch: Batch):
-        loss = flow_matching_loss(model, batch.x0, batch.ids, batch.t, batch.noise)
+        loss = flow_matching_loss(model, batch.x0, batch.context, batch.t, batch.noise, batch.mask)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
@@ -215,7 +215,7 @@ def build_deepspeed(run: RunConfig, device: torch.device):
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(batch: Batch):
-        loss = flow_matching_loss(engine, batch.x0, batch.ids, batch.t, batch.noise)
+        loss = flow_matching_loss(engine, batch.x0, batch.context, batch.t, batch.noise, batch.mask)
         engine.backward(loss)
         engine.step()
         norm = engine.get_global_grad_norm()   # None where DeepSpeed computed none: recorded as nan, the row fails

@@ -1,10 +1,15 @@
 """Generate a video for a caption from a checkpoint written by experiments/train.py.
 
     python experiments/sample.py checkpoint=runs/train/checkpoints/step_200.pt caption="a blue square moving up"
+    python -m experiments.sample checkpoint=runs/wan/checkpoints/step_200 \
+        prompt_embeds=/data/cache/prompts/0.safetensors vae=/ckpt/Wan2.1-T2V-1.3B-Diffusers/vae
 
 Either checkpoint format: a step_N.pt file (EMA weights when the run kept them) or a sharded
-step_N/ folder of the offload engine. The video has the training clip's size; the model must be
-a pixel-space (RGB) one, as every model experiments/train.py trains is.
+step_N/ folder of the offload engine. The video has the training clip's size. A pixel-space model reads
+`caption` with its built-in text encoder; a model trained on a latent cache (data=latent_cache) reads
+precomputed caption embeddings (`prompt_embeds`: a prompt file of experiments/precompute.py, or any clip
+file of the cache), and its latents are decoded by the Wan VAE folder `vae` (run it as a module then:
+diffusers is imported).
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ class SampleConfig:
     seed: int
     device: str
     out: str
+    prompt_embeds: str   # latent-space models: a safetensors file with "context" (L, text_dim), "context_mask" (L,)
+    vae: str             # latent-space models: the diffusers AutoencoderKLWan folder that decodes the latents
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -59,15 +66,47 @@ def generate(cfg: SampleConfig) -> torch.Tensor:
     dev = resolve_device(cfg.device, key="device")
     weights, state = sampling_weights(cfg.checkpoint)
     model_cfg, data_cfg = from_dict(DiTConfig, state["model_cfg"]), from_dict(DataConfig, state["data_cfg"])
-    data_cfg.check_channels(model_cfg.in_channels)
+    latent = data_cfg.name == "latent_cache"
+    if latent:
+        context, mask, null, null_mask = prompt_embeddings(cfg, data_cfg.root)
+        from megaslide.models.encoders import WanVAE   # before the model: a missing package fails fast
+        vae = WanVAE(cfg.vae, dev)
+    else:
+        data_cfg.check_channels(model_cfg.in_channels)
     model = VideoDiT(model_cfg)
     model.load_state_dict(weights)
     model.to(dev).eval()
     g = torch.Generator().manual_seed(cfg.seed)
     noise = torch.randn(1, model_cfg.in_channels, data_cfg.frames, data_cfg.height, data_cfg.width, generator=g)
-    ids, null = model.tokenizer([cfg.caption]).to(dev), model.tokenizer([""]).to(dev)
-    x = euler_sample(model, noise.to(dev), ids, null, steps=cfg.steps, cfg_scale=cfg.cfg_scale)
-    return x[0].float().clamp(-1, 1).cpu()
+    if not latent:
+        ids, null = model.tokenizer([cfg.caption]).to(dev), model.tokenizer([""]).to(dev)
+        x = euler_sample(model, noise.to(dev), ids, null, steps=cfg.steps, cfg_scale=cfg.cfg_scale)
+        return x[0].float().clamp(-1, 1).cpu()
+    x = euler_sample(model, noise.to(dev), context.to(dev), null.to(dev), steps=cfg.steps, cfg_scale=cfg.cfg_scale,
+                     context_mask=mask.to(dev), null_mask=null_mask.to(dev))      # (1, C, T', H', W')
+    return vae.decode(x)[0]                                                         # (3, T, H, W)
+
+
+def prompt_embeddings(cfg: SampleConfig, cache: str) -> tuple[torch.Tensor, ...]:
+    """(context (1, L, D), mask (1, L), null context, null mask) from `cfg.prompt_embeds`; the null caption from
+    the file, else from the training cache `cache` (a clip file holds none)."""
+    if not cfg.prompt_embeds or not Path(cfg.prompt_embeds).is_file():
+        raise ValueError(f"prompt_embeds={cfg.prompt_embeds!r}: this model was trained on a latent cache and reads "
+                         f"caption embeddings, not caption={cfg.caption!r}; give a prompt file of "
+                         f"experiments/precompute.py (prompts=[...]) or a clip file of the cache")
+    if not cfg.vae:
+        raise ValueError("vae='': this model samples latents; give the Wan VAE folder that decodes them "
+                         "(e.g. <Wan2.1-T2V-1.3B-Diffusers>/vae)")
+    from megaslide.data import latent_cache
+    found = latent_cache.load_tensors(Path(cfg.prompt_embeds))
+    if "null_context" not in found:
+        null_file = Path(cache) / latent_cache.NULL
+        if not null_file.is_file():
+            raise ValueError(f"prompt_embeds={cfg.prompt_embeds!r} holds no null caption and the training cache "
+                             f"{cache!r} is gone; give a prompt file of experiments/precompute.py")
+        null = latent_cache.load_tensors(null_file)
+        found.update(null_context=null["context"], null_mask=null["context_mask"])
+    return tuple(found[k][None] for k in ("context", "context_mask", "null_context", "null_mask"))
 
 
 @script_main("sample")

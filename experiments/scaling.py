@@ -149,7 +149,7 @@ def run_job(job: Job, queue) -> None:
         if job.cap_GB is None:
             for overlap in (True, False):
                 engine.set_mode(overlap=overlap, optimizer_device="cpu")
-                t = timed(lambda: engine.velocity(batch.x0, batch.t * 1000, batch.ids), device, job.forward_repeats)
+                t = timed(lambda: engine.velocity(batch.x0, batch.t * 1000, batch.context), device, job.forward_repeats)
                 row.update({f"forward_{'overlap' if overlap else 'serial'}_s": t.median,
                             f"forward_{'overlap' if overlap else 'serial'}_s_spread": t.max - t.min})
             row["forward_speedup"] = row["forward_serial_s"] / row["forward_overlap_s"]

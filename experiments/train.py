@@ -61,6 +61,10 @@ def main(cfg: DictConfig) -> None:
     run = run_config(cfg)
     script = from_dict(ScriptConfig, {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items()
                                       if k not in RUN_GROUPS})
+    if run.data.name == "latent_cache" and script.sample_captions:
+        raise ValueError("sample_captions: a run on a latent cache has no text encoder to turn words into "
+                         "embeddings, nor a VAE to decode with; set sample_captions=[] and sample with "
+                         "python -m experiments.sample (prompt embeddings from experiments/precompute.py, vae=...)")
     trainer = Trainer(run.model, run.data, run.train, script.out_dir, offload_cfg=run.offload,
                       execution=run.execution, parallel=run.parallel)
     out_dir = Path(script.out_dir)               # the first write: every check above has passed

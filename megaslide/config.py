@@ -105,6 +105,8 @@ class DiTConfig:
     freq_dim: int = 256         # sinusoidal timestep features
     block: str = "dit"          # dit: MegaSlide's 9-row adaLN-Zero block; wan: Wan 2.x's 6-row block (BLOCK_FAMILIES)
     text_encoder: bool = True   # the built-in hashed-word encoder; false: captions come as embeddings (B, L, text_dim)
+    pretrained: str = ""        # a diffusers-format Wan folder to start from ("": fresh weights); its config.json
+                                # sets the architecture (experiments/hydra_config.model_config)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     # how the blocks run, which configs and checkpoints written before ExecutionConfig kept here: `from_dict`
@@ -135,14 +137,17 @@ class DiTConfig:
             raise ValueError(f"model.text_layers={self.text_layers} must be >= 0")
         if self.block not in BLOCK_FAMILIES:
             raise ValueError(f"model.block={self.block!r}: choose one of {list(BLOCK_FAMILIES)}")
+        if self.pretrained and not os.path.isfile(os.path.join(self.pretrained, "config.json")):
+            raise ValueError(f"model.pretrained={self.pretrained!r} is not a diffusers-format folder (no config.json); "
+                             f"give the transformer/ folder of a Wan 2.x diffusers checkpoint")
         self.attention.validate()
 
     def architecture(self) -> dict[str, Any]:
         """The fields that decide the weights' names and shapes and what they compute, flat by their
-        config key (`model.dim`, `model.attention.name`, ...): everything but the attention backend.
-        Checkpoints are resumed only into the same architecture."""
+        config key (`model.dim`, `model.attention.name`, ...): everything but the attention backend and the
+        folder the weights started from. Checkpoints are resumed only into the same architecture."""
         flat = {f"model.{k}": v for k, v in dataclasses.asdict(self).items()}
-        del flat["model.attention"]
+        del flat["model.attention"], flat["model.pretrained"]
         flat["model.attention.name"] = self.attention.name
         flat.update({f"model.attention.{k}": v for k, v in dataclasses.asdict(self.attention.options).items()
                      if k not in _RUN_OPTIONS})
@@ -179,26 +184,33 @@ class ExecutionConfig:
                              f"set execution.slab_frames=0")
 
 
+DATASETS = ("moving_shapes", "video_folder", "latent_cache")
+
+
 @dataclass
 class DataConfig:
-    name: str = "moving_shapes"   # moving_shapes | video_folder
-    frames: int = 8
-    height: int = 32
-    width: int = 32
+    name: str = "moving_shapes"   # moving_shapes | video_folder | latent_cache
+    frames: int = 8               # latent_cache: latent frames, 0 = the cache's
+    height: int = 32              # latent_cache: latent height, 0 = the cache's
+    width: int = 32               # latent_cache: latent width, 0 = the cache's
     num_videos: int = 512
     num_shapes: int = 1
     speed: float = 2.0            # pixels per frame (moving_shapes)
     shape_size: int = 8
-    root: str = ""                # video_folder: folder of mp4 files + captions.jsonl
+    root: str = ""                # video_folder: mp4 files + captions.jsonl; latent_cache: precompute.py's out
     seed: int = 0
 
-    channels = 3                  # both datasets are RGB video in [-1, 1], trained on in pixel space
+    channels = 3                  # moving_shapes and video_folder are RGB video in [-1, 1], trained on in pixel space
 
     def validate(self) -> None:
-        if self.name not in ("moving_shapes", "video_folder"):
-            raise ValueError(f"data.name={self.name!r}: choose moving_shapes or video_folder")
+        """The values; for a latent cache also its manifest, whose latent size fills frames, height and width
+        left at 0 (a latent cache's clip size is the cache's: other values are refused)."""
+        if self.name not in DATASETS:
+            raise ValueError(f"data.name={self.name!r}: choose one of {list(DATASETS)}")
         _require_finite(self, "data")
         _require_seed(self.seed, "data.seed")
+        if self.name == "latent_cache":
+            self._take_cache_size()
         _require_at_least(self, "data", 1, "frames", "height", "width", "num_videos", "num_shapes", "shape_size")
         _require_at_least(self, "data", 0, "speed")
         if self.name == "video_folder":
@@ -209,19 +221,44 @@ class DataConfig:
                 raise ValueError(f"data.root={self.root!r} has no captions.jsonl; write one JSON line per clip "
                                  f'in it, e.g. {{"file": "a.mp4", "caption": "a red circle moving left"}}')
 
-    def check_captions(self, text_encoder: bool) -> None:
-        """Both datasets caption their clips in words, which only the built-in text encoder reads."""
-        if not text_encoder:
+    def _take_cache_size(self) -> None:
+        from megaslide.data.latent_cache import read_manifest   # a leaf module: it imports no config
+        _, frames, height, width = read_manifest(self.root, key="data.root")["latent_shape"]
+        for key, cached in (("frames", frames), ("height", height), ("width", width)):
+            if getattr(self, key) == 0:
+                setattr(self, key, cached)
+            elif getattr(self, key) != cached:
+                raise ValueError(f"data.{key}={getattr(self, key)}, but the latent cache {self.root!r} holds latents "
+                                 f"of {key} {cached}; set data.{key}=0 (the cache's) or precompute another cache")
+
+    def check_captions(self, text_encoder: bool, text_dim: int) -> None:
+        """moving_shapes and video_folder caption their clips in words, which only the built-in text encoder
+        reads; a latent cache holds a real text encoder's embeddings, which must be model.text_dim wide."""
+        if self.name == "latent_cache":
+            from megaslide.data.latent_cache import read_manifest
+            cached = read_manifest(self.root, key="data.root")["text_dim"]
+            if cached != text_dim:
+                raise ValueError(f"model.text_dim={text_dim}, but the latent cache {self.root!r} holds caption "
+                                 f"embeddings of width {cached}; set model.text_dim={cached}")
+        elif not text_encoder:
             raise ValueError(f"model.text_encoder=false: the model takes caption embeddings (B, L, text_dim), but "
                              f"data={self.name} gives captions in words; add model.text_encoder=true to train it "
-                             f"with the built-in encoder")
+                             f"with the built-in encoder, or precompute a latent cache of a real text encoder "
+                             f"(experiments/precompute.py) and train on it with data=latent_cache")
 
     def check_channels(self, in_channels: int) -> None:
-        """The model must take the data's channels: MegaSlide has no VAE, so a latent-space preset
-        (16 channels) trains on RGB clips only as a pixel-space model."""
-        if in_channels != self.channels:
+        """The model must take the data's channels: RGB clips (3) in pixel space, a latent cache's latent
+        channels (16 for the Wan 2.1 VAE)."""
+        if self.name == "latent_cache":
+            from megaslide.data.latent_cache import read_manifest
+            channels = read_manifest(self.root, key="data.root")["latent_shape"][0]
+            if in_channels != channels:
+                raise ValueError(f"model.in_channels={in_channels}, but the latent cache {self.root!r} holds "
+                                 f"latents of {channels} channels; set model.in_channels={channels}")
+        elif in_channels != self.channels:
             raise ValueError(f"model.in_channels={in_channels}, but data={self.name} is RGB video "
-                             f"({self.channels} channels, pixel space: MegaSlide has no VAE); add "
+                             f"({self.channels} channels, pixel space; precompute VAE latents with "
+                             f"experiments/precompute.py to train in latent space); add "
                              f"model.in_channels={self.channels} to train this model on pixels")
 
 
@@ -405,7 +442,7 @@ class RunConfig:
         self.execution.validate(self.model.attention)
         self.model.attention.validate(self.grid)
         self.data.check_channels(self.model.in_channels)
-        self.data.check_captions(self.model.text_encoder)
+        self.data.check_captions(self.model.text_encoder, self.model.text_dim)
         if self.train.batch_size % self.parallel.dp:
             raise ValueError(f"train.batch_size={self.train.batch_size} (the global batch) is not divisible by "
                              f"parallel.dp={self.parallel.dp}: each data-parallel rank takes an equal share; use a "

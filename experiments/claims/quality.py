@@ -258,9 +258,11 @@ class QualityClaim:
                     weak = undertrained(p, frames) or not_learned(p, frames, (self.variant, self.baseline))
                     word, why = decide(voting, self.claimed, weak, self.parity)
                     old = decide(voting, self.claimed, undertrained(p, frames))[0]
-                    losses = {v: mean_loss(p, v, frames) for v in (self.variant, self.baseline)}
+                    losses = [mean_loss(p, v, frames) for v in (self.variant, self.baseline)]
+                    shown = "not recorded" if any(math.isnan(x) for x in losses) else " vs ".join(f"{x:.3f}"
+                                                                                                for x in losses)
                     ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}; final "
-                                f"training loss {losses[self.variant]:.3f} vs {losses[self.baseline]:.3f}")
+                                f"training loss {shown}")
                     measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
                     text = f"{why}; {self.variant} minus {self.baseline} {measured}"
                     if word == BETTER:

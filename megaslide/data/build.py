@@ -11,5 +11,8 @@ def build_dataset(cfg: DataConfig, in_channels: int = 3):
         from megaslide.data.moving_shapes import MovingShapes
         return MovingShapes(num_videos=cfg.num_videos, frames=cfg.frames, height=cfg.height, width=cfg.width,
                             num_shapes=cfg.num_shapes, speed=cfg.speed, shape_size=cfg.shape_size, seed=cfg.seed)
+    if cfg.name == "latent_cache":
+        from megaslide.data.latent_cache import LatentCache
+        return LatentCache(cfg.root)
     from megaslide.data.video_folder import VideoFolder
     return VideoFolder(cfg.root, frames=cfg.frames, height=cfg.height, width=cfg.width)

@@ -49,7 +49,14 @@ def read_video_frames(path: str | Path, frames: int, height: int, width: int) ->
     """Decode ``frames`` uniformly sampled frames of ``path`` as uint8 (frames, height, width, 3)."""
     decord = _import_decord()
     reader = decord.VideoReader(str(path), width=width, height=height, num_threads=1)
-    indices = uniform_frame_indices(len(reader), frames)
+    return decode_frames(path, uniform_frame_indices(len(reader), frames), height, width, reader)
+
+
+def decode_frames(path: str | Path, indices, height: int, width: int, reader=None) -> np.ndarray:
+    """Frames ``indices`` of ``path`` resized to (height, width) while decoding: uint8 (len(indices), height,
+    width, 3). ``reader``: a decord VideoReader of ``path`` at that size, if one is open."""
+    decord = _import_decord()
+    reader = reader or decord.VideoReader(str(path), width=width, height=height, num_threads=1)
     if tuple(reader[0].shape) == (height, width, 3):
         return reader.get_batch(indices).asnumpy()  # (T, H, W, 3)
     reader = decord.VideoReader(str(path), width=_FALLBACK_DECODE_WIDTH, height=height, num_threads=1)
@@ -62,6 +69,20 @@ def read_video_frames(path: str | Path, frames: int, height: int, width: int) ->
     wide = wide.permute(0, 3, 1, 2).float()  # (T, 3, H, Wd)
     resized = torch.nn.functional.interpolate(wide, size=(height, width), mode="area")  # (T, 3, H, W)
     return resized.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()  # (T, H, W, 3)
+
+
+def clip_size(path: str | Path) -> tuple[int, int, int]:
+    """(frames, height, width) of a clip as stored."""
+    reader = _import_decord().VideoReader(str(path), num_threads=1)
+    height, width, _ = reader[0].shape
+    return len(reader), height, width
+
+
+def read_clip(path: str | Path, frames: int) -> torch.Tensor:
+    """The first `frames` frames of a clip at its stored size: float32 (3, frames, H, W) RGB in [-1, 1]."""
+    _, height, width = clip_size(path)
+    video = torch.from_numpy(decode_frames(path, list(range(frames)), height, width))  # (T, H, W, 3) uint8
+    return video.permute(3, 0, 1, 2).float() / 127.5 - 1.0                            # (3, T, H, W)
 
 
 class VideoFolder(Dataset):

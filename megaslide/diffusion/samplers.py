@@ -41,11 +41,18 @@ def model_timesteps(t: float, batch: int, device: torch.device | str | None = No
     return torch.full((batch,), float(t) * TIME_SCALE, device=device)
 
 
-def guided_velocity(model, x, t, context, null_context, cfg_scale: float, **kw) -> torch.Tensor:
-    """v_uncond + s * (v_cond - v_uncond), both halves in one batch; s = 1 skips the unconditional pass."""
+def guided_velocity(model, x, t, context, null_context, cfg_scale: float, context_mask=None, null_mask=None,
+                    **kw) -> torch.Tensor:
+    """v_uncond + s * (v_cond - v_uncond), both halves in one batch; s = 1 skips the unconditional pass.
+    `context_mask` / `null_mask` (B, L): which caption embeddings are real tokens (None: all); the model gets
+    them as its `context_mask` keyword, and only when one is given."""
     tt = model_timesteps(t, x.shape[0], x.device)
     if cfg_scale == 1.0 or null_context is None:
-        return model(x, tt, context, **kw)
+        return model(x, tt, context, **kw, **({} if context_mask is None else {"context_mask": context_mask}))
+    if context_mask is not None or null_mask is not None:
+        ones = torch.ones(context.shape[:2], dtype=torch.bool, device=context.device)   # (B, L)
+        kw["context_mask"] = torch.cat([ones if context_mask is None else context_mask,
+                                        ones if null_mask is None else null_mask])     # (2B, L)
     v = model(torch.cat([x, x]), torch.cat([tt, tt]), torch.cat([context, null_context]), **kw)
     v_cond, v_uncond = v.chunk(2)
     return v_uncond + cfg_scale * (v_cond - v_uncond)
@@ -57,7 +64,7 @@ def euler_sample(model, noise: torch.Tensor, context, null_context=None, *, step
     """Integrate dx/dt = model(x, 1000 t, context) from t = 1 (noise (B, C, T, H, W)) to t = 0 (data).
 
     `timesteps` (strictly descending, in (0, 1]) overrides the uniform grid of `steps` steps,
-    e.g. FEW_STEP_TIMESTEPS."""
+    e.g. FEW_STEP_TIMESTEPS; `kw` go to `guided_velocity` (caption masks) and on to the model."""
     ts = check_timesteps(timesteps) if timesteps is not None else torch.linspace(1.0, 0.0, steps + 1)[:-1].tolist()
     return euler_integrate(lambda x, t: guided_velocity(model, x, t, context, null_context, cfg_scale, **kw),
                            noise, ts)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from megaslide.config import AttentionConfig
+from megaslide.config import AttentionConfig, DiTConfig
 from megaslide.models.dit import DIT_PRESETS, VideoDiT, build_dit
 from megaslide.models.wan import config_from_diffusers, diffusers_config, diffusers_names, from_diffusers, to_diffusers
 
@@ -68,6 +68,29 @@ def load_pretrained(path: str | Path, **overrides) -> VideoDiT:
     files = _weight_files(folder)
     model = build_dit(cfg, **{**raw.get(EXTRA, {}), **overrides})
     _load_weights(model, files)
+    return model
+
+
+def pretrained_config(path: str | Path) -> DiTConfig:
+    """The `DiTConfig` of a diffusers-format folder (its config.json, MegaSlide-only fields included) with
+    `pretrained` naming the folder: what `build_model` loads it into."""
+    config_file = Path(path) / CONFIG
+    if not config_file.is_file():
+        raise ValueError(f"model.pretrained={str(path)!r} has no {CONFIG}; give a diffusers-format "
+                         f"WanTransformer3DModel folder (config.json and *.safetensors)")
+    raw = json.loads(config_file.read_text())
+    extra = raw.get(EXTRA, {})
+    if "attention" in extra:
+        extra = {**extra, "attention": AttentionConfig.parse(extra["attention"])}
+    return dataclasses.replace(config_from_diffusers(raw, str(config_file)), **extra, pretrained=str(path))
+
+
+def build_model(cfg: DiTConfig) -> VideoDiT:
+    """`VideoDiT(cfg)` on the current device, its weights read from `cfg.pretrained` when set (the folder's
+    architecture must be cfg's: a mismatch is an error naming the file and the keys)."""
+    model = VideoDiT(cfg)
+    if cfg.pretrained:
+        _load_weights(model, _weight_files(Path(cfg.pretrained)))
     return model
 
 

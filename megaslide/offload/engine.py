@@ -93,6 +93,7 @@ from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
 from megaslide.models.chunking import apply_execution, compile_blocks
 from megaslide.models.dit import DiTBlock, VideoDiT
+from megaslide.models.pretrained import build_model
 from megaslide.offload.compact import rounding_key
 from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState, Shard
@@ -195,9 +196,9 @@ class OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
 
-        With `build_on_host` the model is `VideoDiT(model_cfg)` built on the host under the
-        caller's seed: the resident engine's initial weights bit for bit, at the price of the
-        fp32 model in host RAM once. Without it no fp32 copy of the whole model is ever made: the
+        With `build_on_host` the model is `VideoDiT(model_cfg)` built on the host under the caller's seed
+        (weights read from model.pretrained when set): the resident engine's initial weights bit for bit,
+        at the price of the fp32 model in host RAM once. Without it no fp32 copy of the whole model is ever made: the
         model is built on the meta device, its stem (and block 0) come from a one-block model built
         on the host, and every further block is built on the meta device one at a time, defined on the
         host by `DiTBlock.initialize_weights` and copied into the host state. The model's own init rules,
@@ -222,7 +223,10 @@ class OffloadEngine:
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
               "pin_optimizer_state": pin_optimizer_state, "dp": dp}
         if build_on_host:
-            return cls(apply_execution(VideoDiT(model_cfg), execution), **kw)
+            return cls(apply_execution(build_model(model_cfg), execution), **kw)
+        if model_cfg.pretrained:
+            raise ValueError(f"model.pretrained={model_cfg.pretrained!r}: this engine loads pretrained weights only "
+                             f"with build_on_host=True (the Trainer's way)")
         with torch.device("meta"):
             model = apply_execution(VideoDiT(model_cfg), execution)
         first = VideoDiT(dataclasses.replace(model_cfg, depth=1))  # the stem and block 0, initialised by the model
@@ -281,7 +285,7 @@ class OffloadEngine:
         self.phase = "forward"
         with compute.timed(), self.compute_ctx():
             xt = interpolate(batch.x0, batch.noise, batch.t)                  # (B, C, T, H, W)
-            e = self.model.embed(xt, batch.t * TIME_SCALE, batch.ids)
+            e = self.model.embed(xt, batch.t * TIME_SCALE, batch.context, batch.mask)
         inp = BlockInputs(_leaf(e.t_mod), _leaf(e.ctx), e.ctx_mask, e.rope, e.grid)
         h, kept = self.streamer.forward(e.x.detach(), inp, keep_inputs=True)   # (B, N, D)
         h, t_emb = h.requires_grad_(), _leaf(e.t_emb)

@@ -55,8 +55,8 @@ class ResidentEngine:
         """The batch's loss; under sequence parallelism this rank's part of it."""
         with self.autocast():
             if self.sp is not None:
-                return self.sp.loss(batch.x0, batch.ids, batch.t, batch.noise)
-            return flow_matching_loss(self.model, batch.x0, batch.ids, batch.t, batch.noise)
+                return self.sp.loss(batch.x0, batch.context, batch.t, batch.noise, batch.mask)
+            return flow_matching_loss(self.model, batch.x0, batch.context, batch.t, batch.noise, batch.mask)
 
     def train_step(self, batch: Batch, lr: float) -> dict:
         self._marks[self.step] = time.perf_counter()

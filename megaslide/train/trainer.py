@@ -44,7 +44,7 @@ from megaslide.device import resolve_device
 from megaslide.diffusion.batches import make_batch
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.chunking import apply_execution
-from megaslide.models.dit import VideoDiT
+from megaslide.models.pretrained import build_model
 from megaslide.offload.engine import OffloadEngine
 from megaslide.parallel.data_parallel import DataParallel
 from megaslide.parallel.mesh import init_training_mesh, leave_process_groups
@@ -72,7 +72,7 @@ def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: Offl
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
                                          grid=grid, build_on_host=True, execution=execution, dp=dp)
-    model = apply_execution(VideoDiT(model_cfg), execution).to(device)
+    model = apply_execution(build_model(model_cfg), execution).to(device)
     sp = None if sp_group is None else SequenceParallel(model, sp_group, parallel or ParallelConfig(), grid)
     return ResidentEngine(model, device=device, train_cfg=train_cfg, dp=dp, sp=sp)
 

@@ -73,7 +73,7 @@ BAD_TRAIN = {
     "patch": (["data.height=7"], "data.height=7 is not divisible by the patch size 2"),
     "kernel": (["attention=dsa", "attention.kernel_size=[9,3,3]"], "attention.kernel_size=(9, 3, 3) is larger"),
     "latent preset on RGB": (["model=1B"], "model.in_channels=16, but data=moving_shapes is RGB video (3 channels, "
-                                           "pixel space: MegaSlide has no VAE); add model.in_channels=3"),
+                                           "pixel space; precompute VAE latents"),
     "missing data folder": (["data=video_folder", "data.root={tmp}/nope"], "is not a folder"),
     "no captions": (["data=video_folder", "data.root={clips}"], "has no captions.jsonl"),
     "missing checkpoint": (["train.resume={tmp}/step_9.pt"], "does not exist"),

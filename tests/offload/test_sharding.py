@@ -85,7 +85,7 @@ def test_a_rank_share_of_the_global_batch_is_those_rows_of_it():
     whole = make_batch(dataset, tokenizer, cfg, step=3)
     for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
         part = make_batch(dataset, tokenizer, cfg, step=3, rows=rows)
-        for name in ("x0", "ids", "t", "noise"):
+        for name in ("x0", "context", "t", "noise"):
             assert torch.equal(getattr(part, name), getattr(whole, name)[rows]), name
         assert part.captions == whole.captions[rows]
 
