@@ -42,8 +42,8 @@ class PlanConfig:
 
     run: RunConfig
     check: bool
-    ranks_per_node: int | None
     ceilings: dict[str, float | None]
+    ranks_per_node: int | None = None   # data parallel: the parallel.dp ranks on one node (None: all of them)
     hbm_budget_GB: float = 0.0     # the kept attention's budgets (offload.keep_attention); 0: this machine's
     host_budget_GB: float = 0.0
 
