@@ -82,11 +82,13 @@ def trial_preset(cfg: DictConfig | dict, **presets: dict) -> dict | None:
     return None
 
 
-def command_line_keys() -> list[str]:
-    """The keys (and groups) this run's command line sets, without Hydra's +/++/~ prefixes ([] outside Hydra)."""
-    if not HydraConfig.initialized():
-        return []
-    return [line.lstrip("+~").split("=", 1)[0] for line in HydraConfig.get().overrides.task]
+def command_line_keys(*, added: bool = False) -> list[str]:
+    """The keys (and groups) this run's command line sets, without Hydra's +/++/~ prefixes ([] outside Hydra);
+    with `added`, only those it adds with `+key=value` (keys the config does not declare)."""
+    lines = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    if added:
+        lines = [line for line in lines if line.startswith("+") and not line.startswith("++")]
+    return [line.lstrip("+~").split("=", 1)[0] for line in lines]
 
 
 def _flat_keys(tree: dict, prefix: str = "") -> list[str]:

@@ -24,9 +24,8 @@ from typing import Callable
 
 import numpy as np
 import torch
-from hydra.core.hydra_config import HydraConfig
 
-from experiments.hydra_config import RUN_GROUPS
+from experiments.hydra_config import RUN_GROUPS, command_line_keys
 from experiments.report import render
 from experiments.results_io import check_result_name, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
@@ -333,21 +332,13 @@ def check_study(cfg) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1: {meaning}")
     check_result_name(cfg.results_name, "results_name")
-    refuse_added_keys(added_keys())
+    refuse_added_keys(command_line_keys(added=True))
     seeds = cfg.seeds
     if (isinstance(seeds, str) or not isinstance(seeds, Sequence) or not seeds
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         shown = list(seeds) if isinstance(seeds, Sequence) and not isinstance(seeds, str) else seeds
         raise ValueError(f"seeds={shown!r} must be a non-empty list of integers (one run per seed), e.g. "
                          f"seeds=[0] or 'seeds=[0,1,2]'")
-
-
-def added_keys() -> list[str]:
-    """The keys this run's command line added with `+key=value` (Hydra's task overrides; [] outside Hydra)."""
-    if not HydraConfig.initialized():
-        return []
-    lines = HydraConfig.get().overrides.task
-    return [line[1:].split("=", 1)[0] for line in lines if line.startswith("+") and not line.startswith("++")]
 
 
 def refuse_added_keys(keys: list[str]) -> None:

@@ -1,10 +1,14 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
+# compiled code goes to a cache of this run's own: an inductor cache left on the machine by another run (another
+# torch, another tree) has been seen to hand a compiled block garbage gradients
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="megaslide-inductor-"))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # each of the xdist workers (two on CI's two cores) computes on one thread: two intra-op threads per
     # worker spin against the other worker's; the scripts the tests start inherit the setting
