@@ -60,6 +60,7 @@ class SwinAttention(SelfAttention):
 
     name = "swin"
     Options = SwinOptions
+    sp_form = "frames"
 
     @classmethod
     def check_grid(cls, options: SwinOptions, grid: Grid) -> None:
@@ -96,6 +97,22 @@ class SwinAttention(SelfAttention):
         forward = 3 * act * dim + 2 * act * dim + fp32 * dim + (1 + act) * wlen + casts - act * dim
         backward = fp32 * scores + max(fp32 * scores, 2 * fp32 * dim)
         return AttendMemory("none", saved, forward, backward)
+
+    def frame_window(self, frames: int, t0: int, t1: int) -> tuple[int, int]:
+        """The windows along t of the queries of frames [t0, t1), widened so that this layer run over them
+        windows them as over the whole clip. Unshifted layers: from the window boundary at or before t0 to the
+        one at or after t1 (multiples of wt). Shifted layers (shift s along t): the run [a, b), a and b
+        multiples of wt, rolls by s itself, so its windows start at a + s + k * wt as the clip's do, except its
+        two cut end windows [a, a + s) and [b - wt + s, b); a and b are moved out until the queries lie between
+        those, or to the clip's ends, where those windows are the clip's own, and so that the run, longer than
+        one window, shifts too."""
+        wt = self.options.window[0]
+        s = wt // 2 if self.layer_idx % 2 == 1 and wt < frames else 0
+        a = max(0, (t0 - s) // wt * wt)
+        b = min(frames, -(-(t1 + (wt - s if s else 0)) // wt) * wt)
+        if s and b - a == wt:  # a run of one window would not shift: widen it by one (the clip has two or more)
+            a, b = (a, b + wt) if b < frames else (a - wt, b)
+        return a, b
 
     def attend(self, q, k, v, x, grid):
         self.check_grid(self.options, grid)

@@ -14,6 +14,11 @@ naming what does not fit, before anything is allocated.
     python -m experiments.plan model=105B model.in_channels=3 offload=engine check=true  # fails: what does not fit
     python -m experiments.plan model=1B attention=dsa model.in_channels=3 offload=engine train.device=cuda \
         offload.keep_attention=auto hbm_budget_GB=149 host_budget_GB=134   # where the kept attention goes on an H200
+    python -m experiments.plan model=14B model.in_channels=3 offload=engine parallel.dp=2  # host GB per rank, node
+
+With parallel.dp = P the plan is one rank's (its batch share, its 1/P shard of the block state) and the node's
+host RAM holds `ranks_per_node` of them (default: all P on this node); host_budget_GB, where the kept attention
+is placed, is the node's, shared by those ranks.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class PlanConfig:
     run: RunConfig
     check: bool
     ceilings: dict[str, float | None]
+    ranks_per_node: int | None = None   # data parallel: the parallel.dp ranks on one node (None: all of them)
     hbm_budget_GB: float = 0.0     # the kept attention's budgets (offload.keep_attention); 0: this machine's
     host_budget_GB: float = 0.0
 
@@ -46,8 +52,8 @@ def plan_config(cfg: DictConfig) -> PlanConfig:
     """plan.yaml's config: the RunConfig of its train.yaml part (validated, for any device) and its own keys."""
     c = OmegaConf.to_container(cfg, resolve=True)
     config = from_dict(PlanConfig, {"run": run_config(c, check_device=False), "check": c["check"],
-                                    "ceilings": c["ceilings"], "hbm_budget_GB": c["hbm_budget_GB"],
-                                    "host_budget_GB": c["host_budget_GB"]})
+                                    "ranks_per_node": c["ranks_per_node"], "ceilings": c["ceilings"],
+                                    "hbm_budget_GB": c["hbm_budget_GB"], "host_budget_GB": c["host_budget_GB"]})
     stated_ceilings(config)   # refused here, whatever the run (a resident plan uses none)
     require_ranges(config, non_negative=("hbm_budget_GB", "host_budget_GB"))
     return config
@@ -72,7 +78,7 @@ def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
     if not run.offload.enabled:
         return plan_resident(run, autocast=dtype == torch.bfloat16)
     return plan_offload(run, param_dtype=dtype, ceilings=stated_ceilings(cfg),
-                        build_on_host=run.offload.builds_on_host(run.model),
+                        build_on_host=run.offload.builds_on_host(run.model), ranks_per_node=cfg.ranks_per_node,
                         budgets=budgets(cfg, device) if run.offload.keep_attention != "off" else None)
 
 

@@ -5,8 +5,12 @@
     python experiments/train.py model=1B model.in_channels=3 offload=engine train.device=cuda \
         data=video_folder data.root=/data/clips                   # MegaSlide-DiT engine on RGB clips
 
-Writes <out_dir>/checkpoints/ (step_N.pt; the offload engine writes step_N/ folders),
-<out_dir>/samples/*.mp4, <out_dir>/metrics.jsonl and
+Data parallel on P processes (gloo with train.device=cpu, NCCL with cuda; README "Train on several GPUs"):
+
+    torchrun --nproc-per-node=2 experiments/train.py parallel.dp=2 train.device=cpu
+
+Writes <out_dir>/checkpoints/ (step_N.pt; the offload engine writes step_N/ folders, each rank its shards),
+<out_dir>/samples/*.mp4, <out_dir>/metrics.jsonl (rank 0, the global batch's loss) and
 an offline W&B run under <out_dir>/wandb (upload with `wandb sync`). The whole config is checked
 first (run_config, then the Trainer: resume checkpoint, data folder, planner): a refused
 config leaves no folder and no W&B run behind. `python -m experiments.plan` with the same overrides
@@ -37,10 +41,14 @@ class ScriptConfig:
     sample_captions: list[str]   # sampled into <out_dir>/samples after training; [] samples nothing
 
 
-def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger) -> list[Path]:
+def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger | None) -> list[Path]:
+    """Sample the captions (every rank: the offload engine's sampling is collective) and write them (rank 0, which
+    alone has a logger)."""
     if not captions:
         return []
     videos = trainer.sample(captions)  # (B, C, T, H, W) in [-1, 1]
+    if logger is None:
+        return []
     paths = []
     for i, (video, caption) in enumerate(zip(videos, captions)):
         paths.append(write_mp4(out_dir / "samples" / f"step{trainer.step}_{i}.mp4", video))
@@ -58,18 +66,23 @@ def main(cfg: DictConfig) -> None:
                          "embeddings, nor a VAE to decode with; set sample_captions=[] and sample with "
                          "python -m experiments.sample (prompt embeddings from experiments/precompute.py, vae=...)")
     trainer = Trainer(run.model, run.data, run.train, script.out_dir, offload_cfg=run.offload,
-                      execution=run.execution)
+                      execution=run.execution, parallel=run.parallel)
     out_dir = Path(script.out_dir)               # the first write: every check above has passed
     config = {**dataclasses.asdict(run), **dataclasses.asdict(script)}
-    trainer.logger = RunLogger(out_dir, project=script.wandb_project, name=script.name, config=config,
-                               resume_step=trainer.resume_from[1] if trainer.resume_from else None)
+    if trainer.dp.is_main:                       # rank 0 writes metrics.jsonl and the W&B run
+        trainer.logger = RunLogger(out_dir, project=script.wandb_project, name=script.name, config=config,
+                                   resume_step=trainer.resume_from[1] if trainer.resume_from else None)
     try:
         last = trainer.fit()
     except FloatingPointError:  # a non-finite step: the run stops after its last good checkpoint (exit status 3)
-        trainer.logger.finish()
+        if trainer.logger:
+            trainer.logger.finish()
         trainer.close()
         raise
     samples = save_samples(trainer, script.sample_captions, out_dir, trainer.logger)
+    if not trainer.logger:
+        trainer.close()
+        return
     print(f"trained {trainer.step} steps, final loss {last.get('loss', float('nan')):.4f}")
     print(f"checkpoints: {out_dir / 'checkpoints'}")
     print(f"samples:    {', '.join(str(p) for p in samples) or 'none (sample_captions=[])'}")

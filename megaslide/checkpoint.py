@@ -3,7 +3,10 @@
 - a sharded folder `step_N/` of one file per block (`block_0000.pt`: master weights and AdamW
   moments, each one flat buffer, an 8-bit moment as its codes and scales) plus `state.pt` (the offload
   engine). `state.pt` records the flat layout of the block buffers under BLOCK_LAYOUT (`flat_layout`), so
-  a reader cuts the shards into named parameters (`block_weights`) without the engine that wrote them.
+  a reader cuts the shards into named parameters (`block_weights`) without the engine that wrote them. Sharded
+  over P data-parallel ranks: one file per block and rank (`block_0000.rank1of2.pt`, that rank's equal part of
+  the zero-padded flat buffers, an 8-bit moment's codes and the scales of their whole quantisation blocks), and
+  state.pt records P (`SHARD_RANKS`); `read_block` joins the parts, so any P can read them.
 
 A file is written to a temporary name in the same folder, fsynced, then renamed; a folder is
 written as `.step_N.tmp/` with `state.pt` last and then renamed, so a reader sees a complete
@@ -16,7 +19,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +28,7 @@ from megaslide.config import DiTConfig, architecture_changes, from_dict
 
 SHARDED_STATE = "state.pt"  # written last into a sharded folder: its presence marks a complete checkpoint
 BLOCK_LAYOUT = "block_layout"  # key of state.pt: the flat layout of every block shard's buffers (`flat_layout`)
+SHARD_RANKS = "shard_ranks"    # key of state.pt: the data-parallel ranks each block is split over (absent: 1)
 _STEP_NAME = re.compile(r"step_(\d+)(\.pt)?")
 _TEMP_NAME = re.compile(r"\.step_\d+(\.pt)?\.tmp")   # a save's temporary file or folder (save_checkpoint)
 
@@ -33,9 +37,10 @@ def checkpoint_path(folder: str | Path, step: int, *, sharded: bool) -> Path:
     return Path(folder) / (f"step_{step}" if sharded else f"step_{step}.pt")
 
 
-def block_shard(folder: str | Path, index: int) -> Path:
-    """The file of block `index` in a sharded checkpoint folder."""
-    return Path(folder) / f"block_{index:04d}.pt"
+def block_shard(folder: str | Path, index: int, rank: int = 0, ranks: int = 1) -> Path:
+    """The file of block `index` in a sharded checkpoint folder; of a block split over `ranks` data-parallel
+    ranks (`SHARD_RANKS`), the file of rank `rank`'s part."""
+    return Path(folder) / (f"block_{index:04d}.pt" if ranks == 1 else f"block_{index:04d}.rank{rank}of{ranks}.pt")
 
 
 def flat_layout(named_shapes: Iterable[tuple[str, Sequence[int]]], align: int) -> dict:
@@ -51,18 +56,53 @@ def flat_layout(named_shapes: Iterable[tuple[str, Sequence[int]]], align: int) -
     return {"names": names, "shapes": shapes, "offsets": offsets, "numel": end}
 
 
-def block_weights(folder: str | Path, layout: dict, depth: int) -> dict[str, torch.Tensor]:
+def read_block(folder: str | Path, index: int, ranks: int, numel: int, *, keys: Sequence[str] | None = None,
+               moment_block: int | None = None) -> dict:
+    """Block `index`'s state in a sharded checkpoint folder (master weights (numel,) fp32 or bf16, and moments,
+    each (numel,) fp32 or an 8-bit moment {"codes": (numel,), "scales": one per `moment_block` elements}): the
+    parts of its `ranks` ranks (equal, the block padded to whole parts) joined in rank order, the padding dropped;
+    only `keys` when given. An 8-bit moment's parts join exactly when each holds whole quantisation blocks of
+    `moment_block` elements (host_memory.MOMENT_BLOCK; the engine's shards do); otherwise, or without
+    `moment_block`, it is a ValueError, as are parts of another model's size."""
+    parts = [load_checkpoint(block_shard(folder, index, rank, ranks)) for rank in range(ranks)]
+    files = str(block_shard(folder, index)) if ranks == 1 else f"{folder}/block_{index:04d}.rank*of{ranks}.pt"
+
+    def join(key: str, values: list[torch.Tensor], length: int) -> torch.Tensor:
+        sizes = {len(value) for value in values}
+        whole = torch.cat(values)
+        if len(sizes) > 1 or len(whole) < length or (ranks == 1 and len(whole) != length):
+            raise ValueError(f"checkpoint file {files!r} holds {len(whole)} {key} elements (parts of "
+                             f"{sorted(sizes)}), but its {BLOCK_LAYOUT} record places {length}; the folder mixes "
+                             f"checkpoints of different models, use a complete one")
+        return whole[:length]
+
+    state = {}
+    for key in keys or parts[0]:
+        if not isinstance(parts[0][key], dict):
+            state[key] = join(key, [part[key] for part in parts], numel)
+            continue
+        codes = [part[key]["codes"] for part in parts]   # an 8-bit moment
+        if moment_block is None:
+            raise ValueError(f"read_block: {files!r} holds an 8-bit {key}; pass moment_block "
+                             f"(host_memory.MOMENT_BLOCK) to read it")
+        if ranks > 1 and any(len(c) % moment_block for c in codes):
+            raise ValueError(f"checkpoint file {files!r} holds 8-bit {key} split over {ranks} ranks in parts that "
+                             f"are not whole quantisation blocks of {moment_block} elements, so they cannot be "
+                             f"joined exactly; resume it with parallel.dp={ranks} (and the offload.moments it was "
+                             f"saved with)")
+        state[key] = {"codes": join(f"{key} codes", codes, numel),
+                      "scales": join(f"{key} scales", [part[key]["scales"] for part in parts],
+                                     math.ceil(numel / moment_block))}
+    return state
+
+
+def block_weights(folder: str | Path, layout: dict, depth: int, ranks: int = 1) -> dict[str, torch.Tensor]:
     """The master weights of blocks 0..depth-1 of a sharded checkpoint folder as fp32 (a bf16 master widened), by
-    state-dict name (`blocks.{i}.{name}`), cut out of each shard's flat buffer as `layout` (`flat_layout`) places
-    them."""
+    state-dict name (`blocks.{i}.{name}`), cut out of each block's flat buffer as `layout` (`flat_layout`) places
+    them; `ranks`: the data-parallel ranks each block was split over (state.pt's `SHARD_RANKS`)."""
     weights = {}
     for index in range(depth):
-        file = block_shard(folder, index)
-        master = load_checkpoint(file)["master"].float()
-        if master.shape != (layout["numel"],):
-            raise ValueError(f"checkpoint file {str(file)!r} holds {tuple(master.shape)} master weights, but its "
-                             f"{BLOCK_LAYOUT} record places {layout['numel']} elements; the folder mixes "
-                             f"checkpoints of different models, use a complete one")
+        master = read_block(folder, index, ranks, layout["numel"], keys=("master",))["master"].float()
         for name, shape, offset in zip(layout["names"], layout["shapes"], layout["offsets"]):
             weights[f"blocks.{index}.{name}"] = master[offset:offset + math.prod(shape)].view(shape)
     return weights
@@ -80,16 +120,26 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
     return path
 
 
-def save_sharded_checkpoint(folder: str | Path, shards: Iterable[tuple[str, dict]], state: dict) -> Path:
-    """Write `folder`/<name>.pt for each (name, shard), then `folder`/state.pt; returns `folder`."""
+def save_sharded_checkpoint(folder: str | Path, shards: Iterable[tuple[str, dict]], state: dict, *,
+                            main: bool = True, barrier: Callable[[], None] = lambda: None) -> Path:
+    """Write `folder`/<name>.pt for each (name, shard), then `folder`/state.pt; returns `folder`.
+
+    Several writers (the ranks of a data-parallel run, each with its own shards) all call it, with `barrier`
+    waiting for all of them: `main` (one writer) prepares the temporary folder, every writer writes its shards
+    into it, and once all are written `main` writes state.pt and renames the folder into place."""
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
     for name, shard in shards:
         save_checkpoint(tmp / f"{name}.pt", shard)
-    save_checkpoint(tmp / SHARDED_STATE, state)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    barrier()
+    if main:
+        save_checkpoint(tmp / SHARDED_STATE, state)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    barrier()
     return folder
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from megaslide.attention import SelfAttention, attention_class
-from megaslide.parallel import MODES, PLACEMENTS, TRANSPORTS
+from megaslide.parallel import MODES, PLACEMENTS, TRANSPORTS, resolve_degrees
 
 
 def _tuple3(name: str, value) -> tuple[int, int, int]:
@@ -401,6 +401,36 @@ class ParallelConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1, or null to derive it")
 
+    def check_sequence_parallel(self, model: DiTConfig, grid: tuple[int, int, int], offload: OffloadConfig,
+                                train: TrainConfig) -> None:
+        """That `sp` ranks can train one clip of token grid `grid` (megaslide/parallel/sp_train.py): at most one
+        rank per token frame, an attention with a sequence-parallel form (dense in `sp_mode`), the resident
+        trainer, eager blocks. ValueError naming the key, before anything is built."""
+        if self.sp == 1:
+            return
+        attention = model.attention
+        form = attention.variant.sp_form
+        if form is None:
+            raise ValueError(f"parallel.sp={self.sp} with attention.name={attention.name!r}: this attention has no "
+                             f"sequence-parallel form; use dense, dsa, dsa_zero or swin, or set parallel.sp=1")
+        if self.sp > grid[0]:
+            raise ValueError(f"parallel.sp={self.sp} is larger than the clip's {grid[0]} token frames (data.frames / "
+                             f"model.patch_size[0]): every rank needs a frame; set parallel.sp <= {grid[0]}")
+        if offload.keep_attention != "off":
+            raise ValueError(f"parallel.sp={self.sp} with offload.keep_attention={offload.keep_attention}: kept "
+                             f"attention is the offload engine's, and sequence-parallel training runs on the resident "
+                             f"trainer; set offload.keep_attention=off or parallel.sp=1")
+        if offload.enabled:
+            raise ValueError(f"parallel.sp={self.sp} trains on the resident trainer only: set offload=none (the "
+                             f"offload engine, its activation offload and boundary stride have no SP form)")
+        if train.compile:
+            raise ValueError(f"parallel.sp={self.sp} runs its blocks eager: set train.compile=false")
+        if form == "global":
+            try:
+                resolve_degrees(self.sp_mode, self.sp, model.num_heads, self.ulysses_degree, self.ring_degree)
+            except ValueError as e:
+                raise ValueError(f"parallel.sp_mode={self.sp_mode!r} on parallel.sp={self.sp} ranks: {e}") from None
+
 
 @dataclass
 class RunConfig:
@@ -423,7 +453,9 @@ class RunConfig:
     def validate(self) -> None:
         """Every check of a training run that needs nothing but its configs: each config's own, the
         clip's token grid against the patch size and the attention's window or kernel, the model's
-        input channels against the data's, and that training runs in one process. Scripts call it
+        input channels against the data's, the global batch against the data-parallel ranks and the clip
+        against the sequence-parallel ones (the world size itself is checked where the processes are,
+        `megaslide.parallel.mesh`). Scripts call it
         before they create a folder or a W&B run."""
         for cfg in (self.model, self.data, self.train, self.offload, self.parallel):
             cfg.validate()
@@ -431,16 +463,17 @@ class RunConfig:
         self.model.attention.validate(self.grid)
         self.data.check_channels(self.model.in_channels)
         self.data.check_captions(self.model.text_encoder, self.model.text_dim)
-        if self.parallel.dp * self.parallel.sp != 1:
-            raise ValueError(f"parallel.dp={self.parallel.dp} x parallel.sp={self.parallel.sp}: training runs in one "
-                             f"process; set parallel.dp=1 parallel.sp=1 (sequence parallelism serves generation: "
-                             f"experiments/generate_full.py)")
+        if self.train.batch_size % self.parallel.dp:
+            raise ValueError(f"train.batch_size={self.train.batch_size} (the global batch) is not divisible by "
+                             f"parallel.dp={self.parallel.dp}: each data-parallel rank takes an equal share; use a "
+                             f"multiple of {self.parallel.dp}")
+        self.parallel.check_sequence_parallel(self.model, self.grid, self.offload, self.train)
 
 
 def validate_training(model: DiTConfig, data: DataConfig, train: TrainConfig, offload: OffloadConfig,
-                      execution: ExecutionConfig | None = None) -> None:
+                      execution: ExecutionConfig | None = None, parallel: ParallelConfig | None = None) -> None:
     """`RunConfig.validate` of these parts (the default execution and parallelism where not given)."""
-    RunConfig(model, execution or ExecutionConfig(), data, train, offload).validate()
+    RunConfig(model, execution or ExecutionConfig(), data, train, offload, parallel or ParallelConfig()).validate()
 
 
 def _require_finite(cfg, key: str) -> None:

@@ -91,6 +91,9 @@ class SelfAttention(nn.Module):
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     reads_input: ClassVar[bool] = False  # whether `attend` reads x (else a caller may pass None)
+    # how sequence-parallel training splits it (megaslide/parallel/sp_train.py): "global" (all-to-all or ring
+    # attention over every token), "frames" (each rank over its frames and the halo `frame_window` says), None (none)
+    sp_form: ClassVar[str | None] = None
 
     def __init__(self, dim: int, num_heads: int, *, qk_norm: bool = True, layer_idx: int = 0, **options):
         """`options` are this variant's own (`Options` fields); `layer_idx` is the block's index."""
@@ -136,6 +139,16 @@ class SelfAttention(nn.Module):
         clip). A block run with `execution.slab_frames` runs its attention over a slab of frames padded by
         this halo."""
         return None
+
+    def frame_window(self, frames: int, t0: int, t1: int) -> tuple[int, int]:
+        """The token frames [a, b) that the queries of frames [t0, t1) of a clip of `frames` frames read, chosen so
+        that `attend` over the sub-grid [a, b) gives those queries the output they get over the whole clip (for
+        a variant whose `sp_form` is "frames"). Default: `temporal_reach` frames on each side, cut at the clip's
+        ends (where the clamps at the ends then fall as on the whole clip)."""
+        reach = self.temporal_reach(self.options)
+        if reach is None:
+            raise NotImplementedError(f"attention {self.name!r} reads the whole clip: it has no frame window")
+        return max(0, t0 - reach), min(frames, t1 + reach)
 
     @classmethod
     def extra_macs_per_token(cls, options, dim: int, num_heads: int) -> int:

@@ -44,6 +44,7 @@ class DenseSplit:
 @register_attention
 class DenseAttention(SelfAttention):
     name = "dense"
+    sp_form = "global"
 
     @classmethod
     def keys_per_query(cls, options, grid: Grid) -> int:

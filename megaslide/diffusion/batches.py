@@ -37,18 +37,21 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
-def make_batch(dataset, tokenizer, cfg: TrainConfig, step: int) -> Batch:
+def make_batch(dataset, tokenizer, cfg: TrainConfig, step: int, rows: slice = slice(None)) -> Batch:
+    """Step `step`'s batch of cfg.batch_size clips, or of its `rows` only (a data-parallel rank's share): every
+    random number of the whole batch is drawn, so a share holds exactly those rows of the whole batch, and only
+    its own clips are read."""
     g = step_generator(cfg.seed, step)
     idx = torch.randint(len(dataset), (cfg.batch_size,), generator=g).tolist()
-    items = [dataset[i] for i in idx]
-    x0 = torch.stack([it["video"] for it in items])                           # (B, C, T, H, W)
-    drop = torch.rand(cfg.batch_size, generator=g) < cfg.caption_dropout       # (B,)
+    items = [dataset[i] for i in idx[rows]]
+    x0 = torch.stack([it["video"] for it in items])                           # (b, C, T, H, W), b rows
+    drop = (torch.rand(cfg.batch_size, generator=g) < cfg.caption_dropout)[rows]   # (b,)
     captions = ["" if d else it["caption"] for it, d in zip(items, drop.tolist())]
-    t = sample_timesteps(cfg.batch_size, g, cfg.logit_normal_mean, cfg.logit_normal_std)  # (B,)
-    noise = torch.randn(x0.shape, generator=g)                                 # (B, C, T, H, W)
+    t = sample_timesteps(cfg.batch_size, g, cfg.logit_normal_mean, cfg.logit_normal_std)[rows]  # (b,)
+    noise = torch.randn((cfg.batch_size, *x0.shape[1:]), generator=g)[rows]    # (b, C, T, H, W)
     if "context" not in items[0]:
         return Batch(x0, tokenizer(captions), t, noise, captions)
     null, null_mask = dataset.null_context                                     # (L, Dt), (L,)
-    context = torch.stack([null if d else it["context"] for it, d in zip(items, drop.tolist())])  # (B, L, Dt)
-    mask = torch.stack([null_mask if d else it["context_mask"] for it, d in zip(items, drop.tolist())])  # (B, L)
+    context = torch.stack([null if d else it["context"] for it, d in zip(items, drop.tolist())])  # (b, L, Dt)
+    mask = torch.stack([null_mask if d else it["context_mask"] for it, d in zip(items, drop.tolist())])  # (b, L)
     return Batch(x0, context, t, noise, captions, mask)

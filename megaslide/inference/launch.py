@@ -5,7 +5,9 @@
 `init_distributed` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT), picks NCCL for CUDA and gloo for CPU, binds each rank to GPU LOCAL_RANK, and
 turns NVLink multicast (NVLS) off before the first communicator exists: NCCL_NVLS_ENABLE=0 and
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (the lent machines do not support it). A plain `python`
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (the lent machines do not support it). With a process group it arms
+`megaslide.parallel.watchdog` with the group's timeout: sequence-parallel attention that cannot finish, on the
+host or on the device, ends the process with an error naming the mode and the rank. A plain `python`
 run (no WORLD_SIZE) gets a one-rank context with no process group.
 
 Convention of the inference code (`megaslide.parallel.groups`): an SP `group` of None means
@@ -15,7 +17,6 @@ a plain one-process run) to shard over all ranks.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 from dataclasses import dataclass
 
@@ -23,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megaslide.device import resolve_device
-from megaslide.parallel.groups import release_meshes
-
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+from megaslide.parallel import watchdog
+from megaslide.parallel.mesh import MULTICAST_OFF, leave_process_groups
 
 
 @dataclass(frozen=True)
@@ -58,19 +58,15 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    watchdog.arm(timeout_s)  # SP attention that cannot finish (host or device) ends with an error, not a hang
     return DistContext(rank, world, local_rank, dev, backend, dist.group.WORLD)
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Leave the job in a fixed order: a barrier (no rank tears down while a peer still talks to
-    it), destroy every process group, drop the cached SP meshes' references to them and collect,
-    so that gloo's worker threads end now rather than during interpreter exit (where one of them
-    can abort the process after its work is done)."""
-    if ctx.backend is not None and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        release_meshes()
-        gc.collect()
+    """Leave the job (`megaslide.parallel.mesh.leave_process_groups`)."""
+    if ctx.backend is not None:
+        watchdog.disarm()
+        leave_process_groups()
 
 
 def barrier(ctx: DistContext) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megaslide.checkpoint import BLOCK_LAYOUT, block_weights, flat_layout, read_state
+from megaslide.checkpoint import BLOCK_LAYOUT, SHARD_RANKS, block_weights, flat_layout, read_state
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import DiTBlock, VideoDiT, build_dit
 
@@ -54,7 +54,8 @@ def sampling_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     if not path.is_dir():
         return state.get("ema") or state["model"], state
     cfg = from_dict(DiTConfig, state["model_cfg"])
-    return {**state["params"], **block_weights(path, shard_layout(state, cfg), cfg.depth)}, state
+    return {**state["params"], **block_weights(path, shard_layout(state, cfg), cfg.depth,
+                                                              state.get(SHARD_RANKS, 1))}, state
 
 
 def shard_layout(state: dict, cfg: DiTConfig) -> dict:

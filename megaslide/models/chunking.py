@@ -138,9 +138,15 @@ class BlockRunner:
             return block(x, t_mod, ctx, ctx_mask, rope, grid)
         x = x.contiguous()  # one layout for every block's input (the embedding's output is a transposed view)
         mod = block.modulation[None] + t_mod                                         # (B, R, D)
-        slabs = self.slabs(block, grid)
+        return self.run_slabs(block, x, rope, grid, self.slabs(block, grid), mod, ctx, ctx_mask, kept)
+
+    def run_slabs(self, block, x, rope, grid, slabs, mod, ctx, ctx_mask, kept=None) -> torch.Tensor:
+        """The block's output on the kept frames of `slabs` ((a, t0, t1, b) each, frames of x's grid), in
+        order: (B, sum (t1 - t0) * fr, D); each slab under its own checkpoint when there are several. `kept`
+        (a `KeptAttention` of the whole clip x): each slab's attention records or replays its rows there."""
         if len(slabs) == 1:
-            return self._run_slab(block, x, rope, grid, slice(None), mod, ctx, ctx_mask, kept and kept.whole())
+            return self._run_slab(block, *slab_view(x, rope, grid, slabs[0]), mod, ctx, ctx_mask,
+                                  kept and kept.whole())
         fr = grid[1] * grid[2]                                                       # tokens per frame
         out = [checkpoint(self._run_slab, block, *slab_view(x, rope, grid, slab), mod, ctx, ctx_mask,
                           kept and kept.slab(slab, fr, x.shape[1]), use_reentrant=False)
@@ -194,10 +200,15 @@ class BlockRunner:
         parts = [run(self.project, block, x[:, s], mod, cos[s], sin[s]) for s in spans]
         q, k, v, *h = (_join(p) for p in zip(*parts))                                # (B, n, h, d) x 3[, (B, n, D)]
         del parts  # the slices: only their concatenations stay alive through attention
-        extra = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
-        if kept_slab is not None:
-            extra["keep"] = kept_slab
-        return block.attn.attend(q, k, v, None, grid, **extra)[:, keep]             # (B, n_keep, h, d)
+        read = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
+        return self.attend(block, q, k, v, grid, read, kept_slab)[:, keep]           # (B, n_keep, h, d)
+
+    def attend(self, block, q, k, v, grid, read: dict, keep=None) -> torch.Tensor:
+        """`block`'s self-attention of q, k, v (B, n, heads, d) over the token grid `grid` (B, n, heads, d);
+        `read`: what the variant read of its input, if it reads it; `keep`: a `kept.Record` or `kept.Replay`
+        (split at its lse, "Kept attention"), or None. The sequence-parallel runner replaces it."""
+        extra = read if keep is None else {**read, "keep": keep}
+        return block.attn.attend(q, k, v, None, grid, **extra)
 
     def spans(self, n: int, unset: int | None = None) -> list[slice]:
         """The slices of a run of n tokens: `chunk_tokens` each (the last shorter); unset, `unset` (default n)."""

@@ -33,6 +33,17 @@ It is a step engine of `Trainer` (megaslide/train/engine.py), chosen by offload.
 by block; `save_pretrained` writes one back). Checkpoints are sharded: one file per
 block (master weights and moments) plus the resident state.
 
+Data parallel, ZeRO-3 style (`dp`, parallel.dp = P ranks, each training on its share of the global batch): each
+rank's host holds 1/P of every block's weights, gradient staging, master and moments (`Shard`, the flat block
+padded to P equal parts), in the run's state format (compact too: a shard holds whole quantisation blocks of an
+8-bit moment, and a bf16 master's stochastic rounding draws each element's bits by its index in the whole block,
+so P ranks update exactly as one process does), and its CPU AdamW updates that shard only. The streamer copies
+the shard H2D and all-gathers the block on the device, one block ahead as before, and reduce-scatters each
+block's gradient (the replicas' mean) before the shard goes D2H. The resident (non-block) parameters are
+replicated, their gradients averaged in one all-reduce. The loss is the replicas' mean, and the clip norm is
+exact: the shards' squared norms are summed over the replicas. A checkpoint holds each rank's shard of each block
+(`block_shard`), and resumes on any number of ranks.
+
 Clipping scheme (global norm, exact): per-parameter gradient norms are computed on the
 device as each block's gradient is produced (no sync) and combined once, after the
 backward, in the model's parameter order, exactly as `clip_grad_norm_` combines them. The
@@ -55,7 +66,9 @@ the error at its next wait: the next step's first block load, or `flush` (which 
 `breakdown` and `model_state_dict` call first), so no checkpoint of the refused step is written. On
 the CPU device the values are checked on the training thread as soon as each is computed: the loss
 before the backward, the norm before any clipped or resident update. The optimizer_device="gpu"
-ablation (`GpuUpdater`) applies block updates unchecked; the error still comes at the next `flush`.
+ablation (`GpuUpdater`) applies block updates unchecked; the error still comes at the next `flush`. Sharded over
+data-parallel ranks, the loss and norm are the replicas' (the same on every rank), and each step starts by waiting
+for the last one's, so every rank raises at the same call rather than one while its peers wait in a collective.
 """
 from __future__ import annotations
 
@@ -66,10 +79,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megaslide.checkpoint import BLOCK_LAYOUT, SHARDED_STATE, load_checkpoint, save_sharded_checkpoint
-from megaslide.config import DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig
+from megaslide.checkpoint import (
+    BLOCK_LAYOUT,
+    SHARD_RANKS,
+    SHARDED_STATE,
+    block_shard,
+    load_checkpoint,
+    read_block,
+    save_sharded_checkpoint,
+)
+from megaslide.config import DiTConfig, ExecutionConfig, OffloadConfig, ParallelConfig, TrainConfig
 from megaslide.device import precision_dtype
 from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
@@ -84,13 +106,14 @@ from megaslide.models.pretrained import (
 )
 from megaslide.offload.compact import rounding_key
 from megaslide.offload.cpu_adam import adamw_step_
-from megaslide.offload.host_state import BlockLayout, HostState
+from megaslide.offload.host_state import BlockLayout, HostState, Shard
 from megaslide.offload.kept_store import KeptStore
-from megaslide.offload.streamer import BlockInputs, BlockStreamer, Lanes, elapsed
+from megaslide.offload.streamer import BackwardResult, BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
+from megaslide.parallel.data_parallel import DataParallel
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
-from megaslide.perf.host_memory import StateFormat, host_bytes, require_host_fit
+from megaslide.perf.host_memory import MOMENT_BLOCK, StateFormat, host_bytes, require_host_fit
 from megaslide.perf.kept_attention import KeptAttentionPlan
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.perf.stream_schedule import parked_inputs
@@ -111,12 +134,13 @@ class OffloadEngine:
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
                  offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None,
-                 kept_attention: KeptAttentionPlan | None = None):
+                 kept_attention: KeptAttentionPlan | None = None, dp: DataParallel = DataParallel.single()):
         offload_cfg.validate()
+        check_sharding(offload_cfg, dp.size)
         if kept_attention is None and offload_cfg.keep_attention != "off":
             raise ValueError(f"offload.keep_attention={offload_cfg.keep_attention}: the planner places the kept "
                              f"attention; build the engine with OffloadEngine.from_config, or pass kept_attention=")
-        self.device, self.train_cfg, self.offload_cfg = device, train_cfg, offload_cfg
+        self.device, self.train_cfg, self.offload_cfg, self.dp = device, train_cfg, offload_cfg, dp
         self.param_dtype = precision_dtype(train_cfg.precision, device)
         self.cuda = cuda = device.type == "cuda"
         if cuda and offload_cfg.gpu_memory_fraction > 0:
@@ -128,12 +152,15 @@ class OffloadEngine:
                              f"{depth} blocks; use at most {depth}")
         pin_state = offload_cfg.optimizer_device == "gpu" if pin_optimizer_state is None else pin_optimizer_state
         fmt = StateFormat.of(self.param_dtype, offload_cfg)
-        require_host_fit(host_bytes(self.layout.numel, depth, fmt, pin_state),
-                         host_available_bytes(), what=f"the host state of {depth} blocks")
+        shard = Shard.of(self.layout.numel, dp.rank, dp.size)   # this rank's part of every block (all of it: P=1)
+        require_host_fit(host_bytes(shard.numel, depth, fmt, pin_state), host_available_bytes(),
+                         what=f"the host state of {depth} blocks" + (f" (1/{dp.size} of it per rank)" if dp.size > 1
+                                                                     else ""),
+                         ranks=dp.size, ranks_per_node=dp.ranks_per_node)
         stride = offload_cfg.boundary_stride
         parked = parked_inputs(depth, offload_cfg.resident_blocks, stride) if offload_cfg.activation_offload else 0
         self.host = HostState(self.layout, depth, fmt, pin=cuda, pin_optimizer_state=pin_state,
-                              input_buffers=parked)
+                              input_buffers=parked, shard=shard)
         for index, block in enumerate(model.blocks):
             if not any(p.is_meta for p in block.parameters()):
                 self.host.load_block_(index, self.layout.flatten(block))
@@ -161,7 +188,8 @@ class OffloadEngine:
                                       offload_inputs=offload_cfg.activation_offload,
                                       run=lambda *inputs, **kw: self.model.runner.block(*inputs, **kw),
                                       stride=stride, kept=kept,
-                                      grad=lambda *inputs, **kw: self.model.runner.block_grad(*inputs, **kw))
+                                      grad=lambda *inputs, **kw: self.model.runner.block_grad(*inputs, **kw),
+                                      group=dp.group)
         # fused on CUDA: its found_inf flag skips a non-finite step on the device, with no host sync
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay, fused=True if cuda else None)
@@ -172,7 +200,7 @@ class OffloadEngine:
         self.updater = self._make_updater(offload_cfg.optimizer_device)
         self._coef_host = torch.zeros((), pin_memory=cuda)
         self._landed: list = [None] * depth                       # per block: event of its gradient's D2H
-        self._spans = [[(0, self.layout.numel)] for _ in range(depth)]  # per block: ranges AdamW updates
+        self._spans = [[(0, shard.numel)] for _ in range(depth)]  # per block: ranges of its shard AdamW updates
         self._marks: dict[int, object] = {}
         self.step = 0
         self.rounding_seed = train_cfg.seed  # keys the random bits of a bf16 master's stochastic rounding
@@ -182,7 +210,8 @@ class OffloadEngine:
     def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
                     offload_cfg: OffloadConfig, grid: tuple[int, int, int],
                     pin_optimizer_state: bool | None = None, build_on_host: bool = False,
-                    execution: ExecutionConfig | None = None) -> OffloadEngine:
+                    execution: ExecutionConfig | None = None, dp: DataParallel = DataParallel.single()
+                    ) -> OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
 
@@ -199,7 +228,10 @@ class OffloadEngine:
         model starts as neighbourhood attention). The host then holds its state plus about one block.
         `execution` says how the blocks run (`apply_execution`; its checkpoint_blocks is moot: the engine
         recomputes every streamed block anyway). With offload.keep_attention the plan also places the blocks' kept
-        attention output and lse, within this machine's free HBM and host RAM (`OffloadPlan.kept`)."""
+        attention output and lse, within this machine's free HBM and host RAM (`OffloadPlan.kept`). With `dp` the
+        blocks' host state is sharded over the data-parallel replicas (each keeps its shard of every block it
+        builds or reads), and train_cfg.batch_size is their global batch; the kept attention is each rank's own,
+        of its batch share."""
         execution = execution or ExecutionConfig()
         for cfg in (model_cfg, train_cfg, offload_cfg):
             cfg.validate()
@@ -209,16 +241,18 @@ class OffloadEngine:
         if train_cfg.ema_decay > 0:
             raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
+        check_sharding(offload_cfg, dp.size)
         run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, grad_clip=train_cfg.grad_clip,
-                               execution=execution, offload=offload_cfg)
+                               execution=execution, offload=offload_cfg, parallel=ParallelConfig(dp=dp.size))
         hbm = hbm_available_bytes(device, offload_cfg.gpu_memory_fraction)
         plan = planner.plan_offload(run, param_dtype=precision_dtype(train_cfg.precision, device),
                                     pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
                                     budgets=planner.Budgets(host_available_bytes() if hbm is None else hbm,
-                                                            host_available_bytes(), device.type))
+                                                            host_available_bytes(), device.type),
+                                    ranks_per_node=dp.ranks_per_node)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
-              "pin_optimizer_state": pin_optimizer_state, "kept_attention": plan.kept}
+              "pin_optimizer_state": pin_optimizer_state, "kept_attention": plan.kept, "dp": dp}
         if build_on_host:
             model = build_model(model_cfg)
             return cls(apply_execution(model, execution), **kw)
@@ -275,7 +309,9 @@ class OffloadEngine:
     def set_mode(self, *, overlap: bool, optimizer_device: str, grad_clip: float | None = None) -> None:
         """Switch the ablations (and optionally the clip norm, 0 = off) between steps, on the
         same host state and weights."""
-        dataclasses.replace(self.offload_cfg, optimizer_device=optimizer_device).validate()
+        switched = dataclasses.replace(self.offload_cfg, optimizer_device=optimizer_device)
+        switched.validate()
+        check_sharding(switched, self.dp.size)
         self.updater.close()
         self.lanes.synchronize()
         self.lanes.serial = not overlap
@@ -291,7 +327,8 @@ class OffloadEngine:
         if not all(self.host.loaded):
             missing = [i for i, ok in enumerate(self.host.loaded) if not ok]
             raise ValueError(f"blocks {missing} have no weights yet; fill them with engine.host.load_block_")
-        self._check_health(wait=False)
+        # sharded: every rank waits for the last step's values, so all refuse a non-finite step at the same call
+        self._check_health(wait=self.dp.size > 1)
         compute, tag = self.lanes.compute, self.step
         self._marks[tag] = compute.marker()
         self.lanes.tag = tag
@@ -310,7 +347,9 @@ class OffloadEngine:
             with self.compute_ctx():
                 v = self.model.unembed(h, dataclasses.replace(e, t_emb=t_emb))  # (B, C, T, H, W)
                 loss = F.mse_loss(v.float(), (batch.noise - batch.x0).float())
-            loss_health = self._share_health(loss.detach().float().reshape(1))
+            # the global batch's loss: the replicas' mean (one process: this loss)
+            global_loss = self.dp.mean_(loss.detach().float().reshape(1).clone())    # (1,)
+            loss_health = self._share_health(global_loss)
             # autograd.grad, not .backward: a leaf's .grad is copied into the leaf's layout, and the
             # blocks' reductions must see the gradient exactly as a resident backward passes it on
             grad_h, grad_t_emb, *grads = torch.autograd.grad(loss, [h, t_emb, *self.resident_params],
@@ -324,8 +363,9 @@ class OffloadEngine:
         with compute.timed():
             torch.autograd.backward([e.x, e.t_mod, e.ctx, e.t_emb], [bw.grad_x, bw.grad_t_mod, bw.grad_ctx, grad_t_emb])
             self.phase = "optimizer step"
-            grad_norm = self._global_norm(bw.norms)
-            values = torch.stack([loss.detach().float(), grad_norm.float()])   # (2,)
+            self.dp.mean_grads_(self.resident_params, global_loss[:0])   # replicated: the replicas' mean gradient
+            grad_norm = self._global_norm(bw)
+            values = torch.cat([global_loss, grad_norm.float().reshape(1)])   # (2,)
             health = self._share_health(values)
             clip = self._clip_resident_and_share(grad_norm) if self.clip > 0 else None
             self._resident_update(values, health)
@@ -334,12 +374,12 @@ class OffloadEngine:
                 self._submit(UpdateJob(index, self.step + 1, lr, self._spans[index], tag, self._landed[index],
                                        None, clip, health))
         self.step += 1
-        return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr}
+        return {"loss": global_loss[0], "grad_norm": grad_norm.detach(), "lr": lr}
 
     def _on_block_grads(self, index: int, shell, landed, used: list[bool], *, step: int, lr: float,
                         health: StepHealth) -> None:
         self._landed[index] = landed
-        self._spans[index] = self.layout.spans(used)
+        self._spans[index] = self.host.shard.spans(self.layout.spans(used))
         if self.clip <= 0:
             device_grads = None if landed is not None else shell.grads
             self._submit(UpdateJob(index, step, lr, self._spans[index], self.step, landed, device_grads,
@@ -377,11 +417,16 @@ class OffloadEngine:
         self.versions[job.block] += 1
         self.updater.submit(job)
 
-    def _global_norm(self, block_norms: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    def _global_norm(self, bw: BackwardResult) -> torch.Tensor:
         """L2 norm of all gradients: per-parameter norms stacked in the model's parameter
-        order, then their norm (what clip_grad_norm_ computes)."""
+        order, then their norm (what clip_grad_norm_ computes). Sharded, the blocks' part is the sum over the
+        replicas of their shards' squared norms (one all-reduce), beside the replicated resident gradients'."""
         present = [(i, p.grad) for i, p in enumerate(self.resident_params) if p.grad is not None]
         resident = dict(zip((i for i, _ in present), torch._foreach_norm([g for _, g in present], 2)))
+        if self.dp.group is not None:
+            blocks = self.dp.sum_(torch.stack(bw.shard_squares).sum().reshape(1))[0]
+            return (blocks + torch.stack(list(resident.values())).float().square().sum()).sqrt()
+        block_norms = bw.norms
         norms = []
         for entry in self._norm_order:
             n = resident.get(entry[1]) if entry[0] == "resident" else block_norms[entry[1]].get(entry[2])
@@ -446,28 +491,49 @@ class OffloadEngine:
 
     # ---- state -----------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the model by name, fp32 on the CPU (blocks from the host master)."""
+        """Every parameter of the model by name, fp32 on the CPU (blocks from the host master; sharded, gathered
+        from the replicas: every rank calls it)."""
         self.flush()
-        return {name: self._parameter(entry).clone() for name, entry in zip(self._param_names(), self._norm_order)}
+        masters = [self._master(index) for index in range(self.host.depth)]
+        return {name: self._parameter(entry, masters).clone()
+                for name, entry in zip(self._param_names(), self._norm_order)}
 
-    def _parameter(self, entry: tuple) -> torch.Tensor:
-        """One parameter (an entry of `_norm_order`), fp32 on the CPU: a block's is its host master (a view of an
-        fp32 one)."""
+    def _parameter(self, entry: tuple, masters: list[torch.Tensor]) -> torch.Tensor:
+        """One parameter (an entry of `_norm_order`), fp32 on the CPU: a block's is a slice of its whole master
+        `masters[block]` (layout.numel,) on the CPU, widened where it is bf16 (a view of an fp32 one)."""
         if entry[0] == "resident":
             return self.resident_params[entry[1]].detach().float().cpu()
         slot = self.layout.slots[entry[2]]
-        return self.host.blocks[entry[1]].master[slot.offset:slot.end].view(slot.shape).float()
+        return masters[entry[1]][slot.offset:slot.end].view(slot.shape).float()
 
     def save_pretrained(self, path: str | Path, max_shard_size: int | str = "10GB") -> None:
         """Write the model (a `wan` one) as a diffusers-format folder from the resident parameters and the
         blocks' master weights (a bf16 master widened to fp32): the files of `VideoDiT.save_pretrained` of the
         same weights. Parameters are read from the host state as their shard is written (`write_pretrained`), so
-        the host holds at most one shard (`max_shard_size`) beyond the engine's state."""
+        the host holds at most one shard (`max_shard_size`) beyond the engine's state. One process's engine only:
+        a rank of a sharded one holds 1/parallel.dp of each block."""
+        if self.dp.group is not None:
+            raise ValueError(f"save_pretrained of an offload engine sharded over parallel.dp={self.dp.size} ranks: "
+                             f"each holds only its shard of every block; save a training checkpoint (it resumes on "
+                             f"any number of ranks, experiments/export.py writes a folder from it) or save from a "
+                             f"parallel.dp=1 engine")
         self.flush()
+        masters = [block.master for block in self.host.blocks]
         where = dict(zip(self._param_names(), self._norm_order))
         params = [(n, torch.Size(self.resident_params[e[1]].shape if e[0] == "resident"
                                  else self.layout.slots[e[2]].shape), torch.float32) for n, e in where.items()]
-        write_pretrained(self.model.cfg, params, lambda name: self._parameter(where[name]), path, max_shard_size)
+        write_pretrained(self.model.cfg, params, lambda name: self._parameter(where[name], masters), path,
+                         max_shard_size)
+
+    def _master(self, index: int) -> torch.Tensor:
+        """Block `index`'s master weights (layout.numel,) in the master dtype on the CPU, all-gathered on the
+        device from the replicas' shards when sharded."""
+        master, shard = self.host.blocks[index].master, self.host.shard
+        if self.dp.group is None:
+            return master
+        whole = torch.empty(shard.padded, dtype=master.dtype, device=self.device)
+        dist.all_gather_single(whole, master.to(self.device), group=self.dp.group)
+        return whole[:self.layout.numel].cpu()
 
     def _param_names(self) -> list[str]:
         return [self.resident_names[e[1]] if e[0] == "resident" else f"blocks.{e[1]}.{self.layout.slots[e[2]].name}"
@@ -475,15 +541,20 @@ class OffloadEngine:
 
     # ---- checkpoints: a folder checkpoints/step_N/ of block_0000.pt ... and state.pt -----------------
     def save(self, path: Path, extra: dict) -> Path:
-        """Each block's master weights and moments in a file of its own, then the resident
-        parameters, their AdamW state, the step and block versions, the seed of the stochastic rounding, the
-        blocks' flat layout (so that a reader needs no engine) and `extra` in state.pt."""
+        """Each block's master weights and moments in a file of its own (sharded: every rank writes its shard of
+        each, `block_shard`), then (rank 0) the resident parameters, their AdamW state, the step and block
+        versions, the seed of the stochastic rounding, the blocks' flat layout (so that a reader needs no
+        engine), the ranks and `extra` in state.pt. Collective when sharded; the folder appears complete or not
+        at all."""
         self.flush()
-        blocks = ((f"block_{index:04d}", self.host.block_state(index)) for index in range(self.host.depth))
+        shard = self.host.shard
+        blocks = ((block_shard(path, index, shard.rank, shard.ranks).stem, self.host.block_state(index))
+                  for index in range(self.host.depth))
         state = {"step": self.step, "versions": list(self.versions), "rounding_seed": self.rounding_seed,
                  "params": {n: p.detach().cpu().clone() for n, p in zip(self.resident_names, self.resident_params)},
-                 "optimizer": self.optimizer.state_dict(), BLOCK_LAYOUT: self.layout.record(), **extra}
-        return save_sharded_checkpoint(path, blocks, state)
+                 "optimizer": self.optimizer.state_dict(), BLOCK_LAYOUT: self.layout.record(),
+                 SHARD_RANKS: shard.ranks, **extra}
+        return save_sharded_checkpoint(path, blocks, state, main=self.dp.is_main, barrier=self.dp.barrier)
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path / SHARDED_STATE)
@@ -492,8 +563,14 @@ class OffloadEngine:
             raise ValueError(f"checkpoint {str(path)!r} lays its blocks out otherwise than this model does; resume it "
                              f"with the model config it was saved with (its state.pt holds model_cfg)")
         self.flush()
+        saved_ranks, shard = state.get(SHARD_RANKS, 1), self.host.shard
         for index in range(self.host.depth):
-            self.host.load_block_state(index, load_checkpoint(path / f"block_{index:04d}.pt"))
+            if saved_ranks == shard.ranks:   # this rank's own file
+                part = load_checkpoint(block_shard(path, index, shard.rank, shard.ranks))
+            else:                            # saved over another number of ranks: the whole block, then its shard
+                whole = read_block(path, index, saved_ranks, self.layout.numel, moment_block=MOMENT_BLOCK)
+                part = {key: shard.take_state(value) for key, value in whole.items()}
+            self.host.load_block_state(index, part)
         with torch.no_grad():
             for name, p in zip(self.resident_names, self.resident_params):
                 p.copy_(state["params"][name])
@@ -507,6 +584,14 @@ class OffloadEngine:
         self.updater.close()
         self.host.close()
         self.streamer.kept.close()
+
+
+def check_sharding(offload_cfg: OffloadConfig, ranks: int) -> None:
+    """The sharded engine (parallel.dp > 1) runs AdamW on the CPU, each rank over its shard."""
+    if ranks > 1 and offload_cfg.optimizer_device != "cpu":
+        raise ValueError(f"offload.optimizer_device={offload_cfg.optimizer_device!r} with parallel.dp={ranks}: the "
+                         f"sharded offload engine updates each rank's shard on the CPU; set "
+                         f"offload.optimizer_device=cpu (or parallel.dp=1)")
 
 
 def _initialised_blocks(cfg: DiTConfig, first: DiTBlock, weights: WeightFiles | None = None) -> Iterator[DiTBlock]:

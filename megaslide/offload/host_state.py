@@ -25,6 +25,8 @@ With activation offload (offload.activation_offload) the block inputs saved for 
 backward's recompute are parked in `InputBuffers`: one more arena, of one block input per
 parked block, pinned like the first and regrown only when the input grows.
 
+With data parallelism (`Shard`) each rank holds the same buffers for its 1/P shard of every block.
+
 Non-block parameters (patch embed, timestep MLPs, text encoder, caption projection, final
 layer) are not here: they are small and the engine keeps them resident on the device.
 """
@@ -41,15 +43,18 @@ from megaslide.checkpoint import flat_layout
 from megaslide.offload.compact import SIGNED, SQRT, QuantizedMoment
 from megaslide.perf.host_memory import (
     ARENA_ALIGN,
+    MOMENT_BLOCK,
     PARAM_ALIGN,
     StateFormat,
     arena_bytes,
     arena_sizes,
     host_bytes_per_param,
     round_up,
+    shard_numel,
 )
 
 FP32 = torch.float32
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -130,6 +135,51 @@ class BlockLayout:
                 out.append((slot.offset, slot.end))
             previous_used = u
         return out
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of every block's flat buffer that data-parallel rank `rank` of `ranks` holds (ZeRO-3 style):
+    elements [start, start + numel) of the block padded with zeros to `padded` = ranks x numel elements
+    (`shard_numel`). One rank holds the whole block (`Shard.whole`)."""
+
+    rank: int
+    ranks: int
+    numel: int
+
+    @classmethod
+    def of(cls, block_numel: int, rank: int, ranks: int) -> Shard:
+        return cls(rank, ranks, shard_numel(block_numel, ranks))
+
+    @classmethod
+    def whole(cls, block_numel: int) -> Shard:
+        return cls(0, 1, block_numel)
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.numel
+
+    @property
+    def padded(self) -> int:
+        return self.ranks * self.numel
+
+    def take(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's (numel,) part of a block's flat (n,) buffer, n <= padded (the padding reads as zero)."""
+        part = flat[self.start:self.start + self.numel]
+        return torch.cat([part, part.new_zeros(self.numel - len(part))]) if len(part) < self.numel else part
+
+    def take_state(self, value: torch.Tensor | dict) -> torch.Tensor | dict:
+        """This rank's part of a whole block's checkpointed buffer (`read_block`): a flat tensor, or an 8-bit
+        moment's {"codes", "scales"} (the scales of this shard's whole quantisation blocks)."""
+        if not isinstance(value, dict):
+            return self.take(value)
+        scales = Shard(self.rank, self.ranks, self.numel // MOMENT_BLOCK)
+        return {"codes": self.take(value["codes"]), "scales": scales.take(value["scales"])}
+
+    def spans(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Element ranges of the whole block (`BlockLayout.spans`) as ranges of this shard, those that meet it."""
+        out = [(max(lo, self.start) - self.start, min(hi, self.start + self.numel) - self.start) for lo, hi in spans]
+        return [(lo, hi) for lo, hi in out if lo < hi]
 
 
 class HostArena:
@@ -259,14 +309,16 @@ class HostBlock:
 
 
 class HostState:
-    """Host buffers of all `depth` blocks in format `fmt`; see the module docstring for the layout."""
+    """Host buffers of all `depth` blocks in format `fmt`, or of this rank's `shard` of each (every buffer then
+    holds shard.numel elements); see the module docstring for the layout."""
 
     def __init__(self, layout: BlockLayout, depth: int, fmt: StateFormat, *, pin: bool,
-                 pin_optimizer_state: bool = False, input_buffers: int = 0):
+                 pin_optimizer_state: bool = False, input_buffers: int = 0, shard: Shard | None = None):
         if fmt.param_dtype not in (torch.bfloat16, FP32):
             raise ValueError(f"param_dtype={fmt.param_dtype} is not supported; use torch.bfloat16 or torch.float32")
         self.layout, self.depth, self.fmt, self.param_dtype = layout, depth, fmt, fmt.param_dtype
-        n = layout.numel
+        self.shard = shard or Shard.whole(layout.numel)
+        n = self.shard.numel
         pinned_sizes, pageable_sizes = arena_sizes(n, depth, fmt, pin_optimizer_state)
         self.pinned_arena = HostArena(pinned_sizes, pin)
         self.pageable_arena = HostArena(pageable_sizes, False)
@@ -281,10 +333,11 @@ class HostState:
 
     # ---- contents ----------------------------------------------------------------------------
     def load_block_(self, index: int, master: torch.Tensor) -> None:
-        """Set block `index`'s weights from a (numel,) fp32 flat (see `BlockLayout.flatten`), rounded to
-        nearest even into a bf16 master; moments are reset to zero."""
+        """Set block `index`'s weights from a (layout.numel,) fp32 flat of the whole block (see
+        `BlockLayout.flatten`; this rank's shard of it is kept), rounded to nearest even into a bf16 master;
+        moments are reset to zero."""
         b = self.blocks[index]
-        b.master.copy_(master)
+        b.master.copy_(self.shard.take(master))
         if b.weights is not b.master:
             b.weights.copy_(b.master)  # round to nearest even, as the fused AdamW writes it (or widen exactly)
         b.exp_avg.zero_()
@@ -293,8 +346,8 @@ class HostState:
         self.loaded[index] = True
 
     def block_state(self, index: int) -> dict:
-        """Copies of block `index`'s master weights and moments (what a checkpoint needs); an 8-bit moment as
-        {"codes", "scales"}."""
+        """Copies of block `index`'s master weights and moments, this rank's shard (what a checkpoint needs); an
+        8-bit moment as {"codes", "scales"}."""
         b = self.blocks[index]
         return {"master": b.master.clone(),
                 **{k: m.state() if isinstance(m, QuantizedMoment) else m.clone()
@@ -303,16 +356,16 @@ class HostState:
     def load_block_state(self, index: int, state: dict) -> None:
         b = self.blocks[index]
         master = state["master"]
-        if master.shape != (self.layout.numel,):
+        if master.shape != (self.shard.numel,):
             raise ValueError(f"checkpoint block {index} master has shape {tuple(master.shape)}, but this "
-                             f"model's blocks have {self.layout.numel} elements; load a checkpoint of the "
-                             f"same model config")
+                             f"rank's shards of the model's blocks have {self.shard.numel} elements; load a "
+                             f"checkpoint of the same model config")
         if master.dtype != b.master.dtype:
             raise ValueError(f"checkpoint block {index} holds {master.dtype} master weights, but this run keeps "
                              f"{b.master.dtype} ones; resume with offload.master_dtype="
                              f"{'bf16' if master.dtype == torch.bfloat16 else 'fp32'}")
         for key in ("exp_avg", "exp_avg_sq"):
-            _load_moment(index, key, getattr(b, key), state[key], self.layout.numel)
+            _load_moment(index, key, getattr(b, key), state[key], self.shard.numel)
         b.master.copy_(master)
         if b.weights is not b.master:
             b.weights.copy_(b.master)
@@ -331,7 +384,7 @@ class HostState:
     def bytes_report(self) -> dict:
         """Bytes per parameter by buffer, and the totals actually allocated."""
         per_param = host_bytes_per_param(self.fmt)
-        params = self.layout.param_count * self.depth
+        params = self.layout.param_count * self.depth / self.shard.ranks   # this rank's share
         return {"block_params": params, "bytes_per_param": per_param,
                 "bytes_per_param_total": sum(per_param.values()),
                 "bytes_per_param_allocated": self.total_bytes / params,

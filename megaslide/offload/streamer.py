@@ -40,7 +40,13 @@ to the re-run of block s-k.
 Kept attention (`kept`, offload.keep_attention): the forward keeps the attention output and lse of the blocks
 the plan names, on the device or parked in pinned host RAM (megaslide/offload/kept_store.py, which brings a
 parked one back one block ahead of its backward), and a block's `grad` replays them instead of re-running its
-attention forward (megaslide/models/chunking.py, "Kept attention").
+attention forward (megaslide/models/chunking.py, "Kept attention"). They are this rank's activations, so data
+parallel sharding (below) leaves them alone.
+
+Sharded over data-parallel ranks (`group`, the host state's `Shard`): each rank's host holds 1/P of every
+block. A load copies this rank's shard H2D and all-gathers the block into the shell on the device; a block's
+flat gradient is reduce-scattered on the device (the replicas' mean) and only this rank's shard goes D2H. Every
+rank issues the same loads in the same order, so the collectives match.
 
 Resident tail (`resident=k`, offload.resident_blocks): the last k blocks each get a shell of
 their own and, in a training forward, run with grad enabled and keep their autograd graph.
@@ -56,12 +62,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megaslide.models.block_grad import autograd_block_grad
 from megaslide.models.kept_attention import KeptAttention
+from megaslide.offload.host_state import BlockLayout, HostState, InputBuffers, Shard
 from megaslide.offload.kept_store import KeptStore
-from megaslide.offload.host_state import BlockLayout, HostState, InputBuffers
 from megaslide.perf.stream_schedule import backward_ops, last_segment_start
 
 
@@ -175,12 +182,17 @@ class Lanes:
 
 
 class BlockShell:
-    """Device buffers for one block at a time: weights (numel,) viewed by `params`, and the
-    flat gradient (numel,) of the last block recomputed here."""
+    """Device buffers for one block at a time: weights (padded,) viewed by `params`, and the
+    flat gradient (padded,) of the last block recomputed here (`padded`: the block's elements, padded to
+    whole shards when sharded). Sharded, also this rank's shard of each: `stage` (the weights' H2D
+    lands there, then the all-gather reads it) and `grad_shard` (the reduce-scatter's output)."""
 
-    def __init__(self, layout: BlockLayout, device: torch.device, dtype: torch.dtype):
-        self.weights = torch.empty(layout.numel, device=device, dtype=dtype)
-        self.grads = torch.zeros(layout.numel, device=device, dtype=dtype)
+    def __init__(self, layout: BlockLayout, device: torch.device, dtype: torch.dtype, shard: Shard):
+        self.weights = torch.empty(shard.padded, device=device, dtype=dtype)
+        self.grads = torch.zeros(shard.padded, device=device, dtype=dtype)
+        sharded = shard.ranks > 1
+        self.stage = torch.empty(shard.numel, device=device, dtype=dtype) if sharded else None
+        self.grad_shard = torch.empty(shard.numel, device=device, dtype=dtype) if sharded else None
         self.params = [nn.Parameter(v) for v in layout.views(self.weights)]
         self.holds: tuple[int, int] | None = None  # (block, version) now in `weights`
         self.ready = None       # event: the H2D of `holds` is done
@@ -204,7 +216,9 @@ class BackwardResult:
     grad_x: torch.Tensor                     # (B, N, D) gradient of the first block's input
     grad_t_mod: torch.Tensor                 # (B, R, D) summed over blocks
     grad_ctx: torch.Tensor                   # (B, L, D) summed over blocks
-    norms: list[dict[int, torch.Tensor]]     # per block: parameter slot -> () gradient norm (fp32)
+    norms: list[dict[int, torch.Tensor]]     # per block: parameter slot -> () gradient norm (fp32); unsharded
+    shard_squares: list[torch.Tensor]        # sharded: per block () fp32, the squared norm of this rank's
+                                             # shard of the replicas' mean gradient (its D2H source)
 
 
 class SavedInputs:
@@ -326,18 +340,22 @@ class BlockStreamer:
                  compute_ctx: Callable[[], contextlib.AbstractContextManager],
                  before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0,
                  offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None, stride: int = 1,
-                 grad: Callable[..., tuple] | None = None, kept: KeptStore | None = None):
+                 grad: Callable[..., tuple] | None = None, kept: KeptStore | None = None,
+                 group: dist.ProcessGroup | None = None):
         self.run = run or (lambda block, *inputs: block(*inputs))
         self.grad = grad or functools.partial(autograd_block_grad, self.run)
         if not 0 <= resident <= len(blocks):
             raise ValueError(f"offload.resident_blocks={resident} must be in [0, {len(blocks)}] (the model's depth)")
         if stride < 1:
             raise ValueError(f"offload.boundary_stride={stride} must be >= 1")
-        self.blocks, self.host, self.lanes, self.stride = blocks, host, lanes, stride
+        if (group is not None) != (host.shard.ranks > 1):
+            raise ValueError(f"the host state is sharded over {host.shard.ranks} ranks; pass their process group "
+                             f"exactly when there are several")
+        self.blocks, self.host, self.lanes, self.stride, self.group = blocks, host, lanes, stride, group
         self.compute_ctx, self.before_load, self.version = compute_ctx, before_load, version
         self.first_resident = streamed = len(blocks) - resident
         layout = host.layout
-        self.shells = [BlockShell(layout, device, host.param_dtype) for _ in range(2 + resident)]
+        self.shells = [BlockShell(layout, device, host.param_dtype, host.shard) for _ in range(2 + resident)]
         self._placed = [self.shells[2 + index - streamed] if index >= streamed else self.shells[index % 2]
                         for index in range(len(blocks))]  # block -> the shell it is mounted on
         self._busy = self.shells[1]                        # the streamed shell chosen last
@@ -370,7 +388,9 @@ class BlockStreamer:
             shell.holds = None
 
     def load(self, index: int) -> None:
-        """Copy block `index`'s weights into its shell on the H2D lane, unless already there."""
+        """Copy block `index`'s weights into its shell on the H2D lane, unless already there. Sharded: this rank's
+        shard goes H2D into the shell's stage and the group all-gathers the block from the stages, ordered on
+        the H2D lane (the collective waits for the copy; the lane's later work, and `shell.ready`, for it)."""
         tag = (index, self.version(index))
         shell = self._place(index, tag)
         if shell.holds == tag:
@@ -380,7 +400,11 @@ class BlockStreamer:
         h2d.wait(shell.free)
         src = self.host.blocks[index].weights
         with h2d.timed(src.numel() * src.element_size()):
-            shell.weights.copy_(src, non_blocking=True)
+            if self.group is None:
+                shell.weights.copy_(src, non_blocking=True)
+            else:
+                shell.stage.copy_(src, non_blocking=True)
+                dist.all_gather_single(shell.weights, shell.stage, group=self.group)
         shell.ready = h2d.record()
         shell.holds = tag
 
@@ -426,7 +450,10 @@ class BlockStreamer:
         For each block, after its flat gradient is in `shell.grads`, and (if `grads_to_host`)
         once its D2H into the host staging buffer is issued: `on_block_grads(l, shell, landed,
         used)` with `landed` the event of that D2H (None without it) and `used[i]` whether
-        parameter i got a gradient (one that did not is zero in `shell.grads`).
+        parameter i got a gradient (one that did not is zero in `shell.grads`). Sharded (always with
+        `grads_to_host`): on the D2H lane the group reduce-scatters `shell.grads` into this rank's shard, which
+        is divided by the group size (the replicas' mean), its squared norm taken, and copied D2H; the
+        compute lane waits for the last of these before this returns.
 
         The resident tail goes first, then the streamed blocks as `backward_ops` orders them: a
         segment's re-run (`_rerun`) before its blocks' backward."""
@@ -434,6 +461,7 @@ class BlockStreamer:
         depth, stride = len(self.blocks), self.stride
         grad_t_mod = grad_ctx = None
         norms: list[dict[int, torch.Tensor]] = [{} for _ in range(depth)]
+        squares: list[torch.Tensor] = [None] * depth
         ops = [(index, True) for index in reversed(range(self.first_resident, depth))]
         ops += backward_ops(self.first_resident, stride)
         streamed_grads = [index for index, grad in ops if grad and index < self.first_resident]
@@ -473,9 +501,10 @@ class BlockStreamer:
                 grad_ctx = g_ctx if grad_ctx is None else grad_ctx + g_ctx             # (B, L, D)
                 used = [g is not None for g in param_grads]
                 present = [(slot, g) for slot, g in enumerate(param_grads) if g is not None]
-                dtype = None if shell.grads.dtype == torch.float32 else torch.float32
-                block_norms = torch._foreach_norm([g for _, g in present], 2, dtype=dtype)
-                norms[index] = {slot: n for (slot, _), n in zip(present, block_norms)}
+                if self.group is None:
+                    dtype = None if shell.grads.dtype == torch.float32 else torch.float32
+                    block_norms = torch._foreach_norm([g for _, g in present], 2, dtype=dtype)
+                    norms[index] = {slot: n for (slot, _), n in zip(present, block_norms)}
                 views = layout.views(shell.grads)
                 torch._foreach_copy_([views[slot] for slot, _ in present], [g for _, g in present])
                 for slot, g in enumerate(param_grads):
@@ -490,13 +519,26 @@ class BlockStreamer:
                 d2h.wait(grads_ready)
                 dst = self.host.blocks[index].grads
                 with d2h.timed(dst.numel() * dst.element_size()):
-                    dst.copy_(shell.grads, non_blocking=True)
+                    if self.group is None:
+                        dst.copy_(shell.grads, non_blocking=True)
+                    else:
+                        squares[index] = self._reduce_scatter(shell)
+                        dst.copy_(shell.grad_shard, non_blocking=True)
                 landed = d2h.record()
             on_block_grads(index, shell, landed, used)
             shell.grads_free = landed if grads_to_host else compute.record()
             if following is not None:
                 self.load(following)
-        return BackwardResult(grad_h, grad_t_mod, grad_ctx, norms)
+        if self.group is not None:
+            compute.wait(d2h.record())   # the shards' squared norms are computed
+        return BackwardResult(grad_h, grad_t_mod, grad_ctx, norms, squares)
+
+    def _reduce_scatter(self, shell: BlockShell) -> torch.Tensor:
+        """On the current (D2H) lane: this rank's shard of the replicas' mean of `shell.grads` into
+        `shell.grad_shard`; returns its squared norm () fp32."""
+        dist.reduce_scatter_single(shell.grad_shard, shell.grads, group=self.group)   # the replicas' sum
+        shell.grad_shard.div_(self.host.shard.ranks)
+        return torch.linalg.vector_norm(shell.grad_shard, dtype=torch.float32).square()
 
     def _rerun(self, index: int, inp: BlockInputs) -> None:
         """Block `index`'s forward again, without grad, from its saved input: its output is the next

@@ -121,7 +121,7 @@ class CpuUpdater:
                 self.adam(b.master[lo:hi], b.grads[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi], step=job.step,
                           lr=job.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                           param_bf16=b.weights[lo:hi] if fused_copy else None, rounding_key=job.rounding_key,
-                          first_index=lo)
+                          first_index=self.host.shard.start + lo)   # the element's index in the whole block
                 if b.weights is not b.master and not fused_copy:
                     b.weights[lo:hi].copy_(b.master[lo:hi])
             self._seconds.append((job.tag, time.perf_counter() - start))

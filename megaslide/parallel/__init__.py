@@ -4,7 +4,8 @@ Public entry point: `sequence_parallel_attention`. Building blocks: `seq_to_head
 `head_to_seq` (Ulysses all-to-all), `build_mesh` / `Topology` (placement of the 2D mesh),
 padding helpers for N not divisible by P, `can_use_symm_mem` (one-sided transport) and the
 cost model (`cost_model.predict`, `cost_model.rank_plans`). `apply.parallelize_dit` applies a
-mode to a built VideoDiT (each block's attention swapped for its SP form).
+mode to a built VideoDiT (each block's attention swapped for its SP form); `watchdog` turns a call that cannot
+finish into an error naming the mode and rank.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from megaslide.parallel.onesided import TRANSPORTS, can_use_symm_mem
 from megaslide.parallel.padding import pad_shard, shard_len, shard_sequence, unpad_shard, valid_len
 from megaslide.parallel.ring import ring_attention
 from megaslide.parallel.torus import torus_attention
+from megaslide.parallel import watchdog
 from megaslide.parallel.ulysses import head_to_seq, seq_to_head, ulysses_attention
 
 MODES = ("ulysses", "ring", "hybrid", "torus")
@@ -125,13 +127,16 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     transport: how ring K/V moves in the forward: "p2p" (isend/irecv), "symm_mem" (one-sided
       gets from symmetric memory; CUDA + NCCL only, else ValueError), "auto" (symm_mem if usable).
     chunks: Torus head chunks per rank (default min(heads / ulysses_degree, 4)).
+    Under an armed `watchdog`, a call whose work (host or device) cannot finish ends the process with an
+    error naming the mode and the rank.
     """
     group = world_if_none(group)
     world = group_size(group)
     _check_inputs(q, k, v, mode, world, seq_len, placement, transport)
     u, r = resolve_degrees(mode, world, q.shape[2], ulysses_degree, ring_degree)
     opts = SPOptions(group, u, r, causal, seq_len, placement, transport, chunks)
-    return _RUNNERS[mode](q, k, v, opts)
+    with watchdog.guard(f"mode={mode!r} transport={transport!r}"):
+        return _RUNNERS[mode](q, k, v, opts)
 
 
 __all__ = [

@@ -12,6 +12,10 @@ Each block's buffers are flat, every parameter starting on a `PARAM_ALIGN`-eleme
 (`block_layout` gives the length); each buffer of an arena starts on a page (`ARENA_ALIGN`).
 Activation offload parks `stream_schedule.parked_inputs` block inputs beside them, and `HOST_RESERVE_BYTES`
 is kept for the rest of the process.
+
+Sharded over P data-parallel ranks (ZeRO-3 style), each rank's arenas hold `shard_numel` elements of every block
+(the flat block padded to P equal shards), so host bytes per rank fall by P; the ranks on one node
+(`ranks_per_node`, torchrun's local world size) share its RAM, each with its own reserve.
 """
 from __future__ import annotations
 
@@ -66,6 +70,14 @@ class Buffer:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+def shard_numel(numel: int, ranks: int) -> int:
+    """Elements of a block's flat buffer that each of `ranks` ranks holds: an equal share, rounded up to
+    `PARAM_ALIGN` (the flat block is padded with zeros to `ranks` such shards; one rank: `numel` itself). A
+    multiple of `MOMENT_BLOCK` too (it divides PARAM_ALIGN), so every shard holds whole quantisation blocks of an
+    int8 moment and the ranks' parts join into the one process's buffer exactly."""
+    return round_up(-(-numel // ranks), PARAM_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -136,11 +148,17 @@ def host_bytes(numel: int, depth: int, fmt: StateFormat, pin_optimizer_state: bo
     return {"pinned": arena_bytes(pinned), "pageable": arena_bytes(pageable)}
 
 
-def require_host_fit(arenas: dict, available: int, what: str) -> None:
-    """Raise if the arenas (`host_bytes`) plus the process reserve exceed the available host RAM."""
-    need = arenas["pinned"] + arenas["pageable"] + HOST_RESERVE_BYTES
+def require_host_fit(arenas: dict, available: int, what: str, *, ranks: int = 1,
+                     ranks_per_node: int = 1) -> None:
+    """Raise if `ranks_per_node` processes' arenas (`host_bytes`, one rank's share of `ranks`) plus their process
+    reserves exceed the node's available host RAM."""
+    need = ranks_per_node * (arenas["pinned"] + arenas["pageable"] + HOST_RESERVE_BYTES)
     if need > available:
-        raise ValueError(f"{what} needs {need / GB:.1f} GB of host RAM ({arenas['pinned'] / GB:.1f} GB pinned + "
-                         f"{arenas['pageable'] / GB:.1f} GB pageable + {HOST_RESERVE_BYTES / GB:.1f} GB reserve) but "
-                         f"only {available / GB:.1f} GB is available (MemAvailable); use a smaller model (fewer "
-                         f"blocks: python -m experiments.plan check=true names the largest depth) or more RAM")
+        rank = (f"{arenas['pinned'] / GB:.1f} GB pinned + {arenas['pageable'] / GB:.1f} GB pageable + "
+                f"{HOST_RESERVE_BYTES / GB:.1f} GB reserve")
+        parts = f"{ranks_per_node} ranks x ({rank})" if ranks_per_node > 1 else rank
+        fix = (f"raise parallel.dp (now {ranks}) over more nodes: each rank holds 1/parallel.dp of the state"
+               if ranks > 1 else "shard it over the data-parallel ranks of several nodes (parallel.dp)")
+        raise ValueError(f"{what} needs {need / GB:.1f} GB of host RAM ({parts}) but only {available / GB:.1f} GB "
+                         f"is available (MemAvailable); use a smaller model (fewer blocks: python -m experiments.plan "
+                         f"check=true names the largest depth), more RAM, or {fix}")

@@ -65,7 +65,15 @@ from dataclasses import dataclass
 
 import torch
 
-from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, TrainConfig
+from megaslide.config import (
+    DataConfig,
+    DiTConfig,
+    ExecutionConfig,
+    OffloadConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
 from megaslide.models.chunking import frame_slabs
 from megaslide.models.dit import count_params
 from megaslide.perf.activation_memory import ActivationDtypes, BlockMemory, block_memory
@@ -77,6 +85,7 @@ from megaslide.perf.host_memory import (
     block_layout,
     host_bytes,
     host_bytes_per_param,
+    shard_numel,
 )
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.perf.stream_schedule import backward_ops, inputs_on_device, parked_inputs, weight_loads
@@ -154,6 +163,7 @@ class Ceilings:
     d2h_GBps: float = 50.0
     cpu_adam_gparams: float = 3.5   # fused CPU AdamW while PCIe traffic shares host DRAM
     hbm_TBps: float = 4.3           # device memory (copy, read + write): GPU optimizer, elementwise work
+    collective_GBps: float = 150.0  # data parallel: NCCL all-gather / reduce-scatter bus bandwidth per GPU
     attention: AttentionRate | None = None  # the model's `attend`; None: DEFAULT_ATTENTION_RATES, else `tflops`
 
     def __post_init__(self) -> None:
@@ -307,6 +317,8 @@ class OffloadPlan(PhasedHBM):
     ceilings: Ceilings = Ceilings()  # the rates both step-time figures assume
     boundary_stride: int = 1    # block inputs kept every k blocks; the backward re-runs the others' forward
     kept: KeptAttentionPlan = KeptAttentionPlan("off")  # where each block's attention output and lse are kept
+    ranks: int = 1              # data-parallel ranks (parallel.dp): `batch`, `host` and the seconds are one rank's
+    ranks_per_node: int = 1     # of them on one node, sharing its host RAM
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -314,12 +326,18 @@ class OffloadPlan(PhasedHBM):
 
     @property
     def host_total(self) -> int:
+        """Host bytes of one rank."""
         return sum(self.host.values())
 
     @property
     def host_bytes_per_param(self) -> float:
         """Persistent host bytes per block parameter (the arenas' buffers, padding aside)."""
         return sum(host_bytes_per_param(self.state_format).values())
+
+    @property
+    def node_host_total(self) -> int:
+        """Host bytes of one node: its ranks' together."""
+        return self.ranks_per_node * self.host_total
 
     @property
     def lower_bound(self) -> dict[str, float]:
@@ -360,7 +378,9 @@ class OffloadPlan(PhasedHBM):
                 "resident_blocks": self.resident_blocks, "boundary_stride": self.boundary_stride,
                 "seconds": self.seconds, "estimate_s": self.estimate_s, "serial_s": self.serial_s, "bound": self.bound,
                 "lower_bound_seconds": self.lower_bound, "lower_bound_s": self.lower_bound_s,
-                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "kept_attention": self.kept.as_dict()}
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "kept_attention": self.kept.as_dict(),
+                "ranks": self.ranks, "ranks_per_node": self.ranks_per_node,
+                "node_host_total_bytes": self.node_host_total}
 
     def table(self) -> str:
         c = self.cfg
@@ -373,11 +393,16 @@ class OffloadPlan(PhasedHBM):
                 f"boundary stride {self.boundary_stride}")
         fmt = self.state_format
         per_param = ", ".join(f"{k} {v:g}" for k, v in host_bytes_per_param(fmt).items())
-        lines = [model, step, self.kept.line(),
-                 f"host RAM: {self.host_bytes_per_param:g} bytes per block parameter (master {fmt.master_dtype}, "
-                 f"moments {fmt.moments}: {per_param})"]
+        ranks = (f"data parallel: {self.ranks} ranks ({self.ranks_per_node} per node), each a 1/{self.ranks} shard "
+                 f"of the block state; batch, host RAM, HBM and step time are one rank's")
+        lines = [model, step, self.kept.line(), *([ranks] if self.ranks > 1 else []),
+                 f"host RAM{' per rank' if self.ranks > 1 else ''}: {self.host_bytes_per_param:g} bytes per block "
+                 f"parameter (master {fmt.master_dtype}, moments {fmt.moments}: {per_param})"]
         lines += [f"  {k:<72} {v / GB:9.2f} GB" for k, v in self.host.items()]
-        lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)",
+        lines += [f"  {'total':<72} {self.host_total / GB:9.2f} GB   (pinned {self.pinned_bytes / GB:.2f} GB)"]
+        if self.ranks > 1:
+            lines += [f"  {f'per node ({self.ranks_per_node} ranks)':<72} {self.node_host_total / GB:9.2f} GB"]
+        lines += [
                   *self.hbm_lines(), "step time, fitted estimate (s):"]
         lines += [f"  {k:<72} {v:9.3f}" for k, v in self.seconds.items()]
         lines += [f"  {'estimate = max (' + self.bound + ')':<72} {self.estimate_s:9.3f}",
@@ -440,14 +465,15 @@ def _offload_hbm(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], dtypes:
 
 
 def grid_run(model: DiTConfig, grid: tuple[int, int, int], *, batch: int = 1, grad_clip: float = 1.0,
-             execution: ExecutionConfig | None = None, offload: OffloadConfig | None = None) -> RunConfig:
-    """The `RunConfig` of training steps of `batch` clips of token grid `grid` (T', H', W'), for a table of cells
-    planned without a data set: its data is the clip that patchifies to `grid`; `offload` defaults to the
-    engine with its defaults."""
+             execution: ExecutionConfig | None = None, offload: OffloadConfig | None = None,
+             parallel: ParallelConfig | None = None) -> RunConfig:
+    """The `RunConfig` of training steps of `batch` clips (the global batch) of token grid `grid` (T', H', W'), for
+    a table of cells planned without a data set: its data is the clip that patchifies to `grid`; `offload`
+    defaults to the engine with its defaults, `parallel` to one process."""
     pt, ph, pw = model.patch_size
     data = DataConfig(frames=grid[0] * pt, height=grid[1] * ph, width=grid[2] * pw)
     return RunConfig(model, execution or ExecutionConfig(), data, TrainConfig(batch_size=batch, grad_clip=grad_clip),
-                     offload or OffloadConfig(enabled=True))
+                     offload or OffloadConfig(enabled=True), parallel or ParallelConfig())
 
 
 @dataclass(frozen=True)
@@ -462,7 +488,8 @@ class Budgets:
 
 def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings = Ceilings(),
                  pin_optimizer_state: bool | None = None, build_on_host: bool = False,
-                 block_grad: bool = True, budgets: Budgets | None = None) -> OffloadPlan:
+                 block_grad: bool = True, budgets: Budgets | None = None,
+                 ranks_per_node: int | None = None) -> OffloadPlan:
     """Host RAM, HBM and step time (lower bound, estimate) of one training step of `run` on the offload engine
     (allocates nothing): its model, how its blocks run, its offload settings (optimizer_device, resident_blocks,
     activation_offload), train.batch_size clips of its data's token grid, and clipping (train.grad_clip > 0).
@@ -472,9 +499,21 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     since it has one; False plans the engine before it, as steps measured then ran). With offload.keep_attention
     on or auto the plan places the kept attention (`OffloadPlan.kept`, megaslide/perf/kept_attention.py) within
     `budgets` beside the rest of the step, and counts it: its HBM, pinned host RAM, PCIe bytes and the attention
-    forwards it saves."""
+    forwards it saves.
+
+    Data parallel (run.parallel.dp = P): one rank's step, on its batch share (train.batch_size / P), its 1/P shard of
+    the block state (host bytes, H2D and D2H bytes, CPU AdamW work fall by P), plus the all-gather of every block
+    load and the reduce-scatter of every block gradient at `Ceilings.collective_GBps` (each moves (P-1)/P of the
+    block): the engine issues them on the H2D and the D2H lane, after and before the shard's copy, so they add
+    to those lanes' seconds and overlap compute as the copies do. `ranks_per_node` (default: all P on one node) share a
+    node's host RAM (`node_host_total`, what `check_fits` compares with the node). The kept attention is one rank's
+    activation state, of its batch share, whatever the sharding of the weights."""
     cfg, execution, offload = run.model, run.execution, run.offload
-    batch, grid, grad_clip = run.train.batch_size, run.grid, run.train.grad_clip > 0
+    ranks = run.parallel.dp
+    ranks_per_node = ranks if ranks_per_node is None else ranks_per_node
+    if not 1 <= ranks_per_node <= ranks:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be in [1, parallel.dp={ranks}]")
+    batch, grid, grad_clip = run.train.batch_size // ranks, run.grid, run.train.grad_clip > 0
     optimizer_device, resident_blocks, activation_offload = (offload.optimizer_device, offload.resident_blocks,
                                                              offload.activation_offload)
     cfg.validate()
@@ -486,6 +525,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     fmt = StateFormat.of(param_dtype, offload)
     layout = block_layout(cfg)
     n, depth, w = layout.numel, cfg.depth, torch.finfo(param_dtype).bits // 8
+    shard = shard_numel(n, ranks)                  # elements of every block this rank's host holds
     params = count_params(cfg)
     block_params = depth * layout.param_count
     resident = params - block_params
@@ -494,7 +534,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     stride = offload.boundary_stride
     parked = parked_inputs(depth, k, stride) if activation_offload else 0
     input_bytes = tokens * cfg.dim * w
-    arenas = host_bytes(n, depth, fmt, pin_state)
+    arenas = host_bytes(shard, depth, fmt, pin_state)
     host = {"block state, pinned arena": arenas["pinned"], "block state, pageable arena": arenas["pageable"]}
     if parked:
         host[f"parked block inputs, pinned ({parked} x {input_bytes / GB:.2f} GB)"] = parked * input_bytes
@@ -505,46 +545,52 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     dtypes = ActivationDtypes(act=w, residual=w)   # bf16 shells run under bf16 autocast; fp32 ones without
     phases = _offload_hbm(cfg, batch, grid, dtypes, n, resident, k, activation_offload, optimizer_device, execution,
                           stride)
-    kept = _place_kept(run, phases, host, budgets, dtypes.act)
+    kept = _place_kept(run, batch, phases, host, budgets, dtypes.act, ranks_per_node)
     if kept.host:
         host[f"kept attention, pinned ({len(kept.host)} x {kept.block_bytes / GB:.2f} GB)"] = kept.host_bytes
         host["process reserve"] = host.pop("process reserve")
     hbm_phases = {name: sum(items.values()) for name, items in phases.items()}
 
     flops = dit_flops(cfg, batch, grid)
-    weights_bytes = n * w
+    weights_bytes = shard * w                      # one block's H2D (this rank's shard of it)
     grads_to_host = grad_clip or optimizer_device == "cpu"
     # forward + backward (`weight_loads`): the backward re-streams neither the kept blocks nor what the shells
     # still hold; with a boundary stride it re-streams the re-run blocks of each segment but the last
-    h2d = weights_bytes * weight_loads(depth, k, stride) + parked * input_bytes + kept.host_bytes
+    loads = weight_loads(depth, k, stride)
+    h2d = weights_bytes * loads + parked * input_bytes + kept.host_bytes
     d2h = (weights_bytes * depth if grads_to_host else 0) + parked * input_bytes + kept.host_bytes
     if optimizer_device == "gpu":
         h2d += depth * n * 12 + (depth * weights_bytes if grad_clip else 0)
         d2h += depth * n * (12 + (w if param_dtype != torch.float32 else 0))
         optimizer_s = depth * n * 28 / (ceilings.hbm_TBps * 1e12)
     else:
-        optimizer_s = block_params / (ceilings.cpu_adam_gparams * 1e9)
+        optimizer_s = block_params / ranks / (ceilings.cpu_adam_gparams * 1e9)
     reruns = sum(not grad for _, grad in backward_ops(depth - k, stride))  # forwards re-run without grad
     executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k + reruns, ceilings=ceilings,
                                         execution=execution, block_grads=depth - k if block_grad else 0,
                                         kept=len(kept.gpu) + len(kept.host))
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
+    if ranks > 1:   # after each load's H2D its all-gather, before each gradient's D2H its reduce-scatter, on the lane
+        block_moved = (ranks - 1) * shard * w        # each moves (P-1)/P of the padded block per rank
+        seconds["h2d"] += block_moved * loads / (ceilings.collective_GBps * 1e9)
+        seconds["d2h"] += block_moved * depth / (ceilings.collective_GBps * 1e9)
     pinned = arenas["pinned"] + parked * input_bytes + kept.host_bytes
     peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), fmt, optimizer_device, grad_clip, params, block_params,
                        host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
-                       executed, execution, ceilings, stride, kept)
+                       executed, execution, ceilings, stride, kept, ranks, ranks_per_node)
 
 
-def _place_kept(run: RunConfig, phases: dict[str, dict[str, int]], host: dict[str, int], budgets: Budgets | None,
-                act: int) -> KeptAttentionPlan:
-    """The kept attention of `run` (offload.keep_attention) placed within what `budgets` leave beside the step's
-    peak HBM (`phases`) and host RAM (`host`); its device bytes are added to `phases`: in the forward and the
+def _place_kept(run: RunConfig, batch: int, phases: dict[str, dict[str, int]], host: dict[str, int],
+                budgets: Budgets | None, act: int, ranks_per_node: int) -> KeptAttentionPlan:
+    """The kept attention of `run` (offload.keep_attention) for one rank's `batch` clips, placed within what
+    `budgets` leave beside the step's peak HBM (`phases`) and this rank's host RAM (`host`; the node's host budget
+    is shared by its `ranks_per_node` ranks); its device bytes are added to `phases`: in the forward and the
     backward the most kept blocks on the device at once (`KeptAttentionPlan.device_blocks`), in between all the
     device-kept ones, and with several slabs one slab's replayed output and lse in the backward."""
     cfg, offload, execution = run.model, run.offload, run.execution
-    a, streamed, tokens = cfg.attention, cfg.depth - offload.resident_blocks, run.train.batch_size * math.prod(run.grid)
+    a, streamed, tokens = cfg.attention, cfg.depth - offload.resident_blocks, batch * math.prod(run.grid)
     block_bytes = kept_block_bytes(cfg, tokens, act)
     if offload.keep_attention == "off":
         return place_kept_attention("off", streamed, block_bytes, hbm_free=0, host_free=0)
@@ -553,11 +599,12 @@ def _place_kept(run: RunConfig, phases: dict[str, dict[str, int]], host: dict[st
                          f"HBM and host budgets; pass budgets= (experiments/plan.py: hbm_budget_GB, host_budget_GB)")
     base = max(sum(items.values()) for items in phases.values())
     kept = place_kept_attention(offload.keep_attention, streamed, block_bytes,
-                                hbm_free=usable_hbm(budgets.hbm) - base, host_free=budgets.host - sum(host.values()),
+                                hbm_free=usable_hbm(budgets.hbm) - base,
+                                host_free=budgets.host // ranks_per_node - sum(host.values()),
                                 unable=a.variant.keep_reason(a.options, budgets.device_type))
     slabs = frame_slabs(run.grid[0], execution.slab_frames,
                         a.variant.temporal_reach(a.options) if execution.slab_frames else None)
-    slab = max(b - t for t, _, _, b in slabs) * run.train.batch_size * run.grid[1] * run.grid[2]
+    slab = max(b - t for t, _, _, b in slabs) * batch * run.grid[1] * run.grid[2]
     replay = kept_block_bytes(cfg, slab, act) if len(slabs) > 1 and (kept.gpu or kept.host) else 0
     passing = f"kept attention on the device (at most {kept.device_blocks} blocks: output + lse)"
     between = f"kept attention on the device ({len(kept.gpu)} blocks: output + lse)"
@@ -597,15 +644,16 @@ class ResidentPlan(PhasedHBM):
 
 
 def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
-    """HBM of a steady-state step of the resident trainer on `run` (train.batch_size clips of its data's
-    token grid) with checkpoint_blocks, its blocks otherwise run as run.execution says (allocates nothing).
+    """HBM of a steady-state step of the resident trainer on `run` (one data-parallel rank's share of
+    train.batch_size clips of its data's token grid) with checkpoint_blocks, its blocks otherwise run as
+    run.execution says (allocates nothing).
 
     fp32 weights, gradients and AdamW moments of every parameter stay on the device. Under bf16
     autocast the forward caches a bf16 copy of every weight until it ends (the recompute casts one
     block's again), the fp32 gates make the residual stream fp32, and the previous step's
     gradients live until `zero_grad`, which comes after the forward. The optimizer step adds
     foreach AdamW's temporary (sqrt of the second moment) for every parameter."""
-    cfg, execution, batch, grid = run.model, run.execution, run.train.batch_size, run.grid
+    cfg, execution, batch, grid = run.model, run.execution, run.train.batch_size // run.parallel.dp, run.grid
     cfg.validate()
     execution.validate(cfg.attention)
     params = count_params(cfg)
@@ -649,7 +697,7 @@ def usable_hbm(available: int) -> int:
 def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_available: int | None) -> None:
     """Raise ValueError, with the numbers and a fix, when the plan exceeds host RAM (the offload engine's
     host state) or HBM."""
-    if isinstance(plan, OffloadPlan) and plan.host_total > host_available:
+    if isinstance(plan, OffloadPlan) and plan.node_host_total > host_available:
         items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.host.items())
         arenas = plan.host["block state, pinned arena"] + plan.host["block state, pageable arena"]
         others = plan.host_total - arenas - HOST_RESERVE_BYTES   # what the host holds besides arenas and reserve
@@ -659,9 +707,16 @@ def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_ava
                f"inputs grow with it), or a machine with more RAM" if depth > 0 else
                f"Not even one block of this width (model.dim={plan.cfg.dim}) fits: use a smaller preset or "
                f"model.dim, a shorter clip (parked block inputs grow with it), or a machine with more RAM")
-        raise ValueError(f"the model does not fit host RAM: it needs {plan.host_total / GB:.1f} GB ({items}; "
-                         f"{plan.params / 1e9:.2f} B params, {plan.tokens} tokens per step) but "
-                         f"{host_available / GB:.1f} GB is available (MemAvailable). {fix}")
+        if plan.ranks > 1:
+            need = (f"parallel.dp={plan.ranks} with {plan.ranks_per_node} ranks on a node needs "
+                    f"{plan.node_host_total / GB:.1f} GB there, {plan.host_total / GB:.1f} GB per rank ({items})")
+            fix = ("Spread parallel.dp over more nodes (fewer ranks per node) or raise it: each rank holds "
+                   "1/parallel.dp of the block state; or use a smaller model")
+        else:
+            need = f"it needs {plan.host_total / GB:.1f} GB ({items}"
+            need += f"; {plan.params / 1e9:.2f} B params, {plan.tokens} tokens per step)"
+        raise ValueError(f"the model does not fit host RAM: {need} but {host_available / GB:.1f} GB is available "
+                         f"(MemAvailable). {fix}")
     if hbm_available is not None and plan.hbm_total > usable_hbm(hbm_available):
         items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.hbm.items())
         raise ValueError(f"the step does not fit device memory: its {plan.peak_phase} needs "

@@ -4,7 +4,10 @@ bf16 autocast where train.precision asks for it, global gradient-norm clipping, 
 non-finite loss or gradient norm before the update (one host sync per step reads both), an optional
 EMA copy (sampled from when kept) and, with train.compile, the blocks' token-wise work compiled
 (`compile_blocks`, megaslide/models/chunking.py, as the offload engine does). It is the
-reference the offload engine (megaslide/offload) is tested against.
+reference the offload engine (megaslide/offload) is tested against. With data parallelism
+(`DataParallel`) each replica holds the whole model and the gradients are averaged before clipping; with
+sequence parallelism (`SequenceParallel`, megaslide/parallel/sp_train.py) each rank of an SP group computes its
+part of the clip's loss and the parts' gradients are summed over the group first.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from megaslide.diffusion.batches import Batch
 from megaslide.diffusion.flow import flow_matching_loss
 from megaslide.models.chunking import compile_blocks
 from megaslide.models.dit import VideoDiT
+from megaslide.parallel.data_parallel import DataParallel
+from megaslide.parallel.sp_train import SequenceParallel
 from megaslide.train.engine import check_finite
 
 
@@ -30,8 +35,9 @@ class ResidentEngine:
 
     sharded_checkpoints = False
 
-    def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig):
-        self.model, self.device, self.cfg = model, device, train_cfg
+    def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
+                 dp: DataParallel = DataParallel.single(), sp: SequenceParallel | None = None):
+        self.model, self.device, self.cfg, self.dp, self.sp = model, device, train_cfg, dp, sp
         self.autocast_dtype = torch.bfloat16 if precision_dtype(train_cfg.precision, device) == torch.bfloat16 else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay)
@@ -46,7 +52,10 @@ class ResidentEngine:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     def loss(self, batch: Batch) -> torch.Tensor:
+        """The batch's loss; under sequence parallelism this rank's part of it."""
         with self.autocast():
+            if self.sp is not None:
+                return self.sp.loss(batch.x0, batch.context, batch.t, batch.noise, batch.mask)
             return flow_matching_loss(self.model, batch.x0, batch.context, batch.t, batch.noise, batch.mask)
 
     def train_step(self, batch: Batch, lr: float) -> dict:
@@ -59,6 +68,11 @@ class ResidentEngine:
         self.phase = "backward"
         loss.backward()
         self.phase = "optimizer step"
+        if self.sp is not None:  # the parts' sums over the SP group: the clip's gradient and loss
+            self.sp.reduce_gradients(self.model.parameters())
+            loss = self.sp.reduce_loss(loss)
+        # data parallel: the replicas' mean gradient and loss, those of the global batch (one collective)
+        loss = self.dp.mean_grads_(list(self.model.parameters()), loss.detach().float().reshape(1))[0]
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()  # one host sync

@@ -8,17 +8,37 @@ seed and initialisation and see the same batches (megaslide/diffusion/batches.py
 Checkpoints are atomic (megaslide/checkpoint.py) and resume bit-identically. A Trainer refuses bad input
 before it builds anything or writes a file: the configs (config.validate_training), the device,
 and the checkpoint train.resume names (its format, damage, and architecture against this run's).
+
+Data parallel (parallel.dp = P under torchrun, megaslide/parallel/data_parallel.py): every rank draws the
+global batch of step s and trains on its share; the engine averages the gradients (the offload engine shards its
+host state too), so losses and weights are those of one process on the global batch. Rank 0 writes the files:
+metrics (the Trainer's logger is set on rank 0 only), one-file checkpoints and samples; every rank writes its
+shards of a sharded checkpoint.
+
+Sequence parallel (parallel.sp = P, megaslide/parallel/sp_train.py): the P ranks of an SP group train each clip of
+their replica's batch together, each on its share of the clip's token frames; the resident engine sums their loss
+parts and gradients over the group. dp x sp ranks form the run's 2D mesh (`init_training_mesh`).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
-from megaslide.config import DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, TrainConfig, validate_training
+from megaslide.config import (
+    DataConfig,
+    DiTConfig,
+    ExecutionConfig,
+    OffloadConfig,
+    ParallelConfig,
+    TrainConfig,
+    validate_training,
+)
 from megaslide.data.build import build_dataset
 from megaslide.device import resolve_device
 from megaslide.diffusion.batches import make_batch
@@ -26,6 +46,9 @@ from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.chunking import apply_execution
 from megaslide.models.pretrained import build_model, check_pretrained
 from megaslide.offload.engine import OffloadEngine
+from megaslide.parallel.data_parallel import DataParallel
+from megaslide.parallel.mesh import init_training_mesh, leave_process_groups
+from megaslide.parallel.sp_train import SequenceParallel
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine
@@ -37,45 +60,58 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
-                 grid: tuple[int, int, int], execution: ExecutionConfig | None = None) -> StepEngine:
+                 grid: tuple[int, int, int], execution: ExecutionConfig | None = None,
+                 dp: DataParallel = DataParallel.single(), sp_group: dist.ProcessGroup | None = None,
+                 parallel: ParallelConfig | None = None) -> StepEngine:
     """The engine the offload config asks for, run as `execution` says. `grid` is a training clip's token grid
-    (the offload planner's check). A random model is built on the host under the current seed (the same initial
-    weights either way; offload.init_on_host=false builds the offload engine's block by block instead); with
-    model.pretrained the weights come from that folder, and are not drawn first: the resident engine's model
-    by `load_pretrained`, the offload engine's blocks read one at a time into its host state
-    (`OffloadEngine.from_config`), never the whole fp32 model in host RAM."""
+    (the offload planner's check); `dp` the data-parallel replicas it is one of (the offload engine shards the
+    blocks' host state over them); `sp_group` the sequence-parallel group that shares each clip (None: none), in
+    the form `parallel` gives (the resident engine only: RunConfig.validate). A random model is built on the host
+    under the current seed (the same initial weights either way; offload.init_on_host=false builds the offload
+    engine's block by block instead); with model.pretrained the weights come from that folder, and are not drawn
+    first: the resident engine's model by `load_pretrained`, the offload engine's blocks read one at a time into
+    its host state (`OffloadEngine.from_config`), never the whole fp32 model in host RAM."""
     execution = execution or ExecutionConfig()
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
                                          grid=grid, build_on_host=offload_cfg.builds_on_host(model_cfg),
-                                         execution=execution)
-    model = build_model(model_cfg)
-    model = apply_execution(model, execution).to(device)
-    return ResidentEngine(model, device=device, train_cfg=train_cfg)
+                                         execution=execution, dp=dp)
+    model = apply_execution(build_model(model_cfg), execution).to(device)
+    sp = None if sp_group is None else SequenceParallel(model, sp_group, parallel or ParallelConfig(), grid)
+    return ResidentEngine(model, device=device, train_cfg=train_cfg, dp=dp, sp=sp)
 
 
 class Trainer:
     def __init__(self, model_cfg: DiTConfig, data_cfg: DataConfig, train_cfg: TrainConfig, out_dir: str | Path,
                  logger: RunLogger | None = None, *, offload_cfg: OffloadConfig | None = None,
-                 execution: ExecutionConfig | None = None):
+                 execution: ExecutionConfig | None = None, parallel: ParallelConfig | None = None):
         offload_cfg, execution = offload_cfg or OffloadConfig(), execution or ExecutionConfig()
-        validate_training(model_cfg, data_cfg, train_cfg, offload_cfg, execution)
+        validate_training(model_cfg, data_cfg, train_cfg, offload_cfg, execution, parallel)
         if model_cfg.pretrained:
             check_pretrained(model_cfg)
         self.execution = execution
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
         self.out_dir = Path(out_dir)
-        self.device = resolve_device(train_cfg.device, key="train.device")
-        # (checkpoint, step) to continue from, checked (format, damage, architecture) before anything is built
+        self.device = resolve_device(train_cfg.device, key="train.device",
+                                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        # under torchrun: the process group and this rank's place among the data-parallel replicas
+        self.mesh = init_training_mesh(parallel or ParallelConfig(), self.device)
+        self.dp = DataParallel.of(self.mesh)
+        # (checkpoint, step) to continue from, checked (format, damage, architecture) before anything is built;
+        # rank 0 first, as it removes what a killed save left
         sharded = (OffloadEngine if offload_cfg.enabled else ResidentEngine).sharded_checkpoints
-        self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)
+        for turn in (True, False):
+            if self.dp.is_main == turn:
+                self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)
+            self.dp.barrier()
         # the dataset before the engine: a video folder decodes its first clip (decord present, file readable)
         # before any weights are allocated; the offload planner then refuses a model too big before it is built
         self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
         torch.manual_seed(train_cfg.seed)
         grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
+        sp_group = self.mesh["sp"].get_group() if self.mesh is not None and self.mesh["sp"].size() > 1 else None
         self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
-                                   execution=execution)
+                                   execution=execution, dp=self.dp, sp_group=sp_group, parallel=parallel)
         self.logger = logger
 
     @property
@@ -83,7 +119,8 @@ class Trainer:
         return self.engine.step
 
     def train_step(self) -> dict:
-        batch = make_batch(self.dataset, self.engine.model.tokenizer, self.cfg, self.step).to(self.device)
+        rows = self.dp.rows(self.cfg.batch_size)  # this replica's share of the global batch
+        batch = make_batch(self.dataset, self.engine.model.tokenizer, self.cfg, self.step, rows).to(self.device)
         return self.engine.train_step(batch, lr_at(self.cfg, self.step))
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -96,10 +133,13 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def save(self) -> Path:
-        """A checkpoint at this step; then, with train.keep_checkpoints = k > 0, all but the newest k go."""
+        """A checkpoint at this step; then, with train.keep_checkpoints = k > 0, all but the newest k go. With
+        data parallelism a sharded checkpoint is written by every rank (each its shards), one file by rank 0."""
         sharded = self.engine.sharded_checkpoints
-        path = self.engine.save(checkpoint_path(self.checkpoints, self.step, sharded=sharded), self._configs())
-        if self.cfg.keep_checkpoints:
+        path = checkpoint_path(self.checkpoints, self.step, sharded=sharded)
+        if sharded or self.dp.is_main:
+            self.engine.save(path, self._configs())
+        if self.cfg.keep_checkpoints and self.dp.is_main:
             prune_checkpoints(self.checkpoints, self.cfg.keep_checkpoints, sharded=sharded)
         return path
 
@@ -111,13 +151,17 @@ class Trainer:
         the output folder) unless training is past it already, and say which; nothing for a fresh run."""
         if self.resume_from is not None and self.step < self.resume_from[1]:
             self.load(self.resume_from[0])
-            print(f"resumed from {self.resume_from[0]} at step {self.step}")
+            if self.dp.is_main:
+                print(f"resumed from {self.resume_from[0]} at step {self.step}")
 
     def export_model(self, path: str | Path) -> Path:
         """The sampling weights in the single-file format (fp32 `model` state dict, no optimizer
-        state), which experiments/sample.py reads whichever engine trained them."""
-        return save_checkpoint(path, {"step": self.step, "model": self.engine.model_state_dict(), "ema": None,
-                                      **self._configs()})
+        state), which experiments/sample.py reads whichever engine trained them. Data parallel: every rank calls
+        it (the sharded engine gathers the weights), rank 0 writes."""
+        model = self.engine.model_state_dict()
+        if not self.dp.is_main:
+            return Path(path)
+        return save_checkpoint(path, {"step": self.step, "model": model, "ema": None, **self._configs()})
 
     # ---- sampling ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -143,7 +187,8 @@ class Trainer:
         self.maybe_resume()
         last: dict = {}
         first = self.step
-        with tqdm(total=self.cfg.steps, initial=self.step, desc=label, dynamic_ncols=True) as bar:
+        with tqdm(total=self.cfg.steps, initial=self.step, desc=label, dynamic_ncols=True,
+                  disable=not self.dp.is_main) as bar:
             while self.step < self.cfg.steps:
                 out = self.train_step()
                 bar.update(1)
@@ -159,4 +204,7 @@ class Trainer:
         return last
 
     def close(self) -> None:
+        """Release the engine, then leave the process group (if any)."""
         self.engine.close()
+        if self.mesh is not None:
+            leave_process_groups()

@@ -86,8 +86,9 @@ def test_parallel_and_execution_errors_name_the_key():
         ParallelConfig(sp_mode="zigzag").validate()
     with pytest.raises(ValueError, match=r"parallel.ring_degree=0 must be >= 1"):
         ParallelConfig(ring_degree=0).validate()
-    with pytest.raises(ValueError, match=r"parallel.dp=2 x parallel.sp=1: training runs in one process"):
-        _run(["parallel.dp=2"])
+    with pytest.raises(ValueError, match=r"train.batch_size=4 \(the global batch\) is not divisible by parallel.dp=3"):
+        _run(["parallel.dp=3"])
+    assert _run(["parallel.dp=2"]).parallel.dp == 2     # the world size is checked where the processes are
     with pytest.raises(ValueError, match=r"execution.slab_frames=2 needs a self-attention"):
         _run(["execution.slab_frames=2"])
     assert RunConfig().parallel == ParallelConfig() and RunConfig().execution == ExecutionConfig()

@@ -10,7 +10,7 @@ import torch
 
 import megaslide.offload.engine as engine_module
 from megaslide.attention.dsa import gather
-from megaslide.config import ExecutionConfig, OffloadConfig
+from megaslide.config import ExecutionConfig, OffloadConfig, ParallelConfig
 from megaslide.perf import planner
 from megaslide.perf.kept_attention import STAGING_BLOCKS
 from megaslide.train.trainer import Trainer
@@ -122,6 +122,33 @@ def test_a_variant_that_cannot_keep_is_named_in_the_plan():
     assert plan.kept.recompute == tuple(range(cfg.depth)) and "attention.backend='auto' on cpu" in plan.kept.reason
     cuda = planner.plan_offload(run, param_dtype=torch.bfloat16, budgets=planner.Budgets(10 ** 12, 10 ** 12))
     assert cuda.kept.gpu == tuple(range(cfg.depth)) and cuda.as_dict()["kept_attention"]["gpu_bytes"] > 0
+
+
+
+def test_data_parallel_keeps_each_ranks_own_attention_within_its_share_of_the_node():
+    """Kept attention is a rank's activations: with parallel.dp=2 a block's kept bytes are those of the rank's
+    batch share (half the global batch), and the node's host budget is split between its ranks."""
+    cfg = _model_cfg("dense")
+    offload = OffloadConfig(enabled=True, keep_attention="auto")
+    one = planner.grid_run(cfg, (7, 3, 5), batch=1, offload=offload)
+    two = dataclasses.replace(planner.grid_run(cfg, (7, 3, 5), batch=2, offload=offload),
+                              parallel=ParallelConfig(dp=2))
+    roomy = planner.Budgets(10 ** 12, 10 ** 12, "cpu")
+    single, ranked = (planner.plan_offload(r, param_dtype=torch.float32, budgets=roomy) for r in (one, two))
+    assert ranked.kept.block_bytes == single.kept.block_bytes == 105 * (64 * 4 + 4 * 4)
+    assert ranked.kept.gpu == single.kept.gpu == tuple(range(4)) and ranked.ranks == 2
+    assert ranked.as_dict()["kept_attention"] == single.as_dict()["kept_attention"]
+    base = planner.plan_offload(dataclasses.replace(two, offload=OffloadConfig(enabled=True)),
+                                param_dtype=torch.float32)
+    block = single.kept.block_bytes
+    hbm = int((base.hbm_total + STAGING_BLOCKS * block + block // 2) / (1 - planner.HBM_MARGIN)) + 1
+    rest = tuple(i for i in range(4) if i not in planner.plan_offload(two, param_dtype=torch.float32,
+                                                                      budgets=planner.Budgets(hbm, 0, "cpu")).kept.gpu)
+    per_rank = base.host_total + len(rest) * block           # one rank's host RAM with the rest kept there
+    assert rest
+    for node, kept in ((per_rank, ()), (2 * per_rank, rest)):  # the node's RAM is its 2 ranks'
+        plan = planner.plan_offload(two, param_dtype=torch.float32, budgets=planner.Budgets(hbm, node, "cpu"))
+        assert plan.kept.host == kept
 
 
 def test_keep_attention_is_validated():

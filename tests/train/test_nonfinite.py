@@ -27,8 +27,8 @@ def poisoned_batches(monkeypatch):
     """make_batch with NaN clips from 0-based step index 2 on (the run's step 3)."""
     real = trainer_module.make_batch
 
-    def make_batch(dataset, tokenizer, cfg, step):
-        batch = real(dataset, tokenizer, cfg, step)
+    def make_batch(dataset, tokenizer, cfg, step, rows=slice(None)):
+        batch = real(dataset, tokenizer, cfg, step, rows)
         if step >= 2:
             batch.x0 = torch.full_like(batch.x0, float("nan"))
         return batch

@@ -53,6 +53,7 @@ class DSAAttention(SelfAttention):
     Options = DSAOptions
     fixed_zero_offsets = False
     reads_input = True  # the offset net reads the attention input
+    sp_form = "frames"  # over a rank's frames and a halo of `temporal_reach` frames (base.frame_window)
 
     def __init__(self, dim: int, num_heads: int, **kw):
         super().__init__(dim, num_heads, **kw)
