@@ -244,7 +244,8 @@ def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict
     HBM over the stated budget, or (CUDA) HBM beyond refuse_over x the free memory."""
     usable = planner.usable_hbm(budget)
     row = {"predicted_peak_GB": plan.hbm_total / GB, "predicted_phase": plan.peak_phase,
-           "budget_GB": budget / GB, "predicted_fits": plan.hbm_total <= usable}
+           "budget_GB": budget / GB, "host_budget_GB": cell.host_budget / GB,
+           "predicted_fits": plan.hbm_total <= usable}
     if isinstance(plan, planner.OffloadPlan):
         row["predicted_kept_attention"] = plan.kept.as_dict()
     host_total = getattr(plan, "host_total", None)

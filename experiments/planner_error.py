@@ -31,7 +31,8 @@ from experiments.results_io import descends_from
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, from_dict
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS
-from megaslide.perf.planner import FITTED, AttentionRate, Ceilings, compute_seconds, grid_run, plan_offload
+from megaslide.perf.planner import (FITTED, AttentionRate, Budgets, Ceilings, compute_seconds, grid_run,
+                                   plan_offload)
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCK_GRAD = "257f6d4"  # the merge from which the offload engine's streamed blocks use BlockRunner.block_grad
@@ -147,14 +148,33 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
     return steps
 
 
+PLACES = ("gpu", "host", "recompute")   # where a block's kept attention went (offload.keep_attention)
+
+
+def kept_budgets(run: RunConfig, cell: dict) -> Budgets | None:
+    """The budgets a selective-recompute run (an oom_thresholds cell) placed its kept attention within: the free
+    HBM its cell recorded and its host budget, or for a cell that did not record that, its planned host total (the
+    placement had filled the host budget to within one block); None for a run that kept nothing."""
+    if run.offload.keep_attention == "off":
+        return None
+    host = cell.get("host_budget_GB", cell["predicted_host_GB"])
+    return Budgets(hbm=int(cell["budget_GB"] * 1e9), host=int(host * 1e9))
+
+
 def estimate_s(step: TimedStep) -> float:
     """Today's step-time estimate of the step (bf16, as the H200 runs trained): the offload plan's, of the
     engine's backward as it ran then (with or without block_grad), or for the resident trainer its compute (every
     block checkpointed, so recomputed)."""
     run = step.run
     if run.offload.enabled:
-        return plan_offload(run, param_dtype=precision_dtype("auto", torch.device("cuda")), ceilings=step.ceilings,
-                            block_grad=step.block_grad).estimate_s
+        plan = plan_offload(run, param_dtype=precision_dtype("auto", torch.device("cuda")), ceilings=step.ceilings,
+                            block_grad=step.block_grad, budgets=kept_budgets(run, step.cell))
+        recorded = step.cell.get("kept_attention")
+        if recorded and [recorded[k] for k in PLACES] != [list(getattr(plan.kept, k)) for k in PLACES]:
+            raise ValueError(f"{step.name}: today's planner keeps the attention of blocks "
+                             f"{ {k: list(getattr(plan.kept, k)) for k in PLACES} }, the run kept "
+                             f"{ {k: recorded[k] for k in PLACES} }; its estimate would be of another step")
+        return plan.estimate_s
     _, compute = compute_seconds(run.model, run.train.batch_size, run.grid, recomputed=run.model.depth,
                                  ceilings=step.ceilings, execution=run.execution)
     return sum(compute.values())

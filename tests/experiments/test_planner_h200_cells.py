@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from experiments.claims import DSA_HEAD_GROUPS
-from experiments.planner_error import h200_timed_steps, oom_cell_run
+from experiments.planner_error import h200_timed_steps, kept_budgets, oom_cell_run
 from experiments.results_io import descends_from
 from megaslide.perf.planner import compute_lower_bound_s, plan_offload, plan_resident
 
@@ -19,7 +19,10 @@ GB = 1e9
 # cells the planner misses by more than 10%, each kept as a strict expected failure (so that it is seen, and so that
 # the test says when the planner comes within 10%), with the figures behind it
 KNOWN_MISSES = {"h200_7B_64f_compact-dsa-chunked_offload-64": "planner 83.2 GB vs 73.9 GB measured (+12.7%): "
-                "the 7B preset with boundary_stride 2 and compact state; open in the long-clip issue"}
+                "the 7B preset with boundary_stride 2 and compact state; open in the long-clip issue",
+                "h200_headline_256_keep_auto-dsa-chunked_offload-256":
+                "planner 138.5 GB vs 122.7 GB measured (+12.8%): selective recompute at 256 frames, 5 blocks' "
+                "attention kept on the GPU; open in the long-clip issue"}
 
 
 def _h200_measured_cells():
@@ -45,7 +48,7 @@ def test_hbm_prediction_is_within_ten_percent_of_the_h200_oom_cells(config, cell
     if cell["mode"] == "resident":
         plan = plan_resident(run, autocast=True)
     else:
-        plan = plan_offload(run, param_dtype=torch.bfloat16)
+        plan = plan_offload(run, param_dtype=torch.bfloat16, budgets=kept_budgets(run, cell))
     assert plan.hbm_total / GB == pytest.approx(cell["measured_peak_GB"], rel=0.10)
 
 
@@ -55,7 +58,8 @@ def test_lower_bound_never_exceeds_a_measured_h200_step(step):
     transfers, so the bound holds for an fp32 run too); the compute bound alone does for the resident trainer."""
     run, ceilings = step.run, step.ceilings
     if run.offload.enabled:
-        bound = plan_offload(run, param_dtype=torch.bfloat16, ceilings=ceilings).lower_bound_s
+        bound = plan_offload(run, param_dtype=torch.bfloat16, ceilings=ceilings,
+                             budgets=kept_budgets(run, step.cell)).lower_bound_s
     else:
         bound = compute_lower_bound_s(run.model, run.train.batch_size, run.grid, recomputed=run.model.depth,
                                       ceilings=ceilings, execution=run.execution)
