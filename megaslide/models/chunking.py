@@ -102,9 +102,22 @@ def read_over_frame_runs(attn: SelfAttention, h: torch.Tensor, grid, chunk_token
     if not chunk_tokens:
         return attn.read_input(h, grid, 0, T)
     step = max(1, chunk_tokens // (H * W))  # frames per run
-    runs = [checkpoint(attn.read_input, h, grid, t0, min(t0 + step, T), use_reentrant=False)
-            for t0 in range(0, T, step)]
+    frames = h.split(H * W, dim=1)           # T x (B, H*W, D): views whose gradients join into h's once
+    runs = []
+    for t0 in range(0, T, step):
+        t1 = min(t0 + step, T)
+        a, b = max(t0 - 1, 0), min(t1 + 1, T)   # the run and the one-frame halo each side it reads
+        runs.append(checkpoint(_read_window, attn, (b - a, H, W), t0 - a, t1 - a, *frames[a:b],
+                               use_reentrant=False))
     return torch.cat(runs, dim=1)            # (B, T, ...)
+
+
+def _read_window(attn: SelfAttention, grid, t0: int, t1: int, *frames: torch.Tensor) -> torch.Tensor:
+    """`attn.read_input` of frames [t0, t1) of the window `frames` (grid (t, H, W)). Its frames are joined
+    here, under the run's checkpoint, so that neither the window nor a clip-sized gradient of it outlives
+    the run: its backward hands each frame its own frame-sized gradient. The window's ends are the clip's
+    ends or real neighbour frames, so the read equals that of the whole clip."""
+    return attn.read_input(torch.cat(frames, dim=1), grid, t0, t1)
 
 
 class BlockRunner:
@@ -176,8 +189,8 @@ class BlockRunner:
         step = self.execution.chunk_tokens
         if not step or x.shape[1] <= step:
             return final(x, t_emb)
-        return torch.cat([checkpoint(final, x[:, s:s + step], t_emb, use_reentrant=False)
-                          for s in range(0, x.shape[1], step)], dim=1)     # (B, n, pv*C)
+        return torch.cat([checkpoint(final, xs, t_emb, use_reentrant=False)
+                          for xs in token_slices(x, self.spans(x.shape[1]))], dim=1)  # (B, n, pv*C)
 
     def _run_slab(self, block, x, rope, grid, keep: slice, mod, ctx, ctx_mask, kept_slab=None):
         """The block over x (B, n, D), a run of whole frames (grid (t, H, W)), returning only the rows
@@ -186,7 +199,9 @@ class BlockRunner:
         o = self.attend_slab(block, x, rope, grid, keep, mod, kept_slab)             # (B, n_keep, h, d)
         x = x[:, keep]                                                               # (B, n_keep, D)
         run = self._slice_run()
-        out = [run(self.finish, block, x[:, s], o[:, s], mod, ctx, ctx_mask) for s in self.spans(x.shape[1])]
+        spans = self.spans(x.shape[1])
+        out = [run(self.finish, block, xs, oi, mod, ctx, ctx_mask)
+               for xs, oi in zip(token_slices(x, spans), token_slices(o, spans))]
         return _join(out)                                                            # (B, n_keep, D)
 
     def attend_slab(self, block, x, rope, grid, keep: slice, mod, kept_slab=None) -> torch.Tensor:
@@ -197,7 +212,7 @@ class BlockRunner:
         cos, sin = rope                                                              # (n, d/2) each
         run = self._slice_run()
         spans = self.spans(x.shape[1], len(range(x.shape[1])[keep]))
-        parts = [run(self.project, block, x[:, s], mod, cos[s], sin[s]) for s in spans]
+        parts = [run(self.project, block, xs, mod, cos[s], sin[s]) for xs, s in zip(token_slices(x, spans), spans)]
         q, k, v, *h = (_join(p) for p in zip(*parts))                                # (B, n, h, d) x 3[, (B, n, D)]
         del parts  # the slices: only their concatenations stay alive through attention
         read = {"read": read_over_frame_runs(block.attn, h[0], grid, self.execution.chunk_tokens)} if h else {}
@@ -218,6 +233,15 @@ class BlockRunner:
     def _slice_run(self):
         ex = self.execution
         return _checkpointed if ex.chunk_tokens or ex.slab_frames else _direct
+
+
+def token_slices(x: torch.Tensor, spans: list[slice]) -> tuple[torch.Tensor, ...]:
+    """x (B, n, ...) cut into the consecutive `spans` of its tokens (`BlockRunner.spans`): views, as x[:, s]
+    would give, but whose backward joins the slices' gradients into x's with one concatenation. Indexing each
+    slice instead gives x a zero-filled gradient of its full size per slice, summed: O(slices x n) memory
+    traffic in the backward where O(n) will do."""
+    n = x.shape[1]
+    return x.split([min(s.stop, n) - s.start for s in spans], dim=1)
 
 
 def _join(parts) -> torch.Tensor:

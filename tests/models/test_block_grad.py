@@ -5,6 +5,7 @@ import collections
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megaslide.config import DiTConfig, ExecutionConfig
 from megaslide.models import chunking
@@ -176,3 +177,34 @@ def test_compiled_block_grad_uses_the_compiled_slices():
     assert calls["project"] > 0 and calls["finish"] > 0
     _assert_same(got, want, ["x", "t_mod", "ctx"] + [n for n, _ in block.named_parameters()])
     torch._dynamo.reset()
+
+
+class _FullSizeAdds(TorchDispatchMode):
+    """Counts additions whose result has `shape`: the gradient sums over a whole slab."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and tuple(out.shape) == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("execution", [{"chunk_tokens": 10}, {"slab_frames": 5, "chunk_tokens": 10}])
+def test_block_grad_sums_no_full_size_gradient_per_slice(execution):
+    """The slices of a slab join their gradients once (chunking.token_slices): the backward adds whole-slab
+    tensors once per slab (grad x += the slab's), not once per slice, as indexing each slice would."""
+    block, cfg = _block("dsa")
+    inputs = _block_inputs(cfg, SLAB_GRID)
+    runner = BlockRunner(ExecutionConfig(**execution))
+    slabs = runner.slabs(block, SLAB_GRID)
+    grad_out = torch.randn(2, inputs[0].shape[1], cfg.dim)
+    assert len(runner.spans(inputs[0].shape[1])) >= 10          # many slices
+    shapes = {(2, (b - a) * 9, cfg.dim) for a, _, _, b in slabs}
+    for shape in shapes:
+        with _FullSizeAdds(shape) as adds:
+            runner.block_grad(block, *inputs, grad_out, list(block.parameters()))
+        assert adds.count <= sum((2, (b - a) * 9, cfg.dim) == shape for a, _, _, b in slabs), shape
