@@ -285,7 +285,7 @@ class TrainConfig:
     cfg_scale: float = 3.0
     resume: str = ""               # checkpoint path to resume from ("" = fresh, "auto" = latest in out dir)
     compile: bool = False          # the blocks' token-wise work through torch.compile, on both engines (chunking.py)
-    deterministic: bool = False    # the same bits every run at a seed, at a cost in time (megaslide/train/determinism.py)
+    deterministic: bool = False    # the same bits every run at a seed, at a cost in time (train/determinism.py)
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)

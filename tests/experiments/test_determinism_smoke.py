@@ -6,8 +6,8 @@ import experiments.determinism
 from tests.experiments.runner import load_result, run_script
 from tests.experiments.test_bad_input import run_main
 
-TINY = ["train.device=cpu", "model=tiny", "model.depth=1", "data.frames=3", "data.height=8", "data.width=8", "data.shape_size=3",
-        "train.batch_size=1"]
+TINY = ["train.device=cpu", "model=tiny", "model.depth=1", "data.frames=3", "data.height=8", "data.width=8",
+        "data.shape_size=3", "train.batch_size=1"]
 
 
 def test_determinism_smoke(tmp_path):
