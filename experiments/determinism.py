@@ -1,14 +1,15 @@
-"""What train.deterministic costs, and whether it makes two runs of one seed the same bits (issue 38).
+"""What train.deterministic costs, and whether it makes two runs of one seed the same bits.
 
 Per attention variant, on the quality study's model and short clip (experiments/conf/determinism.yaml), and per
 train.deterministic in (false, true): `repeats` runs from the same seed, each `warmup` untimed training steps and
 then `steps` timed ones (the device synchronised around each). Each (variant, setting) runs in a fresh process,
 since the mode's cuBLAS workspace is read once per process (megaslide/train/determinism.py) and a plain row must
 not run with it; the runs of a row share their process (across processes, the quality study's recorded weights
-repeat bit for bit where nothing varies within one: docs/quality_study.md, "Repeatability"). A row: the median step time and its spread over the timed steps of all its runs, whether the runs'
-losses (every step) and final weights are the same bits, the largest loss difference between them, and for the
-deterministic row `cost`, its median step time over the plain row's. A run that fails (an op without a
-deterministic implementation raises under the flag) is the row's status.
+repeat bit for bit where nothing varies within one: docs/quality_study.md, "Repeatability"). A row: the median step
+time and its spread over the timed steps of all its runs, whether the runs' losses (every step) and final weights
+are the same bits, the largest loss difference between them, and for the deterministic row `cost`, its median step
+time over the plain row's. A run that fails (an op without a deterministic implementation raises under the flag) is
+the row's status.
 
     python -m experiments.determinism name=h200                     # GPU: the quality study's 16-frame clip
     python -m experiments.determinism train.device=cpu model=tiny data.frames=3 data.height=8 data.width=8 \\
