@@ -80,6 +80,7 @@ def main(cfg: DictConfig) -> None:
     config = {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
               "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": steps[0],
               "clip_steps": steps, "progressive": bool(cfg.progressive), "compile": train.compile,
+              "deterministic": train.deterministic,
               "seeds": list(cfg.seeds), "batch_sizes": batches}
     run_study("quality", cfg, jobs, [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips], config,
               {f"_{clip.frames}f": clip.frames for clip in clips})

@@ -285,6 +285,7 @@ class TrainConfig:
     cfg_scale: float = 3.0
     resume: str = ""               # checkpoint path to resume from ("" = fresh, "auto" = latest in out dir)
     compile: bool = False          # the blocks' token-wise work through torch.compile, on both engines (chunking.py)
+    deterministic: bool = False    # the same bits every run at a seed, at a cost in time (train/determinism.py)
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)
@@ -311,6 +312,9 @@ class TrainConfig:
             raise ValueError(f"train.device={self.device!r}: choose auto, cpu or cuda")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"train.precision={self.precision!r}: choose auto, fp32 or bf16")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"train.deterministic={self.deterministic!r} must be true or false (true: the same bits "
+                             f"every run at a seed, megaslide/train/determinism.py)")
 
 
 @dataclass

@@ -5,7 +5,9 @@ The offload config chooses the engine: `ResidentEngine` (resident.py: model, fp3
 AdamW on one device) or, with offload.enabled, `OffloadEngine` (megaslide/offload/engine.py:
 block state in host RAM, streamed through the device). Both build the model with the same
 seed and initialisation and see the same batches (megaslide/diffusion/batches.py), so they agree step by step.
-Checkpoints are atomic (megaslide/checkpoint.py) and resume bit-identically. A Trainer refuses bad input
+Checkpoints are atomic (megaslide/checkpoint.py) and resume bit-identically. train.deterministic turns on
+PyTorch's deterministic algorithms and their companions (determinism.py) from construction until `close()`, so
+that a GPU run gives the same bits every time at its seed. A Trainer refuses bad input
 before it builds anything or writes a file: the configs (config.validate_training), the device,
 and the checkpoint train.resume names (its format, damage, and architecture against this run's).
 
@@ -21,6 +23,7 @@ parts and gradients over the group. dp x sp ranks form the run's 2D mesh (`init_
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -49,6 +52,7 @@ from megaslide.offload.engine import OffloadEngine
 from megaslide.parallel.data_parallel import DataParallel
 from megaslide.parallel.mesh import init_training_mesh, leave_process_groups
 from megaslide.parallel.sp_train import SequenceParallel
+from megaslide.train.determinism import deterministic_mode, seed_everything
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
 from megaslide.train.resident import ResidentEngine
@@ -94,24 +98,29 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.device = resolve_device(train_cfg.device, key="train.device",
                                      local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        # under torchrun: the process group and this rank's place among the data-parallel replicas
-        self.mesh = init_training_mesh(parallel or ParallelConfig(), self.device)
-        self.dp = DataParallel.of(self.mesh)
-        # (checkpoint, step) to continue from, checked (format, damage, architecture) before anything is built;
-        # rank 0 first, as it removes what a killed save left
-        sharded = (OffloadEngine if offload_cfg.enabled else ResidentEngine).sharded_checkpoints
-        for turn in (True, False):
-            if self.dp.is_main == turn:
-                self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)
-            self.dp.barrier()
-        # the dataset before the engine: a video folder decodes its first clip (decord present, file readable)
-        # before any weights are allocated; the offload planner then refuses a model too big before it is built
-        self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
-        torch.manual_seed(train_cfg.seed)
-        grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
-        sp_group = self.mesh["sp"].get_group() if self.mesh is not None and self.mesh["sp"].size() > 1 else None
-        self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
-                                   execution=execution, dp=self.dp, sp_group=sp_group, parallel=parallel)
+        # train.deterministic: process-wide switches, on before CUDA starts and until close() (back off if this fails)
+        with contextlib.ExitStack() as modes:
+            if train_cfg.deterministic:
+                modes.enter_context(deterministic_mode(self.device))
+            # under torchrun: the process group and this rank's place among the data-parallel replicas
+            self.mesh = init_training_mesh(parallel or ParallelConfig(), self.device)
+            self.dp = DataParallel.of(self.mesh)
+            # (checkpoint, step) to continue from, checked (format, damage, architecture) before anything is built;
+            # rank 0 first, as it removes what a killed save left
+            sharded = (OffloadEngine if offload_cfg.enabled else ResidentEngine).sharded_checkpoints
+            for turn in (True, False):
+                if self.dp.is_main == turn:
+                    self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)
+                self.dp.barrier()
+            # the dataset before the engine: a video folder decodes its first clip (decord present, file readable)
+            # before any weights are allocated; the offload planner then refuses a model too big before it is built
+            self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
+            seed_everything(train_cfg.seed)
+            grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
+            sp_group = self.mesh["sp"].get_group() if self.mesh is not None and self.mesh["sp"].size() > 1 else None
+            self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
+                                       execution=execution, dp=self.dp, sp_group=sp_group, parallel=parallel)
+            self._modes = modes.pop_all()
         self.logger = logger
 
     @property
@@ -204,7 +213,8 @@ class Trainer:
         return last
 
     def close(self) -> None:
-        """Release the engine, then leave the process group (if any)."""
+        """Release the engine, leave the process group (if any) and restore what train.deterministic switched."""
         self.engine.close()
         if self.mesh is not None:
             leave_process_groups()
+        self._modes.close()

@@ -50,6 +50,7 @@ def test_quality_smoke(tmp_path):
     data, _ = _run("quality.py", tmp_path, "clip_frames=[4]")
     assert {r["variant"] for r in data["rows"]} == {"dense", "swin", "dsa", "dsa_zero", "ground_truth"}
     assert all(r["seeds"] == 1 for r in data["rows"] if r["variant"] != "ground_truth")
+    assert data["config"]["deterministic"] is False     # train.deterministic, recorded with the study
 
 
 def test_parallel_workers_give_the_same_rows(tmp_path):
