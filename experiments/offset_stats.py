@@ -16,7 +16,9 @@ given 1000 t), runs the model (the EMA weights when the run kept them, in fp32) 
   (`reference.halo_paths_reference`, which the kernel's per-tile path is tested against): the tile grown by
   kernel // 2 + reach tokens on each side, moved inside the grid; a sample counts when its clamped position, and
   so its floor and ceil (the trilinear corners), lies inside. A halo at least as long as the grid's axis holds
-  every sample along it (the rows' `whole_axes`).
+  every sample along it (the rows' `whole_axes`), and an edge tile's halo, moved inward, holds samples that go
+  farther inward; so the share is also given over the inner tiles alone (`inner_tiles`), the one that carries
+  over to a large grid.
 
 Result: results/attention/offsets_<name>.json (tables `blocks`, `halo`, `summary`; experiments/report.py renders
 results/attention.md).
@@ -26,7 +28,9 @@ Configuration: experiments/conf/offset_stats.yaml.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -140,20 +144,36 @@ def recorded_offsets(model: VideoDiT, record: Callable[[int, torch.Tensor], None
             del attn.offsets
 
 
+def inner_tiles(grid: tuple[int, int, int], tile: tuple[int, int, int], kernel_size: tuple[int, int, int],
+                reach: int) -> torch.Tensor:
+    """(tiles,) bool, row-major over (t, y, x) tile indices as `halo_paths_reference` numbers them: the tiles whose
+    halo at `reach` no grid edge moves, along each axis either inside the grid as it is (the tile grown by
+    kernel // 2 + reach on each side) or spanning the whole axis. An edge tile's halo is moved inward, so it holds
+    samples that go farther inward; a large grid has few edge tiles, so the inner tiles' share is what carries over."""
+    axes = []
+    for size, step, k, extent in zip(grid, tile, kernel_size, halo_extent(tile, kernel_size, reach)):
+        first = torch.arange(0, size, step)  # (tiles along the axis,) first query of each
+        unmoved = (first - k // 2 - reach >= 0) & (first + step - 1 + k // 2 + reach <= size - 1)
+        axes.append(unmoved | (extent >= size))
+    return (axes[0][:, None, None] & axes[1][None, :, None] & axes[2][None, None, :]).flatten()
+
+
 class BlockStats:
     """Running statistics of one block's offsets: a histogram of |offset| per axis over [0, bound], the max,
-    the sum, the count, and per (tile, reach) the query tiles and those whose samples stay in their halo."""
+    the sum, the count, and per (tile, reach) the query tiles, those whose samples stay in their halo, and the
+    same two of the inner tiles (`inner_tiles`)."""
 
-    def __init__(self, bound: float, bins: int, kernel_size: tuple[int, int, int],
+    def __init__(self, bound: float, bins: int, kernel_size: tuple[int, int, int], grid: tuple[int, int, int],
                  tiles: list[tuple[int, int, int]], reaches: list[int]):
-        self.bound, self.bins, self.kernel_size = bound, bins, kernel_size
+        self.bound, self.bins, self.kernel_size, self.grid = bound, bins, kernel_size, grid
         self.tiles, self.reaches = tiles, reaches
         self.hist = torch.zeros(3, bins, dtype=torch.int64)   # (3, bins) per axis (t, y, x)
         self.max = torch.zeros(3, dtype=torch.float64)
         self.sum = torch.zeros(3, dtype=torch.float64)
         self.values = 0                                        # |offset| values per axis
-        self.in_halo = {(tile, r): 0 for tile in tiles for r in reaches}
-        self.tile_count = {tile: 0 for tile in tiles}
+        self.inner = {(tile, r): inner_tiles(grid, tile, kernel_size, r) for tile in tiles for r in reaches}
+        # (tile, reach) -> [tiles in the halo, tiles, inner tiles in the halo, inner tiles]
+        self.counts = {key: torch.zeros(4, dtype=torch.int64) for key in self.inner}
 
     def add(self, offsets: torch.Tensor) -> None:
         """offsets (B, T, H, W, heads, K, 3) in tokens."""
@@ -163,11 +183,20 @@ class BlockStats:
         self.max = torch.maximum(self.max, a.amax(dim=0).double().cpu())
         self.sum += a.double().sum(dim=0).cpu()
         self.values += a.shape[0]
-        for tile in self.tiles:
-            for r in self.reaches:
-                paths = halo_paths_reference(offsets.detach(), self.kernel_size, r, tile)  # (B * heads, tiles)
-                self.in_halo[tile, r] += int(paths.sum())
-            self.tile_count[tile] += paths.numel()
+        for (tile, r), inner in self.inner.items():
+            paths = halo_paths_reference(offsets.detach(), self.kernel_size, r, tile).cpu()  # (B * heads, tiles)
+            self.counts[tile, r] += torch.tensor([paths.sum(), paths.numel(), paths[:, inner].sum(),
+                                                  paths[:, inner].numel()])
+
+    def merge(self, other: BlockStats) -> BlockStats:
+        """Add another block's statistics (of the same settings) to these; returns self."""
+        self.hist += other.hist
+        self.max = torch.maximum(self.max, other.max)
+        self.sum += other.sum
+        self.values += other.values
+        for key in self.counts:
+            self.counts[key] += other.counts[key]
+        return self
 
     def percentile(self, axis: int, q: float) -> float:
         """The upper edge of the bin holding the k-th smallest |offset| along `axis` (k = ceil(q / 100 * n)), or
@@ -188,32 +217,22 @@ def block_rows(label, stats: BlockStats, percentiles: list[float]) -> list[dict]
             for axis, name in enumerate(AXES)]
 
 
-def halo_rows(label, stats: BlockStats, grid: tuple[int, int, int]) -> list[dict]:
-    """One row per tile: the share of query tiles in the halo at each reach (`in_pm<r>`), and the axes along which
-    each reach's halo is as long as the grid (`whole_axes`, e.g. "1:t 4:tyx"; "-": none)."""
+def halo_rows(label, stats: BlockStats) -> list[dict]:
+    """One row per tile: the query tiles counted (`tiles`: of every clip, head and timestep), the share in the halo
+    at each reach (`in_pm<r>`), the same of the inner tiles (`inner_pm<r>`; None where there are none) and their
+    number per reach (`inner_tiles`), and the axes along which each reach's halo spans the grid (`whole_axes`,
+    e.g. "1:t 4:tyx"; "-": none)."""
     rows = []
     for tile in stats.tiles:
-        whole = [f"{r}:" + "".join(a for a, e, s in zip(AXES, halo_extent(tile, stats.kernel_size, r), grid)
+        counts = {r: stats.counts[tile, r].tolist() for r in stats.reaches}  # [in halo, tiles, inner in, inner]
+        whole = [f"{r}:" + "".join(a for a, e, s in zip(AXES, halo_extent(tile, stats.kernel_size, r), stats.grid)
                                    if e >= s) for r in stats.reaches]
-        rows.append({"block": label, "tile": list(tile), "tiles": stats.tile_count[tile],
-                     **{f"in_pm{r}": stats.in_halo[tile, r] / max(stats.tile_count[tile], 1) for r in stats.reaches},
+        rows.append({"block": label, "tile": list(tile), "tiles": counts[stats.reaches[0]][1],
+                     **{f"in_pm{r}": c[0] / max(c[1], 1) for r, c in counts.items()},
+                     **{f"inner_pm{r}": c[2] / c[3] if c[3] else None for r, c in counts.items()},
+                     "inner_tiles": [c[3] for c in counts.values()],
                      "whole_axes": " ".join(w for w in whole if not w.endswith(":")) or "-"})
     return rows
-
-
-def merged(stats: list[BlockStats]) -> BlockStats:
-    """All blocks' statistics as one."""
-    total = BlockStats(stats[0].bound, stats[0].bins, stats[0].kernel_size, stats[0].tiles, stats[0].reaches)
-    for s in stats:
-        total.hist += s.hist
-        total.max = torch.maximum(total.max, s.max)
-        total.sum += s.sum
-        total.values += s.values
-        for key in total.in_halo:
-            total.in_halo[key] += s.in_halo[key]
-        for tile in total.tile_count:
-            total.tile_count[tile] += s.tile_count[tile]
-    return total
 
 
 @torch.no_grad()
@@ -228,7 +247,7 @@ def measure(cfg: OffsetStatsConfig, model_cfg: DiTConfig, data_cfg: DataConfig) 
     options = model_cfg.attention.options
     grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
     tiles = [tuple(t) for t in cfg.tiles]
-    stats = {i: BlockStats(options.max_offset or 1.0, cfg.bins, options.kernel_size, tiles, cfg.reaches)
+    stats = {i: BlockStats(options.max_offset or 1.0, cfg.bins, options.kernel_size, grid, tiles, cfg.reaches)
              for i, _ in dsa_layers(model)}
     batch = make_batch(dataset, model.tokenizer, TrainConfig(batch_size=cfg.clips, seed=cfg.data_seed,
                                                              caption_dropout=0.0), step=0)
@@ -260,22 +279,23 @@ def offset_stats(cfg: OffsetStatsConfig) -> Path:
     name = result_name(cfg)
     run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
     stats, setup = measure(cfg, model_cfg, data_cfg)
-    grid = tuple(setup["grid"])
-    total = merged(stats)
+    total = functools.reduce(BlockStats.merge, stats[1:], copy.deepcopy(stats[0]))   # all blocks
     blocks, halo = [], []
     for label, s in [*enumerate(stats), ("all", total)]:
         blocks += block_rows(label, s, cfg.percentiles)
-        halo += halo_rows(label, s, grid)
+        halo += halo_rows(label, s)
     top = percentile_key(max(cfg.percentiles))
     spread = {f"{row['axis']}_{key}": row[key] for row in block_rows("all", total, cfg.percentiles)
               for key in (top, "max")}
-    summary = [{**row, **spread} for row in halo_rows("all", total, grid)]   # one row per tile, all blocks
+    summary = [{**row, **spread} for row in halo_rows("all", total)]   # one row per tile, all blocks
     payload = {"note": cfg.note, "checkpoint": cfg.checkpoint, **setup,
                "tables": {"blocks": blocks, "halo": halo, "summary": summary}}
-    scalars = {f"in_pm{r}_{'x'.join(map(str, row['tile']))}": row[f"in_pm{r}"] for row in summary for r in cfg.reaches}
+    scalars = {f"{share}{r}_{'x'.join(map(str, row['tile']))}": row[f"{share}{r}"] for row in summary
+               for r in cfg.reaches for share in ("in_pm", "inner_pm")}
     path = run.finish(payload, scalars)
     for row in summary:
-        progress(f"tile {row['tile']}: " + ", ".join(f"+-{r} {row[f'in_pm{r}']:.3f}" for r in cfg.reaches))
+        progress(f"tile {row['tile']}: in the halo at " + ", ".join(
+            f"+-{r}: {row[f'in_pm{r}']:.3f} (inner {row[f'inner_pm{r}']})" for r in cfg.reaches))
     print(f"wrote {path}")
     return path
 

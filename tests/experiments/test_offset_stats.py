@@ -48,35 +48,41 @@ def test_zero_offsets_stay_in_every_halo(tmp_path, monkeypatch):
     assert result["grid"] == [4, 16, 16] and result["step"] == 0
     assert {r["block"] for r in blocks} == {0, 1, "all"} and len(blocks) == 9
     assert all(r[k] == 0 for r in blocks for k in ("p50", "p90", "p99_9", "max", "mean"))
-    assert all(r[f"in_pm{reach}"] == 1 for r in halo for reach in (0, 1, 2))
+    assert all(r[f"{kind}{reach}"] == 1 for r in halo for reach in (0, 1, 2) for kind in ("in_pm", "inner_pm"))
     # every (clip, head, tile) of each timestep: 3 clips x 4 heads x 4 x 4 x 4 tiles of 1 x 4 x 4, x 2 timesteps
     assert halo[0]["tile"] == [1, 4, 4] and halo[0]["tiles"] == 2 * 3 * 4 * 64
 
 
-def halo_shares_numpy(offsets: np.ndarray, tile, reach: int) -> tuple[int, int]:
-    """(tiles whose every sample lies in the halo, tiles) of offsets (B, T, H, W, heads, K, 3), written out plainly:
+def halo_shares_numpy(offsets: np.ndarray, tile, reach: int) -> tuple[int, int, int, int]:
+    """(tiles whose every sample lies in the halo, tiles, the same two of the tiles whose halo is not moved by a
+    grid edge or spans the axis) of offsets (B, T, H, W, heads, K, 3), written out plainly:
     along an axis of size S a query i's window starts at clip(i - k // 2, 0, S - k), its sample j sits at
     start + j + offset clipped to [0, S - 1]; a tile starting at a has the halo [o, o + E - 1] with
     E = tile + 2 (k // 2) + 2 reach, o = max(0, min(a - k // 2 - reach, S - E))."""
     B, T, H, W, heads = offsets.shape[:5]
     inside = np.ones(offsets.shape[:6], dtype=bool)                     # (B, T, H, W, heads, K)
+    inner = []                                                          # per axis: (S,) query's tile is inner
     window = np.stack(np.meshgrid(*(np.arange(k) for k in KERNEL), indexing="ij"), -1).reshape(-1, 3)  # (K, 3)
     for axis, (size, step, k) in enumerate(zip((T, H, W), tile, KERNEL)):
         extent = step + 2 * (k // 2) + 2 * reach
         i = np.arange(size)
         start = np.clip(i - k // 2, 0, size - k)
         origin = np.maximum(0, np.minimum(i // step * step - k // 2 - reach, size - extent))
+        inner.append((origin == i // step * step - k // 2 - reach) | (extent >= size))
         shape = [1, 1, 1, 1, 1, 1]
         shape[1 + axis] = size
         pos = np.clip(start.reshape(shape) + window[:, axis] + offsets[..., axis], 0, size - 1)
         inside &= (pos >= origin.reshape(shape)) & (pos <= origin.reshape(shape) + extent - 1)
     query = inside.all(axis=-1)                                          # (B, T, H, W, heads)
     counts = [math.ceil(s / step) for s, step in zip((T, H, W), tile)]
-    held = 0
+    held = [0, 0, 0, 0]
     for b, h, *index in np.ndindex(B, heads, *counts):
-        region = tuple(slice(n * step, (n + 1) * step) for n, step in zip(index, tile))
-        held += bool(query[(b, *region, slice(h, h + 1))].all())
-    return held, B * heads * math.prod(counts)
+        first = [n * step for n, step in zip(index, tile)]
+        region = tuple(slice(f, f + step) for f, step in zip(first, tile))
+        fits = bool(query[(b, *region, slice(h, h + 1))].all())
+        is_inner = all(axis_inner[f] for axis_inner, f in zip(inner, first))
+        held = [held[0] + fits, held[1] + 1, held[2] + (fits and is_inner), held[3] + is_inner]
+    return tuple(held)
 
 
 def test_injected_offsets_match_a_direct_computation(tmp_path, monkeypatch):
@@ -108,11 +114,14 @@ def test_injected_offsets_match_a_direct_computation(tmp_path, monkeypatch):
                 assert exact - 1e-6 <= row[offset_stats.percentile_key(q)] <= exact + width + 1e-6, (block, name, q)
         for tile in map(tuple, cfg.tiles):
             counts = np.array([[halo_shares_numpy(o.numpy(), tile, r) for o in tensors] for r in cfg.reaches])
-            assert halo[block, tile]["tiles"] == counts[0, :, 1].sum()
-            for r, per_reach in zip(cfg.reaches, counts):
-                assert halo[block, tile][f"in_pm{r}"] == pytest.approx(per_reach[:, 0].sum() / per_reach[:, 1].sum())
-    shares = [halo["all", (1, 4, 4)][f"in_pm{r}"] for r in cfg.reaches]
-    assert 0 < shares[0] < shares[1] < shares[2] < 1, shares   # the case tells the reaches apart
+            held, tiles, inner_held, inner = counts.sum(axis=1).T               # (reaches,) each
+            row = halo[block, tile]
+            assert row["tiles"] == tiles[0] and row["inner_tiles"] == inner.tolist()
+            assert [row[f"in_pm{r}"] for r in cfg.reaches] == pytest.approx(held / tiles)
+            assert [row[f"inner_pm{r}"] for r in cfg.reaches] == pytest.approx(inner_held / inner)
+    shares = [halo["all", (1, 4, 4)][f"{kind}{r}"] for kind in ("in_pm", "inner_pm") for r in cfg.reaches]
+    assert 0 < shares[0] < shares[1] < shares[2] < 1 and 0 < shares[3] < shares[4] < shares[5] < 1, shares
+    assert halo["all", (1, 4, 4)]["inner_tiles"][0] < halo["all", (1, 4, 4)]["tiles"]   # edge tiles left out
 
 
 def refused(args: list[str], tmp_path, monkeypatch, capsys) -> str:
