@@ -6,9 +6,10 @@ tile's halo; this script measures that share on a trained checkpoint, which deci
 It loads a checkpoint of experiments/train.py (or of a quality study's run, e.g. experiments/ablate_offsets.py:
 <out_dir>/<run>/checkpoints/step_N.pt) with its stored configs, takes `clips` held-out clips of the checkpoint's
 own data config under another data seed (`data_seed`; a video folder or latent cache has fixed clips, so there
-they are training clips), noises them to each flow time of `timesteps` (x_t = (1 - t) x_0 + t noise, the model
-given 1000 t), runs the model (the EMA weights when the run kept them, in fp32) and reads the offsets
-(B, T, H, W, heads, K, 3) that every DSA block's offset net gives (`recorded_offsets`). Per block:
+they are training clips; `data_root` replaces its folder), noises them to each flow time of `timesteps`
+(x_t = (1 - t) x_0 + t noise, the model given 1000 t), runs the model (the EMA weights when the run kept them,
+in fp32) and reads the offsets (B, T, H, W, heads, K, 3) that every DSA block's offset net gives
+(`recorded_offsets`). Per block:
 - |offset| per axis (t, y, x) in tokens: the `percentiles` (from a histogram of `bins` bins over [0, max_offset],
   each reported as its bin's upper edge: at most max_offset / bins above the exact value), the exact max and mean;
 - per tile of `tiles` and reach of `reaches`: the share of query tiles (of every clip, head and timestep) whose
@@ -66,6 +67,7 @@ class OffsetStatsConfig:
     clips: int
     batch: int
     data_seed: int
+    data_root: str
     timesteps: list[float]
     tiles: list[list[int]]
     reaches: list[int]
@@ -116,7 +118,13 @@ def checkpoint_configs(cfg: OffsetStatsConfig) -> tuple[DiTConfig, DataConfig]:
     if data.name == "moving_shapes" and data.seed == cfg.data_seed:
         raise ValueError(f"data_seed={cfg.data_seed} is the checkpoint's training data.seed: its clips are "
                          f"training clips; give another data_seed")
-    return model, dataclasses.replace(data, seed=cfg.data_seed)
+    data = dataclasses.replace(data, seed=cfg.data_seed, root=cfg.data_root or data.root)
+    try:
+        data.validate()
+    except ValueError as err:
+        raise ValueError(f"the data config of checkpoint={cfg.checkpoint!r} fails here: {err} (data_root=... "
+                         f"replaces its data.root)") from None
+    return model, data
 
 
 def dsa_layers(model: VideoDiT) -> list[tuple[int, DSAAttention]]:
@@ -239,7 +247,7 @@ def halo_rows(label, stats: BlockStats) -> list[dict]:
 def measure(cfg: OffsetStatsConfig, model_cfg: DiTConfig, data_cfg: DataConfig) -> tuple[list[BlockStats], dict]:
     """Every DSA block's statistics over the held-out clips at every timestep, and what was measured."""
     device = resolve_device(cfg.device, key="device")
-    dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)   # before the weights: a missing root fails
+    dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
     weights, state = sampling_weights(cfg.checkpoint)
     model = VideoDiT(model_cfg)
     model.load_state_dict(weights)

@@ -12,6 +12,7 @@ import torch
 import experiments.offset_stats as offset_stats
 from megaslide.attention.dsa.module import DSAAttention
 from megaslide.checkpoint import save_checkpoint
+from megaslide.config import DataConfig
 from megaslide.models.dit import build_dit
 from tests.helpers import tiny_data_cfg, tiny_model_cfg
 
@@ -20,18 +21,18 @@ KERNEL = (3, 3, 3)
 BOUND = 3.0                                    # the tiny dsa model's max_offset
 
 
-def write_checkpoint(path, attention: str = "dsa"):
+def write_checkpoint(path, attention: str = "dsa", data: DataConfig = DATA):
     """A step_0.pt of a freshly initialised tiny model (dsa: offset nets at zero) in the Trainer's format."""
     model_cfg = tiny_model_cfg(attention, **({"max_offset": BOUND} if attention == "dsa" else {}))
-    state = {"step": 0, "model_cfg": dataclasses.asdict(model_cfg), "data_cfg": dataclasses.asdict(DATA),
+    state = {"step": 0, "model_cfg": dataclasses.asdict(model_cfg), "data_cfg": dataclasses.asdict(data),
              "model": build_dit(model_cfg).state_dict()}
     return save_checkpoint(path, state)
 
 
 def config(checkpoint, tmp_path, **kw) -> offset_stats.OffsetStatsConfig:
-    fields = dict(name="t", checkpoint=str(checkpoint), clips=3, batch=2, data_seed=7, timesteps=[0.3, 0.9],
-                  tiles=[[1, 4, 4], [2, 4, 4]], reaches=[0, 1, 2], percentiles=[50, 90, 99.9], bins=3000,
-                  device="cpu", note="", wandb_dir=str(tmp_path / "runs"), wandb_project="p")
+    fields = dict(name="t", checkpoint=str(checkpoint), clips=3, batch=2, data_seed=7, data_root="",
+                  timesteps=[0.3, 0.9], tiles=[[1, 4, 4], [2, 4, 4]], reaches=[0, 1, 2], percentiles=[50, 90, 99.9],
+                  bins=3000, device="cpu", note="", wandb_dir=str(tmp_path / "runs"), wandb_project="p")
     return offset_stats.OffsetStatsConfig(**{**fields, **kw})
 
 
@@ -145,9 +146,12 @@ def refused(args: list[str], tmp_path, monkeypatch, capsys) -> str:
     (["checkpoint={dsa}", "tiles=[[1,2,2]]"], "tiles=[[1, 2, 2]]: HaloConfig: tile=(1, 2, 2) must be powers of two "
                                               "with at least 16 queries"),
     (["checkpoint={dsa}", "timesteps=[1.5]"], "timesteps=[1.5]: give flow times in [0, 1]"),
-], ids=["missing", "not dsa", "training seed", "small tile", "timestep"])
+    (["checkpoint={video}"], "the data config of checkpoint='{video}' fails here: data.root='{tmp}/clips' is not "
+                             "a folder"),
+], ids=["missing", "not dsa", "training seed", "small tile", "timestep", "data root"])
 def test_bad_input_is_refused_naming_the_key(args, message, tmp_path, monkeypatch, capsys):
+    clips = DataConfig("video_folder", root=f"{tmp_path}/clips")      # a folder that is not there
     paths = {"tmp": tmp_path, "dense": write_checkpoint(tmp_path / "dense.pt", "dense"),
-             "dsa": write_checkpoint(tmp_path / "dsa.pt")}
+             "dsa": write_checkpoint(tmp_path / "dsa.pt"), "video": write_checkpoint(tmp_path / "video.pt", data=clips)}
     err = refused([a.format(**paths) for a in args], tmp_path, monkeypatch, capsys)
     assert message.format(**paths) in err
