@@ -135,7 +135,7 @@ def dsa_layers(model: VideoDiT) -> list[tuple[int, DSAAttention]]:
 
 @contextmanager
 def recorded_offsets(model: VideoDiT, record: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
-    """Within the block, every DSA block i's offsets (B, T, H, W, heads, K, 3), as its offset net computes them
+    """Inside the `with`, every DSA block i's offsets (B, T, H, W, heads, K, 3), as its offset net computes them
     for its attention, go to record(i, offsets) too. The blocks must run whole (a chunked block reads its offsets
     in runs of frames and is not recorded)."""
     layers = dsa_layers(model)
