@@ -376,7 +376,8 @@ def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config:
         print(f"sample grid, ground truth on top: {png}")
     for r in rows:
         if "mp4" in r:
-            print(f"sample video, {r['variant']} seed {r['seed']}, {r['frames']} frames: {r['mp4']}")
+            print(f"sample video (ground truth | sample), {r['variant']} seed {r['seed']}, {r['frames']} frames: "
+                  f"{r['mp4']}")
 
 
 def summary_table(rows: list[dict]) -> str:
