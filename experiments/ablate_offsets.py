@@ -4,7 +4,7 @@ Both variants have the same parameters, steps and data: fast-motion MovingShapes
 shape moves further per frame than a zero-offset 3x3x3 neighbourhood reaches. Each is
 trained, sampled on held-out captions and scored (experiments/quality_protocol.py).
 
-    python experiments/ablate_offsets.py                                 # the main job: CPU, ~9 min on 2 cores
+    python experiments/ablate_offsets.py                                 # the main job: CPU, 2 cores
     python experiments/ablate_offsets.py model=quality_gpu train.device=cuda data.height=16 data.width=16 \
         data.shape_size=6 data.speed=3 data.frames=16 data.num_videos=512 train.lr=1e-3 train.batch_size=8 \
         train.ema_decay=0.995 train.steps=1500 n_eval=32 "seeds=[0,1,2]" results_dir=results results_name=h200

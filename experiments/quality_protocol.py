@@ -6,7 +6,8 @@ error) and the VBench formulas (temporal flickering, frame consistency with a co
 histogram encoder standing in for DINO). The ground-truth clips of the same captions are
 scored too, as the ceiling each score can reach, and shown in the first row of the sample
 grid. Frames in the grid and the mp4s are upscaled (nearest) to at least MIN_FRAME_PX, so
-that the 16-pixel shapes of the CPU size can be seen.
+that the 16-pixel shapes of the CPU size can be seen. A run's mp4 shows its first sample beside the
+ground-truth clip of the same caption (ground truth left), looped to at least MP4_SECONDS.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from experiments.results_io import check_result_name, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
-from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
+from megaslide.data.video_io import frame_grid_png, side_by_side, to_uint8_frames, write_mp4
 from megaslide.eval.motion import score_videos
 from megaslide.eval.video import frame_consistency, temporal_flickering
 from megaslide.models.dit import count_params
@@ -46,6 +47,7 @@ SCORE_KEYS = ("text_alignment", "color_match", "shape_match", "direction_match",
 SUMMARY = (("colour", "color_match"), ("shape", "shape_match"), ("direction", "direction_match"),
            ("caption", "text_alignment"), ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
 MIN_FRAME_PX = 96
+MP4_SECONDS = 3.0  # a few frames at 8 fps last under a second: looped to at least this long, so the motion shows
 MEDIA_KEYS = ("samples", "captions", "mp4")  # kept in the rows for the grid and the printout, not in the JSON
 
 
@@ -164,7 +166,7 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         row["train_s"] = time.perf_counter() - t0
         row["final_loss"] = last.get("loss", math.nan)
         row["final_weights"] = weights_digest(trainer.engine)
-        captions, labels, _ = eval_set(data, n_eval, eval_seed)
+        captions, labels, truth = eval_set(data, n_eval, eval_seed)
         videos = sample_in_batches(trainer, captions, sample_batch, seed=eval_seed)
     except torch.OutOfMemoryError as e:
         logger.finish()
@@ -173,8 +175,9 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     row["samples_file"] = _relative(save_samples(run_dir / "samples" / "eval.npz", videos, captions, labels), out_dir)
     logger.log({f"eval/{k}": row[k] for k in SCORE_KEYS}, trainer.step)
     if save_mp4:
-        mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", upscaled(videos[0]))
-        logger.log_video("eval/sample", mp4, captions[0], trainer.step)
+        mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", side_by_side([upscaled(truth[0]), upscaled(videos[0])]),
+                        min_seconds=MP4_SECONDS)
+        logger.log_video("eval/sample", mp4, f"ground truth | sample: {captions[0]}", trainer.step)
         row["mp4"] = str(mp4)
     logger.finish()
     row["samples"] = videos[:4]
@@ -373,7 +376,8 @@ def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config:
         print(f"sample grid, ground truth on top: {png}")
     for r in rows:
         if "mp4" in r:
-            print(f"sample video, {r['variant']} seed {r['seed']}, {r['frames']} frames: {r['mp4']}")
+            print(f"sample video (ground truth | sample), {r['variant']} seed {r['seed']}, {r['frames']} frames: "
+                  f"{r['mp4']}")
 
 
 def summary_table(rows: list[dict]) -> str:

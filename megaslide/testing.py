@@ -3,7 +3,7 @@
 - `within_tolerance(err, ref_err, floor)`: the one accuracy rule of a kernel against an fp32/fp64 truth;
   `rounding_floor` its floor at rounding level; `TOLERANCE_RULE` the rule in words, for result files.
 - `deterministic_algorithms()`: a block under `torch.use_deterministic_algorithms(True)`.
-- `check_conv(...)`: the offset net's Triton depthwise Conv3d against F.conv3d by that rule;
+- `check_conv(...)`: the offset net's Triton (or CPU) depthwise Conv3d against F.conv3d by that rule;
   `check_offset_net(...)`: the whole offset net (conv + GELU, Linear, bound) against a plain float64 one;
   `check_qk_rope(...)`: fused QK-norm + RoPE against its eager reference by that rule.
 - `spawn(fn, world, args)`: `world` local processes joined in one process group on a free port.
@@ -61,9 +61,9 @@ def deterministic_algorithms():
 def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype, gelu=False):
     """The depthwise conv's (with `gelu`, conv + GELU's) output and its x, weight and bias gradients on one
     backend, x in `dtype`; the weights stay fp32 on the Triton path (as the module keeps them) and take
-    `dtype` for F.conv3d (as autocast casts them)."""
+    `dtype` for F.conv3d, on the torch and cpu paths (as autocast casts them)."""
     from megaslide.attention.dsa.depthwise import depthwise_conv3d  # the kernels build on first import
-    wdtype = dtype if backend == "torch" else weight.dtype
+    wdtype = dtype if backend in ("torch", "cpu") else weight.dtype
     leaves = [x.to(dtype), weight.to(wdtype), bias.to(wdtype)]
     for t in leaves:
         t.requires_grad_()
@@ -71,9 +71,10 @@ def conv_and_grads(backend: str, x, weight, bias, grad, frames, dtype, gelu=Fals
     return [y.detach(), *torch.autograd.grad(y, leaves, grad.to(y.dtype))]
 
 
-def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0, gelu=False) -> dict:
-    """The Triton conv (with `gelu`, conv + GELU) against F.conv3d (+ F.gelu) in float64 (the truth) and in
-    `dtype`: per output, both max errors, the rounding floor and whether `within_tolerance` holds."""
+def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0, gelu=False, backend="triton") -> dict:
+    """The conv of `backend` (triton, or cpu: depthwise.py's; with `gelu`, conv + GELU) against F.conv3d
+    (+ F.gelu) in float64 (the truth) and in `dtype`: per output, both max errors, the rounding floor and
+    whether `within_tolerance` holds."""
     g = torch.Generator(device=device).manual_seed(seed)
     B, _, H, W, C = shape
     lo, hi = frames
@@ -81,8 +82,8 @@ def check_conv(shape, frames, dtype, device, kernel=(3, 3, 3), seed=0, gelu=Fals
     weight = torch.randn((C, 1, *kernel), generator=g, device=device, dtype=F64).float()
     bias = torch.randn(C, generator=g, device=device, dtype=F64).float()
     grad = torch.randn((B, hi - lo, H, W, C), generator=g, device=device, dtype=F64).to(dtype)
-    truth, same, fused = (conv_and_grads(backend, x, weight, bias, grad, frames, dt, gelu)
-                          for backend, dt in (("torch", F64), ("torch", dtype), ("triton", dtype)))
+    truth, same, fused = (conv_and_grads(name, x, weight, bias, grad, frames, dt, gelu)
+                          for name, dt in (("torch", F64), ("torch", dtype), (backend, dtype)))
     errors = {}
     for name, want, ref, got in zip(("y", "dx", "dweight", "dbias"), truth, same, fused):
         err = (got.to(F64) - want).abs().max().item()

@@ -1,4 +1,5 @@
-"""Video conversion and writing: uint8 frames, mp4 files, PNG grids of sample frames.
+"""Video conversion and writing: uint8 frames, mp4 files (one clip or clips side by side, looped to a
+minimum length), PNG grids of sample frames.
 
 Two layouts are accepted everywhere a "video" is taken:
 - model layout: float (3, T, H, W) RGB in [-1, 1] (torch or numpy);
@@ -7,6 +8,7 @@ Two layouts are accepted everywhere a "video" is taken:
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -40,11 +42,31 @@ def to_uint8_frames(video: torch.Tensor | np.ndarray) -> np.ndarray:
     )
 
 
-def write_mp4(path: str | Path, video: torch.Tensor | np.ndarray, fps: float = 8.0, crf: int = 18) -> Path:
+def side_by_side(videos: Sequence[torch.Tensor | np.ndarray], gap: int = 4) -> np.ndarray:
+    """uint8 frames (T, H, W_1 + gap + W_2 + ..., 3): the videos (either layout, equal T and H) next to each
+    other, left to right, with `gap` columns of mid grey between them."""
+    clips = [to_uint8_frames(v) for v in videos]  # (T, H, W_i, 3) each
+    if not clips:
+        raise ValueError("side_by_side: videos is empty; pass at least one video")
+    if len({c.shape[:2] for c in clips}) > 1:
+        raise ValueError(f"side_by_side: the videos' (T, H) differ: {[c.shape[:2] for c in clips]}; pass clips of "
+                         f"equal length and height")
+    if gap < 0:
+        raise ValueError(f"side_by_side: gap={gap} must be >= 0")
+    T, H = clips[0].shape[:2]
+    spacer = np.full((T, H, gap, 3), 128, np.uint8)
+    parts = [part for c in clips for part in (spacer, c)][1:]
+    return np.concatenate(parts, axis=2)  # (T, H, sum W_i + gaps, 3)
+
+
+def write_mp4(path: str | Path, video: torch.Tensor | np.ndarray, fps: float = 8.0, crf: int = 18,
+              min_seconds: float = 0.0) -> Path:
     """Write a video as H.264 mp4 with the ffmpeg of imageio-ffmpeg, all or nothing.
 
     ``video``: float (3, T, H, W) in [-1, 1] or uint8 (T, H, W, 3). ``crf``: x264
     constant rate factor (0 = lossless luma, 18 = visually lossless, 51 = worst).
+    ``min_seconds``: a clip shorter than that at ``fps`` is looped (played whole, again and again)
+    until it lasts at least that long, so that the motion of a few frames can be seen.
     Odd frame sizes are written with full-resolution chroma (yuv444p) instead of yuv420p.
     ffmpeg writes a hidden temp file beside ``path`` that replaces ``path`` only when ffmpeg
     succeeded, so a failed write (read-only folder, full disk) raises OSError naming ``path`` and
@@ -57,6 +79,9 @@ def write_mp4(path: str | Path, video: torch.Tensor | np.ndarray, fps: float = 8
         raise ValueError(f"fps={fps} must be > 0")
     if not 0 <= crf <= 51:
         raise ValueError(f"crf={crf} must lie in [0, 51]")
+    if not min_seconds >= 0:
+        raise ValueError(f"min_seconds={min_seconds} must be >= 0 (0 writes the clip once)")
+    frames = np.tile(frames, (max(1, math.ceil(min_seconds * fps / len(frames))), 1, 1, 1))  # (loops * T, H, W, 3)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     height, width = frames.shape[1:3]

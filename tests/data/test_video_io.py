@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megaslide.data.moving_shapes import MovingShapes
-from megaslide.data.video_io import frame_grid_png, to_uint8_frames, write_mp4
+from megaslide.data.video_io import frame_grid_png, side_by_side, to_uint8_frames, write_mp4
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -69,6 +69,33 @@ def test_write_mp4_accepts_model_layout(tmp_path):
     assert np.abs(decoded.astype(int) - to_uint8_frames(item["video"]).astype(int)).mean() < 8.0
     with pytest.raises(ValueError, match="fps"):
         write_mp4(tmp_path / "bad.mp4", item["video"], fps=0)
+
+
+def test_side_by_side_places_clips_left_to_right_with_a_grey_gap():
+    left = np.zeros((3, 4, 5, 3), np.uint8)
+    right = torch.ones(3, 3, 4, 6)  # model layout: white
+    tiled = side_by_side([left, right], gap=2)
+    assert tiled.shape == (3, 4, 5 + 2 + 6, 3) and tiled.dtype == np.uint8
+    np.testing.assert_array_equal(tiled[:, :, :5], left)
+    assert (tiled[:, :, 5:7] == 128).all() and (tiled[:, :, 7:] == 255).all()
+    np.testing.assert_array_equal(side_by_side([left]), left)
+    with pytest.raises(ValueError, match="length and height"):
+        side_by_side([left, np.zeros((2, 4, 5, 3), np.uint8)])
+
+
+@pytest.mark.parametrize("frames,fps,min_seconds,expected", [(4, 8, 3.0, 24), (5, 8, 3.0, 25), (30, 8, 3.0, 30),
+                                                             (4, 8, 0.0, 4)])
+def test_write_mp4_loops_a_short_clip_to_min_seconds(tmp_path, frames, fps, min_seconds, expected):
+    """Whole loops of the clip until it lasts min_seconds at fps (4 frames at 8 fps: 6 loops for 3 s)."""
+    clip = np.zeros((frames, 8, 12, 3), np.uint8)
+    clip[:, :, :, 0] = (np.arange(frames) * 255 // max(frames - 1, 1))[:, None, None]  # red ramps up each loop
+    decoded = np.stack(imageio.mimread(write_mp4(tmp_path / "loop.mp4", clip, fps=fps, min_seconds=min_seconds),
+                                       format="FFMPEG"))
+    assert decoded.shape == (expected, 8, 12, 3)
+    want = np.tile(clip, (expected // frames, 1, 1, 1))
+    assert np.abs(decoded.astype(int) - want.astype(int)).mean() < 4.0
+    with pytest.raises(ValueError, match="min_seconds"):
+        write_mp4(tmp_path / "bad.mp4", clip, min_seconds=-1)
 
 
 def test_frame_grid_png(tmp_path):

@@ -15,9 +15,11 @@ accumulate in fp32 and compute the weight and bias gradients in one pass without
 pre-activation beside it (kept for the backward, as autograd keeps F.gelu's input), so the net makes no
 separate GELU pass; the backward takes GELU's derivative in one elementwise pass before the conv's.
 
-Backends: "torch" (F.conv3d, the reference; CPU's default, where oneDNN runs the channels-last view
-well) and "triton" (CUDA, or the CPU interpreter when asked for by name); "auto" takes triton on
-CUDA. Under autocast the output has autocast's dtype, as F.conv3d's would.
+Backends: "torch" (F.conv3d and its autograd, the reference), "cpu" (F.conv3d forward, where oneDNN runs the
+channels-last view well, and a backward written out: PyTorch's CPU backward of a depthwise Conv3d takes a
+generic slow path, its input gradient many times the forward's time) and "triton" (CUDA, or the CPU
+interpreter when asked for by name); "auto" takes triton on CUDA, cpu on the CPU. Under autocast the output
+has autocast's dtype, as F.conv3d's would.
 """
 from __future__ import annotations
 
@@ -198,6 +200,50 @@ def _conv_torch(x, weight, bias, lo, hi, gelu):
     return F.gelu(y) if gelu else y
 
 
+class _DepthwiseConv3dCPU(torch.autograd.Function):
+    """F.conv3d over the channels-last view; the backward as two plain passes: the input gradient is the
+    conv of dy (zero outside frames [lo, hi)) with the taps flipped, the weight gradient per tap the sum of
+    dy times x shifted by that tap (x zero-padded), both accumulated in at least fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lo: int, hi: int):
+        pad = tuple(k // 2 for k in weight.shape[2:])
+        y = F.conv3d(x.permute(0, 4, 1, 2, 3), weight, bias, padding=pad, groups=weight.shape[0])  # (B, C, T, H, W)
+        ctx.save_for_backward(x, weight)
+        ctx.meta = (lo, bias.dtype if bias is not None else None)
+        return y[:, :, lo:hi].permute(0, 2, 3, 4, 1)               # (B, hi-lo, H, W, C)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        lo, bias_dtype = ctx.meta
+        B, T, H, W, C = x.shape
+        kernel = weight.shape[2:]
+        pt, ph, pw = (k // 2 for k in kernel)
+        frames = dy.shape[1]
+        wide = torch.promote_types(dy.dtype, torch.float32)
+        dy = dy.to(wide)                                            # (B, frames, H, W, C)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            full = dy.new_zeros((B, T, H, W, C))
+            full[:, lo:lo + frames] = dy                            # (B, T, H, W, C)
+            dx = F.conv3d(full.permute(0, 4, 1, 2, 3), weight.to(wide).flip(2, 3, 4), None, padding=(pt, ph, pw),
+                          groups=C).permute(0, 2, 3, 4, 1).to(x.dtype)  # (B, T, H, W, C)
+        if ctx.needs_input_grad[1]:
+            xp = F.pad(x.to(wide), (0, 0, pw, pw, ph, ph, pt, pt))  # (B, T+2pt, H+2ph, W+2pw, C)
+            taps = [(xp[:, lo + a:lo + a + frames, b:b + H, c:c + W] * dy).sum((0, 1, 2, 3))   # (C,) per tap
+                    for a in range(kernel[0]) for b in range(kernel[1]) for c in range(kernel[2])]
+            dw = torch.stack(taps, 1).view(weight.shape).to(weight.dtype)  # (C, 1, kt, kh, kw)
+        if bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy.sum((0, 1, 2, 3)).to(bias_dtype)                # (C,)
+        return dx, dw, db, None, None
+
+
+def _conv_cpu(x, weight, bias, lo, hi, gelu):
+    y = _DepthwiseConv3dCPU.apply(x, weight, bias, lo, hi)          # (B, hi-lo, H, W, C)
+    return F.gelu(y) if gelu else y
+
+
 def _conv_triton(x, weight, bias, lo, hi, gelu):
     return _DepthwiseConv3dTriton.apply(x, weight, bias, lo, hi, gelu)
 
@@ -206,12 +252,19 @@ def _can_run_torch(x: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     return True, "F.conv3d"
 
 
+def _can_run_cpu(x: torch.Tensor, explicit: bool) -> tuple[bool, str]:
+    if x.device.type == "cpu" or explicit:
+        return True, "F.conv3d, backward written out"
+    return False, f"auto takes it on the CPU only (x is on {x.device})"
+
+
 def _can_run_triton(x: torch.Tensor, explicit: bool) -> tuple[bool, str]:
     return triton_kernels_check("megaslide.attention.dsa.depthwise_kernels", x.device, explicit,
                                 "Triton depthwise conv")
 
 
 BACKENDS: tuple[Backend, ...] = (Backend("triton", _can_run_triton, _conv_triton),
+                                 Backend("cpu", _can_run_cpu, _conv_cpu),
                                  Backend("torch", _can_run_torch, _conv_torch))
 
 

@@ -78,9 +78,11 @@ def row_corners(offsets: torch.Tensor, kernel_size: tuple[int, int, int]) -> Row
     B, T, H, W, heads, K, _ = offsets.shape
     coord_dtype = torch.promote_types(offsets.dtype, torch.float32)
     base = base_positions((T, H, W), kernel_size, offsets.device).to(coord_dtype)  # (T, H, W, K, 3)
-    # axis first, samples last: (3, B, heads, T, H, W, K) -> (3, R, K); no out= buffer, which torch.compile
-    # may give the permuted strides of offsets
-    pos = (base.permute(4, 0, 1, 2, 3)[:, None, None] + offsets.permute(6, 0, 4, 1, 2, 3, 5)).reshape(3, -1, K)
+    # axis first, samples last: (3, B, heads, T, H, W, K) -> (3, R, K); the permuted offsets copied first (an add
+    # that reads them at their permuted strides is several times slower on the CPU); no out= buffer, which
+    # torch.compile may give the permuted strides of offsets
+    pos = offsets.permute(6, 0, 4, 1, 2, 3, 5).contiguous() + base.permute(4, 0, 1, 2, 3)[:, None, None]
+    pos = pos.reshape(3, -1, K)  # (3, R, K)
     factors = offsets.new_empty((3, 2, *pos.shape[1:]), dtype=coord_dtype)  # (3, 2, R, K)
     lower, inside, steps = 0, [], []
     for axis, (p, size, stride) in enumerate(zip(pos, (T, H, W), (H * W, W, 1))):
@@ -89,10 +91,12 @@ def row_corners(offsets: torch.Tensor, kernel_size: tuple[int, int, int]) -> Row
         floor = p.floor().clamp_(max=max(size - 2, 0))  # (R, K) the last index: upper neighbour of the one before
         torch.sub(p, floor, out=factors[axis, 1])
         torch.sub(1, factors[axis, 1], out=factors[axis, 0])
-        lower = lower + floor.long() * stride  # (R, K)
+        # (R, K) whole numbers below N, exact in the coordinate dtype (N * N scores fit in memory: N << 2**24);
+        # one conversion to long at the end, as int64 arithmetic is slow on the CPU
+        lower = lower + floor * stride
         steps.append(stride if size > 1 else 0)
     shifts = [sum(b * s for b, s in zip(corner, steps)) for corner in BITS]
-    return RowCorners(lower, shifts, factors, torch.stack(inside))
+    return RowCorners(lower.long(), shifts, factors, torch.stack(inside))
 
 
 def live_bits(factors: torch.Tensor) -> tuple:
