@@ -135,13 +135,15 @@ def test_swin_bf16_attend_matches_cpu_measurement(heads):
 @pytest.mark.parametrize("layer_idx", [0, 1])
 def test_chunked_bf16_swin_block_matches_cpu_measurement(layer_idx):
     """A token-chunked Swin block in bf16 (bf16 weights, CPU autocast) measured with LiveTensorBytes: the
-    whole-sequence attention sets its peak; the unshifted layer peaks lower (no rolled copies or masks)."""
+    whole-sequence attention sets its peak. The model counts the shifted layer's rolled copies and masks for
+    every layer (the planner takes the largest block); the unshifted layer has neither, and since the slices'
+    gradients join once its backward no longer peaks above its forward: it peaks up to 15% lower."""
     cfg = DiTConfig(dim=512, num_heads=4, ffn_dim=2048, qk_norm=False,
                     attention=AttentionConfig("swin", {"window": (2, 4, 4)}))
     kept, peak = _measured(cfg, (8, 16, 16), dtype=torch.bfloat16, layer_idx=layer_idx, chunk_tokens=512)
     model = block_memory(cfg, 2048, BF16_SHELLS, execution=ExecutionConfig(chunk_tokens=512))
     assert model.kept_total == pytest.approx(kept, rel=0.01)
-    assert model.peak_total == pytest.approx(peak, rel=0.02 if layer_idx else 0.12)
+    assert model.peak_total == pytest.approx(peak, rel=0.02 if layer_idx else 0.15)
     assert model.peak_total >= peak * 0.99
 
 
