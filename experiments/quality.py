@@ -82,7 +82,7 @@ def main(cfg: DictConfig) -> None:
               "clip_steps": steps, "progressive": bool(cfg.progressive), "compile": train.compile,
               "deterministic": train.deterministic,
               "seeds": list(cfg.seeds), "batch_sizes": batches}
-    run_study("quality", cfg, jobs, [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed) for clip in clips], config,
+    run_study("quality", cfg, jobs, [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed, cfg.n_train_eval) for clip in clips], config,
               {f"_{clip.frames}f": clip.frames for clip in clips})
 
 

@@ -43,16 +43,26 @@ from megaslide.train.trainer import Trainer
 # text_alignment needs every part of the caption; color/shape/direction_match say which part fails
 SCORE_KEYS = ("text_alignment", "color_match", "shape_match", "direction_match", "temporal_consistency",
               "motion_error", "flickering", "frame_consistency")
-# the printed summary (the JSON and the markdown hold every score with its spread): (header, key)
+# the printed summary (the JSON and the markdown hold every score with its spread): (header, key); "on train" is
+# the caption match on training clips (n_train_eval), "-" where none were scored
 SUMMARY = (("colour", "color_match"), ("shape", "shape_match"), ("direction", "direction_match"),
-           ("caption", "text_alignment"), ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
+           ("caption", "text_alignment"), ("on train", "trainset_text_alignment"),
+           ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
 MIN_FRAME_PX = 96
 MP4_SECONDS = 3.0  # a few frames at 8 fps last under a second: looped to at least this long, so the motion shows
 MEDIA_KEYS = ("samples", "captions", "mp4")  # kept in the rows for the grid and the printout, not in the JSON
 
 
+# scores also taken on training clips (`n_train_eval`), prefixed TRAINSET: a model that fits its training clips but
+# fails on held-out ones shows it as a gap between the two
+TRAINSET = "trainset_"
+TRAINSET_KEYS = tuple(TRAINSET + k for k in ("text_alignment", "color_match", "shape_match", "direction_match",
+                                              "temporal_consistency"))
+
+
 def eval_set(data: DataConfig, n: int, seed: int) -> tuple[list[str], list, torch.Tensor]:
-    """Held-out captions, labels and ground-truth clips (a data seed the training never saw)."""
+    """Captions, labels and ground-truth clips of the first n clips of data seed `seed`: held out when `seed` is
+    not the training data's (data.seed), the training clips themselves when it is."""
     ds = MovingShapes(num_videos=n, frames=data.frames, height=data.height, width=data.width,
                       num_shapes=data.num_shapes, speed=data.speed, shape_size=data.shape_size, seed=seed)
     items = [ds[i] for i in range(n)]
@@ -78,6 +88,12 @@ def upscaled(video: torch.Tensor) -> np.ndarray:
     frames = to_uint8_frames(video)  # (T, H, W, 3)
     f = max(1, math.ceil(MIN_FRAME_PX / min(frames.shape[1:3])))
     return frames.repeat(f, axis=1).repeat(f, axis=2)  # (T, f*H, f*W, 3)
+
+
+def trainset_scores(videos: torch.Tensor, labels) -> dict:
+    """score() of clips sampled for training captions, under TRAINSET_KEYS."""
+    scores = score(videos, labels)
+    return {k: scores[k.removeprefix(TRAINSET)] for k in TRAINSET_KEYS}
 
 
 def sample_in_batches(trainer: Trainer, captions: list[str], batch: int, seed: int) -> torch.Tensor:
@@ -125,7 +141,7 @@ def load_samples(path: str | Path) -> tuple[torch.Tensor, list[str], list]:
 
 def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, *, n_eval: int,
                 eval_seed: int, sample_batch: int, out_dir: Path, project: str, tag: str,
-                save_mp4: bool = True, continue_own: bool = False) -> dict:
+                save_mp4: bool = True, continue_own: bool = False, n_train_eval: int = 0) -> dict:
     """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row.
 
     A run whose `train.resume` names a checkpoint continues that run (weights, EMA, optimizer
@@ -140,7 +156,10 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     newest of them instead of from `train.resume`, and the row says so (`restarted_from`; then
     `init_step`, `init_weights` and `train_s` are those of this invocation). Its metrics.jsonl keeps
     the rows up to that checkpoint. A finished run re-samples and re-scores its final weights
-    without training."""
+    without training.
+
+    `n_train_eval` > 0 also samples the captions of the first that many training clips and adds their scores
+    (TRAINSET_KEYS) beside the held-out ones."""
     model = dataclasses.replace(model, attention=model.attention.for_variant(attention))
     run_dir = out_dir / run_name(tag, attention, train.seed)
     source = Path(train.resume) if train.resume else None
@@ -168,6 +187,10 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         row["final_weights"] = weights_digest(trainer.engine)
         captions, labels, truth = eval_set(data, n_eval, eval_seed)
         videos = sample_in_batches(trainer, captions, sample_batch, seed=eval_seed)
+        if n_train_eval:
+            seen_captions, seen_labels, _ = eval_set(data, n_train_eval, data.seed)
+            row.update(trainset_scores(sample_in_batches(trainer, seen_captions, sample_batch, seed=data.seed),
+                                       seen_labels))
     except torch.OutOfMemoryError as e:
         logger.finish()
         return {**row, "status": f"OOM: {str(e).splitlines()[0][:120]}"}
@@ -334,6 +357,10 @@ def check_study(cfg) -> None:
         value = cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1: {meaning}")
+    n, clips = cfg.n_train_eval, cfg.data.num_videos
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= clips:
+        raise ValueError(f"n_train_eval={n!r} must be an integer from 0 (off) to data.num_videos={clips}: training "
+                         f"clips each run also samples and scores, e.g. n_train_eval=32")
     check_result_name(cfg.results_name, "results_name")
     refuse_added_keys(command_line_keys(added=True))
     seeds = cfg.seeds
@@ -357,7 +384,8 @@ def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: Tra
     """run_variant's keyword arguments for one (variant, clip, seed) of a study config `cfg`."""
     return dict(attention=attention, model=model, data=data, train=train, n_eval=cfg.n_eval, eval_seed=cfg.eval_seed,
                 sample_batch=cfg.sample_batch, out_dir=Path(cfg.out_dir), project=cfg.wandb_project, tag=tag,
-                save_mp4=cfg.save_mp4, continue_own=bool(cfg.get("continue_runs", False)))
+                save_mp4=cfg.save_mp4, continue_own=bool(cfg.get("continue_runs", False)),
+                n_train_eval=cfg.n_train_eval)
 
 
 def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config: dict,
@@ -383,17 +411,23 @@ def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config:
 def summary_table(rows: list[dict]) -> str:
     """The SUMMARY scores of aggregated rows (means over seeds), a plain table under 100 columns."""
     header = ["variant", "frames", "seeds", *(h for h, _ in SUMMARY)]
-    lines = [[r["variant"], str(r["frames"]), str(r["seeds"]), *(f"{r[f'{k}_mean']:.2f}" for _, k in SUMMARY)]
-             for r in rows]
+    lines = [[r["variant"], str(r["frames"]), str(r["seeds"]),
+              *("-" if math.isnan(r[f"{k}_mean"]) else f"{r[f'{k}_mean']:.2f}" for _, k in SUMMARY)] for r in rows]
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                                enumerate(zip(line, widths))) for line in [header, *lines])
 
 
-def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int) -> dict:
+def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int, n_train_eval: int = 0) -> dict:
+    """The scores of the true held-out clips (the ceiling of a model's), and of the first `n_train_eval`
+    training clips under TRAINSET_KEYS."""
     captions, labels, videos = eval_set(data, n_eval, eval_seed)
-    return {"variant": "ground_truth", "frames": data.frames, "seed": eval_seed, **score(videos, labels),
-            "status": "ok", "samples": videos[:4], "captions": captions[:4]}
+    row = {"variant": "ground_truth", "frames": data.frames, "seed": eval_seed, **score(videos, labels),
+           "status": "ok", "samples": videos[:4], "captions": captions[:4]}
+    if n_train_eval:
+        _, seen_labels, seen = eval_set(data, n_train_eval, data.seed)
+        row.update(trainset_scores(seen, seen_labels))
+    return row
 
 
 def aggregate(rows: list[dict], ddof: int = 0) -> list[dict]:
@@ -403,7 +437,7 @@ def aggregate(rows: list[dict], ddof: int = 0) -> list[dict]:
     for key in dict.fromkeys((r["variant"], r["frames"]) for r in rows):
         group = [r for r in rows if (r["variant"], r["frames"]) == key and r.get("status") == "ok"]
         agg = {"variant": key[0], "frames": key[1], "seeds": len(group)}
-        for k in SCORE_KEYS:
+        for k in SCORE_KEYS + TRAINSET_KEYS:
             vals = [g[k] for g in group if not math.isnan(g.get(k, math.nan))]
             agg[f"{k}_mean"] = float(np.mean(vals)) if vals else math.nan
             agg[f"{k}_std"] = float(np.std(vals, ddof=ddof)) if len(vals) > ddof else math.nan

@@ -149,6 +149,14 @@ def undertrained(p: Pooled, frames: int) -> str | None:
     return f"under-trained: best TA {best:.2f} vs ground truth {truth:.2f}" if best < truth / 2 else None
 
 
+def _trainset(a: dict, b: dict) -> str:
+    """The caption match (TA) two pooled rows score on training clips (n_train_eval), beside the held-out TA above."""
+    ta = [r.get("trainset_text_alignment_mean", math.nan) for r in (a, b)]
+    if any(math.isnan(x) for x in ta):
+        return "TA on training clips not recorded"
+    return f"TA on training clips {ta[0]:.2f} vs {ta[1]:.2f}"
+
+
 @dataclass
 class Gap:
     """a - b of one pooled score and the margin it must clear to count."""
@@ -262,12 +270,13 @@ class QualityClaim:
                     shown = "not recorded" if any(math.isnan(x) for x in losses) else " vs ".join(f"{x:.3f}"
                                                                                                 for x in losses)
                     ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}; final "
-                                f"training loss {shown}")
+                                f"training loss {shown}; {_trainset(a, b)}")
                     measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
                     text = f"{why}; {self.variant} minus {self.baseline} {measured}"
                     if word == BETTER:
-                        text += (f" (held-out captions; the training losses above show whether "
-                                 f"{self.baseline} fit its training clips better while failing on held-out ones)")
+                        text += (f" (held-out clips; the training losses and TA on training clips above show "
+                                 f"whether {self.baseline} fit its training clips better while failing on held-out "
+                                 f"ones)")
                 if version < newest:
                     word, text = SUPERSEDED, f"scorer v{version}, the verdict uses v{newest} ({word}, {text})"
                     old = SUPERSEDED
@@ -300,6 +309,9 @@ QUALITY_CLAIMS = {
 }
 
 
+HEADERS = {"trainset_text_alignment": "text alignment, training clips"}
+
+
 def pooled_table(experiment: str, p: Pooled) -> list[str]:
     """Markdown lines: mean ± sample std over seeds per (variant, frames) of a pooled quality study."""
     def cell(r, key):
@@ -309,9 +321,11 @@ def pooled_table(experiment: str, p: Pooled) -> list[str]:
     parts = ["color_match", "shape_match", "direction_match"]   # older result files lack them
     if all(not math.isnan(r.get(f"{k}_mean", math.nan)) for r in p.rows.values() for k in parts):
         keys[1:1] = parts
+    if all(not math.isnan(r.get("trainset_text_alignment_mean", math.nan)) for r in p.rows.values()):
+        keys[1:1] = ["trainset_text_alignment"]      # caption match on training clips, beside the held-out one
     out = [(f"### {experiment} ({p.training}, n_eval {p.settings['n_eval']}, scorer v{p.settings['scorer_version']}; "
            f"{', '.join(p.links)})"), "",
-           "| variant | frames | seeds | " + " | ".join(k.replace("_", " ") for k in keys) + " |",
+           "| variant | frames | seeds | " + " | ".join(HEADERS.get(k, k.replace("_", " ")) for k in keys) + " |",
            "|---|---|---|" + "---|" * len(keys)]
     for (variant, frames), r in sorted(p.rows.items(), key=lambda kv: (kv[0][1], kv[0][0] == "ground_truth")):
         out.append(f"| {variant} | {frames} | {r['seeds']} | " + " | ".join(cell(r, k) for k in keys) + " |")

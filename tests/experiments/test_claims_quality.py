@@ -41,8 +41,13 @@ def _seeds(scores_per_seed: list[dict], frames: int = 16, **kw) -> list[dict]:
     return [r for r in rows if r["variant"] != "ground_truth"] + [r for r in rows if r["variant"] == "ground_truth"][:1]
 
 
+def _claim(results, claim_id: str) -> tuple[str, str]:
+    """(our evidence, the verdict) of one claim on the synthetic results."""
+    return next(c for claims_ in page.CLAIMS.values() for c in claims_ if c.id == claim_id).ours(results)
+
+
 def _verdict(results, claim_id: str) -> str:
-    return next(c for claims_ in page.CLAIMS.values() for c in claims_ if c.id == claim_id).ours(results)[1]
+    return _claim(results, claim_id)[1]
 
 
 def test_seeds_pool_across_files_of_one_config(results):
@@ -316,3 +321,19 @@ def test_both_sides_must_learn_and_parity_is_two_sided_with_the_previous_rule_sh
     assert "parity was one-sided: DSA no worse than -0.05): supported" in c6
     c8 = _verdict(results, "C8")
     assert c8.startswith("supported") and "under the previous rule" not in c8     # unchanged: nothing shown
+
+
+def test_caption_match_on_training_clips_shows_beside_the_held_out_one(results):
+    """Rows scored on training clips (n_train_eval) add a column to the pooled table and a figure to the claim's
+    evidence; rows without them say "not recorded"."""
+    rows = _rows(0, {"dsa": (0.6, 0.7), "dense": (0.5, 0.3)})
+    _write(results, "a", 1500, [0], rows, experiment="quality")
+    ours = _claim(results, "C6")[0]
+    assert "TA on training clips not recorded" in ours
+    for r, seen in zip(rows, (0.75, 0.95, 1.0)):                  # dense fits its training clips, not held-out ones
+        r["trainset_text_alignment"] = seen
+    _write(results, "a", 1500, [0], rows, experiment="quality")
+    assert "TA on training clips 0.75 vs 0.95" in _claim(results, "C6")[0]
+    table = quality.pooled_table("quality", quality.pooled(results, "quality"))
+    assert "| text alignment | text alignment, training clips |" in table[2]
+    assert "| dense | 16 | 1 | 0.30 | 0.95 |" in "\n".join(table)

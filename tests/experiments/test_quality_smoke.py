@@ -5,7 +5,10 @@ from pathlib import Path
 import imageio.v2 as imageio
 import torch
 
-from experiments.quality_protocol import MIN_FRAME_PX, SCORE_KEYS, summary_table, upscaled
+from experiments.quality_protocol import (MIN_FRAME_PX, SCORE_KEYS, TRAINSET_KEYS, eval_set, summary_table,
+                                          upscaled)
+from megaslide.config import DataConfig
+from megaslide.data.build import build_dataset
 from megaslide.data.video_io import to_uint8_frames
 from tests.experiments.runner import run_script
 
@@ -34,6 +37,7 @@ def test_ablate_offsets_smoke(tmp_path):
     for r in per_seed:                                                 # all of the caption implies each part
         assert r["text_alignment"] <= min(r["color_match"], r["shape_match"], r["direction_match"])
     assert data["jobs_done"] == data["jobs_total"] == 2                 # complete, not a partial result
+    assert not any(k in r for r in per_seed for k in TRAINSET_KEYS)     # n_train_eval=0 by default here
 
     table = out[out.index("variant"):].split("\n\n")[0].splitlines()  # the printout: a narrow summary,
     assert max(map(len, table)) <= 100, out                             # then where everything is
@@ -51,6 +55,20 @@ def test_quality_smoke(tmp_path):
     assert {r["variant"] for r in data["rows"]} == {"dense", "swin", "dsa", "dsa_zero", "ground_truth"}
     assert all(r["seeds"] == 1 for r in data["rows"] if r["variant"] != "ground_truth")
     assert data["config"]["deterministic"] is False     # train.deterministic, recorded with the study
+    per_seed = data["tables"]["per seed"]                # n_train_eval defaults to n_eval: training clips scored too
+    assert all(0 <= r[k] <= 1 for r in per_seed for k in TRAINSET_KEYS)
+    truth = next(r for r in per_seed if r["variant"] == "ground_truth")
+    assert truth["trainset_text_alignment"] == 1.0       # the true training clips match their captions
+
+
+def test_trainset_clips_are_the_training_data():
+    """n_train_eval scores the first clips the trainer draws from (data seed data.seed), not held-out ones."""
+    data = DataConfig(frames=4, height=8, width=8, shape_size=4, speed=2, num_videos=8, seed=3)
+    captions, _, videos = eval_set(data, 2, data.seed)
+    train = build_dataset(data)
+    assert captions == [train[i]["caption"] for i in range(2)]
+    torch.testing.assert_close(videos, torch.stack([train[i]["video"] for i in range(2)]))
+    assert eval_set(data, 2, 10007)[0] != captions or not torch.equal(eval_set(data, 2, 10007)[2], videos)
 
 
 def test_parallel_workers_give_the_same_rows(tmp_path):
@@ -73,8 +91,8 @@ def test_upscaled_repeats_pixels_to_the_minimum_size():
 
 def test_summary_table_fits_100_columns():
     row = {"variant": "ground_truth", "frames": 64, "seeds": 3,
-           **{f"{k}_mean": 0.123456 for k in SCORE_KEYS}}
+           **{f"{k}_mean": 0.123456 for k in SCORE_KEYS + TRAINSET_KEYS}}
     lines = summary_table([row, {**row, "variant": "dsa_zero"}]).splitlines()
     assert len(lines) == 3 and max(map(len, lines)) <= 100
     assert lines[0].split() == ["variant", "frames", "seeds", "colour", "shape", "direction", "caption",
-                                "consistency", "motion", "err"]
+                                "on", "train", "consistency", "motion", "err"]
