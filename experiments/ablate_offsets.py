@@ -34,7 +34,8 @@ def main(cfg: DictConfig) -> None:
     config = {"speed_px_per_frame": data.speed, "frames": data.frames, "size": [data.height, data.width],
               "patch": list(model.patch_size), "kernel_size": list(model.attention.options.kernel_size),
               "max_offset": model.attention.options.max_offset, "steps": train.steps, "seeds": list(cfg.seeds)}
-    run_study("ablate_offsets", cfg, jobs, [ground_truth_row(data, cfg.n_eval, cfg.eval_seed, cfg.n_train_eval)], config, {"": None})
+    truth = ground_truth_row(data, cfg.n_eval, cfg.eval_seed, cfg.n_train_eval)
+    run_study("ablate_offsets", cfg, jobs, [truth], config, {"": None})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
 from experiments.quality_protocol import (check_study, final_checkpoint, ground_truth_row, make_job, process_pool,
-                                          run_study)
+                                          run_study, variant_models)
+from experiments.recipe import read_recipe, tuned_for
 from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.train.trainer import Trainer
@@ -51,9 +52,7 @@ def per_clip(values, default: int, key: str, default_key: str, clip_frames) -> l
 def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
     check_study(cfg)
-    swin = {"window": tuple(cfg.swin_window)}
-    models = {v: dataclasses.replace(model, attention=model.attention.for_variant(v, **(swin if v == "swin" else {})))
-              for v in cfg.variants}
+    models = variant_models(model, cfg.variants, cfg.swin_window)
     clips = [dataclasses.replace(data, frames=int(f)) for f in cfg.clip_frames]
     batches = per_clip(cfg.clip_batch_sizes, train.batch_size, "clip_batch_sizes", "train.batch_size", cfg.clip_frames)
     steps = per_clip(cfg.clip_steps, train.steps, "clip_steps", "train.steps", cfg.clip_frames)
@@ -66,13 +65,16 @@ def main(cfg: DictConfig) -> None:
             raise ValueError(f"probe_warmup={cfg.probe_warmup} and probe_steps={cfg.probe_steps} must each be >= 1")
         probe_compile(cfg, models, clips[0], dataclasses.replace(train, batch_size=batches[0]))
         return
+    recipes = (read_recipe(cfg.recipe, list(cfg.variants), tuned_for(clips[0], model, steps[0], batches[0]),
+                           cfg.eval_seed) if cfg.recipe else {})
     totals = list(itertools.accumulate(steps)) if cfg.progressive else steps   # each run's steps in all
     jobs = []
     for seed in cfg.seeds:
         previous: dict[str, dict] = {}       # variant -> its job at the previous clip
         for clip, batch, total in zip(clips, batches, totals):
             for variant in cfg.variants:
-                run = dataclasses.replace(train, seed=int(seed), batch_size=batch, steps=total)
+                run = dataclasses.replace(train, seed=int(seed), batch_size=batch, steps=total,
+                                          **recipes.get(variant, {}))
                 if cfg.progressive and variant in previous:
                     run = dataclasses.replace(run, resume=str(final_checkpoint(previous[variant])))
                 previous[variant] = make_job(cfg, variant, models[variant], clip, run, f"{cfg.name}{clip.frames}f")
@@ -80,10 +82,10 @@ def main(cfg: DictConfig) -> None:
     config = {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
               "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": steps[0],
               "clip_steps": steps, "progressive": bool(cfg.progressive), "compile": train.compile,
-              "deterministic": train.deterministic,
+              "deterministic": train.deterministic, **({"recipe": recipes} if recipes else {}),
               "seeds": list(cfg.seeds), "batch_sizes": batches}
-    run_study("quality", cfg, jobs, [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed, cfg.n_train_eval) for clip in clips], config,
-              {f"_{clip.frames}f": clip.frames for clip in clips})
+    truth = [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed, cfg.n_train_eval) for clip in clips]
+    run_study("quality", cfg, jobs, truth, config, {f"_{clip.frames}f": clip.frames for clip in clips})
 
 
 def time_steps(model: DiTConfig, data: DataConfig, train: TrainConfig, out_dir: str, warmup: int,

@@ -69,6 +69,12 @@ def eval_set(data: DataConfig, n: int, seed: int) -> tuple[list[str], list, torc
     return [it["caption"] for it in items], [it["labels"] for it in items], torch.stack([it["video"] for it in items])
 
 
+def learned(text_alignment: float, truth: float) -> bool:
+    """The training check of the quality studies: a model learned the task when its caption match is at least
+    half the ground truth's on the same clips."""
+    return text_alignment >= truth / 2
+
+
 def score(videos: torch.Tensor, labels) -> dict:
     """All scores of a batch of videos (B, 3, T, H, W) in [-1, 1]."""
     motion = score_videos(videos, labels)
@@ -163,7 +169,8 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     model = dataclasses.replace(model, attention=model.attention.for_variant(attention))
     run_dir = out_dir / run_name(tag, attention, train.seed)
     source = Path(train.resume) if train.resume else None
-    row = {"variant": attention, "frames": data.frames, "seed": train.seed, "params": count_params(model),
+    row = {"variant": attention, "frames": data.frames, "seed": train.seed, "run": run_dir.name,
+           "params": count_params(model),
            "steps": train.steps, "init_from": "scratch" if source is None else _relative(source, out_dir)}
     own = step_checkpoints(run_dir / "checkpoints") if continue_own else {}
     restart = max(own) if own else None      # the step of the run's own newest checkpoint
@@ -241,7 +248,8 @@ def dependencies(jobs: list[dict]) -> dict[int, int]:
 def _row_of(job: dict, status: str) -> dict:
     """The row of a job that has no scores."""
     return {"variant": job["attention"], "frames": job["data"].frames, "seed": job["train"].seed,
-            "steps": job["train"].steps, "status": status}
+            "run": run_name(job["tag"], job["attention"], job["train"].seed), "steps": job["train"].steps,
+            "status": status}
 
 
 def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
@@ -342,7 +350,8 @@ STUDY_COUNTS = {"n_eval": "held-out captions each run samples and scores, e.g. n
                 "sample_batch": "clips sampled per batch, e.g. sample_batch=32"}
 
 
-STUDY_LISTS = ("variants", "clip_frames", "clip_batch_sizes", "clip_steps", "swin_window")   # lists where present
+STUDY_LISTS = ("variants", "clip_frames", "clip_batch_sizes", "clip_steps", "swin_window", "lrs",
+               "warmups")   # lists where present
 
 
 def check_study(cfg) -> None:
@@ -378,6 +387,13 @@ def refuse_added_keys(keys: list[str]) -> None:
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join('+' + k for k in unknown)}: this script has no such key and "
                          f"would ignore it; see its keys in experiments/conf/<script>.yaml (drop the '+' to set one)")
+
+
+def variant_models(model: DiTConfig, variants, swin_window) -> dict[str, DiTConfig]:
+    """variant -> `model` with that attention (swin with `swin_window`)."""
+    swin = {"window": tuple(swin_window)}
+    return {v: dataclasses.replace(model, attention=model.attention.for_variant(v, **(swin if v == "swin" else {})))
+            for v in variants}
 
 
 def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, tag: str) -> dict:

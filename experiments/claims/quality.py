@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from experiments.claims.common import link, read_results, under_previous_rule
-from experiments.quality_protocol import aggregate
+from experiments.quality_protocol import aggregate, learned
 
 # Run settings that two quality results must share to pool, besides their config (seeds aside) and the
 # scorer version: setting -> where a result records it (config keys, then Hydra overrides of its command).
@@ -105,12 +105,13 @@ def training_clips(settings: dict) -> int:
     return sum(int(s) * int(b) for s, b in zip(steps, batches))
 
 
-def pooled(results_dir: Path, experiment: str) -> Pooled | None:
+def pooled(results_dir: Path, experiment: str, tuned_first: bool = True) -> Pooled | None:
     """The GPU results of `experiment` pooled over their per-seed rows (seed_runs): of the files that
-    share one run_settings key, the group of the newest scorer, then of the recipe that trains each
-    run on the most clips (training_clips: the claims are about trained models, and a recipe is
-    chosen by its design, never by its scores), then with the most finished runs (e.g. a run cut
-    short and the run that added its missing seeds). None if there is no GPU result."""
+    share one run_settings key, the group of the newest scorer, then (`tuned_first`) of a recipe tuned on
+    validation clips (experiments/tune_recipe.py; chosen before any test score was seen), then of the recipe
+    that trains each run on the most clips (training_clips: the claims are about trained models, and a recipe
+    is chosen by its design, never by its scores), then with the most finished runs (e.g. a run cut short and
+    the run that added its missing seeds). None if there is no GPU result."""
     groups: dict[str, list] = {}
     for name, r in read_results(results_dir, experiment):
         if r.get("hardware", {}).get("gpus") and "config" in r:
@@ -118,7 +119,9 @@ def pooled(results_dir: Path, experiment: str) -> Pooled | None:
 
     def rank(group):
         finished = sum(row.get("status") == "ok" for _, row in seed_runs(group).values())
-        return scorer_version(group[0][1]), training_clips(run_settings(group[0][1])), finished
+        settings = run_settings(group[0][1])
+        tuned = tuned_first and bool(settings.get("recipe"))
+        return scorer_version(group[0][1]), tuned, training_clips(settings), finished
     if not groups:
         return None
     group = max(groups.values(), key=rank)
@@ -136,6 +139,11 @@ def _scores(r: dict) -> str:
             f"motion err {r['motion_error_mean']:.2f} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
 
 
+def _short(text_alignment: float, truth: float) -> bool:
+    """Whether a pooled caption match fails the training check (`learned`); an unmeasured one (NaN) is not judged."""
+    return not (math.isnan(text_alignment) or math.isnan(truth) or learned(text_alignment, truth))
+
+
 def undertrained(p: Pooled, frames: int) -> str | None:
     """Why the pooled models at this clip length are too weak to test a claim (their best TA < half the
     ground truth's at that length, or the pool's best ground truth where it scored none there), or None.
@@ -146,7 +154,7 @@ def undertrained(p: Pooled, frames: int) -> str | None:
                     and not math.isnan(r["text_alignment_mean"])), default=math.nan)
     best, truth = top(True, frames), top(False, frames)
     truth = top(False, None) if math.isnan(truth) else truth
-    return f"under-trained: best TA {best:.2f} vs ground truth {truth:.2f}" if best < truth / 2 else None
+    return f"under-trained: best TA {best:.2f} vs ground truth {truth:.2f}" if _short(best, truth) else None
 
 
 def _trainset(a: dict, b: dict) -> str:
@@ -178,7 +186,7 @@ def not_learned(p: Pooled, frames: int, variants: tuple[str, ...]) -> str | None
     truth = max((r["text_alignment_mean"] for (v, fr), r in p.rows.items() if v == "ground_truth" and fr == frames),
                 default=max(r["text_alignment_mean"] for (v, _), r in p.rows.items() if v == "ground_truth"))
     weak = [f"{v} TA {p.rows[(v, frames)]['text_alignment_mean']:.2f}" for v in variants
-            if p.rows[(v, frames)]["text_alignment_mean"] < truth / 2]
+            if _short(p.rows[(v, frames)]["text_alignment_mean"], truth)]
     return f"{' and '.join(w.split()[0] for w in weak)} did not learn the task ({', '.join(weak)} vs ground " \
            f"truth {truth:.2f})" if weak else None
 
@@ -245,9 +253,20 @@ class QualityClaim:
     parity: bool = False   # the paper claims a match (|a - b| small), not a lead
 
     def judge(self, results_dir: Path) -> tuple[str, str]:
-        found = [(e, p) for e in self.studies if (p := pooled(results_dir, e))]
+        found = self._pools(results_dir, tuned_first=True)
         if not found:
             return "not measured at GPU scale", "open"
+        ours, text, verdict = self._assess(found)
+        untuned = self._assess(self._pools(results_dir, tuned_first=False))[2]
+        if untuned != verdict:
+            text += "; " + under_previous_rule(UNTUNED_RULE, untuned, until=UNTUNED_RULE_UNTIL)
+        return ours, text
+
+    def _pools(self, results_dir: Path, tuned_first: bool) -> list[tuple[str, Pooled]]:
+        return [(e, p) for e in self.studies if (p := pooled(results_dir, e, tuned_first))]
+
+    def _assess(self, found: list[tuple[str, Pooled]]) -> tuple[str, str, str]:
+        """(our evidence, the verdict with its reasons, the verdict word) of the pooled studies `found`."""
         ours, parts, previous = [], [], []
         newest = max(p.settings["scorer_version"] for _, p in found)
         for experiment, p in found:
@@ -293,13 +312,16 @@ class QualityClaim:
         if was != verdict:
             text += "; " + under_previous_rule(PREVIOUS_RULE + (PREVIOUS_PARITY if self.parity else ""), was,
                                                until=PREVIOUS_RULE_UNTIL)
-        return "; ".join(ours), text
+        return "; ".join(ours), text, verdict
 
 
 PREVIOUS_RULE = ("only the best model had to clear the training check, so a baseline that learned nothing still "
                  "voted")
 PREVIOUS_RULE_UNTIL = "6e97fca32"   # the last commit whose verdicts used PREVIOUS_RULE
 PREVIOUS_PARITY = f", and parity was one-sided: DSA no worse than {NOT_WORSE:+.2f}"
+UNTUNED_RULE = ("a study of a recipe tuned on validation clips was not preferred: of one scorer, the recipe that "
+                "trained on the most clips voted")
+UNTUNED_RULE_UNTIL = "6455f8a8e"   # the last commit whose pooling did not prefer a tuned recipe
 
 
 QUALITY_CLAIMS = {

@@ -337,3 +337,20 @@ def test_caption_match_on_training_clips_shows_beside_the_held_out_one(results):
     table = quality.pooled_table("quality", quality.pooled(results, "quality"))
     assert "| text alignment | text alignment, training clips |" in table[2]
     assert "| dense | 16 | 1 | 0.30 | 0.95 |" in "\n".join(table)
+
+
+def test_a_tuned_recipe_is_pooled_first_and_the_untuned_verdict_shows_beside_it(results):
+    """A study trained with a recipe tuned on validation clips (quality.py recipe=) votes before an untuned one
+    that trained on more clips; where that changes a verdict, the untuned pool's verdict is shown beside it."""
+    weak_swin = [_four((0.80, 0.90), (0.80, 0.90), (0.10, 0.10), (0.60, 0.50)) for _ in range(3)]
+    _write(results, "untuned", 3000, [0, 1, 2], [r for rows in (_rows(s, weak_swin[s]) for s in range(3))
+                                                 for r in rows], experiment="quality", clip_frames=[16], batch_size=8)
+    assert _verdict(results, "C7").startswith("inconclusive")          # swin did not learn
+    learned_swin = [_four((0.80, 0.90), (0.80, 0.90), (0.60, 0.70), (0.60, 0.50)) for _ in range(3)]
+    _write(results, "tuned", 1500, [0, 1, 2], [r for rows in (_rows(s, learned_swin[s]) for s in range(3))
+                                               for r in rows], experiment="quality", clip_frames=[16],
+           batch_size=8, recipe={"swin": {"lr": 3e-4, "warmup_steps": 100}})
+    c7 = _verdict(results, "C7")
+    assert c7.startswith("supported") and "quality/tuned.json" in _claim(results, "C7")[0]
+    assert c7.endswith(f"up to commit {quality.UNTUNED_RULE_UNTIL}: {quality.UNTUNED_RULE}): inconclusive")
+    assert "under the previous rule" not in _verdict(results, "C8")   # both pools support C8: nothing shown

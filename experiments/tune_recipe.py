@@ -1,0 +1,98 @@
+"""Tune each variant's learning rate and warm-up on validation clips, before a quality study sees its test clips.
+
+Every (lr, warm-up) candidate of every variant trains once per tuning seed with the quality protocol
+(experiments/quality_protocol.py) and is scored on `n_eval` validation clips of data seed `val_seed`, never on
+the study's test clips (`eval_seed`, only recorded). experiments/recipe.py `choose` picks each variant's
+candidate by its mean validation caption match and says whether it learned the task there. The result,
+results/quality_recipe/<results_name>.json, holds every run (`per seed`), each candidate's mean scores
+(`candidates`) and the chosen `recipe`, which `quality.py recipe=<file>` trains with. The JSON is rewritten after
+every finished run (`jobs_done` / `jobs_total`); `continue_runs=true` finishes a tuning cut short.
+
+    python experiments/tune_recipe.py                                     # tiny, CPU
+    python experiments/tune_recipe.py model=quality_gpu train.device=cuda ...   # the GPU tuning: docs/quality_study.md
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from experiments.hydra_config import script_main, typed_configs
+from experiments.quality_protocol import (SCORE_KEYS, check_study, ground_truth_row, make_job, run_jobs, run_name,
+                                          strip_samples, variant_models)
+from experiments.recipe import CANDIDATE_KEYS, choose, tuned_for
+from experiments.report import markdown_table, render
+from experiments.results_io import write_result
+
+EXPERIMENT = "quality_recipe"
+
+
+def check_candidates(lrs, warmups) -> None:
+    """lrs: finite numbers > 0; warmups: integers >= 0; both non-empty lists. A ValueError names the key."""
+    if not lrs or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                          for x in lrs):
+        raise ValueError(f"lrs={list(lrs)} must be a non-empty list of learning rates > 0, e.g. 'lrs=[3e-4,1e-3]'")
+    if not warmups or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in warmups):
+        raise ValueError(f"warmups={list(warmups)} must be a non-empty list of integers >= 0 (train.warmup_steps "
+                         f"candidates), e.g. 'warmups=[10,200]'")
+
+
+@script_main("tune_recipe")
+def main(cfg: DictConfig) -> None:
+    model, data, train, _ = typed_configs(cfg)
+    check_study(cfg)
+    check_candidates(cfg.lrs, cfg.warmups)
+    if cfg.val_seed in (cfg.eval_seed, data.seed):
+        raise ValueError(f"val_seed={cfg.val_seed} equals eval_seed={cfg.eval_seed} or data.seed={data.seed}: "
+                         f"validation clips must be neither test nor training clips; pick another val_seed")
+    models = variant_models(model, cfg.variants, cfg.swin_window)
+    for name in cfg.variants:
+        models[name].attention.validate(model.token_grid(data.frames, data.height, data.width))
+    jobs, candidate_of = [], {}
+    for seed, variant, (lr, warmup) in itertools.product(cfg.seeds, cfg.variants,
+                                                         itertools.product(cfg.lrs, cfg.warmups)):
+        tag = f"{cfg.name}_lr{lr:g}_w{warmup}"
+        run = dataclasses.replace(train, seed=int(seed), lr=float(lr), warmup_steps=int(warmup))
+        jobs.append({**make_job(cfg, variant, models[variant], data, run, tag), "eval_seed": cfg.val_seed})
+        candidate_of[run_name(tag, variant, int(seed))] = {"lr": float(lr), "warmup_steps": int(warmup)}
+    truth = ground_truth_row(data, cfg.n_eval, cfg.val_seed, cfg.n_train_eval)
+    config = {"variants": list(cfg.variants), "lrs": list(cfg.lrs), "warmups": list(cfg.warmups),
+              "seeds": list(cfg.seeds), "n_eval": cfg.n_eval, "val_seed": cfg.val_seed, "eval_seed": cfg.eval_seed,
+              "tuned_for": tuned_for(data, model, train.steps, train.batch_size)}
+
+    def runs_of(rows: list[dict]) -> list[dict]:
+        return [{**r, **candidate_of[r["run"]]} for r in strip_samples(rows)]
+
+    def publish(rows: list[dict]) -> Path:
+        runs = runs_of(rows)
+        payload = {"config": config, "jobs_done": len(rows), "jobs_total": len(jobs),
+                   "tables": {"candidates": candidate_means(runs), "per seed": runs + strip_samples([truth])}}
+        if len(rows) == len(jobs):
+            payload["recipe"] = choose(runs, truth["text_alignment"])
+        return write_result(EXPERIMENT, cfg.results_name, payload, results_dir=cfg.results_dir)
+
+    published = [publish([])]
+    rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(publish(done)))
+    print(markdown_table(choose(runs_of(rows), truth["text_alignment"])))
+    print(f"\nvalidation clips' own caption match {truth['text_alignment']:.2f} (a model learned the task at half it)")
+    print(f"recipe (JSON): {published[-1]}\ntables (markdown): {render(EXPERIMENT, Path(cfg.results_dir))}")
+    print(f"train the study with it: python experiments/quality.py recipe={published[-1]} ...")
+
+
+def candidate_means(runs: list[dict]) -> list[dict]:
+    """Per (variant, lr, warm-up): the finished seeds and the mean of each validation score over them."""
+    out = []
+    for key in dict.fromkeys((r["variant"], *(r[k] for k in CANDIDATE_KEYS)) for r in runs):
+        group = [r for r in runs if (r["variant"], *(r[k] for k in CANDIDATE_KEYS)) == key and r["status"] == "ok"]
+        row = {"variant": key[0], **dict(zip(CANDIDATE_KEYS, key[1:])), "seeds": len(group)}
+        for k in SCORE_KEYS:
+            row[k] = sum(r[k] for r in group) / len(group) if group else math.nan
+        out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    main()

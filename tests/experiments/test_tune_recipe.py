@@ -1,0 +1,122 @@
+"""Recipes tuned on validation clips (experiments/tune_recipe.py, experiments/recipe.py) and read by quality.py."""
+import json
+import sys
+
+import pytest
+
+import experiments.quality
+import experiments.quality_protocol as protocol
+import experiments.tune_recipe
+from experiments.recipe import choose, read_recipe, tuned_for
+from megaslide.config import DataConfig, DiTConfig
+from tests.experiments.test_bad_input import run_main
+
+TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "data.height=8", "data.width=8", "data.shape_size=4",
+        "data.speed=2", "data.frames=4", "data.num_videos=8", "train.batch_size=2", "sample_batch=2"]
+
+
+def _run(seed, variant, lr, ta, tc=0.5, warmup=10, status="ok"):
+    return {"variant": variant, "seed": seed, "lr": lr, "warmup_steps": warmup, "status": status,
+            "text_alignment": ta, "temporal_consistency": tc}
+
+
+def test_choose_takes_the_best_mean_validation_caption_match_per_variant():
+    rows = [_run(0, "dsa", 1e-3, 0.9), _run(1, "dsa", 1e-3, 0.5),        # mean 0.7
+            _run(0, "dsa", 3e-3, 0.8), _run(1, "dsa", 3e-3, 0.8),        # mean 0.8: chosen
+            _run(0, "swin", 1e-3, 0.3, tc=0.4), _run(0, "swin", 3e-4, 0.3, tc=0.6),   # tie on TA: the higher TC
+            _run(0, "dense", 1e-3, 0.2), _run(0, "dense", 3e-4, 0.2),    # tie on both: the lower lr
+            _run(0, "dense", 1e-2, 0.99, status="failed: NaN"),          # a failed run never wins
+            _run(0, "dsa_zero", 1e-3, 0.0, status="OOM")]                # nothing finished: no recipe
+    recipe = {r["variant"]: r for r in choose(rows, truth_ta=1.0)}
+    assert set(recipe) == {"dsa", "swin", "dense"}
+    assert (recipe["dsa"]["lr"], recipe["dsa"]["seeds"]) == (3e-3, 2)
+    assert recipe["dsa"]["val_text_alignment"] == pytest.approx(0.8) and recipe["dsa"]["learned"]
+    assert recipe["swin"]["lr"] == 3e-4 and not recipe["swin"]["learned"]     # 0.3 < half of 1.0
+    assert recipe["dense"]["lr"] == 3e-4
+
+
+def _recipe_file(tmp_path, **change):
+    data, model = DataConfig(frames=4, height=8, width=8), DiTConfig()
+    config = {"val_seed": 20011, "eval_seed": 10007, "tuned_for": tuned_for(data, model, 100, 4), **change}
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps({"config": config, "recipe": [{"variant": "dsa", "lr": 3e-3, "warmup_steps": 50}]}))
+    return str(path), tuned_for(data, model, 100, 4)
+
+
+def test_read_recipe_gives_each_variant_its_candidate(tmp_path):
+    path, expected = _recipe_file(tmp_path)
+    assert read_recipe(path, ["dsa"], expected, eval_seed=10007) == {"dsa": {"lr": 3e-3, "warmup_steps": 50}}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no file", "is not a file; pass a recipe JSON written by experiments/tune_recipe.py"),
+    ("not json", "is not JSON"),
+    ("unfinished", "holds no finished recipe"),
+    ("tuned on the test clips", "was tuned on clips of data seed 10007, this study's eval_seed"),
+    ("other steps", "was tuned for other training (steps: 100 vs 200)"),
+    ("other data", "data.speed: 2.0 vs 3.0"),
+    ("missing variant", "has no recipe for ['swin']"),
+])
+def test_read_recipe_refuses_what_it_was_not_tuned_for(tmp_path, case, message):
+    path, expected = _recipe_file(tmp_path, **({"val_seed": 10007} if case == "tuned on the test clips" else {}))
+    variants = ["dsa", "swin"] if case == "missing variant" else ["dsa"]
+    if case == "no file":
+        path = str(tmp_path / "absent.json")
+    elif case == "not json":
+        (tmp_path / "recipe.json").write_text("{")
+    elif case == "unfinished":
+        (tmp_path / "recipe.json").write_text(json.dumps({"config": {"val_seed": 1}, "jobs_done": 1}))
+    elif case == "other steps":
+        expected = {**expected, "steps": 200}
+    elif case == "other data":
+        expected = {**expected, "data": {**expected["data"], "speed": 3.0}}
+    with pytest.raises(ValueError, match="recipe=") as err:
+        read_recipe(path, variants, expected, eval_seed=10007)
+    assert message in str(err.value)
+
+
+def test_tuning_never_samples_the_test_clips_and_the_study_trains_with_its_recipe(tmp_path, monkeypatch):
+    """Every clip tuning samples or scores is a validation clip (val_seed), never a test clip (eval_seed); the
+    recipe it writes sets each variant's lr and warm-up in quality.py's runs."""
+    seeds = []
+    real_eval_set = protocol.eval_set
+    monkeypatch.setattr(protocol, "eval_set", lambda data, n, seed: seeds.append(seed) or real_eval_set(data, n, seed))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["tune_recipe.py", f"out_dir={tmp_path}/tune", *TINY, "variants=[dense,dsa]",
+                                      "lrs=[1e-3,2e-3]", "warmups=[0,5]"])
+    experiments.tune_recipe.main()
+    assert seeds and set(seeds) == {20011}                     # val_seed only: eval_seed 10007 never drawn
+    path = tmp_path / "tune" / "results" / "quality_recipe" / "cpu_tiny.json"
+    result = json.loads(path.read_text())
+    assert result["jobs_done"] == result["jobs_total"] == 8     # 2 variants x 2 lrs x 2 warm-ups x 1 seed
+    assert len(result["tables"]["candidates"]) == 8
+    assert {r["variant"] for r in result["recipe"]} == {"dense", "dsa"}
+    assert {(r["lr"], r["warmup_steps"]) for r in result["tables"]["per seed"] if r["variant"] == "dsa"} == {
+        (1e-3, 0), (1e-3, 5), (2e-3, 0), (2e-3, 5)}
+
+    jobs = []
+    monkeypatch.setattr(experiments.quality, "run_study", lambda experiment, cfg, js, *rest: jobs.extend(js))
+    monkeypatch.setattr(sys, "argv", ["quality.py", f"out_dir={tmp_path}/study", *TINY, "variants=[dense,dsa]",
+                                      "clip_frames=[4]", "seeds=[0,1]", f"recipe={path}"])
+    experiments.quality.main()
+    chosen = {r["variant"]: (r["lr"], r["warmup_steps"]) for r in result["recipe"]}
+    assert len(jobs) == 4 and all((j["train"].lr, j["train"].warmup_steps) == chosen[j["attention"]] for j in jobs)
+
+
+BAD = {
+    "no lrs": (["lrs=[]"], "lrs=[] must be a non-empty list of learning rates > 0"),
+    "negative lr": (["lrs=[-1e-3]"], "lrs=[-0.001] must be a non-empty list of learning rates > 0"),
+    "lrs not a list": (["lrs=1e-3"], "lrs=0.001 must be a list"),
+    "fractional warm-up": (["warmups=[1.5]"], "warmups=[1.5] must be a non-empty list of integers >= 0"),
+    "validation on the test clips": (["val_seed=10007"], "val_seed=10007 equals eval_seed=10007"),
+    "validation on the training clips": (["val_seed=0"], "val_seed=0 equals eval_seed=10007 or data.seed=0"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_tune_recipe_refuses_bad_candidates_before_writing_anything(kind, tmp_path, monkeypatch, capsys):
+    args, message = BAD[kind]
+    err = run_main(experiments.tune_recipe, ["out_dir=runs/x", "train.steps=1", *args], tmp_path, monkeypatch, capsys)
+    assert message in err
+    assert list(tmp_path.iterdir()) == []
