@@ -7,7 +7,7 @@ histogram encoder standing in for DINO). The ground-truth clips of the same capt
 scored too, as the ceiling each score can reach, and shown in the first row of the sample
 grid. Frames in the grid and the mp4s are upscaled (nearest) to at least MIN_FRAME_PX, so
 that the 16-pixel shapes of the CPU size can be seen. A run's mp4 shows its first sample beside the
-ground-truth clip of the same caption (ground truth left), looped to at least MP4_SECONDS.
+ground-truth clip of the same caption (ground truth left), looped to at least MP4_SECONDS (video_io).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from experiments.results_io import check_result_name, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
-from megaslide.data.video_io import frame_grid_png, side_by_side, to_uint8_frames, write_mp4
+from megaslide.data.video_io import MP4_SECONDS, frame_grid_png, side_by_side, to_uint8_frames, write_mp4
 from megaslide.eval.motion import score_videos
 from megaslide.eval.video import frame_consistency, temporal_flickering
 from megaslide.models.dit import count_params
@@ -49,7 +49,6 @@ SUMMARY = (("colour", "color_match"), ("shape", "shape_match"), ("direction", "d
            ("caption", "text_alignment"), ("on train", "trainset_text_alignment"),
            ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
 MIN_FRAME_PX = 96
-MP4_SECONDS = 3.0  # a few frames at 8 fps last under a second: looped to at least this long, so the motion shows
 MEDIA_KEYS = ("samples", "captions", "mp4")  # kept in the rows for the grid and the printout, not in the JSON
 
 
