@@ -112,7 +112,7 @@ def probe_compile(cfg: DictConfig, models: dict[str, DiTConfig], clip: DataConfi
     is rewritten after every measurement, so a probe cut short keeps what it measured."""
     config = {"frames": clip.frames, "size": [clip.height, clip.width], "batch_size": train.batch_size,
               "warmup": cfg.probe_warmup, "steps": cfg.probe_steps, "variants": list(cfg.variants),
-              "workers": cfg.workers}
+              "workers": cfg.workers, "deterministic": train.deterministic}
     pairs = list(itertools.product(cfg.variants, (False, True)))   # (variant, compile): eager, then compiled
     jobs = [(models[v], clip, dataclasses.replace(train, compile=on), cfg.out_dir, cfg.probe_warmup, cfg.probe_steps)
             for v, on in pairs]

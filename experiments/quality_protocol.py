@@ -7,7 +7,7 @@ histogram encoder standing in for DINO). The ground-truth clips of the same capt
 scored too, as the ceiling each score can reach, and shown in the first row of the sample
 grid. Frames in the grid and the mp4s are upscaled (nearest) to at least MIN_FRAME_PX, so
 that the 16-pixel shapes of the CPU size can be seen. A run's mp4 shows its first sample beside the
-ground-truth clip of the same caption (ground truth left), looped to at least MP4_SECONDS.
+ground-truth clip of the same caption (ground truth left), looped to at least MP4_SECONDS (video_io).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from experiments.results_io import check_result_name, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
-from megaslide.data.video_io import frame_grid_png, side_by_side, to_uint8_frames, write_mp4
+from megaslide.data.video_io import MP4_SECONDS, frame_grid_png, side_by_side, to_uint8_frames, write_mp4
 from megaslide.eval.motion import score_videos
 from megaslide.eval.video import frame_consistency, temporal_flickering
 from megaslide.models.dit import count_params
@@ -49,7 +49,6 @@ SUMMARY = (("colour", "color_match"), ("shape", "shape_match"), ("direction", "d
            ("caption", "text_alignment"), ("on train", "trainset_text_alignment"),
            ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
 MIN_FRAME_PX = 96
-MP4_SECONDS = 3.0  # a few frames at 8 fps last under a second: looped to at least this long, so the motion shows
 MEDIA_KEYS = ("samples", "captions", "mp4")  # kept in the rows for the grid and the printout, not in the JSON
 
 
@@ -147,7 +146,8 @@ def load_samples(path: str | Path) -> tuple[torch.Tensor, list[str], list]:
 
 def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: TrainConfig, *, n_eval: int,
                 eval_seed: int, sample_batch: int, out_dir: Path, project: str, tag: str,
-                save_mp4: bool = True, continue_own: bool = False, n_train_eval: int = 0) -> dict:
+                save_mp4: bool = True, continue_own: bool = False, n_train_eval: int = 0,
+                progress: str = "bar") -> dict:
     """Train `attention` with `train.seed`, sample the eval captions, score; returns one result row.
 
     A run whose `train.resume` names a checkpoint continues that run (weights, EMA, optimizer
@@ -155,7 +155,8 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     long-clip runs. The row says what the run started from (`init_from`: the checkpoint,
     relative to out_dir, or "scratch"; `init_step`), its total `steps`, the weights_digest
     at its start and end, and `samples_file`: every sampled clip (save_samples), relative to
-    out_dir. `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary).
+    out_dir. `save_mp4=False` skips the mp4 sample (for machines without an ffmpeg binary). `progress`: how
+    training shows its progress, labelled with the run (Trainer.fit: "bar", or "lines" in a worker process).
 
     `continue_own=True` continues a run that an earlier invocation left unfinished (cut by a time
     limit or a crash): when the run's folder holds its own checkpoints, training resumes from the
@@ -188,7 +189,7 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         trainer.maybe_resume()
         row.update(init_step=trainer.step, init_weights=weights_digest(trainer.engine))
         t0 = time.perf_counter()
-        last = trainer.fit(label=f"{attention} {data.frames}f seed {train.seed}")
+        last = trainer.fit(label=f"{attention} {data.frames}f seed {train.seed}", progress=progress)
         row["train_s"] = time.perf_counter() - t0
         row["final_loss"] = last.get("loss", math.nan)
         row["final_weights"] = weights_digest(trainer.engine)
@@ -231,7 +232,8 @@ def process_pool(workers: int) -> ProcessPoolExecutor:
 
 
 def _run_job(job: dict) -> dict:
-    return run_variant(**job)
+    """run_variant in a worker process: progress as labelled lines, as the workers share one terminal."""
+    return run_variant(**job, progress="lines")
 
 
 def dependencies(jobs: list[dict]) -> dict[int, int]:
@@ -260,7 +262,8 @@ def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None
     finished job with the rows finished so far (in job order), so a caller can publish partial
     results that survive an interrupted run. A job that raises is recorded as failed and the
     others go on; the first such error is raised once every job has ended. workers > 1 runs
-    that many jobs at once in spawned processes; each gets an equal share of the CPU threads.
+    that many jobs at once in spawned processes; each gets an equal share of the CPU threads and prints
+    its progress as plain lines labelled with its run (no bars that overwrite each other's line).
     Every job is seeded, so the rows do not depend on `workers`."""
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 (1 runs the jobs one after another in this process)")

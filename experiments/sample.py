@@ -5,7 +5,8 @@
         prompt_embeds=/data/cache/prompts/0.safetensors vae=/ckpt/Wan2.1-T2V-1.3B-Diffusers/vae
 
 Either checkpoint format: a step_N.pt file (EMA weights when the run kept them) or a sharded
-step_N/ folder of the offload engine. The video has the training clip's size. A pixel-space model reads
+step_N/ folder of the offload engine. The video has the training clip's size, looped to at least
+MP4_SECONDS (megaslide/data/video_io.py) so that its motion shows. A pixel-space model reads
 `caption` with its built-in text encoder; a model trained on a latent cache (data=latent_cache) reads
 precomputed caption embeddings (`prompt_embeds`: a prompt file of experiments/precompute.py, or any clip
 file of the cache), and its latents are decoded by the Wan VAE folder `vae` (run it as a module then:
@@ -23,7 +24,7 @@ from omegaconf import DictConfig
 
 from experiments.hydra_config import script_config, script_main
 from megaslide.config import DataConfig, DiTConfig, from_dict
-from megaslide.data.video_io import write_mp4
+from megaslide.data.video_io import MP4_SECONDS, write_mp4
 from megaslide.device import resolve_device
 from megaslide.diffusion.samplers import euler_sample
 from megaslide.models.dit import VideoDiT
@@ -114,7 +115,7 @@ def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(SampleConfig, hydra_cfg)
     video = generate(cfg)
     try:
-        path = write_mp4(cfg.out, video)
+        path = write_mp4(cfg.out, video, min_seconds=MP4_SECONDS)
     except OSError as err:   # a full disk, or a folder that turned read-only while the video was sampled
         sys.exit(f"error: {err}")
     print(f"wrote {path}")

@@ -10,8 +10,8 @@ Data parallel on P processes (gloo with train.device=cpu, NCCL with cuda; README
     torchrun --nproc-per-node=2 experiments/train.py parallel.dp=2 train.device=cpu
 
 Writes <out_dir>/checkpoints/ (step_N.pt; the offload engine writes step_N/ folders, each rank its shards),
-<out_dir>/samples/*.mp4, <out_dir>/metrics.jsonl (rank 0, the global batch's loss) and
-an offline W&B run under <out_dir>/wandb (upload with `wandb sync`). The whole config is checked
+<out_dir>/samples/*.mp4 (looped to at least video_io.MP4_SECONDS), <out_dir>/metrics.jsonl (rank 0, the global
+batch's loss) and an offline W&B run under <out_dir>/wandb (upload with `wandb sync`). The whole config is checked
 first (run_config, then the Trainer: resume checkpoint, data folder, planner): a refused
 config leaves no folder and no W&B run behind. `python -m experiments.plan` with the same overrides
 predicts this run's memory and step time.
@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.hydra_config import RUN_GROUPS, run_config, script_main
 from megaslide.config import from_dict
-from megaslide.data.video_io import write_mp4
+from megaslide.data.video_io import MP4_SECONDS, write_mp4
 from megaslide.train.logger import RunLogger
 from megaslide.train.trainer import Trainer
 
@@ -43,7 +43,7 @@ class ScriptConfig:
 
 def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger | None) -> list[Path]:
     """Sample the captions (every rank: the offload engine's sampling is collective) and write them (rank 0, which
-    alone has a logger)."""
+    alone has a logger), each mp4 looped to at least MP4_SECONDS."""
     if not captions:
         return []
     videos = trainer.sample(captions)  # (B, C, T, H, W) in [-1, 1]
@@ -51,7 +51,7 @@ def save_samples(trainer, captions: list[str], out_dir: Path, logger: RunLogger 
         return []
     paths = []
     for i, (video, caption) in enumerate(zip(videos, captions)):
-        paths.append(write_mp4(out_dir / "samples" / f"step{trainer.step}_{i}.mp4", video))
+        paths.append(write_mp4(out_dir / "samples" / f"step{trainer.step}_{i}.mp4", video, min_seconds=MP4_SECONDS))
         logger.log_video(f"sample/{i}", paths[-1], caption, trainer.step)
     return paths
 

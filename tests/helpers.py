@@ -19,6 +19,19 @@ needs_inductor = pytest.mark.skipif(shutil.which("g++") is None,
                                     reason="Inductor's CPU backend needs a C++ compiler (g++), none is installed")
 
 
+def _ffmpeg_found() -> bool:
+    try:
+        import imageio_ffmpeg
+        return bool(imageio_ffmpeg.get_ffmpeg_exe())
+    except (ImportError, RuntimeError):  # RuntimeError: imageio-ffmpeg found no binary
+        return False
+
+
+# write_mp4 runs the ffmpeg binary of imageio-ffmpeg (bundled with its wheel, or FFMPEG_BINARY)
+needs_ffmpeg = pytest.mark.skipif(not _ffmpeg_found(), reason="writing an mp4 needs an ffmpeg binary: install "
+                                                              "imageio-ffmpeg or set FFMPEG_BINARY")
+
+
 def tiny_model_cfg(attention: str = "dense", **kw):
     cfg = DIT_PRESETS["tiny"]
     return dataclasses.replace(cfg, attention=AttentionConfig(attention, kw))

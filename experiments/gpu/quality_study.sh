@@ -24,6 +24,10 @@
 # The GPU recipe's knobs are environment variables: BATCHES ("8 2": batch at 16 and at 64 frames;
 # "32 8" keeps the same tokens per step at 64 frames), LR (1e-3), SEEDS ("[0,1,2]"), WORKERS (12),
 # and the budget ones above (BUDGET_S, SHORT_MAX, LONG_MAX, CONTENTION, ...).
+# DETERMINISTIC=1 passes train.deterministic=true to the probe and every run (0, the default: false): each run's
+# training then gives the same bits at its seed on every call, at a cost in speed (docs/quality_study.md,
+# "Repeatability"); the probe times the steps that way too, so the plan allows for the cost (CONTENTION was
+# measured without it). The study's JSON records it (config.deterministic), as does the probe's.
 # Stages 1 and 2 run under `timeout`: the result JSON is rewritten after every finished run, so a
 # stage cut short leaves an honest partial result (jobs_done < jobs_total).
 # A study longer than one call: PLAN="SHORT LONG" fixes the steps (no probe, no planning) and every
@@ -52,6 +56,11 @@ else
   PROBE="probe_warmup=5 probe_steps=60"; : "${OVERHEAD_S:=35}"   # per clip length: start-up, sampling, scoring
 fi
 : "${PROBE_S:=40}" "${TAR_S:=20}" "${CONTENTION:=0.29}" "${MARGIN:=0.95}"
+case "${DETERMINISTIC:-0}" in
+  0) DETERMINISTIC=false ;;
+  1) DETERMINISTIC=true ;;
+  *) echo "DETERMINISTIC=$DETERMINISTIC must be 0 or 1 (1: train.deterministic=true in every run)" >&2; exit 2 ;;
+esac
 RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
 RUNS=${RUNS:-/tmp/quality_study/runs}    # out_dir: checkpoints, W&B runs, samples, logs
 if [ "${RESUME:-0}" != 1 ] && [ -n "$(ls -A "$RUNS" 2>/dev/null)" ]; then
@@ -80,7 +89,8 @@ if [ "$WANDB_MODE" != disabled ] && ! python3 -c "import wandb" 2>/dev/null; the
   say "wandb is not installed: WANDB_MODE=disabled (each run still writes metrics.jsonl)"; export WANDB_MODE=disabled
 fi
 [ -f .provenance.json ] && export MEGASLIDE_PROVENANCE=${MEGASLIDE_PROVENANCE:-stamp}
-COMMON="$SIZE out_dir=$RUNS results_dir=$RESULTS results_name=$NAME"
+COMMON="$SIZE train.deterministic=$DETERMINISTIC out_dir=$RUNS results_dir=$RESULTS results_name=$NAME"
+say "train.deterministic=$DETERMINISTIC in the probe and every run (DETERMINISTIC=1 sets it true)"
 if [ "${MPS:-0}" = 1 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/quality_study/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/quality_study/mps_log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

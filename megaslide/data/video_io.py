@@ -17,6 +17,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+# the length every sample mp4 (train.py, sample.py, the generate scripts, the studies) is looped to: a few frames at
+# 8 fps last under a second, too short to see the motion
+MP4_SECONDS = 3.0
+
 
 def to_uint8_frames(video: torch.Tensor | np.ndarray) -> np.ndarray:
     """Convert a video to uint8 RGB frames.
@@ -66,7 +70,8 @@ def write_mp4(path: str | Path, video: torch.Tensor | np.ndarray, fps: float = 8
     ``video``: float (3, T, H, W) in [-1, 1] or uint8 (T, H, W, 3). ``crf``: x264
     constant rate factor (0 = lossless luma, 18 = visually lossless, 51 = worst).
     ``min_seconds``: a clip shorter than that at ``fps`` is looped (played whole, again and again)
-    until it lasts at least that long, so that the motion of a few frames can be seen.
+    until it lasts at least that long, so that the motion of a few frames can be seen (MP4_SECONDS for the
+    samples people watch; 0 for a clip that is data, e.g. for an evaluator).
     Odd frame sizes are written with full-resolution chroma (yuv444p) instead of yuv420p.
     ffmpeg writes a hidden temp file beside ``path`` that replaces ``path`` only when ffmpeg
     succeeded, so a failed write (read-only folder, full disk) raises OSError naming ``path`` and

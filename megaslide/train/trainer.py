@@ -55,6 +55,7 @@ from megaslide.parallel.sp_train import SequenceParallel
 from megaslide.train.determinism import deterministic_mode, seed_everything
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
+from megaslide.train.progress import ProgressLines
 from megaslide.train.resident import ResidentEngine
 
 
@@ -187,20 +188,24 @@ class Trainer:
         return x.float().clamp(-1, 1).cpu()
 
     # ---- the loop ------------------------------------------------------------------------------
-    def fit(self, label: str = "train") -> dict:
+    def fit(self, label: str = "train", progress: str = "bar") -> dict:
         """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown). `label` names
-        the progress bar (the study scripts run several trainers at once, each bar labelled with its run).
-        A step the engine refuses as non-finite (`NonFiniteStep`, a FloatingPointError naming the step)
-        ends the run: it propagates before that step is logged or checkpointed, so the checkpoints
-        written are those of the finite steps before it."""
+        the progress: `progress="bar"` draws a tqdm bar; "lines" prints a line starting with the label at each
+        tenth of the run instead (megaslide/train/progress.py), for runs in processes that share one terminal or
+        log file, as the study scripts' workers do. A step the engine refuses as non-finite (`NonFiniteStep`, a
+        FloatingPointError naming the step) ends the run: it propagates before that step is logged or
+        checkpointed, so the checkpoints written are those of the finite steps before it."""
+        if progress not in ("bar", "lines"):
+            raise ValueError(f"progress={progress!r} must be 'bar' (a tqdm bar) or 'lines' (labelled plain lines)")
         self.maybe_resume()
         last: dict = {}
         first = self.step
-        with tqdm(total=self.cfg.steps, initial=self.step, desc=label, dynamic_ncols=True,
-                  disable=not self.dp.is_main) as bar:
+        shown = (ProgressLines(label, self.cfg.steps, self.step, disable=not self.dp.is_main) if progress == "lines"
+                 else tqdm(total=self.cfg.steps, initial=self.step, desc=label, dynamic_ncols=True,
+                           disable=not self.dp.is_main))
+        with shown as bar:
             while self.step < self.cfg.steps:
                 out = self.train_step()
-                bar.update(1)
                 if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
                     last = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]), "lr": out["lr"],
                             **self.engine.timings(range(first, self.step))}
@@ -208,6 +213,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{last['loss']:.4f}")
                     if self.logger:
                         self.logger.log(last, self.step)
+                bar.update(1)  # after the postfix: a line shows this step's loss
                 if self.step % self.cfg.ckpt_every == 0 or self.step == self.cfg.steps:
                     self.save()
         return last

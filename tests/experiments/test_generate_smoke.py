@@ -3,10 +3,13 @@
 The tiny preset is pixel-space (3 channels), so each run writes the latents and an mp4. Two ranks
 must reproduce one process (the same fp32 math in another order: tolerance as in tests/inference).
 """
+import math
+
 import imageio.v2 as imageio
 import pytest
 import torch
 
+from megaslide.data.video_io import MP4_SECONDS
 from tests.experiments.runner import run_script
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -24,7 +27,7 @@ def test_two_ranks_match_one_process_and_write_the_video(tmp_path, script, sp):
     assert single.shape == (1, 3, 6, 8, 8) and single.abs().mean() > 0.1
     torch.testing.assert_close(sharded, single, atol=2e-5, rtol=2e-5)
     frames = imageio.mimread(two.with_suffix(".mp4"))
-    assert len(frames) == 6 and frames[0].shape == (8, 8, 3)
+    assert len(frames) == 6 * math.ceil(MP4_SECONDS * 8 / 6) and frames[0].shape == (8, 8, 3)  # looped, 8 fps
 
 
 def test_causal_prints_each_chunk_when_final(tmp_path):

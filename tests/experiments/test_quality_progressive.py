@@ -197,28 +197,31 @@ def test_compile_probe_rows(tmp_path):
     assert compiled["speedup"] == pytest.approx(gain["speedup"])
     assert compiled["break_even_steps"] == gain["break_even_steps"]
     assert result["config"] == {"frames": 4, "size": [8, 8], "batch_size": 2, "warmup": 1, "steps": 2,
-                                "variants": ["dense"], "workers": 2}
+                                "variants": ["dense"], "workers": 2, "deterministic": False}
 
 
 def test_gpu_study_script_dry_run(tmp_path):
     """experiments/gpu/quality_study.sh at its DRY size: probe, plan, a progressive study that finishes, and
     the runs' samples and logs in two tars (a tiny size limit forces the split) without any checkpoint.
-    Its time budgets are set far beyond any machine's speed (a step would have to take hours to matter),
-    so no stage is cut and the plan is the DRY step caps however busy the machine is."""
+    DETERMINISTIC=1 reaches the probe and every run (train.deterministic=true in their JSONs). Its time budgets
+    are set far beyond any machine's speed (a step would have to take hours to matter), so no stage is cut and the
+    plan is the DRY step caps however busy the machine is."""
     env = {**os.environ, "DRY": "1", "PROBE_S": "1000000", "BUDGET_S": "1000000",
            "RESULTS": str(tmp_path / "results"), "RUNS": str(tmp_path / "runs"), "WANDB_MODE": "disabled",
-           "TAR_MAX_KIB": "1"}
+           "TAR_MAX_KIB": "1", "DETERMINISTIC": "1"}
     done = subprocess.run(["bash", "experiments/gpu/quality_study.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "probe exit status 0" in done.stdout and "study exit status 0" in done.stdout
-    assert "plan: train.compile=" in done.stdout
+    assert "plan: train.compile=" in done.stdout and "train.deterministic=true in the probe" in done.stdout
     results = tmp_path / "results"
     probe = json.loads((results / "quality_compile" / "cpu_dry.json").read_text())
     assert probe["rows"][0]["compile"] is False and probe["rows"][0]["status"] == "ok"
+    assert probe["config"]["deterministic"] is True
     study = json.loads((results / "quality" / "cpu_dry.json").read_text())
     assert study["jobs_done"] == study["jobs_total"] == 8 and study["config"]["progressive"] is True
     assert study["config"]["clip_steps"] == [4, 3]   # the DRY caps SHORT_MAX and LONG_MAX: no budget bound them
+    assert study["config"]["deterministic"] is True
     names = {}
     for part in ("logs", "samples"):
         with tarfile.open(results / f"cpu_dry_runs_{part}.tar.gz") as tar:
@@ -256,6 +259,8 @@ def test_gpu_study_script_finishes_a_study_with_resume(tmp_path):
     assert again.returncode == 2 and "holds an earlier study" in again.stderr
     again = study(RESUME="1", PLAN="")
     assert again.returncode == 2 and "RESUME=1 needs PLAN" in again.stderr
+    again = study(RESUME="1", DETERMINISTIC="yes")
+    assert again.returncode == 2 and "DETERMINISTIC=yes must be 0 or 1" in again.stderr
     again = study(RESUME="1")
     assert again.returncode == 0, again.stdout + again.stderr
     after = rows()

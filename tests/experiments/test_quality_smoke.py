@@ -10,7 +10,7 @@ from experiments.quality_protocol import (MIN_FRAME_PX, SCORE_KEYS, TRAINSET_KEY
 from megaslide.config import DataConfig
 from megaslide.data.build import build_dataset
 from megaslide.data.video_io import to_uint8_frames
-from tests.experiments.runner import run_script
+from tests.experiments.runner import run_script_streams
 
 TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "seeds=[0]", "data.height=8", "data.width=8",
         "data.shape_size=4", "data.speed=2", "data.frames=4", "data.num_videos=8", "train.batch_size=2"]
@@ -18,11 +18,12 @@ TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "seeds=[0]", "data.
 ABLATION = [o.replace("=8", "=16") if o.startswith(("data.height", "data.width")) else o for o in TINY]
 
 
-def _run(script, tmp_path, *extra):
-    """The result JSON and the printout of one script run at its smoke size."""
-    out = run_script([f"experiments/{script}", f"out_dir={tmp_path}", *(ABLATION if "ablate" in script else TINY),
-                      *extra])
-    return json.loads(next((tmp_path / "results").rglob("cpu_tiny.json")).read_text()), out
+def _run(script, tmp_path, *extra, streams=False):
+    """The result JSON and the printout of one script run at its smoke size (with `streams`, its stderr too)."""
+    out = run_script_streams([f"experiments/{script}", f"out_dir={tmp_path}",
+                              *(ABLATION if "ablate" in script else TINY), *extra])
+    result = json.loads(next((tmp_path / "results").rglob("cpu_tiny.json")).read_text())
+    return (result, *out) if streams else (result, out[0])
 
 
 def test_ablate_offsets_smoke(tmp_path):
@@ -72,13 +73,21 @@ def test_trainset_clips_are_the_training_data():
 
 
 def test_parallel_workers_give_the_same_rows(tmp_path):
-    """workers=2 (spawned processes) trains and scores the same runs as workers=1."""
+    """workers=2 (spawned processes) trains and scores the same runs as workers=1, and each worker's progress
+    is on lines of its own, labelled with its run: no bar redrawn over the other's line."""
     serial = _run("ablate_offsets.py", tmp_path / "serial")[0]["tables"]["per seed"]
-    parallel = _run("ablate_offsets.py", tmp_path / "parallel", "workers=2")[0]["tables"]["per seed"]
-    assert [r["variant"] for r in parallel] == [r["variant"] for r in serial]
-    for a, b in zip(serial, parallel):
+    parallel = _run("ablate_offsets.py", tmp_path / "parallel", "workers=2", streams=True)
+    rows, progress = parallel[0]["tables"]["per seed"], parallel[2]
+    assert [r["variant"] for r in rows] == [r["variant"] for r in serial]
+    for a, b in zip(serial, rows):
         if a["variant"] != "ground_truth":
             assert abs(a["final_loss"] - b["final_loss"]) <= 1e-4 * abs(a["final_loss"])
+    assert "\r" not in progress, progress
+    labels = ("[dsa 4f seed 0] ", "[dsa_zero 4f seed 0] ")
+    lines = [line for line in progress.splitlines() if " step " in line]
+    for label in labels:    # train.steps=2: a line at each step, "step 1/2" and "step 2/2"
+        assert [line[len(label):].split()[1] for line in lines if line.startswith(label)] == ["1/2", "2/2"], progress
+    assert len(lines) == 4 and all(line.count(" step ") == 1 for line in lines), progress
 
 
 def test_upscaled_repeats_pixels_to_the_minimum_size():

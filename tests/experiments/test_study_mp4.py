@@ -1,5 +1,5 @@
 """A study run's mp4 (quality_protocol.run_variant, as the main job writes it): the first sample beside the
-ground-truth clip of its caption, looped to at least MP4_SECONDS."""
+ground-truth clip of its caption, looped to at least MP4_SECONDS (video_io)."""
 import math
 import os
 
@@ -7,6 +7,7 @@ import imageio.v2 as imageio
 import numpy as np
 
 import experiments.quality_protocol as protocol
+from megaslide.data.video_io import MP4_SECONDS
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -18,7 +19,7 @@ def test_study_mp4_shows_ground_truth_beside_the_sample_looped(tmp_path):
                                eval_seed=5, sample_batch=1, out_dir=tmp_path, project="p", tag="t")
     decoded = np.stack(imageio.mimread(row["mp4"], format="FFMPEG"))  # (frames, H, W, 3)
     side = protocol.upscaled(row["samples"][0]).shape[1]
-    loops = math.ceil(protocol.MP4_SECONDS * 8 / data.frames)  # write_mp4's default 8 fps
+    loops = math.ceil(MP4_SECONDS * 8 / data.frames)  # write_mp4's default 8 fps
     assert decoded.shape == (loops * data.frames, side, 2 * side + 4, 3)
     _, _, truth = protocol.eval_set(data, 1, 5)
     want = np.tile(protocol.upscaled(truth[0]), (loops, 1, 1, 1))  # the left clip: the caption's ground truth

@@ -1,22 +1,25 @@
 """train.py -> sample.py end to end at the smallest size, and the claims page on the committed results."""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import imageio.v2 as imageio
 
+from megaslide.data.video_io import MP4_SECONDS
 from tests.experiments.runner import REPO_ROOT, run_script
 
 TINY = ["train.steps=2", "train.batch_size=2", "train.sample_steps=1", "data.frames=4", "data.height=8",
         "data.width=8", "data.shape_size=4", "data.num_videos=4", "sample_captions=[a red circle moving left]"]
+LOOPED = 4 * math.ceil(MP4_SECONDS * 8 / 4)  # the 4 frames, played again and again for MP4_SECONDS at 8 fps
 
 
 def test_train_then_sample(tmp_path):
     run_script(["experiments/train.py", f"out_dir={tmp_path}", *TINY])
     ckpt = tmp_path / "checkpoints" / "step_2.pt"
     assert ckpt.is_file() and (tmp_path / "metrics.jsonl").is_file()
-    assert len(imageio.mimread(tmp_path / "samples" / "step2_0.mp4")) == 4
+    assert len(imageio.mimread(tmp_path / "samples" / "step2_0.mp4")) == LOOPED >= MP4_SECONDS * 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl", "samples"]  # no *.log
     out = run_script(["experiments/train.py", f"out_dir={tmp_path}", *TINY, "train.steps=3", "train.resume=auto"])
     assert f"resumed from {ckpt} at step 2" in out
@@ -25,7 +28,7 @@ def test_train_then_sample(tmp_path):
     run_script(["experiments/sample.py", f"checkpoint={ckpt}", "caption=a blue square moving up", "steps=1",
                 f"out={out}"])
     frames = imageio.mimread(out)
-    assert len(frames) == 4 and frames[0].shape == (8, 8, 3)
+    assert len(frames) == LOOPED and frames[0].shape == (8, 8, 3)
 
 
 def test_a_refused_config_leaves_nothing_behind(tmp_path):
