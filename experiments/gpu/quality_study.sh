@@ -28,6 +28,9 @@
 # training then gives the same bits at its seed on every call, at a cost in speed (docs/quality_study.md,
 # "Repeatability"); the probe times the steps that way too, so the plan allows for the cost (CONTENTION was
 # measured without it). The study's JSON records it (config.deterministic), as does the probe's.
+# RECIPE=<file> trains each variant with its own learning rate and warm-up, from a recipe JSON of
+# experiments/tune_recipe.py (docs/quality_study.md, "Tuning each variant's recipe"; LR is then not used):
+# quality.py refuses a recipe tuned for other data, model, batch or short-clip steps (use PLAN for fixed steps).
 # Stages 1 and 2 run under `timeout`: the result JSON is rewritten after every finished run, so a
 # stage cut short leaves an honest partial result (jobs_done < jobs_total).
 # A study longer than one call: PLAN="SHORT LONG" fixes the steps (no probe, no planning) and every
@@ -61,6 +64,10 @@ case "${DETERMINISTIC:-0}" in
   1) DETERMINISTIC=true ;;
   *) echo "DETERMINISTIC=$DETERMINISTIC must be 0 or 1 (1: train.deterministic=true in every run)" >&2; exit 2 ;;
 esac
+if [ -n "${RECIPE:-}" ] && [ ! -f "$RECIPE" ]; then
+  echo "RECIPE=$RECIPE is not a file: pass a recipe JSON of experiments/tune_recipe.py, or leave RECIPE unset" >&2
+  exit 2
+fi
 RESULTS=${RESULTS:-${MEGASLIDE_RESULTS_DIR:-${OUT:-/tmp/quality_study/results}}}
 RUNS=${RUNS:-/tmp/quality_study/runs}    # out_dir: checkpoints, W&B runs, samples, logs
 if [ "${RESUME:-0}" != 1 ] && [ -n "$(ls -A "$RUNS" 2>/dev/null)" ]; then
@@ -153,7 +160,7 @@ if [ "${SHORT:-0}" -gt 0 ] && [ "$STUDY_S" -gt 0 ]; then
   say "study, at most $STUDY_S s"
   # shellcheck disable=SC2086
   TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 "$STUDY_S" python3 experiments/quality.py $COMMON $STUDY \
-    "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE 2>&1 | tee -a "$RUNS/logs/study.log"
+    "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE ${RECIPE:+recipe=$RECIPE} 2>&1 | tee -a "$RUNS/logs/study.log"
   STATUS=${PIPESTATUS[0]}
   say "study exit status $STATUS (124: cut at $STUDY_S s; its JSON holds the runs that finished)"
 else
