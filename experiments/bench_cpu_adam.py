@@ -15,6 +15,9 @@ torch kernels on the same threads: a copy (dst.copy_(src): 8 B/element, read + w
 HARDWARE.md counts it) and an in-place add (a.add_(b): 12 B/element, two reads and one write
 to lines already read, the access pattern of AdamW).
 
+The compact host states (bf16 master, int8 moments, both) are timed beside the fp32 state (`compact_states`),
+after a check that the native step gives the same bits as the torch backend on each (`compact_check`).
+
 Order: correctness (C++ vs torch.optim.AdamW on a small buffer) -> ceilings -> timings ->
 JSON (results/cpu_adam/<name>.json, or under $MEGASLIDE_RESULTS_DIR) and W&B -> table.
 Configuration: experiments/conf/bench_cpu_adam.yaml.
@@ -36,7 +39,9 @@ from omegaconf import DictConfig
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import copy_gbps, timed
 from experiments.hydra_config import script_config, script_main, trial_preset
-from megaslide.offload import cpu_adam
+from megaslide.offload import compact, cpu_adam
+from megaslide.offload.compact import SIGNED, SQRT, QuantizedMoment
+from megaslide.perf.host_memory import MOMENT_BLOCK
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 TARGET_SPEEDUP = 1.2  # vs torch fused AdamW, the goal set for the offload engine
@@ -189,6 +194,71 @@ def time_variant(variant: str, b: Buffers, threads: int, warmup: int, iters: int
     return {"variant": variant, "median_s": t.median, "best_s": t.min, "worst_s": t.max, "std_s": t.std}
 
 
+# The host states of offload.master_dtype x offload.moments (docs/offload_engine.md, "Compact optimizer state"),
+# each with bf16 gradients and, for an fp32 master, the bf16 weights written: (name, master dtype, int8 moments)
+STATES = (("fp32 state", torch.float32, False), ("bf16 master", torch.bfloat16, False),
+          ("int8 moments", torch.float32, True), ("bf16 master + int8 moments", torch.bfloat16, True))
+
+
+def state_buffers(init_param: torch.Tensor, master: torch.dtype, int8: bool) -> tuple:
+    """(param, exp_avg, exp_avg_sq, bf16 out or None) of one host state over init_param's N elements."""
+    n = init_param.numel()
+    moments = ((QuantizedMoment.zeros(n, SIGNED), QuantizedMoment.zeros(n, SQRT)) if int8
+               else (torch.zeros(n), torch.zeros(n)))
+    out = torch.empty(n, dtype=torch.bfloat16) if master == torch.float32 else None
+    return init_param.to(master), *moments, out
+
+
+def state_bytes(master: torch.dtype, int8: bool) -> float:
+    """Bytes per parameter a step must move: param (read + write), the bf16 gradient, both moments (read +
+    write, int8 codes with one fp32 scale per MOMENT_BLOCK), and the bf16 weights an fp32 master writes."""
+    param = 2 * master.itemsize
+    moments = 2 * 2 * ((1 + 4 / MOMENT_BLOCK) if int8 else 4)
+    return param + 2 + moments + (2 if master == torch.float32 else 0)
+
+
+def check_states(n: int = 100_003, steps: int = 3) -> dict:
+    """Every compact host state, native vs the torch backend (the tested reference of the formats) over `steps`
+    steps of fresh random gradients: the weights and the moments must be the same bits."""
+    gen = torch.Generator().manual_seed(1)
+    p0 = torch.randn(n, generator=gen)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).bfloat16() for _ in range(steps)]
+    same = {}
+    for name, master, int8 in STATES[1:]:
+        runs = []
+        for fn in (cpu_adam.adamw_step_, cpu_adam.adamw_step_torch_):
+            param, m, v, out = state_buffers(p0, master, int8)
+            for step, grad in enumerate(grads, 1):
+                fn(param, grad, m, v, step=step, lr=LR, weight_decay=WEIGHT_DECAY, param_bf16=out,
+                   rounding_key=compact.rounding_key(0, 3, step) if master == torch.bfloat16 else None)
+            runs.append([param, *((m.codes, m.scales, v.codes, v.scales) if int8 else (m, v))])
+        same[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*runs))
+    return {"n": n, "steps": steps, "native_equals_reference": same, "passed": all(same.values())}
+
+
+def state_rows(n: int, threads: int, warmup: int, iters: int) -> list[dict]:
+    """The native AdamW step over each host state of N parameters: throughput, bytes moved, and the time
+    against the fp32 state's (`vs_fp32_state`)."""
+    gen = torch.Generator().manual_seed(n)
+    init_param, grad = torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 1e-3).bfloat16()
+    rows = []
+    for name, master, int8 in STATES:
+        param, m, v, out = state_buffers(init_param, master, int8)
+        key = compact.rounding_key(0, 0, 1) if master == torch.bfloat16 else None
+        counter = iter(range(1, warmup + iters + 1))
+
+        def step() -> None:
+            cpu_adam.adamw_step_(param, grad, m, v, step=next(counter), lr=LR, weight_decay=WEIGHT_DECAY,
+                                 param_bf16=out, num_threads=threads, rounding_key=key)
+        t = timed(step, "cpu", iters, warmup=warmup)
+        bytes_per_param = state_bytes(master, int8)
+        rows.append({"params": n, "state": name, "bytes_per_param": bytes_per_param, "median_s": t.median,
+                     "best_s": t.min, "worst_s": t.max, "std_s": t.std, "gparams_per_s": n / t.median / 1e9,
+                     "GBps": n * bytes_per_param / t.median / 1e9, "vs_fp32_state": t.median / rows[0]["median_s"]
+                     if rows else 1.0})
+    return rows
+
+
 def bench(sizes: list[int], threads: int, warmup: int, iters: int, bw_bytes: int) -> dict:
     torch.set_num_threads(threads)
     correctness = [check_correctness(w) for w in WORKLOADS]
@@ -218,10 +288,15 @@ def bench(sizes: list[int], threads: int, warmup: int, iters: int, bw_bytes: int
                     row["speedup_vs_torch_fused"] = fused["median_s"] / t["median_s"] if fused else None
                 rows.append(row)
         del init_param, init_grad
+    states = check_states()
+    if not states["passed"]:
+        sys.exit(f"compact state check failed, not timing: {states}")
     return {"backend": cpu_adam.backend(), "isa": cpu_adam.native_isa(), "threads": threads,
             "warmup": warmup, "iters": iters, "lr": LR, "weight_decay": WEIGHT_DECAY,
             "target_speedup_vs_torch_fused": TARGET_SPEEDUP, "correctness": correctness,
-            "bandwidth": bandwidth, "bandwidth_ceiling_GBps": ceiling, "results": rows}
+            "bandwidth": bandwidth, "bandwidth_ceiling_GBps": ceiling, "results": rows,
+            "compact_check": [states], "compact_states": [r for n in sizes
+                                                         for r in state_rows(n, threads, warmup, iters)]}
 
 
 def print_table(payload: dict) -> None:
@@ -238,6 +313,12 @@ def print_table(payload: dict) -> None:
         ratio = "-" if r["speedup_vs_torch_fused"] is None else f"{r['speedup_vs_torch_fused']:.2f}x"
         print(f"{r['params']:>11} {r['workload']:<21} {r['variant']:<24} {r['gparams_per_s']:>9.2f} "
               f"{r['GBps']:>7.1f} {r['frac_of_bandwidth']:>6.0%} {ratio:>9}")
+
+
+    print(f"\n{'params':>11} {'host state':<27} {'Gparam/s':>9} {'GB/s':>7} {'time vs fp32 state':>19}")
+    for r in payload["compact_states"]:
+        print(f"{r['params']:>11} {r['state']:<27} {r['gparams_per_s']:>9.2f} {r['GBps']:>7.1f} "
+              f"{r['vs_fp32_state']:>18.2f}x")
 
 
 @script_main("bench_cpu_adam")

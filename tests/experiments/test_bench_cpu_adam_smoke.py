@@ -18,4 +18,9 @@ def test_bench_cpu_adam_tiny_writes_a_complete_result(tmp_path):
     assert "wandb_dir" in record
     fused = [r for r in rows if r["variant"] == "torch-fused"]
     assert all(("error" in r) or r["speedup_vs_torch_fused"] == 1.0 for r in fused)
-    assert "Gparam/s" in stdout.splitlines()[-len(rows) - 1]  # the table is printed last
+    states = record["compact_states"]                              # every host state, after the fp32 one
+    assert [r["state"] for r in states] == ["fp32 state", "bf16 master", "int8 moments", "bf16 master + int8 moments"]
+    assert record["compact_check"][0]["passed"] and states[0]["vs_fp32_state"] == 1.0
+    assert [r["bytes_per_param"] for r in states] == [28, 22, 16.25, 10.25]
+    lines = stdout.splitlines()                                    # the two tables are printed last
+    assert "Gparam/s" in lines[-len(rows) - len(states) - 3] and "host state" in lines[-len(states) - 1]
