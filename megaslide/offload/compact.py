@@ -52,7 +52,12 @@ class QuantizedMoment:
 
     @classmethod
     def zeros(cls, numel: int, kind: str) -> QuantizedMoment:
-        return cls(torch.zeros(numel, dtype=torch.uint8), torch.zeros(math.ceil(numel / MOMENT_BLOCK)), kind)
+        return cls(torch.zeros(numel, dtype=torch.uint8), torch.zeros(cls.num_scales(numel)), kind)
+
+    @staticmethod
+    def num_scales(numel: int) -> int:
+        """Scales of a moment of `numel` elements: one per MOMENT_BLOCK, the last block possibly cut short."""
+        return math.ceil(numel / MOMENT_BLOCK)
 
     def numel(self) -> int:
         return self.codes.numel()

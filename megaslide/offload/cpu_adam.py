@@ -134,7 +134,7 @@ def _check_moment(name: str, moment, kind: str, device: torch.device, numel: int
         raise ValueError(f"{_NAME}: {name} is a QuantizedMoment of kind {moment.kind!r} but must be {kind!r}")
     _check_tensor(f"{name}.codes", moment.codes, (torch.uint8,), device, numel)
     _check_tensor(f"{name}.scales", moment.scales, (torch.float32,), device, None)
-    if moment.scales.numel() != QuantizedMoment.zeros(numel, kind).scales.numel():
+    if moment.scales.numel() != QuantizedMoment.num_scales(numel):
         raise ValueError(f"{_NAME}: {name}.scales has {moment.scales.numel()} elements but {numel} codes need one "
                          f"per MOMENT_BLOCK; allocate it with QuantizedMoment.zeros")
     return {f"{name}.codes": moment.codes, f"{name}.scales": moment.scales}

@@ -180,6 +180,14 @@ inline uint32_t encode_magnitude(float y) {
   return code > kMax ? kMax : code;
 }
 
+// The bits of |x|, 0 for a NaN: non-negative floats order as their bits, so a block's largest magnitude is an
+// integer max, which vectorises (a float max does not without -ffinite-math-only); NaNs are passed over, as
+// std::max(max, NaN) passes them.
+inline uint32_t magnitude_bits(float x) {
+  const uint32_t bits = bits_of_float(x) & 0x7FFFFFFFu;
+  return bits > 0x7F800000u ? 0u : bits;
+}
+
 // Per block: scale 2^k, k = floor(log2 absmax) + 1, and 1 / scale; (0, 0) below 2^-126; absmax capped at 2^126.
 inline void block_scale(float absmax, float* scale, float* inverse) {
   uint32_t e = (bits_of_float(absmax) >> 23) & 0xFFu;
@@ -236,15 +244,15 @@ inline void store_moments(const Int8Moments& st, int64_t begin, int64_t n, const
                           const float* root) {
   for (int64_t b = 0; b < n; b += kMomentBlock) {
     const int64_t len = std::min(kMomentBlock, n - b);
-    float m_max = 0.0f, r_max = 0.0f;
+    uint32_t m_max = 0u, r_max = 0u;  // the bits of the largest magnitudes (a NaN counts as 0)
 #pragma omp simd reduction(max : m_max, r_max)
     for (int64_t i = 0; i < len; ++i) {
-      m_max = std::max(m_max, std::fabs(m[b + i]));
-      r_max = std::max(r_max, root[b + i]);
+      m_max = std::max(m_max, magnitude_bits(m[b + i]));
+      r_max = std::max(r_max, magnitude_bits(root[b + i]));
     }
     float m_inverse, r_inverse;
-    block_scale(m_max, &st.exp_avg_scales[(begin + b) / kMomentBlock], &m_inverse);
-    block_scale(r_max, &st.exp_avg_sq_scales[(begin + b) / kMomentBlock], &r_inverse);
+    block_scale(float_of_bits(m_max), &st.exp_avg_scales[(begin + b) / kMomentBlock], &m_inverse);
+    block_scale(float_of_bits(r_max), &st.exp_avg_sq_scales[(begin + b) / kMomentBlock], &r_inverse);
     uint8_t* mc = st.exp_avg + begin + b;
     uint8_t* rc = st.exp_avg_sq + begin + b;
 #pragma omp simd
