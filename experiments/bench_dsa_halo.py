@@ -90,6 +90,7 @@ def cells(cfg: BenchDSAHaloConfig, device, bound: float) -> list[dict]:
         for t, y, x, warps in cfg.tiles:
             config = HaloConfig((t, y, x), warps)
             row = {**base, "kernel": "halo", "tile": [t, y, x], "num_warps": warps}
+            progress(f"+-{bound:g} halo {[t, y, x]} {warps} warps: first call (builds the kernel)")
             try:
                 out, _, path = dsa_halo_forward(q, k, v, offsets, KERNEL, scale, reach, config=config)
             except Exception as err:  # a tile the compiler cannot build here (registers, shared memory)
@@ -114,6 +115,8 @@ def bench(cfg: BenchDSAHaloConfig) -> int:
     checks = []
     for shape, reach, tile, beyond in SMOKE_CHECK_CASES if cfg.smoke else CHECK_CASES:
         for dtype in (torch.float32, torch.bfloat16):
+            progress(f"check {str(dtype).removeprefix('torch.'):8s} {shape} reach {reach} tile {tile}: starting "
+                     "(its first call builds the kernel)")
             checks.append(check_dsa_halo(*dsa_halo_inputs(shape, reach, dtype, beyond, device), reach, tile))
             progress(check_line(checks[-1], f"{shape} reach {reach} tile {tile} paths {checks[-1]['paths']}"))
     passed = all(c["passed"] for c in checks)

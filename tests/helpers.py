@@ -61,13 +61,15 @@ def build(fn, signature, constexprs, num_warps, aligned_ints=()):
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     assert compiled.asm["cubin"], fn
     print(fn.__name__, "ok")
+    return compiled
 """
 
 
 def builds_for_sm90(script: str) -> int:
     """Run `script`, which calls `build(fn, signature, constexprs, num_warps, aligned_ints=())` for
     each Triton kernel (signature: each runtime argument's Triton type, "*bf16", "i32", "fp32"; its
-    pointers and the ints named in aligned_ints are declared 16-aligned), in a process without
+    pointers and the ints named in aligned_ints are declared 16-aligned; it returns the compiled kernel,
+    whose asm["ptx"] a script may inspect), in a process without
     TRITON_INTERPRET: each kernel is built to sm_90 SASS with Triton's bundled ptxas (no GPU needed),
     which catches the GPU lowering errors the interpreter cannot. Returns how many were built."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -15,10 +15,10 @@ ENTRY_FLOATS = 8
 padding, so that one entry is one aligned 32-byte sector (backward.py)."""
 
 MAX_HALO_REACH = 2
-"""The widest halo reach the halo forward takes (halo.py): a program holds its halo's V rows and its tile x halo
-scores on chip (shared memory for the gathers), HALO x (2 block_d + 4 BLOCK_Q) bytes at bf16; at a
-3 x 3 x 3 window and reach 2 the halo of a 1 x 4 x 4 tile is 7 x 10 x 10 tokens (1024 padded), 192 KiB at
-d 64, near an H200 SM's 227 KiB; reach 3 doubles it."""
+"""The widest halo reach the halo forward takes (halo.py): a program holds its halo's K rows, then its V rows
+(shared memory for its two dots) and its tile x halo scores and softmax weights (fp32 registers); at a
+3 x 3 x 3 window and reach 2 the halo of a 1 x 4 x 4 tile is 7 x 10 x 10 tokens (1024 padded), whose sm_90
+build at d 64 and bf16 takes 192 KiB of shared memory, near an H200 SM's 227 KiB; reach 3 doubles the halo."""
 
 
 def backward_scratch_bytes(num_samples: int) -> int:

@@ -4,11 +4,16 @@ Idea. Trilinear interpolation is linear, so a query's score against a sample is 
 scores against the sample's 8 corner tokens: <q, sum_c w_c K_c> = sum_c w_c <q, K_c>. A program owns a
 tile of TILE_T x TILE_Y x TILE_X queries of one (batch, head). When every sample of the tile lies inside
 the tile's halo (the tile grown by the window's reach kernel // 2 and by `reach` tokens of offset along
-each axis), it loads the halo's K and V rows once, computes the scores of the tile against the whole halo
-with one `tl.dot` (BQ x HALO), and takes each sample's score from there (`tl.gather` of its 8 corner
-scores, combined with the trilinear weights). The softmax runs over the K samples as in forward.py; each
-sample's value is combined from its 8 corner rows gathered out of the halo's V tile, which the program
-holds on chip. So a tile reads its K and V halo rows once instead of 8 corner rows per (query, sample).
+each axis), it loads the halo's K rows once and computes the scores of the tile against the whole halo
+with one `tl.dot` (BQ x HALO). Each sample's trilinear weights are written as a dense (BQ, HALO) matrix
+(the product of its three 1D weights, `_axis_weights`; at most 8 nonzeros a row), so its score is a row sum
+of weights x scores. The softmax runs over the K samples as in forward.py, its numerator kept as weights on
+the halo's tokens (BQ, HALO): the sum over samples of p_j x weights_j; one `tl.dot` with the halo's V rows
+at the end gives out. So a tile reads its K and V halo rows once instead of 8 corner rows per (query,
+sample). No `tl.gather` from the on-chip tiles: Triton lowers a gather from a register tile to warp shuffles,
+their number the product of the source's and the result's elements per thread, which at large halos swells
+the kernel past what LLVM compiles in reasonable time; the dense weights cost elementwise work linear in
+BQ x HALO (test_dsa_halo.py bounds the built kernel's shuffles).
 
 Path choice, per tile at run time. The program first computes every sample's clamped position; if one
 leaves the halo (an offset past `reach`), the tile runs the gather forward of forward.py
@@ -18,8 +23,10 @@ its path (1: halo, 0: gathers) to a per-tile int8 tensor, so a caller can count 
 
 Layout as forward.py: q, k, v, out contiguous (B, T, H, W, heads, d); offsets (B, T, H, W, heads, K, 3).
 Scores are fp32 (tensor-core dots of the input dtype, fp32 inputs at full fp32 precision; under the CPU
-interpreter bf16 operands are widened to fp32 first, as its dots would read bf16 bits as integers); head dims
-are padded to the next power of two (at least 16) with masked columns.
+interpreter bf16 operands are widened to fp32 first, as its dots would read bf16 bits as integers); the
+final dot takes the fp32 weights and V widened to fp32, at full fp32 precision for fp32 inputs and at tf32
+for bf16 ones (the weights rounded to tf32: finer than bf16's rounding of out); head dims are padded to the
+next power of two (at least 16) with masked columns.
 """
 from __future__ import annotations
 
@@ -52,10 +59,16 @@ def _in_halo(sample, origin, extent: tl.constexpr):
 
 
 @triton.jit
-def _halo_index(idx, origin, extent: tl.constexpr):
-    """Halo-local index of grid indices idx along an axis; an upper corner one past the halo has weight 0
-    (its position is the halo's last index) and is moved onto that index."""
-    return tl.minimum(idx - origin, extent - 1)
+def _axis_weights(local, idx, w, origin, extent: tl.constexpr):
+    """(BQ, HALO) linear weights of samples along one axis on the halo's tokens: for each query (row) and
+    halo token at halo-local index local (HALO,) along the axis (column), the sum of the 1D weights
+    w = (lower, upper) of the sample's neighbours idx = (lower, upper) (grid indices, (BQ,) each) that land
+    on it. An upper neighbour one past the halo has weight 0 (its position is the halo's last index) and is
+    moved onto that index; padded halo tokens (local >= extent) get 0."""
+    lower = tl.minimum(idx[0] - origin, extent - 1)  # (BQ,) halo-local
+    upper = tl.minimum(idx[1] - origin, extent - 1)
+    return (tl.where(local[None, :] == lower[:, None], w[0][:, None], 0.0)
+            + tl.where(local[None, :] == upper[:, None], w[1][:, None], 0.0))
 
 
 @triton.jit
@@ -104,11 +117,11 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
         cols = tl.arange(0, BLOCK_D)  # (BD,)
         col_ok = (cols < D)[None, :]  # (1, BD)
         hh = tl.arange(0, HALO)  # (HALO,) flat halo index, row-major over (ET, EY, EX), padded to a power of 2
-        ht, hy, hx = ht0 + hh // (EY * EX), hy0 + hh // EX % EY, hx0 + hh % EX
-        h_ok = (hh < ET * EY * EX) & (ht < T) & (hy < H) & (hx < W)  # (HALO,) halo rows on the grid
-        halo_rows = _token_rows(tl.where(h_ok, (ht * H + hy) * W + hx, 0), stride_tok, cols, WIDE)  # (HALO, BD)
+        ht, hy, hx = hh // (EY * EX), hh // EX % EY, hh % EX  # (HALO,) halo-local coordinates
+        h_ok = (hh < ET * EY * EX) & (ht0 + ht < T) & (hy0 + hy < H) & (hx0 + hx < W)  # (HALO,) rows on the grid
+        halo_tok = tl.where(h_ok, ((ht0 + ht) * H + hy0 + hy) * W + hx0 + hx, 0)  # (HALO,)
+        halo_rows = _token_rows(halo_tok, stride_tok, cols, WIDE)  # (HALO, BD)
         k_halo = tl.load(k_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
-        v_halo = tl.load(v_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
         own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
         q = tl.load(q_ptr + head_off + own_rows, mask=col_ok, other=0.0)  # (BQ, BD)
         if DOT_FP32:  # the same products: a bf16 value is exact in fp32
@@ -117,25 +130,20 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
 
         m_i = tl.full([BQ], float("-inf"), tl.float32)  # running max (log2 units)
         l_i = tl.zeros([BQ], tl.float32)  # running softmax denominator
-        acc = tl.zeros([BQ, BLOCK_D], tl.float32)  # running numerator
+        p_halo = tl.zeros([BQ, HALO], tl.float32)  # running numerator's weight on each halo token
         for j in range(KT * KH * KW):
             window = (j // (KH * KW), j // KW % KH, j % KW)
             st, sy, sx = _sample_axes(off_q, j, starts, window, (T, H, W))
             t_idx, y_idx, x_idx, t_w, y_w, x_w = _corner_axes(st, sy, sx)
-            s = tl.zeros([BQ], tl.float32)
-            v_sample = tl.zeros([BQ, BLOCK_D], tl.float32)
-            for ct in tl.static_range(2):
-                for cy in tl.static_range(2):
-                    for cx in tl.static_range(2):
-                        corner = ((_halo_index(t_idx[ct], ht0, ET) * EY + _halo_index(y_idx[cy], hy0, EY)) * EX
-                                  + _halo_index(x_idx[cx], hx0, EX))  # (BQ,) halo index
-                        w = t_w[ct] * y_w[cy] * x_w[cx]  # (BQ,)
-                        s += w * tl.sum(tl.gather(scores, corner[:, None], axis=1), axis=1)
-                        v_rows = tl.gather(v_halo, tl.broadcast_to(corner[:, None], (BQ, BLOCK_D)), axis=0)
-                        v_sample += w[:, None] * v_rows.to(tl.float32)  # (BQ, BD)
+            weights = (_axis_weights(ht, t_idx, t_w, ht0, ET) * _axis_weights(hy, y_idx, y_w, hy0, EY)
+                       * _axis_weights(hx, x_idx, x_w, hx0, EX))  # (BQ, HALO) the sample's trilinear weights
+            s = tl.sum(weights * scores, axis=1)  # (BQ,)
             m_i, l_i, alpha, p_j = _softmax_step(m_i, l_i, s)
-            acc = acc * alpha[:, None] + p_j[:, None] * v_sample
+            p_halo = p_halo * alpha[:, None] + p_j[:, None] * weights
 
+        # V after the loop: the K and V tiles are never on chip together
+        v_halo = tl.load(v_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
+        acc = tl.dot(p_halo, v_halo.to(tl.float32), input_precision=PRECISION)  # (BQ, BD)
         out = acc / l_i[:, None]  # (BQ, BD)
         tl.store(out_ptr + head_off + own_rows, out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None] & col_ok)
         if STORE_LSE:

@@ -184,6 +184,6 @@ class HaloConfig:
 
 def halo_config(reach: int) -> HaloConfig:
     """The halo forward's default tile for offsets of up to `reach` tokens: 2 x 4 x 4 queries up to reach 1
-    (a 6 x 8 x 8 halo at a 3 x 3 x 3 window, 512 padded: 128 KiB on chip at d 64), 1 x 4 x 4 beyond (see
+    (a 6 x 8 x 8 halo at a 3 x 3 x 3 window, 512 padded), 1 x 4 x 4 beyond (see
     constants.MAX_HALO_REACH). Not yet timed: `python -m experiments.bench_dsa_halo` times candidates."""
     return HaloConfig(tile=(2, 4, 4) if reach <= 1 else (1, 4, 4), num_warps=4)
