@@ -28,6 +28,11 @@
 # training then gives the same bits at its seed on every call, at a cost in speed (docs/quality_study.md,
 # "Repeatability"); the probe times the steps that way too, so the plan allows for the cost (CONTENTION was
 # measured without it). The study's JSON records it (config.deterministic), as does the probe's.
+# PROXY=large trains a larger clip: 32 x 32 px (16 x 16 tokens of 2 x 2 px), 32 frames then 64, an 8 px object
+# moving 8 px (4 tokens) a frame, past a 3 x 3 x 3 DSA window (reach 1 token) and a Swin window (4 tokens) every
+# frame; PROXY=small (the default) is the 16 x 16 px, 16- and 64-frame study with 3 px (1.5 tokens) a frame. The
+# probe then times the larger clip, and the plan sizes SHORT and LONG from it. With SEEDS="[0]" WORKERS=4 one
+# call trains the four variants of one seed; PLAN and RESUME continue them over more calls.
 # RECIPE=<file> trains each variant with its own learning rate and warm-up, from a recipe JSON of
 # experiments/tune_recipe.py (docs/quality_study.md, "Tuning each variant's recipe"; LR is then not used):
 # quality.py refuses a recipe tuned for other data, model, batch or short-clip steps (use PLAN for fixed steps).
@@ -51,10 +56,15 @@ if [ "$DRY" = 1 ]; then
   : "${BUDGET_S:=110}" "${SHORT_MAX:=4}" "${LONG_MAX:=3}" "${LONG_MIN:=1}" "${NAME:=cpu_dry}"
   PROBE="probe_warmup=1 probe_steps=3"; : "${OVERHEAD_S:=15}"
 else
-  SIZE="model=quality_gpu data.height=16 data.width=16 data.shape_size=6 data.speed=3 data.num_videos=512
+  case "${PROXY:-small}" in   # the clip: 16 x 16 px, 16 then 64 frames; or 32 x 32 px, 32 then 64 frames
+    small) FRAME="data.height=16 data.width=16 data.shape_size=6 data.speed=3"; CLIPS=(16 64) ;;
+    large) FRAME="data.height=32 data.width=32 data.shape_size=8 data.speed=8"; CLIPS=(32 64) ;;
+    *) echo "PROXY=$PROXY must be small or large (the clip size; see the header)" >&2; exit 2 ;;
+  esac
+  SIZE="model=quality_gpu $FRAME data.num_videos=512
         train.device=cuda train.lr=${LR:-1e-3} train.ema_decay=0.995 train.log_every=100 n_eval=32 sample_batch=32
         train.sample_steps=20 save_mp4=false"
-  read -ra BATCHES <<< "${BATCHES:-8 2}"; CLIPS=(16 64); SEEDS=${SEEDS:-"[0,1,2]"}; WORKERS=${WORKERS:-12}
+  read -ra BATCHES <<< "${BATCHES:-8 2}"; SEEDS=${SEEDS:-"[0,1,2]"}; WORKERS=${WORKERS:-12}
   : "${BUDGET_S:=540}" "${SHORT_MAX:=2800}" "${LONG_MAX:=3000}" "${LONG_MIN:=300}" "${NAME:=h200_progressive}"
   PROBE="probe_warmup=5 probe_steps=60"; : "${OVERHEAD_S:=35}"   # per clip length: start-up, sampling, scoring
 fi

@@ -261,6 +261,8 @@ def test_gpu_study_script_finishes_a_study_with_resume(tmp_path):
     assert again.returncode == 2 and "RESUME=1 needs PLAN" in again.stderr
     again = study(RESUME="1", DETERMINISTIC="yes")
     assert again.returncode == 2 and "DETERMINISTIC=yes must be 0 or 1" in again.stderr
+    again = study(RESUME="1", PROXY="huge", DRY="0")
+    assert again.returncode == 2 and "PROXY=huge must be small or large" in again.stderr
     again = study(RESUME="1", RECIPE=str(tmp_path / "absent.json"))
     assert again.returncode == 2 and "absent.json is not a file: pass a recipe JSON" in again.stderr
     again = study(RESUME="1")
