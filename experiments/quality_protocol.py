@@ -428,10 +428,12 @@ def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config:
 
 
 def summary_table(rows: list[dict]) -> str:
-    """The SUMMARY scores of aggregated rows (means over seeds), a plain table under 100 columns."""
-    header = ["variant", "frames", "seeds", *(h for h, _ in SUMMARY)]
+    """The SUMMARY scores of aggregated rows (means over seeds), a plain table under 100 columns; a score no row
+    has (e.g. "on train" without n_train_eval) is left out, one some rows lack shows "-" there."""
+    shown = [(h, k) for h, k in SUMMARY if any(not math.isnan(r[f"{k}_mean"]) for r in rows)]
+    header = ["variant", "frames", "seeds", *(h for h, _ in shown)]
     lines = [[r["variant"], str(r["frames"]), str(r["seeds"]),
-              *("-" if math.isnan(r[f"{k}_mean"]) else f"{r[f'{k}_mean']:.2f}" for _, k in SUMMARY)] for r in rows]
+              *("-" if math.isnan(r[f"{k}_mean"]) else f"{r[f'{k}_mean']:.2f}" for _, k in shown)] for r in rows]
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                                enumerate(zip(line, widths))) for line in [header, *lines])

@@ -43,6 +43,7 @@ def test_ablate_offsets_smoke(tmp_path):
     table = out[out.index("variant"):].split("\n\n")[0].splitlines()  # the printout: a narrow summary,
     assert max(map(len, table)) <= 100, out                             # then where everything is
     assert [line.split()[0] for line in table[1:]] == ["ground_truth", "dsa", "dsa_zero"]
+    assert "on train" not in table[0]                                   # no run scored training clips
     paths = {line.split(": ")[0]: Path(line.split(": ")[-1]) for line in out.splitlines() if ": " in line}
     png = paths["sample grid, ground truth on top"]
     mp4s = [p for label, p in paths.items() if label.startswith("sample video")]
@@ -105,3 +106,6 @@ def test_summary_table_fits_100_columns():
     assert len(lines) == 3 and max(map(len, lines)) <= 100
     assert lines[0].split() == ["variant", "frames", "seeds", "colour", "shape", "direction", "caption",
                                 "on", "train", "consistency", "motion", "err"]
+    unscored = {**row, "trainset_text_alignment_mean": float("nan")}   # one row without training-clip scores
+    assert summary_table([row, unscored]).splitlines()[2].split()[7] == "-"
+    assert "on train" not in summary_table([unscored])
