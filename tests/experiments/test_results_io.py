@@ -167,7 +167,8 @@ def test_runs_and_studies_refuse_a_bad_name_before_their_run_folder_exists(tmp_p
     with pytest.raises(ValueError, match="^name='../../x'"):
         ExperimentRun("oom_thresholds", "../../x", {}, out_dir=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
-    study = OmegaConf.create({"n_eval": 2, "workers": 1, "sample_batch": 2, "seeds": [0], "results_name": "../x"})
+    study = OmegaConf.create({"n_eval": 2, "workers": 1, "sample_batch": 2, "seeds": [0], "results_name": "../x",
+                              "n_train_eval": 0, "data": {"num_videos": 8}})
     with pytest.raises(ValueError, match="^results_name='../x'"):
         check_study(study)
 

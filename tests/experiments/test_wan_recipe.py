@@ -5,6 +5,7 @@ The commands run in this process (Hydra mains called in turn), which keeps the t
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from megaslide.data.video_folder import clip_size
+from megaslide.data.video_io import MP4_SECONDS
 from megaslide.inference.weights import sampling_weights
 from megaslide.models import load_pretrained
 from megaslide.models.pretrained import pretrained_config
@@ -80,7 +82,7 @@ def test_the_readme_recipe_runs_end_to_end(wan, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "2 clips (2 encoded now, 0 already cached)" in out and f"trained {STEPS} steps" in out
     sample = next((tmp_path / "samples").glob("*.mp4"))
-    assert clip_size(sample) == (FRAMES, SIZE, SIZE)
+    assert clip_size(sample) == (FRAMES * math.ceil(MP4_SECONDS * 8 / FRAMES), SIZE, SIZE)   # looped, 8 fps
     weights, _ = sampling_weights(tmp_path / "runs/wan/checkpoints" / f"step_{STEPS}")
     exported = tmp_path / "runs/wan/transformer"
     model = load_pretrained(exported)
