@@ -31,30 +31,35 @@ class RopeTable:
         self.head_dim = head_dim
         self.max_sizes = (max_t, max_h, max_w)
         self.tables = [_axis_table(p, n, theta) for p, n in zip(axis_pairs(head_dim), self.max_sizes)]
+        self._copies: dict[torch.device, list] = {torch.device("cpu"): self.tables}   # the tables per device
 
     def lookup(self, t: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (N, head_dim // 2) for tokens at integer positions t, y, x (each (N,))."""
+        """cos, sin of shape (N, head_dim // 2) for tokens at integer positions t, y, x (each (N,)), gathered on
+        the positions' device (the per-axis tables are copied there once)."""
         for name, idx, limit in zip("tyx", (t, y, x), self.max_sizes):
             if idx.numel() and int(idx.max()) >= limit:
                 raise ValueError(f"RoPE position {name}={int(idx.max())} is outside the table (size {limit}); "
                                  f"build the RopeTable for the longest video")
-        cos = torch.cat([c[i] for (c, _), i in zip(self.tables, (t, y, x))], dim=-1)  # (N, d/2)
-        sin = torch.cat([s[i] for (_, s), i in zip(self.tables, (t, y, x))], dim=-1)  # (N, d/2)
+        tables = self._copies.get(t.device)
+        if tables is None:
+            tables = self._copies[t.device] = [(c.to(t.device), s.to(t.device)) for c, s in self.tables]
+        cos = torch.cat([c[i] for (c, _), i in zip(tables, (t, y, x))], dim=-1)  # (N, d/2)
+        sin = torch.cat([s[i] for (_, s), i in zip(tables, (t, y, x))], dim=-1)  # (N, d/2)
         return cos, sin
 
     def grid(self, grid: tuple[int, int, int], t_start: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a full (T, H, W) token grid in row-major order, frames from `t_start`."""
-        t, y, x = grid_positions(grid, t_start)
-        cos, sin = self.lookup(t, y, x)
-        return cos.to(device), sin.to(device)
+        """cos, sin for a full (T, H, W) token grid in row-major order, frames from `t_start`, made on `device`
+        (a long clip's tables are large: gathered there, they cross no bus)."""
+        return self.lookup(*grid_positions(grid, t_start, device))
 
 
-def grid_positions(grid: tuple[int, int, int], t_start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Integer (t, y, x) of every token of a row-major (T, H, W) grid, t offset by t_start."""
+def grid_positions(grid: tuple[int, int, int], t_start: int = 0,
+                   device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Integer (t, y, x) of every token of a row-major (T, H, W) grid, t offset by t_start, on `device`."""
     T, H, W = grid
-    t = torch.arange(t_start, t_start + T).repeat_interleave(H * W)  # (N,)
-    y = torch.arange(H).repeat_interleave(W).repeat(T)               # (N,)
-    x = torch.arange(W).repeat(T * H)                                # (N,)
+    t = torch.arange(t_start, t_start + T, device=device).repeat_interleave(H * W)  # (N,)
+    y = torch.arange(H, device=device).repeat_interleave(W).repeat(T)               # (N,)
+    x = torch.arange(W, device=device).repeat(T * H)                                # (N,)
     return t, y, x
 
 

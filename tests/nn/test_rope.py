@@ -31,3 +31,15 @@ def test_rotation_keeps_norm_and_global_time_slices_agree():
     torch.testing.assert_close(apply_rope(x, cos_full, sin_full).norm(dim=-1), x.norm(dim=-1))
     t, y, xx = grid_positions((2, 3, 4), t_start=5)
     assert t.tolist()[:12] == [5] * 12 and y.tolist()[:4] == [0] * 4 and xx.tolist()[:5] == [0, 1, 2, 3, 0]
+
+
+def test_grid_is_the_lookup_of_every_token_and_made_where_asked():
+    """grid() gathers the per-axis tables at each token's (t, y, x), row-major, on the device asked for (the
+    tables are copied there once; on a GPU a long clip's (N, d/2) tables then never cross the bus)."""
+    table = RopeTable(24, 7, 5, 6)
+    cos, sin = table.grid((3, 5, 6), t_start=2, device=torch.device("cpu"))
+    for n, (t, y, x) in enumerate([(2, 0, 0), (2, 0, 5), (2, 1, 0), (4, 4, 5)]):
+        row = (t - 2) * 30 + y * 6 + x
+        want = table.lookup(torch.tensor([t]), torch.tensor([y]), torch.tensor([x]))
+        assert torch.equal(cos[row], want[0][0]) and torch.equal(sin[row], want[1][0]), n
+    assert cos.device.type == "cpu" and list(table._copies) == [torch.device("cpu")]
