@@ -49,6 +49,7 @@ SUMMARY = (("colour", "color_match"), ("shape", "shape_match"), ("direction", "d
            ("caption", "text_alignment"), ("on train", "trainset_text_alignment"),
            ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
 MIN_FRAME_PX = 96
+GRID_CAPTIONS = 3  # held-out captions the sample grid shows, each with the ground truth and every variant's sample
 MEDIA_KEYS = ("samples", "captions", "mp4")  # kept in the rows for the grid and the printout, not in the JSON
 
 
@@ -468,16 +469,25 @@ def aggregate(rows: list[dict], ddof: int = 0) -> list[dict]:
     return out
 
 
-def save_grid(path: Path, rows: list[dict]) -> bool:
-    """A PNG of upscaled sample frames, one row per (variant, first sample); False if no row has samples."""
-    videos, labels = [], []
+def grid_rows(rows: list[dict], captions: int = GRID_CAPTIONS) -> list[tuple[torch.Tensor, str]]:
+    """(video, label) of the sample grid: for each of the first `captions` held-out captions, the ground truth's clip
+    and each variant's sample of it (its lowest-seed finished run), in the order of `rows`. Every run samples the
+    same captions in the same order, so a caption's clips sit together."""
+    first: dict[str, dict] = {}
     for r in rows:
-        if r.get("status") == "ok" and "samples" in r:
-            videos.append(upscaled(r["samples"][0]))
-            labels.append(f"{r['variant']} s{r['seed']}: {r['captions'][0]}")
-    if videos:
-        frame_grid_png(path, videos, labels)
-    return bool(videos)
+        if r.get("status") == "ok" and "samples" in r and (r["variant"] not in first
+                                                           or r["seed"] < first[r["variant"]]["seed"]):
+            first[r["variant"]] = r
+    return [(r["samples"][i], f"{r['variant']} s{r['seed']}: {r['captions'][i]}")
+            for i in range(captions) for r in first.values() if i < len(r["samples"])]
+
+
+def save_grid(path: Path, rows: list[dict]) -> bool:
+    """A PNG of upscaled sample frames, one row per (caption, variant) of grid_rows; False if no row has samples."""
+    shown = grid_rows(rows)
+    if shown:
+        frame_grid_png(path, [upscaled(video) for video, _ in shown], [label for _, label in shown])
+    return bool(shown)
 
 
 def strip_samples(rows: list[dict]) -> list[dict]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import imageio.v2 as imageio
 import torch
 
-from experiments.quality_protocol import (MIN_FRAME_PX, SCORE_KEYS, TRAINSET_KEYS, eval_set, summary_table,
+from experiments.quality_protocol import (MIN_FRAME_PX, SCORE_KEYS, TRAINSET_KEYS, eval_set, grid_rows, summary_table,
                                           upscaled)
 from megaslide.config import DataConfig
 from megaslide.data.build import build_dataset
@@ -109,3 +109,15 @@ def test_summary_table_fits_100_columns():
     unscored = {**row, "trainset_text_alignment_mean": float("nan")}   # one row without training-clip scores
     assert summary_table([row, unscored]).splitlines()[2].split()[7] == "-"
     assert "on train" not in summary_table([unscored])
+
+
+def test_the_grid_shows_several_captions_each_with_the_truth_and_every_variant():
+    def row(variant, seed, status="ok"):
+        return {"variant": variant, "seed": seed, "status": status, "captions": ["a", "b", "c", "d"],
+                "samples": [torch.full((3, 2, 4, 4), float(seed + i)) for i in range(4)]}
+    rows = [row("ground_truth", 9), row("dsa", 1), row("dsa", 0), row("dsa_zero", 0, status="OOM")]
+    shown = grid_rows(rows)
+    assert [label for _, label in shown] == ["ground_truth s9: a", "dsa s0: a", "ground_truth s9: b", "dsa s0: b",
+                                             "ground_truth s9: c", "dsa s0: c"]
+    assert float(shown[3][0][0, 0, 0, 0]) == 1.0                 # dsa seed 0's second sample
+    assert len(grid_rows(rows, captions=1)) == 2
