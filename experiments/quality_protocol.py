@@ -431,10 +431,12 @@ def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config:
 def summary_table(rows: list[dict]) -> str:
     """The SUMMARY scores of aggregated rows (means over seeds), a plain table under 100 columns; a score no row
     has (e.g. "on train" without n_train_eval) is left out, one some rows lack shows "-" there."""
-    shown = [(h, k) for h, k in SUMMARY if any(not math.isnan(r[f"{k}_mean"]) for r in rows)]
+    def mean(r: dict, key: str) -> float:
+        return r.get(f"{key}_mean", math.nan)
+    shown = [(h, k) for h, k in SUMMARY if any(not math.isnan(mean(r, k)) for r in rows)]
     header = ["variant", "frames", "seeds", *(h for h, _ in shown)]
     lines = [[r["variant"], str(r["frames"]), str(r["seeds"]),
-              *("-" if math.isnan(r[f"{k}_mean"]) else f"{r[f'{k}_mean']:.2f}" for _, k in shown)] for r in rows]
+              *("-" if math.isnan(mean(r, k)) else f"{mean(r, k):.2f}" for _, k in shown)] for r in rows]
     widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                                enumerate(zip(line, widths))) for line in [header, *lines])
@@ -454,12 +456,12 @@ def ground_truth_row(data: DataConfig, n_eval: int, eval_seed: int, n_train_eval
 
 def aggregate(rows: list[dict], ddof: int = 0) -> list[dict]:
     """Mean and std (with `ddof`; NaN for too few values) over seeds per (variant, frames); a score that
-    rows of older results lack is NaN."""
+    rows of older results lack is NaN, and the training-clip scores appear only where some row has them."""
     out = []
     for key in dict.fromkeys((r["variant"], r["frames"]) for r in rows):
         group = [r for r in rows if (r["variant"], r["frames"]) == key and r.get("status") == "ok"]
         agg = {"variant": key[0], "frames": key[1], "seeds": len(group)}
-        for k in SCORE_KEYS + TRAINSET_KEYS:
+        for k in SCORE_KEYS + tuple(k for k in TRAINSET_KEYS if any(k in r for r in rows)):   # scored ones
             vals = [g[k] for g in group if not math.isnan(g.get(k, math.nan))]
             agg[f"{k}_mean"] = float(np.mean(vals)) if vals else math.nan
             agg[f"{k}_std"] = float(np.std(vals, ddof=ddof)) if len(vals) > ddof else math.nan

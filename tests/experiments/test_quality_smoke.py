@@ -38,7 +38,8 @@ def test_ablate_offsets_smoke(tmp_path):
     for r in per_seed:                                                 # all of the caption implies each part
         assert r["text_alignment"] <= min(r["color_match"], r["shape_match"], r["direction_match"])
     assert data["jobs_done"] == data["jobs_total"] == 2                 # complete, not a partial result
-    assert not any(k in r for r in per_seed for k in TRAINSET_KEYS)     # n_train_eval=0 by default here
+    assert not any(k in r for r in per_seed for k in TRAINSET_KEYS)     # n_train_eval=0 by default here,
+    assert not any(k.startswith("trainset_") for r in data["rows"] for k in r)   # and none aggregated
 
     table = out[out.index("variant"):].split("\n\n")[0].splitlines()  # the printout: a narrow summary,
     assert max(map(len, table)) <= 100, out                             # then where everything is
