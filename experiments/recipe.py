@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from experiments.quality_protocol import learned
+from experiments.quality_protocol import SCORE_KEYS, learned
 from megaslide.config import DataConfig, DiTConfig
 
 CANDIDATE_KEYS = ("lr", "warmup_steps")   # the TrainConfig fields a recipe sets per variant
@@ -29,28 +29,36 @@ def tuned_for(data: DataConfig, model: DiTConfig, steps: int, batch_size: int) -
             "steps": steps, "batch_size": batch_size}
 
 
-def choose(rows: list[dict], truth_ta: float) -> list[dict]:
-    """One recipe row per variant from the tuning runs' rows (each with variant, seed, lr, warmup_steps, status
-    and the validation scores): the candidate with the highest mean validation caption match over its finished
-    seeds, and whether it learned the task there (`learned`, against the ground truth's `truth_ta`). A variant
-    none of whose runs finished gets no row."""
-    recipe = []
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        scored: dict[tuple, list[dict]] = {}
-        for r in rows:
-            if r["variant"] == variant and r.get("status") == "ok":
-                scored.setdefault(tuple(r[k] for k in CANDIDATE_KEYS), []).append(r)
-        if not scored:
-            continue
+def candidate_means(runs: list[dict]) -> list[dict]:
+    """Per (variant, lr, warm-up) of the tuning runs' rows (each with variant, seed, lr, warmup_steps, status and the
+    validation scores): its finished seeds and the mean of each validation score over them (NaN where none
+    finished)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["variant"], *(r[k] for k in CANDIDATE_KEYS)), []).append(r)
+    out = []
+    for key, group in groups.items():
+        ok = [r for r in group if r.get("status") == "ok"]
+        row = {"variant": key[0], **dict(zip(CANDIDATE_KEYS, key[1:])), "seeds": len(ok)}
+        for k in SCORE_KEYS:
+            if not ok or all(k in r for r in ok):
+                row[k] = sum(r[k] for r in ok) / len(ok) if ok else math.nan
+        out.append(row)
+    return out
 
-        def mean(candidate: tuple, key: str) -> float:
-            return sum(r[key] for r in scored[candidate]) / len(scored[candidate])
-        best = max(scored, key=lambda c: (mean(c, "text_alignment"), mean(c, "temporal_consistency"), -c[0]))
-        ta = mean(best, "text_alignment")
-        recipe.append({"variant": variant, **dict(zip(CANDIDATE_KEYS, best)), "seeds": len(scored[best]),
-                       "val_text_alignment": ta, "val_temporal_consistency": mean(best, "temporal_consistency"),
-                       "learned": learned(ta, truth_ta)})
-    return recipe
+
+def choose(candidates: list[dict], truth_ta: float) -> list[dict]:
+    """One recipe row per variant from `candidate_means`: the candidate with the highest mean validation caption
+    match (ties: the higher consistency, then the lower lr), and whether it learned the task there (`learned`,
+    against the ground truth's `truth_ta`). A variant none of whose runs finished gets no row."""
+    best: dict[str, dict] = {}
+    for c in candidates:
+        rank = (c.get("text_alignment"), c.get("temporal_consistency"), -c["lr"])
+        if c["seeds"] and (c["variant"] not in best or rank > best[c["variant"]][0]):
+            best[c["variant"]] = (rank, c)
+    return [{"variant": v, **{k: c[k] for k in CANDIDATE_KEYS}, "seeds": c["seeds"],
+             "val_text_alignment": c["text_alignment"], "val_temporal_consistency": c["temporal_consistency"],
+             "learned": learned(c["text_alignment"], truth_ta)} for v, (_, c) in best.items()]
 
 
 def read_recipe(path: str, variants: list[str], expected: dict, eval_seed: int) -> dict[str, dict]:

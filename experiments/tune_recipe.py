@@ -21,9 +21,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import (SCORE_KEYS, check_study, ground_truth_row, make_job, run_jobs, run_name,
-                                          strip_samples, variant_models)
-from experiments.recipe import CANDIDATE_KEYS, choose, tuned_for
+from experiments.quality_protocol import (check_study, ground_truth_row, make_job, run_jobs, run_name, strip_samples,
+                                          variant_models)
+from experiments.recipe import candidate_means, choose, tuned_for
 from experiments.report import markdown_table, render
 from experiments.results_io import write_result
 
@@ -68,30 +68,19 @@ def main(cfg: DictConfig) -> None:
 
     def publish(rows: list[dict]) -> Path:
         runs = runs_of(rows)
+        candidates = candidate_means(runs)
         payload = {"config": config, "jobs_done": len(rows), "jobs_total": len(jobs),
-                   "tables": {"candidates": candidate_means(runs), "per seed": runs + strip_samples([truth])}}
+                   "tables": {"candidates": candidates, "per seed": runs + strip_samples([truth])}}
         if len(rows) == len(jobs):
-            payload["recipe"] = choose(runs, truth["text_alignment"])
+            payload["recipe"] = choose(candidates, truth["text_alignment"])
         return write_result(EXPERIMENT, cfg.results_name, payload, results_dir=cfg.results_dir)
 
     published = [publish([])]
     rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(publish(done)))
-    print(markdown_table(choose(runs_of(rows), truth["text_alignment"])))
+    print(markdown_table(choose(candidate_means(runs_of(rows)), truth["text_alignment"])))
     print(f"\nvalidation clips' own caption match {truth['text_alignment']:.2f} (a model learned the task at half it)")
     print(f"recipe (JSON): {published[-1]}\ntables (markdown): {render(EXPERIMENT, Path(cfg.results_dir))}")
     print(f"train the study with it: python experiments/quality.py recipe={published[-1]} ...")
-
-
-def candidate_means(runs: list[dict]) -> list[dict]:
-    """Per (variant, lr, warm-up): the finished seeds and the mean of each validation score over them."""
-    out = []
-    for key in dict.fromkeys((r["variant"], *(r[k] for k in CANDIDATE_KEYS)) for r in runs):
-        group = [r for r in runs if (r["variant"], *(r[k] for k in CANDIDATE_KEYS)) == key and r["status"] == "ok"]
-        row = {"variant": key[0], **dict(zip(CANDIDATE_KEYS, key[1:])), "seeds": len(group)}
-        for k in SCORE_KEYS:
-            row[k] = sum(r[k] for r in group) / len(group) if group else math.nan
-        out.append(row)
-    return out
 
 
 if __name__ == "__main__":

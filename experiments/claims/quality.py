@@ -257,6 +257,8 @@ class QualityClaim:
         if not found:
             return "not measured at GPU scale", "open"
         ours, text, verdict = self._assess(found)
+        if not any(p.settings.get("recipe") for _, p in found):   # no tuned study voted: the pools are the same
+            return ours, text
         untuned = self._assess(self._pools(results_dir, tuned_first=False))[2]
         if untuned != verdict:
             text += "; " + under_previous_rule(UNTUNED_RULE, untuned, until=UNTUNED_RULE_UNTIL)

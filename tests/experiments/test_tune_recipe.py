@@ -7,7 +7,7 @@ import pytest
 import experiments.quality
 import experiments.quality_protocol as protocol
 import experiments.tune_recipe
-from experiments.recipe import choose, read_recipe, tuned_for
+from experiments.recipe import candidate_means, choose, read_recipe, tuned_for
 from megaslide.config import DataConfig, DiTConfig
 from tests.experiments.test_bad_input import run_main
 
@@ -27,7 +27,7 @@ def test_choose_takes_the_best_mean_validation_caption_match_per_variant():
             _run(0, "dense", 1e-3, 0.2), _run(0, "dense", 3e-4, 0.2),    # tie on both: the lower lr
             _run(0, "dense", 1e-2, 0.99, status="failed: NaN"),          # a failed run never wins
             _run(0, "dsa_zero", 1e-3, 0.0, status="OOM")]                # nothing finished: no recipe
-    recipe = {r["variant"]: r for r in choose(rows, truth_ta=1.0)}
+    recipe = {r["variant"]: r for r in choose(candidate_means(rows), truth_ta=1.0)}
     assert set(recipe) == {"dsa", "swin", "dense"}
     assert (recipe["dsa"]["lr"], recipe["dsa"]["seeds"]) == (3e-3, 2)
     assert recipe["dsa"]["val_text_alignment"] == pytest.approx(0.8) and recipe["dsa"]["learned"]
