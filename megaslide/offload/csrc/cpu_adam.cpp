@@ -219,48 +219,65 @@ inline void store_moments(const Fp32Moments& st, int64_t begin, int64_t n, const
   std::memcpy(st.exp_avg_sq + begin, v, n * sizeof(float));
 }
 
-// begin: a multiple of kMomentBlock; the last block may be cut short (n).
-inline void load_moments(const Int8Moments& st, int64_t begin, int64_t n, float* m, float* v) {
-  for (int64_t b = 0; b < n; b += kMomentBlock) {
-    const int64_t len = std::min(kMomentBlock, n - b);
-    const float m_scale = st.exp_avg_scales[(begin + b) / kMomentBlock];
-    const float r_scale = st.exp_avg_sq_scales[(begin + b) / kMomentBlock];
-    const uint8_t* mc = st.exp_avg + begin + b;
-    const uint8_t* rc = st.exp_avg_sq + begin + b;
-    float* __restrict__ m_out = m + b;
-    float* __restrict__ v_out = v + b;
+// One quantisation block of len <= kMomentBlock elements: decode its codes into m and v (v = root^2).
+inline void load_block(const Int8Moments& st, int64_t first, int64_t len, float* __restrict__ m,
+                       float* __restrict__ v) {
+  const float m_scale = st.exp_avg_scales[first / kMomentBlock];
+  const float r_scale = st.exp_avg_sq_scales[first / kMomentBlock];
+  const uint8_t* mc = st.exp_avg + first;
+  const uint8_t* rc = st.exp_avg_sq + first;
 #pragma omp simd
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t code = mc[i];
-      const float magnitude = decode_magnitude<3>(code & 0x7Fu) * m_scale;
-      m_out[i] = float_of_bits(bits_of_float(magnitude) | ((code & 0x80u) << 24));  // the sign bit
-      const float root = decode_magnitude<4>(rc[i]) * r_scale;
-      v_out[i] = root * root;
-    }
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t code = mc[i];
+    const float magnitude = decode_magnitude<3>(code & 0x7Fu) * m_scale;
+    m[i] = float_of_bits(bits_of_float(magnitude) | ((code & 0x80u) << 24));  // the sign bit
+    const float root = decode_magnitude<4>(rc[i]) * r_scale;
+    v[i] = root * root;
+  }
+}
+
+// begin: a multiple of kMomentBlock; the last block may be cut short (n). Whole blocks take the call with a
+// constant length, which the compiler unrolls into whole vectors without a remainder loop.
+inline void load_moments(const Int8Moments& st, int64_t begin, int64_t n, float* m, float* v) {
+  int64_t b = 0;
+  for (; b + kMomentBlock <= n; b += kMomentBlock) {
+    load_block(st, begin + b, kMomentBlock, m + b, v + b);
+  }
+  if (b < n) {
+    load_block(st, begin + b, n - b, m + b, v + b);
+  }
+}
+
+// One quantisation block of len <= kMomentBlock elements: a fresh scale from its largest magnitudes, then codes.
+inline void store_block(const Int8Moments& st, int64_t first, int64_t len, const float* __restrict__ m,
+                        const float* __restrict__ root) {
+  uint32_t m_max = 0u, r_max = 0u;  // the bits of the largest magnitudes (a NaN counts as 0)
+#pragma omp simd reduction(max : m_max, r_max)
+  for (int64_t i = 0; i < len; ++i) {
+    m_max = std::max(m_max, magnitude_bits(m[i]));
+    r_max = std::max(r_max, magnitude_bits(root[i]));
+  }
+  float m_inverse, r_inverse;
+  block_scale(float_of_bits(m_max), &st.exp_avg_scales[first / kMomentBlock], &m_inverse);
+  block_scale(float_of_bits(r_max), &st.exp_avg_sq_scales[first / kMomentBlock], &r_inverse);
+  uint8_t* __restrict__ mc = st.exp_avg + first;
+  uint8_t* __restrict__ rc = st.exp_avg_sq + first;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) {
+    const uint32_t sign = bits_of_float(m[i]) >> 31;
+    mc[i] = static_cast<uint8_t>(encode_magnitude<3, 127u>(std::fabs(m[i]) * m_inverse) | (sign << 7));
+    rc[i] = static_cast<uint8_t>(encode_magnitude<4, 255u>(root[i] * r_inverse));
   }
 }
 
 inline void store_moments(const Int8Moments& st, int64_t begin, int64_t n, const float* m, const float*,
                           const float* root) {
-  for (int64_t b = 0; b < n; b += kMomentBlock) {
-    const int64_t len = std::min(kMomentBlock, n - b);
-    uint32_t m_max = 0u, r_max = 0u;  // the bits of the largest magnitudes (a NaN counts as 0)
-#pragma omp simd reduction(max : m_max, r_max)
-    for (int64_t i = 0; i < len; ++i) {
-      m_max = std::max(m_max, magnitude_bits(m[b + i]));
-      r_max = std::max(r_max, magnitude_bits(root[b + i]));
-    }
-    float m_inverse, r_inverse;
-    block_scale(float_of_bits(m_max), &st.exp_avg_scales[(begin + b) / kMomentBlock], &m_inverse);
-    block_scale(float_of_bits(r_max), &st.exp_avg_sq_scales[(begin + b) / kMomentBlock], &r_inverse);
-    uint8_t* mc = st.exp_avg + begin + b;
-    uint8_t* rc = st.exp_avg_sq + begin + b;
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t sign = bits_of_float(m[b + i]) >> 31;
-      mc[i] = static_cast<uint8_t>(encode_magnitude<3, 127u>(std::fabs(m[b + i]) * m_inverse) | (sign << 7));
-      rc[i] = static_cast<uint8_t>(encode_magnitude<4, 255u>(root[b + i] * r_inverse));
-    }
+  int64_t b = 0;
+  for (; b + kMomentBlock <= n; b += kMomentBlock) {
+    store_block(st, begin + b, kMomentBlock, m + b, root + b);
+  }
+  if (b < n) {
+    store_block(st, begin + b, n - b, m + b, root + b);
   }
 }
 
