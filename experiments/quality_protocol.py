@@ -421,7 +421,7 @@ def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config:
     print(summary_table(aggregate(truth + rows)))
     print(f"\nscores (JSON): {path}\ntables (markdown): {render(experiment, Path(cfg.results_dir))}")
     for png in pngs:
-        print(f"sample grid, ground truth on top: {png}")
+        print(f"sample grid, each caption's ground truth first: {png}")
     for r in rows:
         if "mp4" in r:
             print(f"sample video (ground truth | sample), {r['variant']} seed {r['seed']}, {r['frames']} frames: "

@@ -129,9 +129,14 @@ def frame_grid_png(
         raise ValueError(f"num_frames={num_frames} must be >= 1")
     clips = [to_uint8_frames(v) for v in videos]
     cols = min(num_frames, max(len(c) for c in clips))
-    fig = Figure(figsize=(1.2 * cols, 1.5 * len(clips)))
+    # each row: a band for its label and frame titles, then its frames; in inches, so that any number of rows
+    # keeps the same layout (no label cut off above one row, no empty band above many)
+    band, frame_h, pad = 0.4, 1.1, 0.05
+    height = len(clips) * (band + frame_h) + pad
+    fig = Figure(figsize=(1.2 * cols, height))
     axes = fig.subplots(len(clips), cols, squeeze=False)
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.9, wspace=0.05, hspace=0.6)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=pad / height, top=1 - band / height, wspace=0.05,
+                        hspace=band / frame_h)
     for row, clip in enumerate(clips):
         steps = np.linspace(0, len(clip) - 1, num=min(cols, len(clip))).round().astype(int)
         for col, ax in enumerate(axes[row]):

@@ -46,7 +46,7 @@ def test_ablate_offsets_smoke(tmp_path):
     assert [line.split()[0] for line in table[1:]] == ["ground_truth", "dsa", "dsa_zero"]
     assert "on train" not in table[0]                                   # no run scored training clips
     paths = {line.split(": ")[0]: Path(line.split(": ")[-1]) for line in out.splitlines() if ": " in line}
-    png = paths["sample grid, ground truth on top"]
+    png = paths["sample grid, each caption's ground truth first"]
     mp4s = [p for label, p in paths.items() if label.startswith("sample video")]
     assert png.is_file() and len(mp4s) == 2 and all(p.is_file() for p in mp4s)
     with imageio.get_reader(mp4s[0]) as reader:
