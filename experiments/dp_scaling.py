@@ -20,17 +20,24 @@ Launched under torchrun on one node of P GPUs (P = the world size; NCCL, or gloo
    (this run has one node). The predicted host RAM per rank and node is the planner's: the host state and each
    process's reserve. Speedups: measured rows against the measured GPU, every row's `predicted_speedup_vs_1` against
    the predicted one.
+With `reference=<an mfu_overlap result>` nothing runs (one process, no GPU needed): that result's one-GPU step
+of the same model and tokens per GPU (its overlap variant: compute and CPU AdamW time, and its PCIe ceilings) stands
+in for steps 1-2, `collective_GBps` is a stated bus bandwidth in place of a measured one, and every row is predicted:
+the fallback when no machine with several GPUs is at hand.
 Writes results/dp_scaling/<name>.json (tables: rows) and the W&B run (harness.ExperimentRun), from rank 0.
 
     torchrun --nproc-per-node=2 experiments/dp_scaling.py                 # 2 GPUs: 7B width, 32K tokens per GPU
     torchrun --nproc-per-node=2 experiments/dp_scaling.py model.depth=8   # fewer blocks: less host RAM and time
     torchrun --nproc-per-node=2 experiments/dp_scaling.py model=14B one_gpu=false name=h200_x2_14B  # beyond 125 GiB
     torchrun --nproc-per-node=2 experiments/dp_scaling.py smoke=true      # tiny, CPU (gloo)
+    python experiments/dp_scaling.py model.depth=20 reference=results/mfu_overlap/h200_7Bwidth_d20_5steps.json \
+        collective_GBps=247 name=h200_predicted_d20                        # predicted only, from a one-GPU step
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -73,6 +80,8 @@ class DPScalingConfig:
     predict_gpus: list[int]
     gpus_per_node: int
     inter_node_GBps: float
+    reference: str
+    collective_GBps: float
     wandb_dir: str
     wandb_project: str
 
@@ -87,6 +96,11 @@ class DPScalingConfig:
         if self.inter_node_GBps <= 0 or any(p < 1 for p in self.predict_gpus):
             raise ValueError(f"inter_node_GBps={self.inter_node_GBps} must be > 0 and predict_gpus="
                              f"{self.predict_gpus} >= 1 each")
+        if self.reference and self.collective_GBps <= 0:
+            raise ValueError(f"reference={self.reference!r} predicts without measuring the collectives: give their "
+                             f"bus bandwidth as collective_GBps=<GB/s per GPU> (> 0; with its source in your notes)")
+        if self.reference and self.smoke:
+            raise ValueError("smoke=true measures, reference= predicts only: drop one of them")
 
 
 def collective_busbw(dp: DataParallel, numel: int, dtype: torch.dtype, device: torch.device,
@@ -154,6 +168,33 @@ def one_gpu(run: RunConfig, device: torch.device, cfg: DPScalingConfig) -> dict:
         return {"status": f"refused: {err}"}
 
 
+REFERENCE_KEYS = ("dim", "depth", "num_heads", "ffn_dim", "qk_norm")   # what makes a block's work and its state
+
+
+def reference_step(path: str, run: RunConfig, clips_per_gpu: int) -> tuple[dict, dict]:
+    """The one-GPU step of an experiments/mfu_overlap.py result (its overlap variant) and its PCIe ceilings, after
+    checking that it trained this run's blocks (REFERENCE_KEYS, the attention) on clips_per_gpu of this run's clips."""
+    try:
+        data = json.loads(open(path).read())
+        model, bench = data["model_cfg"], data["bench"]
+        overlap = next(v for v in data["variants"] if v["variant"] == "overlap")
+    except (OSError, ValueError, KeyError, StopIteration) as err:
+        raise ValueError(f"reference={path!r} is not an mfu_overlap result with an overlap variant ({err!r}); give "
+                         f"one of results/mfu_overlap/*.json") from None
+    ours = dataclasses.asdict(run.model)
+    differ = [f"model.{k}={ours[k]} (the reference: {model[k]})" for k in REFERENCE_KEYS if model[k] != ours[k]]
+    if model["attention"]["name"] != run.model.attention.name:
+        differ.append(f"attention={run.model.attention.name} (the reference: {model['attention']['name']})")
+    theirs = bench["batch"] * math.prod(run.model.token_grid(bench["frames"], bench["height"], bench["width"]))
+    if theirs != clips_per_gpu * math.prod(run.grid):
+        differ.append(f"{clips_per_gpu * math.prod(run.grid)} tokens per GPU (the reference: {theirs})")
+    if differ:
+        raise ValueError(f"reference={path!r} timed other work than this run: " + "; ".join(differ)
+                         + ". Set those keys to match, or give a reference of this run's model")
+    step = {k: overlap[k] for k in ("compute_s", "optimizer_s", "h2d_s", "d2h_s")}
+    return {"step_time_s": overlap["step_s"], **step, "reference": path}, data["ceilings"]["pcie"]
+
+
 def model_ceilings(reference: dict, ranks: int, run: RunConfig, busbw: dict, pcie: dict | None,
                    inter_node: float | None) -> planner.Ceilings:
     """The planner's ceilings from this run: PCIe each way, the CPU AdamW rate of the `reference` step (on `ranks`
@@ -168,21 +209,15 @@ def model_ceilings(reference: dict, ranks: int, run: RunConfig, busbw: dict, pci
                                collective_GBps=min(collective, inter_node) if inter_node else collective)
 
 
-@script_main("dp_scaling")
-def main(hydra_cfg: DictConfig) -> None:
-    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
-    cfg = script_config(DPScalingConfig, base)
-    world = world_size_from_env()
-    run = compose_run(base, [f"parallel.dp={world}", f"train.batch_size={world * cfg.clips_per_gpu}"])
-    single_run = compose_run(base, [f"train.batch_size={cfg.clips_per_gpu}"])
+def measure(run: RunConfig, single_run: RunConfig, cfg: DPScalingConfig, world: int, name: str, config: dict
+            ) -> tuple[ExperimentRun | None, dict, dict | None, dict[int, dict], dict | None]:
+    """Steps 1-3 of the module docstring on this rank: (the W&B run, rank 0's only; the collectives' bandwidth; the
+    PCIe ceilings; the measured steps by GPU count; the one-GPU figures or why there are none)."""
     device = resolve_device(run.train.device, key="train.device", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if precision_dtype(run.train.precision, device) != torch.bfloat16 and not cfg.smoke:
         raise ValueError(f"train.precision={run.train.precision!r} on {device.type}: the scaling rows are bf16; "
                          f"use train.device=cuda (or smoke=true)")
-    mesh = init_training_mesh(run.parallel, device)
-    dp = DataParallel.of(mesh)
-    name = cfg.name or ("smoke" if cfg.smoke else f"h200_x{world}")
-    config = {**clip_fields(run), "world": world, **dataclasses.asdict(cfg), "run_overrides": base_overrides(base)}
+    dp = DataParallel.of(init_training_mesh(run.parallel, device))
     exp = ExperimentRun("dp_scaling", name, config, cfg.wandb_dir, cfg.wandb_project, rank=dp.rank,
                         trial=cfg.smoke) if dp.is_main else None
     block = block_layout(run.model).numel
@@ -192,25 +227,50 @@ def main(hydra_cfg: DictConfig) -> None:
     single = one_gpu(single_run, device, cfg) if dp.is_main else None
     dp.barrier()
     sharded = train_steps(run, device, dp, cfg) if world > 1 else None
-    if exp is None:
-        leave_process_groups()
-        return
     measured = {gpus: m for gpus, m in ((1, single), (world, sharded)) if m is not None and "step_time_s" in m}
-    if not measured:
+    if exp is not None and not measured:
         raise ValueError(f"nothing was measured ({single['status']}): run on several GPUs, or with a model one "
                          f"process holds")
-    # the model's calibration: the one-GPU step, else the P-GPU one (whose AdamW does 1/P of the blocks)
-    ranks, reference = min(measured.items())
+    return exp, busbw, pcie, measured, single
+
+
+@script_main("dp_scaling")
+def main(hydra_cfg: DictConfig) -> None:
+    base = OmegaConf.merge(hydra_cfg, trial_preset(hydra_cfg, smoke=SMOKE) or {})   # the script's run and its own keys
+    cfg = script_config(DPScalingConfig, base)
+    world = world_size_from_env()
+    if cfg.reference and world > 1:
+        raise ValueError(f"reference={cfg.reference!r} predicts only: run it as one process (python, not torchrun "
+                         f"with {world})")
+    run = compose_run(base, [f"parallel.dp={world}", f"train.batch_size={world * cfg.clips_per_gpu}"])
+    single_run = compose_run(base, [f"train.batch_size={cfg.clips_per_gpu}"])
+    name = cfg.name or ("smoke" if cfg.smoke else f"h200_x{world}")
+    config = {**clip_fields(run), "world": world, **dataclasses.asdict(cfg), "run_overrides": base_overrides(base)}
+    if cfg.reference:   # nothing runs: the reference's one-GPU step and the stated collective bandwidth
+        reference, pcie = reference_step(cfg.reference, single_run, cfg.clips_per_gpu)
+        exp, busbw, measured, single = ExperimentRun("dp_scaling", name, config, cfg.wandb_dir, cfg.wandb_project), \
+            {"stated_GBps": cfg.collective_GBps}, {}, reference
+        ranks = 1
+    else:
+        exp, busbw, pcie, measured, single = measure(run, single_run, cfg, world, name, config)
+        if exp is None:
+            leave_process_groups()
+            return
+        # the model's calibration: the one-GPU step, else the P-GPU one (whose AdamW does 1/P of the blocks)
+        ranks, reference = min(measured.items())
     intra, across = (model_ceilings(reference, ranks, run, busbw, pcie, cap) for cap in (None, cfg.inter_node_GBps))
     tokens = cfg.clips_per_gpu * math.prod(run.grid)
     rows = [] if 1 in measured else [{**predict(run, 1, 1, intra, reference["compute_s"], cfg.clips_per_gpu),
-                                      "measured": "predicted", **(single or {})}]
+                                      "measured": "reference" if cfg.reference else "predicted", **(single or {})}]
+    if cfg.reference:   # the reference's own step, which the model was calibrated on, beside its prediction
+        rows[0]["model_error"] = abs(rows[0]["predicted_step_s"] - reference["step_time_s"]) / reference["step_time_s"]
     for gpus, m in measured.items():
         row = {**predict(run, gpus, gpus, intra, reference["compute_s"], cfg.clips_per_gpu),
                "measured": "run", **m, "tokens_per_s": gpus * tokens / m["step_time_s"]}
         row["model_error"] = abs(row["predicted_step_s"] - row["step_time_s"]) / row["step_time_s"]
         rows.append(row)
-    predicted = [(g, min(g, cfg.gpus_per_node)) for g in cfg.predict_gpus] + [(2 * world, world)]
+    counts = [2, *cfg.predict_gpus] if cfg.reference else cfg.predict_gpus
+    predicted = [(g, min(g, cfg.gpus_per_node)) for g in counts] + ([] if cfg.reference else [(2 * world, world)])
     for gpus, per_node in predicted:
         ceilings = intra if gpus <= per_node else across
         rows.append({**predict(run, gpus, per_node, ceilings, reference["compute_s"], cfg.clips_per_gpu),

@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 
 import experiments.ablate_offsets
 import experiments.bench_attention
+import experiments.dp_scaling
 import experiments.mfu_overlap
 import experiments.offload_peers
 import experiments.oom_thresholds
@@ -245,6 +246,22 @@ BAD_TABLE = [
 @pytest.mark.parametrize("script,arg,message", BAD_TABLE, ids=lambda v: getattr(v, "__name__", v))
 def test_table_scripts_refuse_bad_sizes_first(script, arg, message, tmp_path, monkeypatch, capsys):
     assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+# dp_scaling's reference= (predictions from a committed one-GPU step): a step of other work, or no stated collective
+# bandwidth, is refused by name before anything is written
+REFERENCE = Path(__file__).parents[2] / "results/mfu_overlap/h200_7Bwidth_d20_5steps.json"   # 7B width, 20 blocks
+BAD_REFERENCE = [(["model.depth=25", "collective_GBps=200"], "model.depth=25 (the reference: 20)"),
+                 (["model.depth=20"], "give their bus bandwidth as collective_GBps="),
+                 (["model.depth=20", "collective_GBps=200", "data.frames=32"], "tokens per GPU (the reference: 32768)"),
+                 (["model.depth=20", "collective_GBps=200", "smoke=true"], "drop one of them")]
+
+
+@pytest.mark.parametrize("args,message", BAD_REFERENCE)
+def test_dp_scaling_refuses_a_reference_of_other_work(args, message, tmp_path, monkeypatch, capsys):
+    assert message in run_main(experiments.dp_scaling, [f"reference={REFERENCE}", *args], tmp_path, monkeypatch,
+                               capsys)
     assert list(tmp_path.iterdir()) == []
 
 
