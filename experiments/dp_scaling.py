@@ -48,7 +48,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, pcie_ceiling, progress
-from experiments.hydra_config import base_overrides, compose_run, script_config, script_main, trial_preset
+from experiments.hydra_config import (base_overrides, compose_run, require_ranges, script_config, script_main,
+                                      trial_preset)
 from experiments.step_runs import clip_fields, synthetic_batch
 from megaslide.config import ParallelConfig, RunConfig
 from megaslide.device import precision_dtype, resolve_device
@@ -93,10 +94,10 @@ class DPScalingConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if self.collective_repeats < 5:
             raise ValueError(f"collective_repeats={self.collective_repeats} must be >= 5 (a median and a spread)")
-        if self.inter_node_GBps <= 0 or any(p < 1 for p in self.predict_gpus):
-            raise ValueError(f"inter_node_GBps={self.inter_node_GBps} must be > 0 and predict_gpus="
-                             f"{self.predict_gpus} >= 1 each")
-        if self.reference and self.collective_GBps <= 0:
+        require_ranges(self, positive=("inter_node_GBps",), non_negative=("collective_GBps",))
+        if any(p < 1 for p in self.predict_gpus):
+            raise ValueError(f"predict_gpus={self.predict_gpus} must each be >= 1")
+        if self.reference and not self.collective_GBps > 0:
             raise ValueError(f"reference={self.reference!r} predicts without measuring the collectives: give their "
                              f"bus bandwidth as collective_GBps=<GB/s per GPU> (> 0; with its source in your notes)")
         if self.reference and self.smoke:

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun
+from experiments.hydra_config import require_ranges, script_config, script_main
 from experiments.op_profile import profile_calls, top_operators
-from megaslide.perf.timing import timed
-from experiments.hydra_config import script_config, script_main
 from experiments.report import markdown_table
-from megaslide.config import DataConfig, DiTConfig, TrainConfig
+from megaslide.attention import known_attention
+from megaslide.config import DataConfig, DiTConfig, OffloadConfig, TrainConfig, validate_training
+from megaslide.device import resolve_device
+from megaslide.perf.timing import MIN_REPEATS, timed
 from megaslide.train.trainer import Trainer
 
 
@@ -47,12 +49,35 @@ class ProfileStepConfig:
     wandb_dir: str
     wandb_project: str
 
+    def validate(self) -> None:
+        """This script's sizes by their own names, then every variant's training run, before any run is logged."""
+        require_ranges(self, positive=("frames", "size", "batch", "top"), non_negative=("warmup",))
+        if self.steps < MIN_REPEATS:
+            raise ValueError(f"steps={self.steps} must be >= {MIN_REPEATS}: timed steps, for a median and a spread")
+        unknown = [v for v in self.variants if v not in known_attention()]
+        if not self.variants or unknown:
+            raise ValueError(f"variants={self.variants} must name attention variants among {known_attention()}, "
+                             f"e.g. variants=[dense,dsa]")
+        resolve_device(self.device)
+        for key, value, patch in (("frames", self.frames, self.model.patch_size[0]),
+                                  ("size", self.size, self.model.patch_size[1])):
+            if value % patch:
+                raise ValueError(f"{key}={value} is not a multiple of the patch size {patch}; give a multiple")
+        for name in self.variants:
+            validate_training(*variant_configs(name, self), OffloadConfig())
 
-def profile_variant(name: str, cfg: ProfileStepConfig) -> dict:
+
+def variant_configs(name: str, cfg: ProfileStepConfig) -> tuple[DiTConfig, DataConfig, TrainConfig]:
+    """The model, data and training configs of attention variant `name`'s profiled run."""
     model = dataclasses.replace(cfg.model, attention=cfg.model.attention.for_variant(name))
     data = DataConfig(frames=cfg.frames, height=cfg.size, width=cfg.size, shape_size=max(3, cfg.size // 4),
                       speed=cfg.size / 5)
     train = TrainConfig(device=cfg.device, batch_size=cfg.batch, steps=10**9, log_every=10**9, compile=cfg.compile)
+    return model, data, train
+
+
+def profile_variant(name: str, cfg: ProfileStepConfig) -> dict:
+    model, data, train = variant_configs(name, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(model, data, train, tmp)
         step = timed(trainer.train_step, trainer.device, cfg.steps, warmup=cfg.warmup)

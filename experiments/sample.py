@@ -14,6 +14,7 @@ diffusers is imported).
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -48,8 +49,8 @@ class SampleConfig:
     def validate(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1 (Euler steps of the sampler)")
-        if self.cfg_scale < 0:
-            raise ValueError(f"cfg_scale={self.cfg_scale} must be >= 0 (1: no guidance)")
+        if not 0 <= self.cfg_scale < math.inf:   # NaN fails it too
+            raise ValueError(f"cfg_scale={self.cfg_scale} must be a finite number >= 0 (1: no guidance)")
         if Path(self.out).suffix.lower() != ".mp4":
             raise ValueError(f"out={self.out!r}: sample.py writes mp4 video only; give a name ending in .mp4")
         folder = next(p for p in Path(self.out).absolute().parents if p.exists())   # the nearest that exists

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, progress
-from experiments.hydra_config import compose_run, script_config, script_main
+from experiments.hydra_config import compose_run, require_ranges, script_config, script_main
 from experiments.step_runs import synthetic_batch
 from megaslide.device import precision_dtype, resolve_device
 from megaslide.models.dit import count_params
@@ -58,7 +58,9 @@ class SPTrainingConfig:
         if self.warmup_steps < 1 or self.repeats < 5:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 1 and repeats={self.repeats} >= 5")
         if min(self.predict_gpus, default=0) < 1 or self.predict_frames < 1 or self.gpus_per_node < 1:
-            raise ValueError("predict_gpus, predict_frames and gpus_per_node must be >= 1")
+            raise ValueError(f"predict_gpus={self.predict_gpus}, predict_frames={self.predict_frames} and "
+                             f"gpus_per_node={self.gpus_per_node} must be >= 1 (predict_gpus non-empty)")
+        require_ranges(self, positive=("intra_node_GBps", "inter_node_GBps"))
 
 
 def measure_comm(engine, run, device, world: int) -> dict:

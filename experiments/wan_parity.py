@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, progress
-from experiments.hydra_config import script_config, script_main
+from experiments.hydra_config import require_ranges, script_config, script_main
 from experiments.report import markdown_table
 from megaslide.config import DiTConfig
 from megaslide.device import resolve_device
@@ -62,6 +62,20 @@ class WanParityConfig:
     model_preset: str
     wandb_dir: str
     wandb_project: str
+
+    def validate(self) -> None:
+        """Sizes, the model (a wan block, which diffusers has) and the device, before a model is built or a run
+        logged."""
+        sizes = ("frames", "height", "width", "grad_frames", "grad_height", "grad_width")
+        require_ranges(self, positive=(*sizes, "text_len"))
+        for prefix in ("", "grad_"):
+            for key, patch in zip(sizes[:3], self.model.patch_size):
+                value = getattr(self, prefix + key)
+                if value % patch:
+                    raise ValueError(f"{prefix}{key}={value} is not a multiple of the patch size {patch} "
+                                     f"(model.patch_size={list(self.model.patch_size)}); give a multiple of {patch}")
+        diffusers_config(self.model)
+        resolve_device(self.device)
 
 
 def _diffusers():

@@ -726,6 +726,19 @@ def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_ava
                          f"offload.activation_offload, or raise offload.gpu_memory_fraction")
 
 
+def require_cpu_fit(plan: ResidentPlan) -> None:
+    """A resident step on the CPU: its "device" memory is host RAM, where an overshoot ends in the kernel's OOM kill
+    without a word, so a step the plan puts past MemAvailable is refused first (the plan is per-block checkpointed:
+    a lower bound for a run without checkpoints, so nothing that fits is refused)."""
+    available = host_available_bytes()
+    if plan.hbm_total > available:
+        items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.hbm.items())
+        raise ValueError(f"the step does not fit this machine's RAM: on the CPU its {plan.peak_phase} needs at least "
+                         f"{plan.hbm_total / GB:.1f} GB ({items}) but {available / GB:.1f} GB is available "
+                         f"(MemAvailable). Use fewer tokens per step (train.batch_size, data.frames, data.height, "
+                         f"data.width), a smaller model, or train.device=cuda")
+
+
 def require_fit(plan: OffloadPlan | ResidentPlan, device: torch.device, gpu_memory_fraction: float = 0.0) -> None:
     """`check_fits` against this machine: MemAvailable and the device's free memory (under the cap)."""
     check_fits(plan, host_available=host_available_bytes(),

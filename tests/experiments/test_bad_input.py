@@ -21,10 +21,13 @@ import experiments.dp_scaling
 import experiments.mfu_overlap
 import experiments.offload_peers
 import experiments.oom_thresholds
+import experiments.profile_step
 import experiments.quality
 import experiments.sample
 import experiments.scaling
+import experiments.sp_training
 import experiments.train
+import experiments.wan_parity
 from experiments.hydra_config import CONF_DIR, typed_configs
 from megaslide.checkpoint import save_checkpoint
 from megaslide.config import DiTConfig
@@ -231,7 +234,7 @@ def test_a_pixel_space_preset_trains_on_rgb_clips():
     assert model.in_channels == data.channels == 3 and model.dim == 2048
 
 
-# zero, negative and NaN sizes and ceilings of the table scripts: refused with the key, before any run or W&B run
+# zero, negative and NaN sizes, ceilings and scales of the scripts: refused with the key, before any run or W&B run
 BAD_TABLE = [
     (experiments.oom_thresholds, "hbm_budget_GB=-1", "hbm_budget_GB=-1.0 must be >= 0"),
     (experiments.oom_thresholds, "host_ram_fraction=0", "host_ram_fraction=0.0 must be in (0, 1]"),
@@ -240,6 +243,20 @@ BAD_TABLE = [
     (experiments.scaling, "forward_repeats=0", "forward_repeats=0 must be > 0"),
     (experiments.scaling, "host_budget_GB=-5", "host_budget_GB=-5.0 must be >= 0"),
     (experiments.scaling, "cap_GB=nan", "cap_GB=nan must be > 0"),
+    (experiments.dp_scaling, "inter_node_GBps=nan", "inter_node_GBps=nan must be > 0"),
+    (experiments.sp_training, "intra_node_GBps=nan", "intra_node_GBps=nan must be > 0"),
+    (experiments.sp_training, "inter_node_GBps=-3", "inter_node_GBps=-3.0 must be > 0"),
+    (experiments.sample, "cfg_scale=nan", "cfg_scale=nan must be a finite number >= 0"),
+    (experiments.wan_parity, "text_len=0", "text_len=0 must be > 0"),
+    (experiments.wan_parity, "grad_frames=-1", "grad_frames=-1 must be > 0"),
+    (experiments.wan_parity, "height=61", "height=61 is not a multiple of the patch size 2"),
+    (experiments.wan_parity, "model=tiny", "only a wan model with QK-norm has a diffusers form"),
+    (experiments.wan_parity, "device=tpu", "device='tpu': choose one of auto, cpu, cuda"),
+    (experiments.profile_step, "steps=0", "steps=0 must be >= 5"),
+    (experiments.profile_step, "batch=0", "batch=0 must be > 0"),
+    (experiments.profile_step, "size=33", "size=33 is not a multiple of the patch size 2"),
+    (experiments.profile_step, "variants=[nope]", "variants=['nope'] must name attention variants"),
+    (experiments.profile_step, "device=gpu", "device='gpu': choose one of auto, cpu, cuda"),
 ]
 
 

@@ -243,6 +243,16 @@ def test_trainer_refuses_a_model_this_machine_cannot_hold_before_allocating(tmp_
     assert _peak_rss_bytes() - before < 2 * GB  # nothing of the 105B model (1.5 TB of state) was allocated
 
 
+def test_a_resident_run_on_the_cpu_that_ram_cannot_hold_is_refused_before_allocating(tmp_path):
+    """On the CPU the resident trainer's activations live in host RAM, where an overshoot is an OOM kill without a
+    message: a step the plan puts past MemAvailable is refused first, naming the keys that shrink it."""
+    before = _peak_rss_bytes()
+    data = dataclasses.replace(tiny_data_cfg(), frames=64, height=256, width=256)
+    with pytest.raises(ValueError, match=r"does not fit this machine's RAM.*train.batch_size, data.frames"):
+        Trainer(dataclasses.replace(DIT_PRESETS["1B"], in_channels=3), data, tiny_train_cfg(), tmp_path)
+    assert _peak_rss_bytes() - before < 2 * GB   # nothing of the 1B model or its 1M-token step was allocated
+
+
 def test_engine_checks_host_ram_itself(monkeypatch):
     """The engine, given a built model, refuses before it allocates its arenas."""
     monkeypatch.setattr(engine_module, "host_available_bytes", lambda: 2 ** 30)
