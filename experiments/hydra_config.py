@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import os
 import sys
 from pathlib import Path
@@ -97,16 +98,28 @@ def _flat_keys(tree: dict, prefix: str = "") -> list[str]:
 
 
 def require_ranges(cfg, *, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
-                   fraction: tuple[str, ...] = ()) -> None:
-    """A script config's numeric keys in range, each error naming the key: `positive` > 0, `non_negative` >= 0
-    (where 0 means "measure it" or "none"), `fraction` in (0, 1]. NaN fails every one of them."""
+                   fraction: tuple[str, ...] = (), finite: tuple[str, ...] = (), prefix: str = "") -> None:
+    """A script config's numeric keys in range, each error naming the key (`prefix` + its field name, e.g.
+    `video.` for a nested group): `positive` > 0, `non_negative` >= 0 (where 0 means "measure it" or "none"),
+    `fraction` in (0, 1], `finite` > 0 and finite (a bandwidth, a time limit). NaN fails every one of them."""
     rules = [(positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0 (0: see its comment)"),
-             (fraction, lambda v: 0 < v <= 1, "in (0, 1]")]
+             (fraction, lambda v: 0 < v <= 1, "in (0, 1]"), (finite, lambda v: 0 < v < math.inf, "> 0 and finite")]
     for names, ok, wanted in rules:
         for name in names:
             value = getattr(cfg, name)
             if not ok(value):
-                raise ValueError(f"{name}={value} must be {wanted}; see experiments/conf/ for its meaning and default")
+                raise ValueError(f"{prefix}{name}={value} must be {wanted}; see experiments/conf/ for its meaning "
+                                 f"and default")
+
+
+def require_sizes(key: str, values: list[int], *, allow_empty: bool = False) -> None:
+    """A list key of sizes (lengths, counts) in range, named as typed: each entry >= 1, and at least one unless
+    `allow_empty` ([] then skips what the list drives)."""
+    if not values and not allow_empty:
+        raise ValueError(f"{key}=[] must list at least one value >= 1; see experiments/conf/ for its default")
+    bad = [v for v in values if not v >= 1]
+    if bad:
+        raise ValueError(f"{key}={values}: {bad} must be >= 1 each; see experiments/conf/ for its meaning")
 
 
 def model_config(model: dict, attention: dict) -> DiTConfig:
@@ -146,7 +159,7 @@ def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
     RunConfig's groups (`run_groups` in its defaults; they become its runs, compose_run) leaves them out:
     `cls` holds its own keys, and those in `cls.moved_keys` (now RunConfig fields) are refused when set.
     Field types are checked (from_dict), and the config's own `validate()`, where it has one, runs before the
-    script does anything."""
+    script does anything (it calls its nested groups' own, e.g. swiftfusion.py's `sim` and `step`)."""
     c = OmegaConf.to_container(OmegaConf.merge(cfg, overrides or {}), resolve=True)
     if "execution" in c:
         c = {k: v for k, v in c.items() if k not in RUN_GROUPS}

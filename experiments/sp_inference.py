@@ -47,9 +47,9 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import Timing, matmul_tflops, sync
-from experiments.hydra_config import script_config, script_main, trial_preset
+from experiments.hydra_config import require_ranges, script_config, script_main, trial_preset
 from megaslide.config import DiTConfig, ParallelConfig
-from megaslide.inference.causal import CausalConfig, CausalGenerator
+from megaslide.inference.causal import CausalConfig, CausalGenerator, check_chunking
 from megaslide.inference.full import FullConfig, FullSequenceSampler
 from megaslide.inference.launch import DistContext, barrier, init_distributed, shutdown
 from megaslide.inference.weights import caption_input, random_weights_
@@ -82,6 +82,10 @@ class Setup:
         """Pixel frames of the latent video under Wan's causal VAE (first frame alone, then 4 per latent)."""
         return 1 + 4 * (self.frames - 1)
 
+    def validate(self) -> None:
+        require_ranges(self, positive=("frames", "height", "width"), prefix="video.")
+        check_chunking(self.frames, self.chunk_frames, prefix="video.")
+
 
 @dataclass(frozen=True)
 class SPInferenceConfig:
@@ -98,6 +102,13 @@ class SPInferenceConfig:
     model_preset: str
     wandb_dir: str
     wandb_project: str
+
+    def validate(self) -> None:
+        self.video.validate()
+        require_ranges(self, positive=("repeats", "matmul_n"), non_negative=("warmup",))
+        v = self.video   # every chunk (and so the video) patchifies
+        self.model.token_grid(v.chunk_frames, v.height, v.width,
+                              keys=("video.chunk_frames", "video.height", "video.width"))
 
 
 TINY = {"model": {"preset": "tiny"}, "video": {"frames": 6, "height": 6, "width": 10, "chunk_frames": 3},

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun
 from megaslide.perf.timing import timed
-from experiments.hydra_config import script_config, script_main, trial_preset
+from experiments.hydra_config import require_ranges, require_sizes, script_config, script_main, trial_preset
 from experiments.swiftfusion_step import StepTableConfig, measure_denoising_steps
 from megaslide.config import DiTConfig, ParallelConfig
 from megaslide.inference.launch import init_distributed, shutdown
@@ -58,6 +58,11 @@ class SimConfig:
     nodes: list[int]       # node counts of the simulated table
     gpus_per_node: int
     seq_lens: list[int]
+
+    def validate(self) -> None:
+        require_sizes("sim.nodes", self.nodes)
+        require_sizes("sim.seq_lens", self.seq_lens)
+        require_ranges(self, positive=("gpus_per_node",), prefix="sim.")
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,28 @@ class SwiftFusionConfig:
     model_preset: str
     wandb_dir: str
     wandb_project: str
+
+    def validate(self) -> None:
+        require_ranges(self, positive=("world_size", "heads", "head_dim", "check_seq_len", "ceiling_seq_len",
+                                       "a2a_bytes", "chunks", "repeats"),
+                       finite=("max_seconds", "intra_bw", "inter_bw", "timeout_s"))
+        require_sizes("seq_lens", self.seq_lens)
+        if self.usp_ulysses is not None and self.usp_ulysses < 1:
+            raise ValueError(f"usp_ulysses={self.usp_ulysses} must be >= 1, or null for the default degree")
+        if self.variants == []:
+            raise ValueError("variants=[] times nothing: name some, e.g. variants=[usp,torus], or variants=null "
+                             "for all")
+        if min(self.seq_lens) < self.world_size:
+            raise ValueError(f"seq_lens={self.seq_lens}: each length must be >= world_size={self.world_size} (a "
+                             f"length is rounded down to a multiple of the ranks)")
+        if self.check_seq_len % self.world_size:
+            raise ValueError(f"check_seq_len={self.check_seq_len} must be a multiple of world_size="
+                             f"{self.world_size} (each rank checks an equal shard)")
+        self.sim.validate()
+        self.step.validate()
+        for frames in self.step.frames:   # every step-table latent patchifies
+            self.model.token_grid(frames, self.step.height, self.step.width,
+                                  keys=("step.frames", "step.height", "step.width"))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments.hydra_config import require_ranges, require_sizes
 from megaslide.perf.timing import timed
 from megaslide.config import DiTConfig
 from megaslide.inference.full import FullConfig, FullSequenceSampler
@@ -35,6 +36,10 @@ class StepTableConfig:
     height: int         # latent height
     width: int          # latent width
     max_seconds: float  # a variant slower than this at one length is skipped at the longer ones
+
+    def validate(self) -> None:
+        require_sizes("step.frames", self.frames, allow_empty=True)
+        require_ranges(self, positive=("height", "width"), finite=("max_seconds",), prefix="step.")
 
 
 def measure_denoising_steps(rows: list[dict], variants: list, unavailable: dict[str, str | None],

@@ -153,11 +153,13 @@ class DiTConfig:
                      if k not in _RUN_OPTIONS})
         return flat
 
-    def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """Token grid (T', H', W') of a latent clip; raises if the clip does not patchify."""
-        for axis, size, p in zip(("frames", "height", "width"), (frames, height, width), self.patch_size):
+    def token_grid(self, frames: int, height: int, width: int, *,
+                   keys: tuple[str, str, str] = ("data.frames", "data.height", "data.width")) -> tuple[int, int, int]:
+        """Token grid (T', H', W') of a latent clip; raises if the clip does not patchify, naming the size's config
+        key in `keys` (frames, height, width)."""
+        for key, size, p in zip(keys, (frames, height, width), self.patch_size):
             if size % p:
-                raise ValueError(f"data.{axis}={size} is not divisible by the patch size {p} "
+                raise ValueError(f"{key}={size} is not divisible by the patch size {p} "
                                  f"(model.patch_size={self.patch_size}); change one of them")
         return frames // self.patch_size[0], height // self.patch_size[1], width // self.patch_size[2]
 

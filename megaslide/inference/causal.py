@@ -83,6 +83,16 @@ class CausalConfig:
                              "turn one of them off")
 
 
+def check_chunking(frames: int, chunk_frames: int, *, prefix: str = "") -> None:
+    """`frames` latent frames as whole chunks of `chunk_frames`; each error names the config keys (`prefix` + the
+    name, e.g. `video.` for sp_inference.py's video group) and the fix."""
+    if chunk_frames < 1:
+        raise ValueError(f"{prefix}chunk_frames={chunk_frames} must be >= 1 (latent frames per chunk)")
+    if frames < 1 or frames % chunk_frames:
+        raise ValueError(f"{prefix}frames={frames} is not a multiple of {prefix}chunk_frames={chunk_frames}; choose "
+                         f"a chunk size that divides the number of latent frames (e.g. 21 frames: 1, 3 or 7)")
+
+
 @dataclass
 class GeneratedChunk:
     index: int             # chunk number
@@ -215,9 +225,7 @@ class CausalGenerator:
         cfg.validate()
         mc = model.cfg
         F_ = cfg.chunk_frames
-        if frames < 1 or frames % F_:
-            raise ValueError(f"frames={frames} is not a multiple of chunk_frames={F_}; choose a chunk size that "
-                             f"divides the number of latent frames (e.g. 21 frames: 1, 3 or 7)")
+        check_chunking(frames, F_)
         self.chunk_grid = mc.token_grid(F_, height, width)  # raises if the chunk does not patchify
         P = group_size(group)
         if mc.num_heads % P:
