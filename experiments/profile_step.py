@@ -59,10 +59,7 @@ class ProfileStepConfig:
             raise ValueError(f"variants={self.variants} must name attention variants among {known_attention()}, "
                              f"e.g. variants=[dense,dsa]")
         resolve_device(self.device)
-        for key, value, patch in (("frames", self.frames, self.model.patch_size[0]),
-                                  ("size", self.size, self.model.patch_size[1])):
-            if value % patch:
-                raise ValueError(f"{key}={value} is not a multiple of the patch size {patch}; give a multiple")
+        self.model.token_grid(self.frames, self.size, self.size, keys=("frames", "size", "size"))
         for name in self.variants:
             validate_training(*variant_configs(name, self), OffloadConfig())
 

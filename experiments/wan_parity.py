@@ -66,14 +66,10 @@ class WanParityConfig:
     def validate(self) -> None:
         """Sizes, the model (a wan block, which diffusers has) and the device, before a model is built or a run
         logged."""
-        sizes = ("frames", "height", "width", "grad_frames", "grad_height", "grad_width")
-        require_ranges(self, positive=(*sizes, "text_len"))
-        for prefix in ("", "grad_"):
-            for key, patch in zip(sizes[:3], self.model.patch_size):
-                value = getattr(self, prefix + key)
-                if value % patch:
-                    raise ValueError(f"{prefix}{key}={value} is not a multiple of the patch size {patch} "
-                                     f"(model.patch_size={list(self.model.patch_size)}); give a multiple of {patch}")
+        require_ranges(self, positive=("frames", "height", "width", "grad_frames", "grad_height", "grad_width",
+                                       "text_len"))
+        for keys in (("frames", "height", "width"), ("grad_frames", "grad_height", "grad_width")):
+            self.model.token_grid(*(getattr(self, k) for k in keys), keys=keys)   # each clip patchifies
         diffusers_config(self.model)
         resolve_device(self.device)
 
