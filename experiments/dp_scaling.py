@@ -280,7 +280,9 @@ def main(hydra_cfg: DictConfig) -> None:
         if "tokens_per_s" in row and 1 in measured:
             row["speedup_vs_1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         row["predicted_speedup_vs_1"] = row["predicted_tokens_per_s"] / rows[0]["predicted_tokens_per_s"]
-    payload = {"config": config, "ceilings": {"pcie": pcie, "collectives": busbw,
+    # a reference's PCIe was measured by its own run: kept apart, so that it is not counted as this run's measurement
+    measured_pcie = {"pcie_of_reference": pcie} if cfg.reference else {"pcie": pcie}
+    payload = {"config": config, "ceilings": {**measured_pcie, "collectives": busbw,
                                               "model_intra_node": dataclasses.asdict(intra),
                                               "model_inter_node": dataclasses.asdict(across)},
                "tables": {"rows": rows}}
