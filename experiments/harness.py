@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from experiments.report import find_tables
-from experiments.results_io import check_result_name, result_path, results_root, write_result
+from experiments.results_io import (check_result_name, check_writable_folder, result_path, results_root,
+                                   write_result)
 from megaslide.offload.host_state import HostArena
 from megaslide.perf.timing import pcie_gbps
 from megaslide.train.logger import RunLogger
@@ -79,6 +80,8 @@ class ExperimentRun:
         self.experiment, self.name = experiment, check_result_name(name)   # before the run folder exists
         run_dir = Path(out_dir) / experiment / name
         self.results_dir = results_root(run_dir / "results" if trial else None)
+        if os.environ.get("MEGASLIDE_RESULTS_DIR"):
+            check_writable_folder(self.results_dir, "MEGASLIDE_RESULTS_DIR")
         self.logger = RunLogger(run_dir, project=project, name=f"{experiment}-{name}", config=config, rank=rank)
 
     @property

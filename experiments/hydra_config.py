@@ -19,7 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.results_io import check_result_name
+from experiments.results_io import check_result_name, check_writable_folder
 from megaslide.config import (
     AttentionConfig,
     DataConfig,
@@ -167,6 +167,7 @@ def script_config(cls, cfg: DictConfig, overrides: dict | None = None):
     fields = dict(c)
     if "wandb" in c:
         wandb = fields.pop("wandb")
+        check_writable_folder(wandb["dir"], "wandb.dir")
         fields.update(wandb_dir=wandb["dir"], wandb_project=wandb["project"])
     if "model" in c:
         model, attention = fields.pop("model"), fields.pop("attention", {})

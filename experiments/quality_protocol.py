@@ -28,7 +28,7 @@ import torch
 
 from experiments.hydra_config import RUN_GROUPS, command_line_keys
 from experiments.report import render
-from experiments.results_io import check_result_name, write_result
+from experiments.results_io import check_result_name, check_writable_folder, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.data.moving_shapes import MovingShapes
@@ -375,6 +375,8 @@ def check_study(cfg) -> None:
         raise ValueError(f"n_train_eval={n!r} must be an integer from 0 (off) to data.num_videos={clips}: training "
                          f"clips each run also samples and scores, e.g. n_train_eval=32")
     check_result_name(cfg.results_name, "results_name")
+    for key in ("out_dir", "results_dir"):
+        check_writable_folder(cfg[key], key)
     refuse_added_keys(command_line_keys(added=True))
     seeds = cfg.seeds
     if (isinstance(seeds, str) or not isinstance(seeds, Sequence) or not seeds

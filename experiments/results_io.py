@@ -223,6 +223,22 @@ def check_result_name(name: str, key: str = "name") -> str:
     return name
 
 
+def check_writable_folder(path: Path | str, key: str, *, of_file: bool = False) -> Path:
+    """`path` (absolute) as a folder this process can make or write into, else a ValueError naming the config `key`
+    and the fix, raised before anything is written: the path, or its nearest existing ancestor, is a writable
+    folder (a file there would end the run in a traceback at its first write, maybe after hours). `of_file`:
+    `path` is a file to write, and its folder is checked."""
+    folder = Path(path).absolute().parent if of_file else Path(path).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == folder and not of_file else f"lies under {existing}, a file"
+        fix = "give a path in a folder" if of_file else "give a folder path"
+        raise ValueError(f"{key}={str(path)!r} {where}, not a folder; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}={str(path)!r}: this user cannot write into {existing}; give a writable folder")
+    return folder
+
+
 def results_root(trial_dir: Path | str | None = None) -> Path:
     """The folder results go to: `$MEGASLIDE_RESULTS_DIR` when set (`MEGASLIDE_RESULTS_DIR=results` publishes a
     trial run); else, for a trial run (smoke, tiny, plan_only: `trial_dir`, the run's folder under runs/), that

@@ -15,7 +15,6 @@ diffusers is imported).
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_config, script_main
+from experiments.results_io import check_writable_folder
 from megaslide.config import DataConfig, DiTConfig, from_dict
 from megaslide.data.video_io import MP4_SECONDS, write_mp4
 from megaslide.device import resolve_device
@@ -53,10 +53,7 @@ class SampleConfig:
             raise ValueError(f"cfg_scale={self.cfg_scale} must be a finite number >= 0 (1: no guidance)")
         if Path(self.out).suffix.lower() != ".mp4":
             raise ValueError(f"out={self.out!r}: sample.py writes mp4 video only; give a name ending in .mp4")
-        folder = next(p for p in Path(self.out).absolute().parents if p.exists())   # the nearest that exists
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise ValueError(f"out={self.out!r}: {folder} is not a folder this user can write; give an out path "
-                             f"in a writable folder")
+        check_writable_folder(self.out, "out", of_file=True)
         resolve_device(self.device, key="device")
         if not Path(self.checkpoint).exists():
             raise ValueError(f"checkpoint={self.checkpoint!r} does not exist; pass a checkpoint of "

@@ -25,6 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.hydra_config import RUN_GROUPS, run_config, script_main
+from experiments.results_io import check_writable_folder
 from megaslide.config import from_dict
 from megaslide.data.video_io import MP4_SECONDS, write_mp4
 from megaslide.train.logger import RunLogger
@@ -65,6 +66,7 @@ def main(cfg: DictConfig) -> None:
         raise ValueError("sample_captions: a run on a latent cache has no text encoder to turn words into "
                          "embeddings, nor a VAE to decode with; set sample_captions=[] and sample with "
                          "python -m experiments.sample (prompt embeddings from experiments/precompute.py, vae=...)")
+    check_writable_folder(script.out_dir, "out_dir")
     trainer = Trainer(run.model, run.data, run.train, script.out_dir, offload_cfg=run.offload,
                       execution=run.execution, parallel=run.parallel)
     out_dir = Path(script.out_dir)               # the first write: every check above has passed

@@ -195,7 +195,8 @@ def test_sample_refuses_an_unwritable_out_folder(tmp_path, checkpoint, monkeypat
         folder.write_text("")
     out = folder / "x.mp4"
     err = run_main(experiments.sample, [f"checkpoint={checkpoint}", f"out={out}"], tmp_path, monkeypatch, capsys)
-    assert f"out='{out}'" in err and "is not a folder this user can write" in err
+    assert f"out='{out}'" in err
+    assert ("this user cannot write into" if os.geteuid() != 0 else f"lies under {folder}, a file") in err
     assert [p.name for p in tmp_path.iterdir()] == ["folder"] and not out.exists()
 
 
@@ -263,6 +264,27 @@ BAD_TABLE = [
 @pytest.mark.parametrize("script,arg,message", BAD_TABLE, ids=lambda v: getattr(v, "__name__", v))
 def test_table_scripts_refuse_bad_sizes_first(script, arg, message, tmp_path, monkeypatch, capsys):
     assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+# an output folder that is a file (or lies under one) is refused by its key before anything is written, not met
+# as a traceback at the first write
+@pytest.mark.parametrize("script,key", [(experiments.train, "out_dir"), (experiments.quality, "results_dir"),
+                                        (experiments.quality, "out_dir"), (experiments.dp_scaling, "wandb.dir")])
+def test_an_output_folder_that_is_a_file_is_refused_first(script, key, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path.parent / f"{tmp_path.name}_file"
+    blocker.write_text("")
+    err = run_main(script, [f"{key}={blocker}/sub"], tmp_path, monkeypatch, capsys)
+    assert f"{key}='{blocker}/sub' lies under {blocker}, a file, not a folder" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_results_dir_that_is_a_file_is_refused_before_the_run_folder(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path.parent / f"{tmp_path.name}_results"
+    blocker.write_text("")
+    monkeypatch.setenv("MEGASLIDE_RESULTS_DIR", str(blocker))
+    err = run_main(experiments.wan_parity, ["model.depth=1", "device=cpu"], tmp_path, monkeypatch, capsys)
+    assert f"MEGASLIDE_RESULTS_DIR='{blocker}' is a file, not a folder; give a folder path" in err
     assert list(tmp_path.iterdir()) == []
 
 
