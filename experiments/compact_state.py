@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.harness import ExperimentRun, progress
-from experiments.hydra_config import run_config, script_config, script_main
+from experiments.hydra_config import refuse_repeats, run_config, script_config, script_main
 from experiments.quality_protocol import process_pool
 from megaslide.config import RunConfig
 from megaslide.train.trainer import Trainer
@@ -65,6 +65,8 @@ class CompactStateConfig:
                              f"included")
         if not self.seeds:
             raise ValueError("seeds=[] must list at least one seed, e.g. seeds=[0]")
+        refuse_repeats("variants", self.variants)
+        refuse_repeats("seeds", self.seeds)
         for key in ("tail", "workers"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")

@@ -122,6 +122,15 @@ def require_sizes(key: str, values: list[int], *, allow_empty: bool = False) -> 
         raise ValueError(f"{key}={values}: {bad} must be >= 1 each; see experiments/conf/ for its meaning")
 
 
+def refuse_repeats(key: str, values) -> None:
+    """A list key whose entries each name one run (a variant, a seed, a candidate): an entry given twice would train
+    two runs into one folder at once and count them twice, so it is refused, naming the key and the entry."""
+    repeated = sorted({repr(v) for v in values if list(values).count(v) > 1})
+    if repeated:
+        raise ValueError(f"{key}={list(values)} lists {', '.join(repeated)} more than once; each entry is one run, "
+                         f"give each once")
+
+
 def model_config(model: dict, attention: dict) -> DiTConfig:
     """A preset (`model.preset`; with `model.pretrained`, that folder's config instead) with any other `model.*`
     keys and the attention group applied, validated.

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from experiments.hydra_config import RUN_GROUPS, command_line_keys
+from experiments.hydra_config import RUN_GROUPS, command_line_keys, refuse_repeats
 from experiments.report import render
 from experiments.results_io import check_result_name, check_writable_folder, write_result
 from megaslide.checkpoint import checkpoint_path, step_checkpoints
@@ -384,6 +384,8 @@ def check_study(cfg) -> None:
         shown = list(seeds) if isinstance(seeds, Sequence) and not isinstance(seeds, str) else seeds
         raise ValueError(f"seeds={shown!r} must be a non-empty list of integers (one run per seed), e.g. "
                          f"seeds=[0] or 'seeds=[0,1,2]'")
+    for key in ("seeds", "variants", "clip_frames", "lrs", "warmups"):
+        refuse_repeats(key, cfg.get(key, []))
 
 
 def refuse_added_keys(keys: list[str]) -> None:

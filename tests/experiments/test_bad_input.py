@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 
 import experiments.ablate_offsets
 import experiments.bench_attention
+import experiments.compact_state
 import experiments.dp_scaling
 import experiments.mfu_overlap
 import experiments.offload_peers
@@ -27,6 +28,7 @@ import experiments.sample
 import experiments.scaling
 import experiments.sp_training
 import experiments.train
+import experiments.tune_recipe
 import experiments.wan_parity
 from experiments.hydra_config import CONF_DIR, typed_configs
 from megaslide.checkpoint import save_checkpoint
@@ -263,6 +265,21 @@ BAD_TABLE = [
 
 @pytest.mark.parametrize("script,arg,message", BAD_TABLE, ids=lambda v: getattr(v, "__name__", v))
 def test_table_scripts_refuse_bad_sizes_first(script, arg, message, tmp_path, monkeypatch, capsys):
+    assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+# a list whose entries each name a run: an entry given twice would train two runs into one folder at once
+REPEATS = [(experiments.ablate_offsets, "variants=[dsa,dsa]", "variants=['dsa', 'dsa'] lists 'dsa' more than once"),
+           (experiments.quality, "seeds=[1,1]", "seeds=[1, 1] lists 1 more than once"),
+           (experiments.quality, "clip_frames=[16,16]", "clip_frames=[16, 16] lists 16 more than once"),
+           (experiments.tune_recipe, "lrs=[1e-3,1e-3]", "lrs=[0.001, 0.001] lists 0.001 more than once"),
+           (experiments.tune_recipe, "warmups=[10,10]", "warmups=[10, 10] lists 10 more than once"),
+           (experiments.compact_state, "variants=[fp32,both,both]", "lists 'both' more than once")]
+
+
+@pytest.mark.parametrize("script,arg,message", REPEATS, ids=lambda v: getattr(v, "__name__", v))
+def test_a_run_listed_twice_is_refused_first(script, arg, message, tmp_path, monkeypatch, capsys):
     assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
     assert list(tmp_path.iterdir()) == []
 
