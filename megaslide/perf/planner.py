@@ -728,8 +728,8 @@ def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_ava
 
 def require_cpu_fit(plan: ResidentPlan) -> None:
     """A resident step on the CPU: its "device" memory is host RAM, where an overshoot ends in the kernel's OOM kill
-    without a word, so a step the plan puts past MemAvailable is refused first (the plan is per-block checkpointed:
-    a lower bound for a run without checkpoints, so nothing that fits is refused)."""
+    without a word, so a step the plan puts past MemAvailable is refused first. The plan assumes per-block
+    checkpoints; a run without them holds more than it counts."""
     available = host_available_bytes()
     if plan.hbm_total > available:
         items = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.hbm.items())
