@@ -255,14 +255,17 @@ def _row_of(job: dict, status: str) -> dict:
             "status": status}
 
 
-def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None] = lambda rows: None,
+             outcomes: tuple[type[Exception], ...] = ()) -> list[dict]:
     """run_variant(**job) for every job; result rows in job order.
 
     A job that continues another job's run (dependencies) starts once that run has finished,
     and is recorded as not run if it did not end "ok". `on_row(rows)` is called after each
     finished job with the rows finished so far (in job order), so a caller can publish partial
     results that survive an interrupted run. A job that raises is recorded as failed and the
-    others go on; the first such error is raised once every job has ended. workers > 1 runs
+    others go on; the first such error is raised once every job has ended. An error of a type in `outcomes` is a
+    result instead (a tuning candidate whose loss went non-finite: FloatingPointError): its row's status says
+    "diverged" and why, and nothing is raised. workers > 1 runs
     that many jobs at once in spawned processes; each gets an equal share of the CPU threads and prints
     its progress as plain lines labelled with its run (no bars that overwrite each other's line).
     Every job is seeded, so the rows do not depend on `workers`."""
@@ -279,6 +282,8 @@ def run_jobs(jobs: list[dict], workers: int, on_row: Callable[[list[dict]], None
     def attempt(i: int, run: Callable[[], dict]) -> None:
         try:
             row = run()
+        except outcomes as err:   # a result of the job, not a failure of the study
+            row = _row_of(jobs[i], f"diverged: {str(err)[:200]}")
         except Exception as err:  # recorded, and raised after the other jobs
             errors.append(err)
             row = _row_of(jobs[i], f"failed: {type(err).__name__}: {str(err)[:200]}")

@@ -76,8 +76,13 @@ def main(cfg: DictConfig) -> None:
         return write_result(EXPERIMENT, cfg.results_name, payload, results_dir=cfg.results_dir)
 
     published = [publish([])]
-    rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(publish(done)))
+    # a candidate whose loss goes non-finite is a tuning result (too high a learning rate), not a failed tuning
+    rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(publish(done)),
+                    outcomes=(FloatingPointError,))
     print(markdown_table(choose(candidate_means(runs_of(rows)), truth["text_alignment"])))
+    for r in runs_of(rows):
+        if r["status"] != "ok":
+            print(f"{r['variant']} lr {r['lr']:g} warm-up {r['warmup_steps']} seed {r['seed']}: {r['status']}")
     print(f"\nvalidation clips' own caption match {truth['text_alignment']:.2f} (a model learned the task at half it)")
     print(f"recipe (JSON): {published[-1]}\ntables (markdown): {render(EXPERIMENT, Path(cfg.results_dir))}")
     print(f"train the study with it: python experiments/quality.py recipe={published[-1]} ...")

@@ -1,5 +1,6 @@
 """Recipes tuned on validation clips (experiments/tune_recipe.py, experiments/recipe.py) and read by quality.py."""
 import json
+import re
 import sys
 
 import pytest
@@ -102,6 +103,21 @@ def test_tuning_never_samples_the_test_clips_and_the_study_trains_with_its_recip
     experiments.quality.main()
     chosen = {r["variant"]: (r["lr"], r["warmup_steps"]) for r in result["recipe"]}
     assert len(jobs) == 4 and all((j["train"].lr, j["train"].warmup_steps) == chosen[j["attention"]] for j in jobs)
+
+
+def test_a_candidate_that_diverges_is_a_tuning_result_not_a_failed_tuning(tmp_path, monkeypatch, capsys):
+    """A learning rate too high for a variant ends its run with a non-finite loss: that candidate is recorded as
+    diverged and left out of the choice, the other candidates still choose the recipe, and the script succeeds."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    argv = [f"out_dir={tmp_path}/tune", *TINY, "train.steps=4", "variants=[dense]", "lrs=[1e6,1e-3]", "warmups=[0]"]
+    monkeypatch.setattr(sys, "argv", ["tune_recipe.py", *argv])
+    experiments.tune_recipe.main()
+    result = json.loads((tmp_path / "tune" / "results" / "quality_recipe" / "cpu_tiny.json").read_text())
+    status = {r["lr"]: r["status"] for r in result["tables"]["per seed"] if r.get("variant") == "dense"}
+    assert status[1e-3] == "ok" and status[1e6].startswith("diverged: step ") and "not finite" not in status[1e-3]
+    assert [(r["variant"], r["lr"]) for r in result["recipe"]] == [("dense", 1e-3)]
+    assert re.search(r"^dense lr 1e\+06 warm-up 0 seed \d+: diverged: step \d+", capsys.readouterr().out, re.M)
 
 
 BAD = {
