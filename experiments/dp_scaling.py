@@ -249,9 +249,8 @@ def main(hydra_cfg: DictConfig) -> None:
     config = {**clip_fields(run), "world": world, **dataclasses.asdict(cfg), "run_overrides": base_overrides(base)}
     if cfg.reference:   # nothing runs: the reference's one-GPU step and the stated collective bandwidth
         reference, pcie = reference_step(cfg.reference, single_run, cfg.clips_per_gpu)
-        exp, busbw, measured, single = ExperimentRun("dp_scaling", name, config, cfg.wandb_dir, cfg.wandb_project), \
-            {"stated_GBps": cfg.collective_GBps}, {}, reference
-        ranks = 1
+        exp = ExperimentRun("dp_scaling", name, config, cfg.wandb_dir, cfg.wandb_project)
+        busbw, measured, single, ranks = {"stated_GBps": cfg.collective_GBps}, {}, reference, 1
     else:
         exp, busbw, pcie, measured, single = measure(run, single_run, cfg, world, name, config)
         if exp is None:

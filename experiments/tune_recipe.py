@@ -79,8 +79,9 @@ def main(cfg: DictConfig) -> None:
     # a candidate whose loss goes non-finite is a tuning result (too high a learning rate), not a failed tuning
     rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(publish(done)),
                     outcomes=(FloatingPointError,))
-    print(markdown_table(choose(candidate_means(runs_of(rows)), truth["text_alignment"])))
-    for r in runs_of(rows):
+    runs = runs_of(rows)
+    print(markdown_table(choose(candidate_means(runs), truth["text_alignment"])))
+    for r in runs:
         if r["status"] != "ok":
             print(f"{r['variant']} lr {r['lr']:g} warm-up {r['warmup_steps']} seed {r['seed']}: {r['status']}")
     print(f"\nvalidation clips' own caption match {truth['text_alignment']:.2f} (a model learned the task at half it)")

@@ -84,7 +84,7 @@ def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: Offl
                                          execution=execution, dp=dp)
     if device.type == "cpu" and sp_group is None:   # one process holds the whole clip in host RAM
         run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, execution=execution,
-                               offload=offload_cfg, parallel=dataclasses.replace(parallel or ParallelConfig(), sp=1))
+                               offload=offload_cfg, parallel=parallel)   # sp is 1 here
         planner.require_cpu_fit(planner.plan_resident(run, autocast=precision_dtype(train_cfg.precision, device)
                                                       == torch.bfloat16))
     model = apply_execution(build_model(model_cfg), execution).to(device)
