@@ -14,6 +14,9 @@ naming what does not fit, before anything is allocated.
     python -m experiments.plan model=105B model.in_channels=3 offload=engine check=true  # fails: what does not fit
     python -m experiments.plan model=1B attention=dsa model.in_channels=3 offload=engine train.device=cuda \
         offload.keep_attention=auto hbm_budget_GB=149 host_budget_GB=134   # where the kept attention goes on an H200
+    python -m experiments.plan model=1B attention=dsa model.in_channels=3 offload=engine data.frames=256 \
+        data.height=136 data.width=240 train.batch_size=1 execution.chunk_tokens=16320 execution.slab_frames=auto \
+        offload.activation_offload=true train.precision=bf16 hbm_budget_GB=140   # the fewest slabs that fit
     python -m experiments.plan model=14B model.in_channels=3 offload=engine parallel.dp=2  # host GB per rank, node
 
 With parallel.dp = P the plan is one rank's (its batch share, its 1/P shard of the block state) and the node's
@@ -29,11 +32,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.hydra_config import require_ranges, run_config, script_main
-from megaslide.config import RunConfig, from_dict
+from megaslide.config import SLAB_AUTO, RunConfig, from_dict
 from megaslide.device import precision_dtype
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.perf.planner import (GB, Budgets, Ceilings, OffloadPlan, ResidentPlan, plan_offload, plan_resident,
-                                    require_fit)
+                                    require_fit, resident_slabs)
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class PlanConfig:
     check: bool
     ceilings: dict[str, float | None]
     ranks_per_node: int | None = None   # data parallel: the parallel.dp ranks on one node (None: all of them)
-    hbm_budget_GB: float = 0.0     # the kept attention's budgets (offload.keep_attention); 0: this machine's
+    hbm_budget_GB: float = 0.0     # the budgets of the kept attention and of slab_frames=auto; 0: this machine's
     host_budget_GB: float = 0.0
 
 
@@ -75,20 +78,24 @@ def make_plan(cfg: PlanConfig) -> OffloadPlan | ResidentPlan:
     run = cfg.run
     device = run_device(run)
     dtype = precision_dtype(run.train.precision, device)
+    budgeted = run.offload.keep_attention != "off" or run.execution.slab_frames == SLAB_AUTO
+    autocast = dtype == torch.bfloat16
     if not run.offload.enabled:
-        return plan_resident(run, autocast=dtype == torch.bfloat16)
+        run = resident_slabs(run, budgets(cfg, device).hbm, autocast=autocast) if budgeted else run
+        return plan_resident(run, autocast=autocast)
     return plan_offload(run, param_dtype=dtype, ceilings=stated_ceilings(cfg),
                         build_on_host=run.offload.builds_on_host(run.model), ranks_per_node=cfg.ranks_per_node,
-                        budgets=budgets(cfg, device) if run.offload.keep_attention != "off" else None)
+                        budgets=budgets(cfg, device) if budgeted else None)
 
 
 def budgets(cfg: PlanConfig, device: torch.device) -> Budgets:
-    """The HBM and host RAM the kept attention is placed within: the stated budgets, else this machine's."""
+    """The HBM and host RAM that the kept attention and execution.slab_frames=auto are planned within: the stated
+    budgets, else this machine's."""
     hbm = int(cfg.hbm_budget_GB * GB) or hbm_available_bytes(device)
     if not hbm:
-        raise ValueError(f"offload.keep_attention={cfg.run.offload.keep_attention} is placed within an HBM budget, "
-                         f"and this machine has no {device.type} device to measure: set hbm_budget_GB (e.g. 149 for "
-                         f"an H200)")
+        raise ValueError(f"offload.keep_attention={cfg.run.offload.keep_attention} and execution.slab_frames="
+                         f"{cfg.run.execution.slab_frames} are planned within an HBM budget, and this machine has no "
+                         f"{device.type} device to measure: set hbm_budget_GB (e.g. 149 for an H200)")
     return Budgets(hbm, int(cfg.host_budget_GB * GB) or host_available_bytes(), device.type)
 
 

@@ -170,21 +170,28 @@ class ExecutionConfig:
 
     checkpoint_blocks: bool = False  # activation checkpointing per block (the resident trainer)
     chunk_tokens: int = 0       # token-wise work of each block (and the final layer) over slices of this many tokens
-    slab_frames: int = 0        # each block over slabs of this many token frames plus the attention's halo (0: off)
+    slab_frames: int | str = 0  # each block over slabs of this many token frames plus the attention's halo (0: off;
+                                # auto: the fewest slabs whose step fits the device, megaslide/perf/slab_choice.py)
 
     def validate(self, attention: AttentionConfig | None = None) -> None:
         """The values; given the model's attention, that slabs have a bounded reach to pad them with."""
         if self.chunk_tokens < 0:
             raise ValueError(f"execution.chunk_tokens={self.chunk_tokens} must be >= 0: set 0 to run each block "
                              f"unchunked, or n > 0 to run its token-wise work over slices of n tokens")
-        if self.slab_frames < 0:
-            raise ValueError(f"execution.slab_frames={self.slab_frames} must be >= 0: set 0 to run each block over "
-                             f"the whole clip, or n > 0 to run it over slabs of n token frames")
+        if self.slab_frames == SLAB_AUTO:
+            return
+        if isinstance(self.slab_frames, str) or self.slab_frames < 0:
+            raise ValueError(f"execution.slab_frames={self.slab_frames!r} must be >= 0 or {SLAB_AUTO}: set 0 to run "
+                             f"each block over the whole clip, n > 0 to run it over slabs of n token frames, or "
+                             f"{SLAB_AUTO} to let the planner take the fewest slabs that fit the device")
         if self.slab_frames and attention is not None and attention.variant.temporal_reach(attention.options) is None:
             raise ValueError(f"execution.slab_frames={self.slab_frames} needs a self-attention whose reach along "
                              f"time is bounded (dsa, dsa_zero); {attention.name!r} attends across the whole clip: "
                              f"set execution.slab_frames=0")
 
+
+SLAB_AUTO = "auto"
+"""execution.slab_frames's value that leaves the slab size to the planner (megaslide/perf/slab_choice.py)."""
 
 DATASETS = ("moving_shapes", "video_folder", "latent_cache")
 
@@ -534,6 +541,8 @@ def _coerce(tp, value, key: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if isinstance(value, str) and str in args:
+            return value
         return _coerce(next(a for a in args if a is not type(None)), value, key)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):

@@ -89,7 +89,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megaslide.attention import SelfAttention
-from megaslide.config import ExecutionConfig
+from megaslide.config import SLAB_AUTO, ExecutionConfig
 from megaslide.models.block_grad import autograd_block_grad, slab_block_grad
 from megaslide.models.slabs import frame_slabs, slab_view
 
@@ -126,6 +126,10 @@ class BlockRunner:
 
     def __init__(self, execution: ExecutionConfig | None = None, *, compiled: bool = False):
         self.execution = execution or ExecutionConfig()
+        if self.execution.slab_frames == SLAB_AUTO:
+            raise ValueError(f"execution.slab_frames={SLAB_AUTO} is resolved by the training planner (build_engine, "
+                             f"plan_offload), which knows the clip and the device; here give a number of frames "
+                             f"(0: no slabs)")
         self.compiled = compiled
         self.project, self.finish = ((torch.compile(_project_slice), torch.compile(_finish_slice)) if compiled
                                      else (_project_slice, _finish_slice))

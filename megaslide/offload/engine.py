@@ -227,8 +227,9 @@ class OffloadEngine:
         initialised first only where the folder lacks some of its parameters (a DSA offset net: zero, so the
         model starts as neighbourhood attention). The host then holds its state plus about one block.
         `execution` says how the blocks run (`apply_execution`; its checkpoint_blocks is moot: the engine
-        recomputes every streamed block anyway). With offload.keep_attention the plan also places the blocks' kept
-        attention output and lse, within this machine's free HBM and host RAM (`OffloadPlan.kept`). With `dp` the
+        recomputes every streamed block anyway; slab_frames=auto takes the plan's choice within this machine's
+        free HBM). With offload.keep_attention the plan also places the blocks' kept attention output and lse,
+        within this machine's free HBM and host RAM (`OffloadPlan.kept`). With `dp` the
         blocks' host state is sharded over the data-parallel replicas (each keeps its shard of every block it
         builds or reads), and train_cfg.batch_size is their global batch; the kept attention is each rank's own,
         of its batch share."""
@@ -251,6 +252,7 @@ class OffloadEngine:
                                                             host_available_bytes(), device.type),
                                     ranks_per_node=dp.ranks_per_node)
         planner.require_fit(plan, device, offload_cfg.gpu_memory_fraction)
+        execution = plan.execution  # execution.slab_frames=auto: the size the plan chose
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
               "pin_optimizer_state": pin_optimizer_state, "kept_attention": plan.kept, "dp": dp}
         if build_on_host:

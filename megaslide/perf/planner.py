@@ -60,6 +60,7 @@ PCIe traffic). Compute (`compute_seconds`) has three terms, run one after the ot
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,7 @@ from megaslide.config import (
     ExecutionConfig,
     OffloadConfig,
     ParallelConfig,
+    SLAB_AUTO,
     RunConfig,
     TrainConfig,
 )
@@ -88,6 +90,7 @@ from megaslide.perf.host_memory import (
     shard_numel,
 )
 from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
+from megaslide.perf.slab_choice import choose_slab_frames
 from megaslide.perf.stream_schedule import backward_ops, inputs_on_device, parked_inputs, weight_loads
 
 GB = 1e9
@@ -368,6 +371,7 @@ class OffloadPlan(PhasedHBM):
         return {"params": self.params, "block_params": self.block_params, "tokens": self.tokens,
                 "param_dtype": str(self.param_dtype), "optimizer_device": self.optimizer_device,
                 "activation_offload": self.activation_offload, "chunk_tokens": self.execution.chunk_tokens,
+                "slab_frames": self.execution.slab_frames,
                 "host_bytes": self.host, "host_total_bytes": self.host_total, "pinned_bytes": self.pinned_bytes,
                 "master_dtype": str(self.state_format.master_dtype), "moments": self.state_format.moments,
                 "host_bytes_per_block_param": host_bytes_per_param(self.state_format),
@@ -388,7 +392,7 @@ class OffloadPlan(PhasedHBM):
                  f"{c.attention.name}; {self.params / 1e9:.3f} B params ({self.block_params / 1e9:.3f} B in blocks)")
         step = (f"step: batch {self.batch} x grid {self.grid} = {self.tokens} tokens; {self.param_dtype}; "
                 f"optimizer on {self.optimizer_device}; clipping {'on' if self.grad_clip else 'off'}; chunk "
-                f"{self.execution.chunk_tokens or 'off'}; "
+                f"{self.execution.chunk_tokens or 'off'}; slabs {self.execution.slab_frames or 'off'}; "
                 f"activation offload {'on' if self.activation_offload else 'off'}; "
                 f"boundary stride {self.boundary_stride}")
         fmt = self.state_format
@@ -499,7 +503,9 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     since it has one; False plans the engine before it, as steps measured then ran). With offload.keep_attention
     on or auto the plan places the kept attention (`OffloadPlan.kept`, megaslide/perf/kept_attention.py) within
     `budgets` beside the rest of the step, and counts it: its HBM, pinned host RAM, PCIe bytes and the attention
-    forwards it saves.
+    forwards it saves. With execution.slab_frames=auto it first takes the fewest frame slabs whose step fits
+    `budgets.hbm` (megaslide/perf/slab_choice.py: before the kept attention, which takes what is left);
+    `OffloadPlan.execution` holds the size chosen.
 
     Data parallel (run.parallel.dp = P): one rank's step, on its batch share (train.batch_size / P), its 1/P shard of
     the block state (host bytes, H2D and D2H bytes, CPU AdamW work fall by P), plus the all-gather of every block
@@ -508,6 +514,14 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     to those lanes' seconds and overlap compute as the copies do. `ranks_per_node` (default: all P on one node) share a
     node's host RAM (`node_host_total`, what `check_fits` compares with the node). The kept attention is one rank's
     activation state, of its batch share, whatever the sharding of the weights."""
+    if run.execution.slab_frames == SLAB_AUTO:
+        if budgets is None:
+            raise ValueError(f"execution.slab_frames={SLAB_AUTO}: the plan takes the fewest slabs whose step fits the "
+                             f"HBM budget; pass budgets= (experiments/plan.py: hbm_budget_GB)")
+        again = functools.partial(plan_offload, param_dtype=param_dtype, ceilings=ceilings,
+                                  pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
+                                  block_grad=block_grad, budgets=budgets, ranks_per_node=ranks_per_node)
+        run = choose_slab_frames(run, lambda r: again(r).hbm_total <= usable_hbm(budgets.hbm))
     cfg, execution, offload = run.model, run.execution, run.offload
     ranks = run.parallel.dp
     ranks_per_node = ranks if ranks_per_node is None else ranks_per_node
@@ -629,9 +643,10 @@ class ResidentPlan(PhasedHBM):
     params: int
     hbm: dict[str, int]         # bytes by item, at the peak phase
     hbm_phases: dict[str, int]  # peak bytes of each phase of a step (from the second on), in its order
+    slab_frames: int = 0        # the blocks' frame slabs (execution.slab_frames; 0: none)
 
     def as_dict(self) -> dict:
-        return {"params": self.params, "tokens": self.tokens, "hbm_bytes": self.hbm,
+        return {"params": self.params, "tokens": self.tokens, "slab_frames": self.slab_frames, "hbm_bytes": self.hbm,
                 "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
                 "hbm_peak_phase": self.peak_phase}
 
@@ -639,7 +654,7 @@ class ResidentPlan(PhasedHBM):
         c = self.cfg
         head = (f"resident trainer: dim {c.dim}, depth {c.depth}, heads {c.num_heads}, ffn {c.ffn_dim}, attention "
                 f"{c.attention.name}; {self.params / 1e9:.3f} B params; batch {self.batch} x grid {self.grid} = "
-                f"{self.tokens} tokens")
+                f"{self.tokens} tokens; slabs {self.slab_frames or 'off'}")
         return "\n".join([head, *self.hbm_lines()])
 
 
@@ -656,6 +671,9 @@ def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
     cfg, execution, batch, grid = run.model, run.execution, run.train.batch_size // run.parallel.dp, run.grid
     cfg.validate()
     execution.validate(cfg.attention)
+    if execution.slab_frames == SLAB_AUTO:
+        raise ValueError(f"execution.slab_frames={SLAB_AUTO}: plan the run from `resident_slabs` (the slab size it "
+                         f"chooses within an HBM budget), or give a number of frames")
     params = count_params(cfg)
     block = block_layout(cfg).param_count
     tokens = batch * math.prod(grid)
@@ -677,7 +695,15 @@ def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
               "optimizer": {**state, "gradients": 4 * params, "AdamW temporaries (foreach)": 4 * params}}
     phases = {name: {k: v for k, v in items.items() if v} for name, items in phases.items()}
     totals = {name: sum(items.values()) for name, items in phases.items()}
-    return ResidentPlan(cfg, batch, tuple(grid), params, phases[max(totals, key=totals.get)], totals)
+    return ResidentPlan(cfg, batch, tuple(grid), params, phases[max(totals, key=totals.get)], totals,
+                        execution.slab_frames)
+
+
+def resident_slabs(run: RunConfig, hbm_budget: int, *, autocast: bool) -> RunConfig:
+    """`run` with execution.slab_frames=auto resolved for the resident trainer (megaslide/perf/slab_choice.py):
+    the fewest slabs whose `plan_resident` peak fits `usable_hbm(hbm_budget)` (free bytes of the device; on the
+    CPU, of host RAM); `run` itself for any other value."""
+    return choose_slab_frames(run, lambda r: plan_resident(r, autocast=autocast).hbm_total <= usable_hbm(hbm_budget))
 
 
 def largest_depth(cfg: DiTConfig, *, host_budget: int, state_format: StateFormat, pin_optimizer_state: bool) -> int:

@@ -53,6 +53,7 @@ from megaslide.parallel.data_parallel import DataParallel
 from megaslide.parallel.mesh import init_training_mesh, leave_process_groups
 from megaslide.parallel.sp_train import SequenceParallel
 from megaslide.perf import planner
+from megaslide.perf.memory import hbm_available_bytes, host_available_bytes
 from megaslide.train.determinism import deterministic_mode, seed_everything
 from megaslide.train.engine import StepEngine
 from megaslide.train.logger import RunLogger
@@ -82,11 +83,15 @@ def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: Offl
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
                                          grid=grid, build_on_host=offload_cfg.builds_on_host(model_cfg),
                                          execution=execution, dp=dp)
+    run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, execution=execution,
+                           offload=offload_cfg, parallel=parallel)
+    autocast = precision_dtype(train_cfg.precision, device) == torch.bfloat16
+    hbm = hbm_available_bytes(device)
+    execution = planner.resident_slabs(run, host_available_bytes() if hbm is None else hbm,
+                                       autocast=autocast).execution
     if device.type == "cpu" and sp_group is None:   # one process holds the whole clip in host RAM
-        run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, execution=execution,
-                               offload=offload_cfg, parallel=parallel)   # sp is 1 here
-        planner.require_cpu_fit(planner.plan_resident(run, autocast=precision_dtype(train_cfg.precision, device)
-                                                      == torch.bfloat16))
+        planner.require_cpu_fit(planner.plan_resident(dataclasses.replace(run, execution=execution),
+                                                      autocast=autocast))
     model = apply_execution(build_model(model_cfg), execution).to(device)
     sp = None if sp_group is None else SequenceParallel(model, sp_group, parallel or ParallelConfig(), grid)
     return ResidentEngine(model, device=device, train_cfg=train_cfg, dp=dp, sp=sp)
