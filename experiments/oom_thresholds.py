@@ -216,15 +216,15 @@ def step_time_parts(cell: Cell, plan) -> dict:
     """The planner's step time at the cell's ceilings: its fitted estimate (the offload plan's max of compute,
     PCIe and CPU AdamW, or the resident step's compute) with the compute's terms, and its lower bound from
     ceilings only (every block recomputed: the engine's streamed blocks, the resident trainer's checkpointed
-    ones; the engine's streamed blocks get their gradient from `BlockRunner.block_grad`)."""
+    ones; the engine's streamed blocks get their gradient from `BlockRunner.block_grad`), over the plan's slabs."""
     offload = isinstance(plan, planner.OffloadPlan)
+    execution = plan.execution if offload else dataclasses.replace(cell.run.execution, slab_frames=plan.slab_frames)
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
-                                         ceilings=cell.ceilings, execution=cell.run.execution,
+                                         ceilings=cell.ceilings, execution=execution,
                                          block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0,
                                          kept=len(plan.kept.gpu) + len(plan.kept.host) if offload else 0)
     bound = plan.lower_bound_s if offload else planner.compute_lower_bound_s(
-        cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings,
-        execution=cell.run.execution)
+        cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings, execution=execution)
     return {"predicted_estimate_s": plan.estimate_s if offload else sum(compute.values()),
             "predicted_lower_bound_s": bound, "predicted_matmul_s": compute["matmul"],
             "predicted_attention_s": compute["attention"], "predicted_elementwise_s": compute["elementwise"]}
@@ -241,9 +241,11 @@ def with_timing(cell: Cell, estimate_s: float, cfg: OOMConfig) -> Cell:
 
 def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict:
     """The planner's prediction and, where it decides, its refusal: host RAM it cannot hold, or (CPU)
-    HBM over the stated budget, or (CUDA) HBM beyond refuse_over x the free memory."""
+    HBM over the stated budget, or (CUDA) HBM beyond refuse_over x the free memory. `slab_frames` is the plan's
+    (execution.slab_frames=auto: the size it chose within `budget`)."""
     usable = planner.usable_hbm(budget)
-    row = {"predicted_peak_GB": plan.hbm_total / GB, "predicted_phase": plan.peak_phase,
+    slabs = plan.execution.slab_frames if isinstance(plan, planner.OffloadPlan) else plan.slab_frames
+    row = {"slab_frames": slabs, "predicted_peak_GB": plan.hbm_total / GB, "predicted_phase": plan.peak_phase,
            "budget_GB": budget / GB, "host_budget_GB": cell.host_budget / GB,
            "predicted_fits": plan.hbm_total <= usable}
     if isinstance(plan, planner.OffloadPlan):
@@ -340,6 +342,7 @@ def run_cell(cell: Cell) -> dict:
     engine, losses = None, []
     try:
         engine = _build(cell, device)
+        row["slab_frames"] = engine.model.runner.execution.slab_frames   # what the engine runs (auto: resolved)
         batch = synthetic_batch(cell.run, device, engine.model.tokenizer)
         timing, measured = timed_steps(cell, engine, batch, device, deadline, losses)
         row.update(status="fits", phase="", losses=losses, **timing)

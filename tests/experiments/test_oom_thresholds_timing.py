@@ -11,6 +11,7 @@ from experiments.attention_time import AttendTimer
 from experiments.hydra_config import script_config
 from experiments.oom_thresholds import OOMConfig, RowSpec, cell_ceilings, cells_of_row, over_time, summary, with_timing
 from megaslide.perf import planner
+from tests.experiments.runner import load_result, run_script
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
 FORWARD_S, BACKWARD_S, OTHER_S = 0.03, 0.05, 0.1
@@ -114,3 +115,15 @@ def test_headline_preset_and_command_line_keys_over_it():
     assert len(plain.row_specs()) == len(plain.attentions) and plain.timed_steps >= 5
     with pytest.raises(ValueError, match="modes has unknown"):
         table_config(**{"rows": "[{attention: dsa, modes: [fast], frames: [8]}]"})
+
+
+def test_headline_cells_record_the_slabs_the_planner_chose(tmp_path):
+    """The headline preset leaves the slabs to the planner (execution.slab_frames=auto): within an H200's free
+    HBM it runs 256 frames in 3 slabs of 86 and the shorter clips whole, and each cell records the number."""
+    run_script(["-m", "experiments.oom_thresholds", "oom_preset=headline", "plan_only=true", "hbm_budget_GB=140.6",
+                "host_budget_GB=125", "name=auto", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    cells = load_result(tmp_path, "oom_thresholds", "auto")["tables"]["cells"]
+    slabs = {(c["attention"], c["frames"]): c["slab_frames"] for c in cells}
+    assert slabs == {("dsa", 64): 0, ("dsa", 128): 0, ("dsa", 256): 86, ("dense", 16): 0, ("dense", 32): 0}
+    top = next(c for c in cells if c["frames"] == 256)
+    assert top["predicted_peak_GB"] <= planner.usable_hbm(int(140.6e9)) / 1e9 and top["status"] == "fits (predicted)"
