@@ -93,9 +93,11 @@ def budgets(cfg: PlanConfig, device: torch.device) -> Budgets:
     budgets, else this machine's."""
     hbm = int(cfg.hbm_budget_GB * GB) or hbm_available_bytes(device)
     if not hbm:
-        raise ValueError(f"offload.keep_attention={cfg.run.offload.keep_attention} and execution.slab_frames="
-                         f"{cfg.run.execution.slab_frames} are planned within an HBM budget, and this machine has no "
-                         f"{device.type} device to measure: set hbm_budget_GB (e.g. 149 for an H200)")
+        keys = [f"offload.keep_attention={cfg.run.offload.keep_attention}"] * (cfg.run.offload.keep_attention != "off")
+        keys += [f"execution.slab_frames={SLAB_AUTO}"] * (cfg.run.execution.slab_frames == SLAB_AUTO)
+        raise ValueError(f"{' and '.join(keys)} {'is' if len(keys) == 1 else 'are'} planned within an HBM budget, and "
+                         f"this machine has no {device.type} device to measure: set hbm_budget_GB (e.g. 140 for the "
+                         f"free HBM of an H200)")
     return Budgets(hbm, int(cfg.host_budget_GB * GB) or host_available_bytes(), device.type)
 
 

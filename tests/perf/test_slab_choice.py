@@ -1,6 +1,10 @@
 """execution.slab_frames=auto: the planner takes the fewest balanced frame slabs whose step fits the HBM budget
 (megaslide/perf/slab_choice.py), and both engines train over the slabs it chose."""
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -59,10 +63,16 @@ def test_an_attention_of_unbounded_reach_gets_no_slabs(attention):
     assert choose_slab_frames(_run(attention), lambda run: False).execution.slab_frames == 0
 
 
+def _with_slabs(run, slab):
+    return dataclasses.replace(run, execution=dataclasses.replace(run.execution, slab_frames=slab))
+
+
 def _hbm(run, slab):
-    return planner.plan_offload(dataclasses.replace(run, execution=dataclasses.replace(run.execution,
-                                                                                       slab_frames=slab)),
-                                param_dtype=torch.float32).hbm_total
+    """Planned peak HBM of `run` over slabs of `slab` frames: the offload engine's, or with offload off the
+    resident trainer's."""
+    if run.offload.enabled:
+        return planner.plan_offload(_with_slabs(run, slab), param_dtype=torch.float32).hbm_total
+    return planner.plan_resident(_with_slabs(run, slab), autocast=False).hbm_total
 
 
 def _budget_between(run, larger, smaller):
@@ -92,11 +102,7 @@ def test_auto_slabs_need_a_budget():
 
 def test_resident_plan_takes_the_fewest_slabs_within_its_budget():
     run = dataclasses.replace(_run(), offload=OffloadConfig())
-    sizes = {s: planner.plan_resident(dataclasses.replace(run, execution=dataclasses.replace(run.execution,
-                                                                                             slab_frames=s)),
-                                      autocast=False).hbm_total for s in (16, 11)}
-    budget = int((sizes[11] + sizes[16]) / 2 / (1 - planner.HBM_MARGIN))
-    chosen = planner.resident_slabs(run, budget, autocast=False)
+    chosen = planner.resident_slabs(run, _budget_between(run, 16, 11), autocast=False)
     assert chosen.execution.slab_frames == 11
     assert planner.plan_resident(chosen, autocast=False).slab_frames == 11
 
@@ -128,15 +134,10 @@ def test_engines_train_over_the_slabs_the_plan_chose(tmp_path, monkeypatch, engi
     monkeypatch.setenv("MEGASLIDE_CPU_ADAM_BACKEND", "torch")
     offload = OffloadConfig(enabled=engine == "offload", activation_offload=engine == "offload")
     run = dataclasses.replace(_run(), train=tiny_train_cfg(steps=2, batch_size=1), offload=offload)
+    budget = _budget_between(run, 16, 11)
     if engine == "offload":
-        budget = _budget_between(run, 16, 11)
         monkeypatch.setattr(engine_module, "hbm_available_bytes", lambda device, fraction=0.0: budget)
     else:
-        sizes = {}
-        for s in (16, 11):
-            r = dataclasses.replace(run, execution=dataclasses.replace(run.execution, slab_frames=s))
-            sizes[s] = planner.plan_resident(r, autocast=False).hbm_total
-        budget = int((sizes[11] + sizes[16]) / 2 / (1 - planner.HBM_MARGIN))
         monkeypatch.setattr(trainer_module, "hbm_available_bytes", lambda device: budget)
     auto = _trainer(tmp_path, "auto", SLAB_AUTO, offload)
     assert auto.engine.model.runner.execution.slab_frames == 11
@@ -144,3 +145,17 @@ def test_engines_train_over_the_slabs_the_plan_chose(tmp_path, monkeypatch, engi
     for _ in range(2):
         a, b = auto.train_step(), fixed.train_step()
         assert torch.equal(a["loss"], b["loss"]) and torch.isfinite(a["loss"])
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["execution.slab_frames=auto"], r"^execution\.slab_frames=auto is planned"),
+    (["offload.keep_attention=auto", "execution.slab_frames=auto"],
+     r"^offload\.keep_attention=auto and execution\.slab_frames=auto are planned")])
+def test_plan_on_a_machine_without_hbm_asks_for_a_budget(tmp_path, overrides, named):
+    """experiments/plan.py on a CPU machine: what is planned within an HBM budget is named, with the fix."""
+    done = subprocess.run([sys.executable, "-m", "experiments.plan", "model=tiny", "attention=dsa", "offload=engine",
+                           "train.device=cpu", *overrides], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode != 0
+    message = done.stderr.strip().splitlines()[-1].removeprefix("error: ")
+    assert re.match(named, message) and "set hbm_budget_GB" in message, done.stderr
