@@ -222,7 +222,8 @@ def step_time_parts(cell: Cell, plan) -> dict:
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
                                          ceilings=cell.ceilings, execution=execution,
                                          block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0,
-                                         kept=len(plan.kept.gpu) + len(plan.kept.host) if offload else 0)
+                                         kept=len(plan.kept.gpu) + len(plan.kept.host) if offload else 0,
+                                         compiled=cell.run.train.compile)
     bound = plan.lower_bound_s if offload else planner.compute_lower_bound_s(
         cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings, execution=execution)
     return {"predicted_estimate_s": plan.estimate_s if offload else sum(compute.values()),

@@ -9,7 +9,7 @@ results/mfu_overlap/h200*.json, each planned again with today's planner at the c
 measured one; the planner's defaults for the rest). tests/experiments/test_planner_h200_cells.py checks the
 lower bound on the same steps. Every step is held out (its |estimate / measured - 1| counted) unless a reason
 excludes it, and every excluded step is listed with its reason (`exclusion`):
-- a cell a figure of the estimate was fitted on (`megaslide.perf.planner.FITTED`);
+- a cell a figure of the estimate was fitted on (`megaslide.perf.planner.FITTED`: one eager step, one compiled);
 - the serial ablation (overlap off): the estimate is of the overlapped step;
 - a DSA step whose run measured no attention rate: the estimate would take the default DSA rate, timed on
   another run's kernel build, not the kernel this step ran.
@@ -176,17 +176,16 @@ def estimate_s(step: TimedStep) -> float:
                              f"{ {k: recorded[k] for k in PLACES} }; its estimate would be of another step")
         return plan.estimate_s
     _, compute = compute_seconds(run.model, run.train.batch_size, run.grid, recomputed=run.model.depth,
-                                 ceilings=step.ceilings, execution=run.execution)
+                                 ceilings=step.ceilings, execution=run.execution, compiled=run.train.compile)
     return sum(compute.values())
 
 
 def exclusion(step: TimedStep) -> str | None:
     """Why the step is not held out (module docstring), or None: it is."""
-    fitted = [f for f in FITTED.step_cells if f.matches(step.file, step.cell)]
-    if fitted:
+    if any(f.matches(step.file, step.cell) for f in FITTED.elementwise_fitted_on):
         return "fitted on it: FITTED.elementwise_fitted_on (megaslide/perf/planner.py)"
-    if step.run.train.compile:
-        return "compiled (train.compile): the estimate's elementwise term is fitted to eager steps"
+    if any(f.matches(step.file, step.cell) for f in FITTED.elementwise_compiled_fitted_on):
+        return "fitted on it: FITTED.elementwise_compiled_fitted_on (megaslide/perf/planner.py)"
     if step.cell.get("overlap") is False:
         return "the serial ablation (overlap off): the estimate is of the overlapped step"
     if step.run.model.attention.name == "dsa" and not step.attention_measured:

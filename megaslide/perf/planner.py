@@ -56,7 +56,7 @@ PCIe traffic). Compute (`compute_seconds`) has three terms, run one after the ot
 - elementwise: norms, RoPE, modulation, activations, residual adds, casts and the slices' copies are
   memory-bound: `FITTED.elementwise_bytes` of HBM traffic per token and width element per block pass (a
   forward, or a third of a backward) at the HBM ceiling, a figure fitted on measured steps (`FITTED`
-  names them).
+  names them); a compiled step (train.compile) moves `FITTED.elementwise_bytes_compiled`.
 """
 from __future__ import annotations
 
@@ -132,25 +132,33 @@ class FittedConstants:
     one pass, fitted as (step - matmul - attention) x HBM ceiling / (tokens x dim x depth x passes) on
     `elementwise_fitted_on`, the matmul and attention terms as its run planned them (4 passes: forward,
     recompute, 2 for the backward); tests/perf/test_planner.py re-derives it from that cell.
+    `elementwise_bytes_compiled`: the same figure for a compiled step (train.compile: torch.compile fuses the
+    token-wise work, so it moves fewer bytes), fitted so that today's estimate of `elementwise_compiled_fitted_on`
+    equals its measured step; tests/perf/test_planner.py checks that.
     `dsa_rate`: the fused DSA op alone (bf16, 3x3x3, 16 heads x 64, 262,144 tokens), counted FLOPs over the
     forward's time and over fwd+bwd less the forward, from `dsa_rate_measured_on`. Its offset net is not in
     it: a rate measured on `attend` (experiments/oom_thresholds.py) is lower."""
 
     elementwise_bytes: float
     elementwise_fitted_on: tuple[ResultCell, ...]
+    elementwise_bytes_compiled: float
+    elementwise_compiled_fitted_on: tuple[ResultCell, ...]
     dsa_rate: AttentionRate
     dsa_rate_measured_on: tuple[ResultCell, ...]
 
     @property
     def step_cells(self) -> tuple[ResultCell, ...]:
         """The measured training steps a figure was fitted on (the DSA rate's cells are kernel timings)."""
-        return self.elementwise_fitted_on
+        return self.elementwise_fitted_on + self.elementwise_compiled_fitted_on
 
 
 FITTED = FittedConstants(
     elementwise_bytes=660.0,
     elementwise_fitted_on=(ResultCell("oom_thresholds/h200_headline_256.json", (
         ("model", "1B"), ("attention", "dense"), ("mode", "chunked_offload"), ("frames", 16))),),
+    elementwise_bytes_compiled=208.0,
+    elementwise_compiled_fitted_on=(ResultCell("oom_thresholds/h200_dsa32_token_slices.json", (
+        ("model", "1B"), ("attention", "dsa"), ("mode", "chunked_offload"), ("frames", 32))),),
     dsa_rate=AttentionRate(1.47, 0.93, includes_own_weights=False),
     dsa_rate_measured_on=(ResultCell("attention/h200_kernels_v7.json", (("variant", "dsa_fused_fwd"),)),
                           ResultCell("attention/h200_kernels_v7.json", (("variant", "dsa_fused"),))))
@@ -184,7 +192,7 @@ class Ceilings:
 
 def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, recomputed: int,
                     ceilings: Ceilings, backward: bool = True, execution: ExecutionConfig | None = None,
-                    block_grads: int = 0, kept: int = 0) -> tuple[float, dict[str, float]]:
+                    block_grads: int = 0, kept: int = 0, compiled: bool = False) -> tuple[float, dict[str, float]]:
     """The estimated compute of one training step of `batch` clips of token grid `grid` in which
     `recomputed` blocks run their forward twice (the offload engine's streamed blocks, the resident
     trainer's checkpointed ones), or without `backward` of one forward pass (no grad: nothing re-runs):
@@ -201,7 +209,7 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
     slab pass, they have no slab re-run, and of their slices only the pre-attention ones (the QKV projection
     over the slab and its halo) run once more. `kept` of the recomputed blocks keep their attention output and
     lse (offload.keep_attention): their recompute runs no attention forward (its counted FLOPs), the offset net
-    still."""
+    still. `compiled` (train.compile) takes the compiled steps' elementwise figure."""
     execution = execution or ExecutionConfig()
     flops = dit_flops(cfg, batch, grid)
     tokens, depth, a, D = batch * math.prod(grid), cfg.depth, cfg.attention, cfg.dim
@@ -225,7 +233,7 @@ def compute_seconds(cfg: DiTConfig, batch: int, grid: tuple[int, int, int], *, r
                          + 2 * backward * counted / (rate.backward_tflops * 1e12))
                  - skipped / (rate.forward_tflops * 1e12))
     matmul = (executed + skipped - in_attend * passes) / (ceilings.tflops * 1e12)
-    elementwise = elementwise_seconds(cfg, tokens, passes, ceilings)
+    elementwise = elementwise_seconds(cfg, tokens, passes, ceilings, compiled=compiled)
     return executed, {"matmul": matmul, "attention": attention, "elementwise": elementwise}
 
 
@@ -238,9 +246,12 @@ def compute_lower_bound_s(cfg: DiTConfig, batch: int, grid: tuple[int, int, int]
     return executed / (ceilings.tflops * 1e12)
 
 
-def elementwise_seconds(cfg: DiTConfig, tokens: int, passes: float, ceilings: Ceilings) -> float:
-    """The memory-bound work of `passes` passes of every block over `tokens` tokens at the HBM ceiling."""
-    return FITTED.elementwise_bytes * tokens * cfg.dim * cfg.depth * passes / (ceilings.hbm_TBps * 1e12)
+def elementwise_seconds(cfg: DiTConfig, tokens: int, passes: float, ceilings: Ceilings, *,
+                        compiled: bool = False) -> float:
+    """The memory-bound work of `passes` passes of every block over `tokens` tokens at the HBM ceiling, eager or
+    `compiled` (train.compile)."""
+    per_element = FITTED.elementwise_bytes_compiled if compiled else FITTED.elementwise_bytes
+    return per_element * tokens * cfg.dim * cfg.depth * passes / (ceilings.hbm_TBps * 1e12)
 
 
 def phase_over(phases: dict[str, int], budget: int) -> str | None:
@@ -582,7 +593,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     reruns = sum(not grad for _, grad in backward_ops(depth - k, stride))  # forwards re-run without grad
     executed, compute = compute_seconds(cfg, batch, grid, recomputed=depth - k + reruns, ceilings=ceilings,
                                         execution=execution, block_grads=depth - k if block_grad else 0,
-                                        kept=len(kept.gpu) + len(kept.host))
+                                        kept=len(kept.gpu) + len(kept.host), compiled=run.train.compile)
     seconds = {"compute": sum(compute.values()), "h2d": h2d / (ceilings.h2d_GBps * 1e9),
                "d2h": d2h / (ceilings.d2h_GBps * 1e9), "optimizer": optimizer_s}
     if ranks > 1:   # after each load's H2D its all-gather, before each gradient's D2H its reduce-scatter, on the lane

@@ -88,3 +88,15 @@ def test_the_command_reports_the_folder_it_is_given(tmp_path, committed):
     assert out.startswith(f"step-time estimate on {len(committed.used)} held-out H200 steps")
     assert f"excluded ({len(committed.excluded)})" in out
     assert run_script(["-m", "experiments.planner_error", f"results={tmp_path}"]).startswith("no held-out H200 step")
+
+
+def test_compiled_elementwise_figure_reproduces_the_step_it_was_fitted_on():
+    """FITTED.elementwise_bytes_compiled: today's estimate of the compiled cell it was fitted on equals that cell's
+    measured step (to the figure's rounding), and an eager estimate of the same step is slower (eager moves more)."""
+    (fitted,) = FITTED.elementwise_compiled_fitted_on
+    (step,) = [s for s in planner_error.h200_timed_steps() if fitted.matches(s.file, s.cell)]
+    assert step.run.train.compile
+    assert planner_error.estimate_s(step) == pytest.approx(step.step_s, rel=0.01)
+    eager = dataclasses.replace(step, run=dataclasses.replace(step.run, train=dataclasses.replace(
+        step.run.train, compile=False)))
+    assert planner_error.estimate_s(eager) > 1.2 * step.step_s
