@@ -134,7 +134,7 @@ class FittedConstants:
     recompute, 2 for the backward); tests/perf/test_planner.py re-derives it from that cell.
     `elementwise_bytes_compiled`: the same figure for a compiled step (train.compile: torch.compile fuses the
     token-wise work, so it moves fewer bytes), fitted so that today's estimate of `elementwise_compiled_fitted_on`
-    equals its measured step; tests/perf/test_planner.py checks that.
+    equals its measured step; tests/experiments/test_planner_error.py checks that.
     `dsa_rate`: the fused DSA op alone (bf16, 3x3x3, 16 heads x 64, 262,144 tokens), counted FLOPs over the
     forward's time and over fwd+bwd less the forward, from `dsa_rate_measured_on`. Its offset net is not in
     it: a rate measured on `attend` (experiments/oom_thresholds.py) is lower."""

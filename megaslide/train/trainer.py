@@ -38,6 +38,7 @@ from megaslide.config import (
     DiTConfig,
     ExecutionConfig,
     OffloadConfig,
+    SLAB_AUTO,
     ParallelConfig,
     TrainConfig,
     validate_training,
@@ -86,9 +87,10 @@ def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: Offl
     run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, execution=execution,
                            offload=offload_cfg, parallel=parallel)
     autocast = precision_dtype(train_cfg.precision, device) == torch.bfloat16
-    hbm = hbm_available_bytes(device)
-    execution = planner.resident_slabs(run, host_available_bytes() if hbm is None else hbm,
-                                       autocast=autocast).execution
+    if execution.slab_frames == SLAB_AUTO:  # planned on the whole clip: under sequence parallelism, conservative
+        hbm = hbm_available_bytes(device)
+        execution = planner.resident_slabs(run, host_available_bytes() if hbm is None else hbm,
+                                           autocast=autocast).execution
     if device.type == "cpu" and sp_group is None:   # one process holds the whole clip in host RAM
         planner.require_cpu_fit(planner.plan_resident(dataclasses.replace(run, execution=execution),
                                                       autocast=autocast))
