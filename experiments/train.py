@@ -70,7 +70,8 @@ def main(cfg: DictConfig) -> None:
     trainer = Trainer(run.model, run.data, run.train, script.out_dir, offload_cfg=run.offload,
                       execution=run.execution, parallel=run.parallel)
     out_dir = Path(script.out_dir)               # the first write: every check above has passed
-    config = {**dataclasses.asdict(run), **dataclasses.asdict(script)}
+    config = {**dataclasses.asdict(run), **dataclasses.asdict(script),
+              "execution": dataclasses.asdict(trainer.execution)}   # as run: slab_frames=auto resolved
     if trainer.dp.is_main:                       # rank 0 writes metrics.jsonl and the W&B run
         trainer.logger = RunLogger(out_dir, project=script.wandb_project, name=script.name, config=config,
                                    resume_step=trainer.resume_from[1] if trainer.resume_from else None)

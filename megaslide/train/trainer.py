@@ -107,7 +107,6 @@ class Trainer:
         validate_training(model_cfg, data_cfg, train_cfg, offload_cfg, execution, parallel)
         if model_cfg.pretrained:
             check_pretrained(model_cfg)
-        self.execution = execution
         self.model_cfg, self.data_cfg, self.cfg = model_cfg, data_cfg, train_cfg
         self.out_dir = Path(out_dir)
         self.device = resolve_device(train_cfg.device, key="train.device",
@@ -134,6 +133,7 @@ class Trainer:
             sp_group = self.mesh["sp"].get_group() if self.mesh is not None and self.mesh["sp"].size() > 1 else None
             self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
                                        execution=execution, dp=self.dp, sp_group=sp_group, parallel=parallel)
+            self.execution = self.engine.model.runner.execution   # as run: slab_frames=auto resolved
             self._modes = modes.pop_all()
         self.logger = logger
 

@@ -140,7 +140,7 @@ def test_engines_train_over_the_slabs_the_plan_chose(tmp_path, monkeypatch, engi
     else:
         monkeypatch.setattr(trainer_module, "hbm_available_bytes", lambda device: budget)
     auto = _trainer(tmp_path, "auto", SLAB_AUTO, offload)
-    assert auto.engine.model.runner.execution.slab_frames == 11
+    assert auto.engine.model.runner.execution.slab_frames == auto.execution.slab_frames == 11
     fixed = _trainer(tmp_path, "fixed", 11, offload)
     for _ in range(2):
         a, b = auto.train_step(), fixed.train_step()
