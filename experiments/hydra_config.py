@@ -125,7 +125,8 @@ def require_sizes(key: str, values: list[int], *, allow_empty: bool = False) -> 
 def refuse_repeats(key: str, values) -> None:
     """A list key whose entries each name one run (a variant, a seed, a candidate): an entry given twice would train
     two runs into one folder at once and count them twice, so it is refused, naming the key and the entry."""
-    repeated = sorted({repr(v) for v in values if list(values).count(v) > 1})
+    values = list(values)
+    repeated = sorted({repr(v) for v in values if values.count(v) > 1})
     if repeated:
         raise ValueError(f"{key}={list(values)} lists {', '.join(repeated)} more than once; each entry is one run, "
                          f"give each once")

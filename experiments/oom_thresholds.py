@@ -218,14 +218,14 @@ def step_time_parts(cell: Cell, plan) -> dict:
     ceilings only (every block recomputed: the engine's streamed blocks, the resident trainer's checkpointed
     ones; the engine's streamed blocks get their gradient from `BlockRunner.block_grad`), over the plan's slabs."""
     offload = isinstance(plan, planner.OffloadPlan)
-    execution = plan.execution if offload else dataclasses.replace(cell.run.execution, slab_frames=plan.slab_frames)
     _, compute = planner.compute_seconds(cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth,
-                                         ceilings=cell.ceilings, execution=execution,
+                                         ceilings=cell.ceilings, execution=plan.execution,
                                          block_grads=cell.cfg.depth - plan.resident_blocks if offload else 0,
                                          kept=len(plan.kept.gpu) + len(plan.kept.host) if offload else 0,
                                          compiled=cell.run.train.compile)
     bound = plan.lower_bound_s if offload else planner.compute_lower_bound_s(
-        cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings, execution=execution)
+        cell.cfg, cell.batch, cell.grid, recomputed=cell.cfg.depth, ceilings=cell.ceilings,
+        execution=plan.execution)
     return {"predicted_estimate_s": plan.estimate_s if offload else sum(compute.values()),
             "predicted_lower_bound_s": bound, "predicted_matmul_s": compute["matmul"],
             "predicted_attention_s": compute["attention"], "predicted_elementwise_s": compute["elementwise"]}
@@ -245,9 +245,8 @@ def planner_verdict(cell: Cell, plan, device: torch.device, budget: int) -> dict
     HBM over the stated budget, or (CUDA) HBM beyond refuse_over x the free memory. `slab_frames` is the plan's
     (execution.slab_frames=auto: the size it chose within `budget`)."""
     usable = planner.usable_hbm(budget)
-    slabs = plan.execution.slab_frames if isinstance(plan, planner.OffloadPlan) else plan.slab_frames
-    row = {"slab_frames": slabs, "predicted_peak_GB": plan.hbm_total / GB, "predicted_phase": plan.peak_phase,
-           "budget_GB": budget / GB, "host_budget_GB": cell.host_budget / GB,
+    row = {"slab_frames": plan.execution.slab_frames, "predicted_peak_GB": plan.hbm_total / GB,
+           "predicted_phase": plan.peak_phase, "budget_GB": budget / GB, "host_budget_GB": cell.host_budget / GB,
            "predicted_fits": plan.hbm_total <= usable}
     if isinstance(plan, planner.OffloadPlan):
         row["predicted_kept_attention"] = plan.kept.as_dict()

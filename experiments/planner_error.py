@@ -182,10 +182,9 @@ def estimate_s(step: TimedStep) -> float:
 
 def exclusion(step: TimedStep) -> str | None:
     """Why the step is not held out (module docstring), or None: it is."""
-    if any(f.matches(step.file, step.cell) for f in FITTED.elementwise_fitted_on):
-        return "fitted on it: FITTED.elementwise_fitted_on (megaslide/perf/planner.py)"
-    if any(f.matches(step.file, step.cell) for f in FITTED.elementwise_compiled_fitted_on):
-        return "fitted on it: FITTED.elementwise_compiled_fitted_on (megaslide/perf/planner.py)"
+    for figure in ("elementwise_fitted_on", "elementwise_compiled_fitted_on"):
+        if any(f.matches(step.file, step.cell) for f in getattr(FITTED, figure)):
+            return f"fitted on it: FITTED.{figure} (megaslide/perf/planner.py)"
     if step.cell.get("overlap") is False:
         return "the serial ablation (overlap off): the estimate is of the overlapped step"
     if step.run.model.attention.name == "dsa" and not step.attention_measured:

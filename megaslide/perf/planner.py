@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -654,10 +654,11 @@ class ResidentPlan(PhasedHBM):
     params: int
     hbm: dict[str, int]         # bytes by item, at the peak phase
     hbm_phases: dict[str, int]  # peak bytes of each phase of a step (from the second on), in its order
-    slab_frames: int = 0        # the blocks' frame slabs (execution.slab_frames; 0: none)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)   # how the blocks run (its slabs)
 
     def as_dict(self) -> dict:
-        return {"params": self.params, "tokens": self.tokens, "slab_frames": self.slab_frames, "hbm_bytes": self.hbm,
+        return {"params": self.params, "tokens": self.tokens, "slab_frames": self.execution.slab_frames,
+                "hbm_bytes": self.hbm,
                 "hbm_phase_bytes": self.hbm_phases, "hbm_total_bytes": self.hbm_total,
                 "hbm_peak_phase": self.peak_phase}
 
@@ -665,7 +666,7 @@ class ResidentPlan(PhasedHBM):
         c = self.cfg
         head = (f"resident trainer: dim {c.dim}, depth {c.depth}, heads {c.num_heads}, ffn {c.ffn_dim}, attention "
                 f"{c.attention.name}; {self.params / 1e9:.3f} B params; batch {self.batch} x grid {self.grid} = "
-                f"{self.tokens} tokens; slabs {self.slab_frames or 'off'}")
+                f"{self.tokens} tokens; slabs {self.execution.slab_frames or 'off'}")
         return "\n".join([head, *self.hbm_lines()])
 
 
@@ -706,8 +707,7 @@ def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
               "optimizer": {**state, "gradients": 4 * params, "AdamW temporaries (foreach)": 4 * params}}
     phases = {name: {k: v for k, v in items.items() if v} for name, items in phases.items()}
     totals = {name: sum(items.values()) for name, items in phases.items()}
-    return ResidentPlan(cfg, batch, tuple(grid), params, phases[max(totals, key=totals.get)], totals,
-                        execution.slab_frames)
+    return ResidentPlan(cfg, batch, tuple(grid), params, phases[max(totals, key=totals.get)], totals, execution)
 
 
 def resident_slabs(run: RunConfig, hbm_budget: int, *, autocast: bool) -> RunConfig:

@@ -22,6 +22,7 @@ import experiments.dp_scaling
 import experiments.mfu_overlap
 import experiments.offload_peers
 import experiments.oom_thresholds
+import experiments.plan
 import experiments.profile_step
 import experiments.quality
 import experiments.sample
@@ -335,3 +336,16 @@ def test_a_trial_preset_refuses_the_keys_it_would_replace(script, args, message,
     err = run_main(script, args, tmp_path, monkeypatch, capsys)
     assert message in err and "drop " in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["execution.slab_frames=auto"], "execution.slab_frames=auto is planned within an HBM budget"),
+    (["offload.keep_attention=auto", "execution.slab_frames=auto"],
+     "offload.keep_attention=auto and execution.slab_frames=auto are planned within an HBM budget")])
+def test_plan_without_hbm_to_read_names_what_needs_a_budget(args, message, tmp_path, monkeypatch, capsys):
+    """experiments/plan.py where no device's free HBM can be read: what is planned within an HBM budget is named,
+    with the fix (hbm_budget_GB)."""
+    monkeypatch.setattr(experiments.plan, "hbm_available_bytes", lambda device: None)
+    err = run_main(experiments.plan, ["model=tiny", "attention=dsa", "offload=engine", *args], tmp_path, monkeypatch,
+                   capsys)
+    assert err.startswith(f"error: {message}") and "set hbm_budget_GB" in err, err

@@ -1,10 +1,6 @@
 """execution.slab_frames=auto: the planner takes the fewest balanced frame slabs whose step fits the HBM budget
 (megaslide/perf/slab_choice.py), and both engines train over the slabs it chose."""
 import dataclasses
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -104,7 +100,7 @@ def test_resident_plan_takes_the_fewest_slabs_within_its_budget():
     run = dataclasses.replace(_run(), offload=OffloadConfig())
     chosen = planner.resident_slabs(run, _budget_between(run, 16, 11), autocast=False)
     assert chosen.execution.slab_frames == 11
-    assert planner.plan_resident(chosen, autocast=False).slab_frames == 11
+    assert planner.plan_resident(chosen, autocast=False).execution.slab_frames == 11
 
 
 def test_config_takes_auto_and_refuses_other_words():
@@ -146,16 +142,3 @@ def test_engines_train_over_the_slabs_the_plan_chose(tmp_path, monkeypatch, engi
         a, b = auto.train_step(), fixed.train_step()
         assert torch.equal(a["loss"], b["loss"]) and torch.isfinite(a["loss"])
 
-
-@pytest.mark.parametrize("overrides,named", [
-    (["execution.slab_frames=auto"], r"^execution\.slab_frames=auto is planned"),
-    (["offload.keep_attention=auto", "execution.slab_frames=auto"],
-     r"^offload\.keep_attention=auto and execution\.slab_frames=auto are planned")])
-def test_plan_on_a_machine_without_hbm_asks_for_a_budget(tmp_path, overrides, named):
-    """experiments/plan.py on a CPU machine: what is planned within an HBM budget is named, with the fix."""
-    done = subprocess.run([sys.executable, "-m", "experiments.plan", "model=tiny", "attention=dsa", "offload=engine",
-                           "train.device=cpu", *overrides], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "WANDB_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""})
-    assert done.returncode != 0
-    message = done.stderr.strip().splitlines()[-1].removeprefix("error: ")
-    assert re.match(named, message) and "set hbm_budget_GB" in message, done.stderr
