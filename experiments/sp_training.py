@@ -140,7 +140,7 @@ def benchmark(cfg: SPTrainingConfig, hydra_cfg: DictConfig) -> None:
     progress(f"sp_training: {world} rank(s), grid {run.grid}")
     torch.manual_seed(run.train.seed)
     engine = build_engine(run.model, run.train, run.offload, device=device, grid=run.grid, execution=run.execution,
-                          sp_group=None if mesh is None else mesh["sp"].get_group(), parallel=run.parallel)
+                          mesh=mesh, parallel=run.parallel)
     batch = synthetic_batch(run, device, engine.model.tokenizer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

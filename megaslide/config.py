@@ -405,6 +405,11 @@ class ParallelConfig:
     transport: str = "p2p"              # p2p | symm_mem | auto: how ring K/V moves
     chunks: int | None = None           # torus: head chunks per rank (None: min(heads / ulysses_degree, 4))
 
+    @property
+    def ranks_key(self) -> str:
+        """The keys that give the run's ranks, as an error message names them."""
+        return f"parallel.dp={self.dp}" + (f" x parallel.sp={self.sp}" if self.sp > 1 else "")
+
     def validate(self) -> None:
         _require_at_least(self, "parallel", 1, "dp", "sp")
         for name, known in (("sp_mode", MODES), ("placement", PLACEMENTS), ("transport", TRANSPORTS)):
@@ -417,8 +422,8 @@ class ParallelConfig:
     def check_sequence_parallel(self, model: DiTConfig, grid: tuple[int, int, int], offload: OffloadConfig,
                                 train: TrainConfig) -> None:
         """That `sp` ranks can train one clip of token grid `grid` (megaslide/parallel/sp_train.py): at most one
-        rank per token frame, an attention with a sequence-parallel form (dense in `sp_mode`), the resident
-        trainer, eager blocks. ValueError naming the key, before anything is built."""
+        rank per token frame, an attention with a sequence-parallel form (dense in `sp_mode`), no kept attention,
+        eager blocks. ValueError naming the key, before anything is built."""
         if self.sp == 1:
             return
         attention = model.attention
@@ -430,12 +435,9 @@ class ParallelConfig:
             raise ValueError(f"parallel.sp={self.sp} is larger than the clip's {grid[0]} token frames (data.frames / "
                              f"model.patch_size[0]): every rank needs a frame; set parallel.sp <= {grid[0]}")
         if offload.keep_attention != "off":
-            raise ValueError(f"parallel.sp={self.sp} with offload.keep_attention={offload.keep_attention}: kept "
-                             f"attention is the offload engine's, and sequence-parallel training runs on the resident "
-                             f"trainer; set offload.keep_attention=off or parallel.sp=1")
-        if offload.enabled:
-            raise ValueError(f"parallel.sp={self.sp} trains on the resident trainer only: set offload=none (the "
-                             f"offload engine, its activation offload and boundary stride have no SP form)")
+            raise ValueError(f"parallel.sp={self.sp} with offload.keep_attention={offload.keep_attention}: a "
+                             f"sequence-parallel block recomputes its attention (its halo comes from other ranks); "
+                             f"set offload.keep_attention=off or parallel.sp=1")
         if train.compile:
             raise ValueError(f"parallel.sp={self.sp} runs its blocks eager: set train.compile=false")
         if form == "global":

@@ -111,6 +111,7 @@ from megaslide.offload.kept_store import KeptStore
 from megaslide.offload.streamer import BackwardResult, BlockInputs, BlockStreamer, Lanes, elapsed
 from megaslide.offload.updaters import AdamHyper, ClipCoefficient, CpuUpdater, GpuUpdater, StepHealth, UpdateJob
 from megaslide.parallel.data_parallel import DataParallel
+from megaslide.parallel.sp_train import SequenceParallel
 from megaslide.perf import planner
 from megaslide.perf.flops import StepBreakdown
 from megaslide.perf.host_memory import MOMENT_BLOCK, StateFormat, host_bytes, require_host_fit
@@ -134,13 +135,18 @@ class OffloadEngine:
 
     def __init__(self, model: VideoDiT, *, device: torch.device, train_cfg: TrainConfig,
                  offload_cfg: OffloadConfig, pin_optimizer_state: bool | None = None,
-                 kept_attention: KeptAttentionPlan | None = None, dp: DataParallel = DataParallel.single()):
+                 kept_attention: KeptAttentionPlan | None = None, dp: DataParallel = DataParallel.single(),
+                 sp: SequenceParallel | None = None):
         offload_cfg.validate()
-        check_sharding(offload_cfg, dp.size)
+        check_sharding(offload_cfg, dp)
         if kept_attention is None and offload_cfg.keep_attention != "off":
             raise ValueError(f"offload.keep_attention={offload_cfg.keep_attention}: the planner places the kept "
                              f"attention; build the engine with OffloadEngine.from_config, or pass kept_attention=")
-        self.device, self.train_cfg, self.offload_cfg, self.dp = device, train_cfg, offload_cfg, dp
+        if (sp is None) != (dp.sp == 1) or (sp is not None and sp.model is not model):
+            raise ValueError("a sequence-parallel offload engine takes the SequenceParallel of its own model and a "
+                             "DataParallel over every rank of the run (DataParallel.of_run); build it with "
+                             "OffloadEngine.from_config(..., sp_group=, parallel=)")
+        self.device, self.train_cfg, self.offload_cfg, self.dp, self.sp = device, train_cfg, offload_cfg, dp, sp
         self.param_dtype = precision_dtype(train_cfg.precision, device)
         self.cuda = cuda = device.type == "cuda"
         if cuda and offload_cfg.gpu_memory_fraction > 0:
@@ -189,7 +195,7 @@ class OffloadEngine:
                                       run=lambda *inputs, **kw: self.model.runner.block(*inputs, **kw),
                                       stride=stride, kept=kept,
                                       grad=lambda *inputs, **kw: self.model.runner.block_grad(*inputs, **kw),
-                                      group=dp.group)
+                                      group=dp.group, replicas=dp.replicas)
         # fused on CUDA: its found_inf flag skips a non-finite step on the device, with no host sync
         self.optimizer = torch.optim.AdamW(self.resident_params, lr=train_cfg.lr, betas=train_cfg.betas,
                                            weight_decay=train_cfg.weight_decay, fused=True if cuda else None)
@@ -210,7 +216,8 @@ class OffloadEngine:
     def from_config(cls, model_cfg: DiTConfig, *, device: torch.device, train_cfg: TrainConfig,
                     offload_cfg: OffloadConfig, grid: tuple[int, int, int],
                     pin_optimizer_state: bool | None = None, build_on_host: bool = False,
-                    execution: ExecutionConfig | None = None, dp: DataParallel = DataParallel.single()
+                    execution: ExecutionConfig | None = None, dp: DataParallel = DataParallel.single(),
+                    sp_group: dist.ProcessGroup | None = None, parallel: ParallelConfig | None = None
                     ) -> OffloadEngine:
         """An engine training a new `VideoDiT(model_cfg)`, once the planner has found that host
         RAM and HBM hold it for train_cfg.batch_size clips of token grid `grid` (T', H', W').
@@ -232,7 +239,10 @@ class OffloadEngine:
         within this machine's free HBM and host RAM (`OffloadPlan.kept`). With `dp` the
         blocks' host state is sharded over the data-parallel replicas (each keeps its shard of every block it
         builds or reads), and train_cfg.batch_size is their global batch; the kept attention is each rank's own,
-        of its batch share."""
+        of its batch share. With `sp_group` (sequence parallel, `dp` over every rank of the run:
+        `DataParallel.of_run`) the ranks of that group train each clip of their replica's share together, each
+        its rows (`SequenceParallel`, in the form `parallel` gives), and the host state is sharded over all the
+        run's ranks."""
         execution = execution or ExecutionConfig()
         for cfg in (model_cfg, train_cfg, offload_cfg):
             cfg.validate()
@@ -242,9 +252,10 @@ class OffloadEngine:
         if train_cfg.ema_decay > 0:
             raise ValueError(f"train.ema_decay={train_cfg.ema_decay}: the offload engine keeps no EMA copy; "
                              f"set train.ema_decay=0 (or train with offload.enabled=false)")
-        check_sharding(offload_cfg, dp.size)
+        check_sharding(offload_cfg, dp)
         run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, grad_clip=train_cfg.grad_clip,
-                               execution=execution, offload=offload_cfg, parallel=ParallelConfig(dp=dp.size))
+                               execution=execution, offload=offload_cfg,
+                               parallel=dataclasses.replace(parallel or ParallelConfig(), dp=dp.replicas, sp=dp.sp))
         hbm = hbm_available_bytes(device, offload_cfg.gpu_memory_fraction)
         plan = planner.plan_offload(run, param_dtype=precision_dtype(train_cfg.precision, device),
                                     pin_optimizer_state=pin_optimizer_state, build_on_host=build_on_host,
@@ -255,9 +266,13 @@ class OffloadEngine:
         execution = plan.execution  # execution.slab_frames=auto: the size the plan chose
         kw = {"device": device, "train_cfg": train_cfg, "offload_cfg": offload_cfg,
               "pin_optimizer_state": pin_optimizer_state, "kept_attention": plan.kept, "dp": dp}
+
+        def make(model: VideoDiT) -> OffloadEngine:
+            sp = None if sp_group is None else SequenceParallel(model, sp_group, parallel or ParallelConfig(), grid)
+            return cls(model, sp=sp, **kw)
+
         if build_on_host:
-            model = build_model(model_cfg)
-            return cls(apply_execution(model, execution), **kw)
+            return make(apply_execution(build_model(model_cfg), execution))
         with torch.device("meta"):
             model = apply_execution(VideoDiT(model_cfg), execution)
         weights = WeightFiles(Path(model_cfg.pretrained), model) if model_cfg.pretrained else None  # keys checked
@@ -266,7 +281,7 @@ class OffloadEngine:
             if name != "blocks":
                 setattr(model, name, child)
         if weights is None:
-            engine = cls(model, **kw)
+            engine = make(model)
             for index, block in enumerate(_initialised_blocks(model_cfg, first.blocks[0])):
                 engine.host.load_block_(index, engine.layout.flatten(block))
             return engine
@@ -274,7 +289,7 @@ class OffloadEngine:
             for name, param in model.named_parameters():
                 if not name.startswith("blocks."):
                     weights.copy_(name, param)
-            engine = cls(model, **kw)
+            engine = make(model)
             for index, block in enumerate(_initialised_blocks(model_cfg, first.blocks[0], weights)):
                 for name, param in block.named_parameters():
                     weights.copy_(f"blocks.{index}.{name}", param)
@@ -313,7 +328,7 @@ class OffloadEngine:
         same host state and weights."""
         switched = dataclasses.replace(self.offload_cfg, optimizer_device=optimizer_device)
         switched.validate()
-        check_sharding(switched, self.dp.size)
+        check_sharding(switched, self.dp)
         self.updater.close()
         self.lanes.synchronize()
         self.lanes.serial = not overlap
@@ -338,18 +353,40 @@ class OffloadEngine:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         self.phase = "forward"
+        with self._rows():
+            return self._train_step(batch, lr, compute, tag)
+
+    def _rows(self):
+        """Where the blocks run on this rank's rows of each clip (sequence parallel: `SequenceParallel.sharded`)."""
+        return contextlib.nullcontext() if self.sp is None else self.sp.sharded()
+
+    def _embed(self, xt: torch.Tensor, t: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None):
+        """The block inputs of the clip xt (B, C, T, H, W) at model timesteps t (B,): all its tokens, or under
+        sequence parallelism this rank's rows (B, n, D)."""
+        if self.sp is None:
+            return self.model.embed(xt, t, context, mask)
+        return self.sp.embed(xt, t, context, mask)
+
+    def _loss(self, h: torch.Tensor, e, batch: Batch) -> torch.Tensor:
+        """The flow-matching loss of this rank's clips from the last block's output h: their mean squared velocity
+        error, or under sequence parallelism this rank's part of it (the parts sum to it)."""
+        if self.sp is None:
+            v = self.model.unembed(h, e)                                        # (B, C, T, H, W)
+            return F.mse_loss(v.float(), (batch.noise - batch.x0).float())
+        return self.sp.rows_loss(self.model.head(h, e), batch.x0, batch.noise)  # from rows (B, n, pv*C)
+
+    def _train_step(self, batch: Batch, lr: float, compute, tag: int) -> dict:
         with compute.timed(), self.compute_ctx():
             xt = interpolate(batch.x0, batch.noise, batch.t)                  # (B, C, T, H, W)
-            e = self.model.embed(xt, batch.t * TIME_SCALE, batch.context, batch.mask)
+            e = self._embed(xt, batch.t * TIME_SCALE, batch.context, batch.mask)
         inp = BlockInputs(_leaf(e.t_mod), _leaf(e.ctx), e.ctx_mask, e.rope, e.grid)
-        h, kept = self.streamer.forward(e.x.detach(), inp, keep_inputs=True)   # (B, N, D)
+        h, kept = self.streamer.forward(e.x.detach(), inp, keep_inputs=True)   # (B, N, D); SP: (B, n, D)
         h, t_emb = h.requires_grad_(), _leaf(e.t_emb)
         self.phase = "loss"
         with compute.timed():
             with self.compute_ctx():
-                v = self.model.unembed(h, dataclasses.replace(e, t_emb=t_emb))  # (B, C, T, H, W)
-                loss = F.mse_loss(v.float(), (batch.noise - batch.x0).float())
-            # the global batch's loss: the replicas' mean (one process: this loss)
+                loss = self._loss(h, dataclasses.replace(e, t_emb=t_emb), batch)
+            # the global batch's loss: the replicas' mean of their SP parts' sum (one process: this loss)
             global_loss = self.dp.mean_(loss.detach().float().reshape(1).clone())    # (1,)
             loss_health = self._share_health(global_loss)
             # autograd.grad, not .backward: a leaf's .grad is copied into the leaf's layout, and the
@@ -365,7 +402,7 @@ class OffloadEngine:
         with compute.timed():
             torch.autograd.backward([e.x, e.t_mod, e.ctx, e.t_emb], [bw.grad_x, bw.grad_t_mod, bw.grad_ctx, grad_t_emb])
             self.phase = "optimizer step"
-            self.dp.mean_grads_(self.resident_params, global_loss[:0])   # replicated: the replicas' mean gradient
+            self.dp.mean_grads_(self.resident_params, global_loss[:0])   # replicated: the global batch's gradient
             grad_norm = self._global_norm(bw)
             values = torch.cat([global_loss, grad_norm.float().reshape(1)])   # (2,)
             health = self._share_health(values)
@@ -588,12 +625,12 @@ class OffloadEngine:
         self.streamer.kept.close()
 
 
-def check_sharding(offload_cfg: OffloadConfig, ranks: int) -> None:
-    """The sharded engine (parallel.dp > 1) runs AdamW on the CPU, each rank over its shard."""
-    if ranks > 1 and offload_cfg.optimizer_device != "cpu":
-        raise ValueError(f"offload.optimizer_device={offload_cfg.optimizer_device!r} with parallel.dp={ranks}: the "
+def check_sharding(offload_cfg: OffloadConfig, dp: DataParallel) -> None:
+    """The sharded engine (parallel.dp x parallel.sp > 1) runs AdamW on the CPU, each rank over its shard."""
+    if dp.size > 1 and offload_cfg.optimizer_device != "cpu":
+        raise ValueError(f"offload.optimizer_device={offload_cfg.optimizer_device!r} with {dp.key}: the "
                          f"sharded offload engine updates each rank's shard on the CPU; set "
-                         f"offload.optimizer_device=cpu (or parallel.dp=1)")
+                         f"offload.optimizer_device=cpu (or run one process)")
 
 
 def _initialised_blocks(cfg: DiTConfig, first: DiTBlock, weights: WeightFiles | None = None) -> Iterator[DiTBlock]:

@@ -45,8 +45,9 @@ parallel sharding (below) leaves them alone.
 
 Sharded over data-parallel ranks (`group`, the host state's `Shard`): each rank's host holds 1/P of every
 block. A load copies this rank's shard H2D and all-gathers the block into the shell on the device; a block's
-flat gradient is reduce-scattered on the device (the replicas' mean) and only this rank's shard goes D2H. Every
-rank issues the same loads in the same order, so the collectives match.
+flat gradient is reduce-scattered on the device (the replicas' mean: the ranks' sum over `replicas`, fewer than
+the ranks when sequence-parallel ranks each give a part of a replica's gradient) and only this rank's shard goes
+D2H. Every rank issues the same loads in the same order, so the collectives match.
 
 Resident tail (`resident=k`, offload.resident_blocks): the last k blocks each get a shell of
 their own and, in a training forward, run with grad enabled and keep their autograd graph.
@@ -341,7 +342,7 @@ class BlockStreamer:
                  before_load: Callable[[int], None], version: Callable[[int], int], resident: int = 0,
                  offload_inputs: bool = False, run: Callable[..., torch.Tensor] | None = None, stride: int = 1,
                  grad: Callable[..., tuple] | None = None, kept: KeptStore | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, replicas: int | None = None):
         self.run = run or (lambda block, *inputs: block(*inputs))
         self.grad = grad or functools.partial(autograd_block_grad, self.run)
         if not 0 <= resident <= len(blocks):
@@ -352,6 +353,7 @@ class BlockStreamer:
             raise ValueError(f"the host state is sharded over {host.shard.ranks} ranks; pass their process group "
                              f"exactly when there are several")
         self.blocks, self.host, self.lanes, self.stride, self.group = blocks, host, lanes, stride, group
+        self.replicas = host.shard.ranks if replicas is None else replicas   # a block gradient's sum over them
         self.compute_ctx, self.before_load, self.version = compute_ctx, before_load, version
         self.first_resident = streamed = len(blocks) - resident
         layout = host.layout
@@ -534,10 +536,10 @@ class BlockStreamer:
         return BackwardResult(grad_h, grad_t_mod, grad_ctx, norms, squares)
 
     def _reduce_scatter(self, shell: BlockShell) -> torch.Tensor:
-        """On the current (D2H) lane: this rank's shard of the replicas' mean of `shell.grads` into
-        `shell.grad_shard`; returns its squared norm () fp32."""
-        dist.reduce_scatter_single(shell.grad_shard, shell.grads, group=self.group)   # the replicas' sum
-        shell.grad_shard.div_(self.host.shard.ranks)
+        """On the current (D2H) lane: this rank's shard of the replicas' mean of `shell.grads` (the sum over the
+        group's ranks / `replicas`) into `shell.grad_shard`; returns its squared norm () fp32."""
+        dist.reduce_scatter_single(shell.grad_shard, shell.grads, group=self.group)   # the ranks' sum
+        shell.grad_shard.div_(self.replicas)
         return torch.linalg.vector_norm(shell.grad_shard, dtype=torch.float32).square()
 
     def _rerun(self, index: int, inp: BlockInputs) -> None:

@@ -4,8 +4,13 @@ mean of the replicas' gradients.
 `train.batch_size` is the global batch. Every rank draws the same global batch (the same data indices, timesteps
 and noise as one process) and trains on its `rows`, an equal contiguous share. A replica's loss is the mean over its
 rows, so the mean of the replicas' losses and gradients is the loss and gradient of the global batch: the reduction
-here is a sum over the group divided by its size. One process (`DataParallel.single()`) has no group and the same
-methods do nothing.
+here is a sum over the group divided by the number of replicas. One process (`DataParallel.single()`) has no group
+and the same methods do nothing.
+
+The offload engine shards its host state over every rank of the run (`DataParallel.of_run`): under sequence
+parallelism (parallel.sp = S) each replica is S consecutive ranks that train its rows of the batch together, each
+on its share of every clip, and their losses and gradients are parts that sum. Over such a group (`sp` = S) a sum
+over all ranks divided by the replicas (size / S) is again the global batch's mean.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from megaslide.config import ParallelConfig
 from megaslide.parallel.mesh import ranks_per_node
 
 
@@ -26,6 +32,7 @@ class DataParallel:
     group: dist.ProcessGroup | None   # None: one replica, no collectives
     rank: int
     size: int
+    sp: int = 1                       # consecutive ranks of the group that train one replica's rows together
 
     @classmethod
     def single(cls) -> DataParallel:
@@ -38,6 +45,24 @@ class DataParallel:
             return cls.single()
         return cls(mesh["dp"].get_group(), mesh["dp"].get_local_rank(), mesh["dp"].size())
 
+    @classmethod
+    def of_run(cls, mesh: DeviceMesh | None) -> DataParallel:
+        """Every rank of the run's ("dp", "sp") mesh, which spans the world (rank = dp index * sp + sp index), each
+        `sp` consecutive ranks one replica; None or one process: `single()`."""
+        if mesh is None or mesh.size() == 1:
+            return cls.single()
+        return cls(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), sp=mesh["sp"].size())
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel replicas among the group's ranks (parallel.dp)."""
+        return self.size // self.sp
+
+    @property
+    def key(self) -> str:
+        """The config keys that give the group's ranks, as an error message names them."""
+        return ParallelConfig(dp=self.replicas, sp=self.sp).ranks_key
+
     @property
     def is_main(self) -> bool:
         """Whether this replica writes the run's files (its metrics, checkpoints, samples)."""
@@ -45,7 +70,7 @@ class DataParallel:
 
     @property
     def ranks_per_node(self) -> int:
-        """The replicas on this node, which share its host RAM (torchrun's local world size; 1 without replicas)."""
+        """The ranks on this node, which share its host RAM (torchrun's local world size; 1 without a group)."""
         return ranks_per_node() if self.size > 1 else 1
 
     def barrier(self) -> None:
@@ -54,19 +79,20 @@ class DataParallel:
             dist.barrier()
 
     def rows(self, global_batch: int) -> slice:
-        """This rank's rows of a global batch of `global_batch` clips (a multiple of `size`, RunConfig.validate)."""
-        share = global_batch // self.size
-        return slice(self.rank * share, (self.rank + 1) * share)
+        """This rank's rows of a global batch of `global_batch` clips (a multiple of the replicas,
+        RunConfig.validate): its replica's share."""
+        share, replica = global_batch // self.replicas, self.rank // self.sp
+        return slice(replica * share, (replica + 1) * share)
 
     def sum_(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` replaced in place by its sum over the replicas; returned."""
+        """`flat` replaced in place by its sum over the group's ranks; returned."""
         if self.group is not None:
             dist.all_reduce(flat, group=self.group)
         return flat
 
     def mean_(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` replaced in place by its mean over the replicas (sum, then / size); returned."""
-        return self.sum_(flat).div_(self.size) if self.group is not None else flat
+        """`flat` replaced in place by its mean over the replicas (the ranks' sum / replicas); returned."""
+        return self.sum_(flat).div_(self.replicas) if self.group is not None else flat
 
     def mean_grads_(self, params: Sequence[torch.nn.Parameter], values: torch.Tensor) -> torch.Tensor:
         """Each parameter's .grad replaced by the replicas' mean, and `values` (k,) (e.g. the loss) averaged too, in

@@ -20,7 +20,11 @@ embedding, timestep modulation, token-wise block work and final layer act on eac
 
 Loss: each rank's squared error summed over its real rows, divided by the element count of the whole batch, so
 the ranks' losses sum to the one-process mean and the gradients of the replicated parameters sum to its
-gradient: `reduce_gradients` all-reduces them (sum) over the group, `reduce_loss` the logged value.
+gradient: `reduce_gradients` all-reduces them (sum) over the group, `reduce_loss` the logged value. The offload
+engine (megaslide/offload/engine.py) runs the same pieces block by block: `embed` for this rank's rows, the
+`ShardRunner`'s `block` in its streamed forward and its `block_grad` (autograd through `block`, whose halo
+exchange returns each halo row's gradient to its owner) in its backward, `rows_loss` on the head's rows; it sums
+the block gradients over the ranks in the reduce-scatter of its sharded host state.
 """
 from __future__ import annotations
 
@@ -33,17 +37,18 @@ import torch.distributed as dist
 from megaslide.attention import SelfAttention
 from megaslide.config import ParallelConfig
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
-from megaslide.inference.sharded import TokenShard, forward_shard, shard_rope
+from megaslide.inference.sharded import TokenShard, shard_rope
+from megaslide.models.block_grad import autograd_block_grad
 from megaslide.models.chunking import BlockRunner
-from megaslide.models.dit import VideoDiT, patchify
+from megaslide.models.dit import Embedded, VideoDiT, patchify
 from megaslide.models.slabs import frame_slabs
 from megaslide.parallel import sequence_parallel_attention
 from megaslide.parallel.groups import group_rank, group_size
 from megaslide.parallel.halo import FrameShard, exchange_halo
 
 GRAD_BUCKET_ELEMENTS = 1 << 25  # gradients all-reduced in buckets of at most this many elements
-_SP_KEPT = ("kept attention (offload.keep_attention) runs on the offload engine, and sequence-parallel training "
-            "(parallel.sp > 1) on the resident trainer: set offload.keep_attention=off or parallel.sp=1")
+_SP_KEPT = ("kept attention (offload.keep_attention) has no sequence-parallel form (parallel.sp > 1): a block's "
+            "halo comes from other ranks; set offload.keep_attention=off or parallel.sp=1")
 
 
 class ShardRunner(BlockRunner):
@@ -95,8 +100,13 @@ class ShardRunner(BlockRunner):
                                            ulysses_degree=p.ulysses_degree, ring_degree=p.ring_degree,
                                            placement=p.placement, transport=p.transport, chunks=p.chunks)
 
-    def block_grad(self, *args, **kwargs):
-        raise ValueError("sequence-parallel training runs on the resident trainer: set offload=none")
+    def block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params, kept=None):
+        """`BlockRunner.block_grad` on this rank's rows (the offload engine's backward): autograd through
+        `self.block`, whose halo exchange and SP attention give the other ranks' rows their gradient in their
+        own backward. Every rank of the group calls it for the same block at the same point."""
+        if kept is not None:
+            raise ValueError(_SP_KEPT)
+        return autograd_block_grad(self.block, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
 
 
 class SequenceParallel:
@@ -137,25 +147,42 @@ class SequenceParallel:
             self._ropes[key] = self.model.rope_table(self.grid).grid((b - a, H, W), a, device=device)
         return self._ropes[key]
 
+    def embed(self, xt: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+              context_mask: torch.Tensor | None = None) -> Embedded:
+        """The block inputs of this rank's rows (`embed_shard`: tokens (B, n, D), their RoPE, the clip's grid) for
+        the whole clip xt (B, C, T, H, W) at model timesteps t (B,); every rank passes the same clip."""
+        model = self.model
+        rows = self.shard.take(patchify(xt, model.cfg.patch_size))                   # (B, n, pv*C)
+        ctx, ctx_mask = model.embed_context(context, context_mask)                   # (B, L, D), (B, L)
+        rope = shard_rope(model.rope_table(self.grid), self.grid, 0, self.shard, xt.device)  # (n, d/2) x 2
+        return model.embed_shard(rows, t, ctx, ctx_mask, rope, self.grid)
+
     def velocity_rows(self, xt: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                       context_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The velocity of this rank's real rows (B, valid, pv*C) (`patchify`'s layout) for the whole clip
         xt (B, C, T, H, W) at model timesteps t (B,); every rank passes the same clip."""
         model = self.model
-        rows = self.shard.take(patchify(xt, model.cfg.patch_size))                   # (B, n, pv*C)
-        ctx, ctx_mask = model.embed_context(context, context_mask)                   # (B, L, D), (B, L)
-        rope = shard_rope(model.rope_table(self.grid), self.grid, 0, self.shard, xt.device)  # (n, d/2) x 2
         with self.sharded():
-            v = forward_shard(model, rows, t, ctx, ctx_mask, rope, self.grid)       # (B, n, pv*C)
+            e = self.embed(xt, t, context, context_mask)
+            h = e.x                                                                  # (B, n, D)
+            for i in range(len(model.blocks)):
+                h = model.run_block(i, h, e)                                         # (B, n, D)
+            v = model.head(h, e)                                                     # (B, n, pv*C)
         return v[:, :self.shard.valid]
+
+    def rows_loss(self, v: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the flow-matching loss from the velocity of its rows v (B, n, pv*C), padding
+        included: the squared error over its real rows, divided by the batch's element count. x0, noise
+        (B, C, T, H, W)."""
+        target = self.shard.take(patchify(noise - x0, self.model.cfg.patch_size))[:, :self.shard.valid]
+        return (v[:, :self.shard.valid].float() - target.float()).square().sum() / x0.numel()
 
     def loss(self, x0: torch.Tensor, context: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
              context_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's part of `flow_matching_loss` (the ranks' parts sum to it): the squared velocity error
-        over its rows, divided by the batch's element count. x0, noise (B, C, T, H, W), t (B,) in (0, 1)."""
+        """This rank's part of `flow_matching_loss` (the ranks' parts sum to it). x0, noise (B, C, T, H, W),
+        t (B,) in (0, 1)."""
         v = self.velocity_rows(interpolate(x0, noise, t), t * TIME_SCALE, context, context_mask)  # (B, valid, pv*C)
-        target = self.shard.take(patchify(noise - x0, self.model.cfg.patch_size))[:, :self.shard.valid]
-        return (v.float() - target.float()).square().sum() / x0.numel()
+        return self.rows_loss(v, x0, noise)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The whole clip's loss from every rank's part (a detached copy, summed over the group)."""

@@ -331,8 +331,13 @@ class OffloadPlan(PhasedHBM):
     ceilings: Ceilings = Ceilings()  # the rates both step-time figures assume
     boundary_stride: int = 1    # block inputs kept every k blocks; the backward re-runs the others' forward
     kept: KeptAttentionPlan = KeptAttentionPlan("off")  # where each block's attention output and lse are kept
-    ranks: int = 1              # data-parallel ranks (parallel.dp): `batch`, `host` and the seconds are one rank's
+    ranks: int = 1              # ranks sharing the host state (parallel.dp x parallel.sp): the figures are one rank's
     ranks_per_node: int = 1     # of them on one node, sharing its host RAM
+    sp: int = 1                 # sequence-parallel ranks per replica (parallel.sp)
+
+    @property
+    def ranks_key(self) -> str:
+        return ParallelConfig(dp=self.ranks // self.sp, sp=self.sp).ranks_key
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -408,8 +413,8 @@ class OffloadPlan(PhasedHBM):
                 f"boundary stride {self.boundary_stride}")
         fmt = self.state_format
         per_param = ", ".join(f"{k} {v:g}" for k, v in host_bytes_per_param(fmt).items())
-        ranks = (f"data parallel: {self.ranks} ranks ({self.ranks_per_node} per node), each a 1/{self.ranks} shard "
-                 f"of the block state; batch, host RAM, HBM and step time are one rank's")
+        ranks = (f"{self.ranks} ranks ({self.ranks_per_node} per node), each a 1/{self.ranks} shard of the block "
+                 f"state; batch, clip, host RAM, HBM and step time are one rank's")
         lines = [model, step, self.kept.line(), *([ranks] if self.ranks > 1 else []),
                  f"host RAM{' per rank' if self.ranks > 1 else ''}: {self.host_bytes_per_param:g} bytes per block "
                  f"parameter (master {fmt.master_dtype}, moments {fmt.moments}: {per_param})"]
@@ -491,6 +496,18 @@ def grid_run(model: DiTConfig, grid: tuple[int, int, int], *, batch: int = 1, gr
                      offload or OffloadConfig(enabled=True), parallel or ParallelConfig())
 
 
+def rank_grid(run: RunConfig) -> tuple[int, int, int]:
+    """The token grid one rank's blocks run over: the clip's, or under sequence parallelism (parallel.sp = S) with
+    an attention over nearby frames of bounded reach the largest rank's frames (ceil(T' / S)) with that reach of
+    halo on each side. Other attentions plan the whole clip (conservative: only their attention spans it)."""
+    T, H, W = run.grid
+    a = run.model.attention
+    reach = a.variant.temporal_reach(a.options)
+    if run.parallel.sp == 1 or a.variant.sp_form != "frames" or reach is None:
+        return run.grid
+    return min(T, -(-T // run.parallel.sp) + 2 * reach), H, W
+
+
 @dataclass(frozen=True)
 class Budgets:
     """What a step may use: `hbm` free device bytes (before the engine allocates), `host` available host bytes,
@@ -518,7 +535,8 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     `budgets.hbm` (megaslide/perf/slab_choice.py: before the kept attention, which takes what is left);
     `OffloadPlan.execution` holds the size chosen.
 
-    Data parallel (run.parallel.dp = P): one rank's step, on its batch share (train.batch_size / P), its 1/P shard of
+    Several ranks (run.parallel.dp x run.parallel.sp = P): one rank's step, on its replica's batch share
+    (train.batch_size / parallel.dp) and, sequence parallel, its part of each clip (`rank_grid`), its 1/P shard of
     the block state (host bytes, H2D and D2H bytes, CPU AdamW work fall by P), plus the all-gather of every block
     load and the reduce-scatter of every block gradient at `Ceilings.collective_GBps` (each moves (P-1)/P of the
     block): the engine issues them on the H2D and the D2H lane, after and before the shard's copy, so they add
@@ -534,11 +552,11 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
                                   block_grad=block_grad, budgets=budgets, ranks_per_node=ranks_per_node)
         run = choose_slab_frames(run, lambda r: again(r).hbm_total <= usable_hbm(budgets.hbm))
     cfg, execution, offload = run.model, run.execution, run.offload
-    ranks = run.parallel.dp
+    ranks = run.parallel.dp * run.parallel.sp
     ranks_per_node = ranks if ranks_per_node is None else ranks_per_node
     if not 1 <= ranks_per_node <= ranks:
-        raise ValueError(f"ranks_per_node={ranks_per_node} must be in [1, parallel.dp={ranks}]")
-    batch, grid, grad_clip = run.train.batch_size // ranks, run.grid, run.train.grad_clip > 0
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be in [1, {run.parallel.ranks_key}]")
+    batch, grid, grad_clip = run.train.batch_size // run.parallel.dp, rank_grid(run), run.train.grad_clip > 0
     optimizer_device, resident_blocks, activation_offload = (offload.optimizer_device, offload.resident_blocks,
                                                              offload.activation_offload)
     cfg.validate()
@@ -604,7 +622,7 @@ def plan_offload(run: RunConfig, *, param_dtype: torch.dtype, ceilings: Ceilings
     peak = max(hbm_phases, key=hbm_phases.get)
     return OffloadPlan(cfg, batch, tuple(grid), fmt, optimizer_device, grad_clip, params, block_params,
                        host, pinned, phases[peak], hbm_phases, flops, seconds, h2d, d2h, k, activation_offload,
-                       executed, execution, ceilings, stride, kept, ranks, ranks_per_node)
+                       executed, execution, ceilings, stride, kept, ranks, ranks_per_node, run.parallel.sp)
 
 
 def _place_kept(run: RunConfig, batch: int, phases: dict[str, dict[str, int]], host: dict[str, int],
@@ -680,7 +698,7 @@ def plan_resident(run: RunConfig, *, autocast: bool = True) -> ResidentPlan:
     block's again), the fp32 gates make the residual stream fp32, and the previous step's
     gradients live until `zero_grad`, which comes after the forward. The optimizer step adds
     foreach AdamW's temporary (sqrt of the second moment) for every parameter."""
-    cfg, execution, batch, grid = run.model, run.execution, run.train.batch_size // run.parallel.dp, run.grid
+    cfg, execution, batch, grid = run.model, run.execution, run.train.batch_size // run.parallel.dp, rank_grid(run)
     cfg.validate()
     execution.validate(cfg.attention)
     if execution.slab_frames == SLAB_AUTO:
@@ -745,7 +763,7 @@ def check_fits(plan: OffloadPlan | ResidentPlan, *, host_available: int, hbm_ava
                f"Not even one block of this width (model.dim={plan.cfg.dim}) fits: use a smaller preset or "
                f"model.dim, a shorter clip (parked block inputs grow with it), or a machine with more RAM")
         if plan.ranks > 1:
-            need = (f"parallel.dp={plan.ranks} with {plan.ranks_per_node} ranks on a node needs "
+            need = (f"{plan.ranks_key} with {plan.ranks_per_node} ranks on a node needs "
                     f"{plan.node_host_total / GB:.1f} GB there, {plan.host_total / GB:.1f} GB per rank ({items})")
             fix = ("Spread parallel.dp over more nodes (fewer ranks per node) or raise it: each rank holds "
                    "1/parallel.dp of the block state; or use a smaller model")

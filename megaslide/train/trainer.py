@@ -18,8 +18,9 @@ metrics (the Trainer's logger is set on rank 0 only), one-file checkpoints and s
 shards of a sharded checkpoint.
 
 Sequence parallel (parallel.sp = P, megaslide/parallel/sp_train.py): the P ranks of an SP group train each clip of
-their replica's batch together, each on its share of the clip's token frames; the resident engine sums their loss
-parts and gradients over the group. dp x sp ranks form the run's 2D mesh (`init_training_mesh`).
+their replica's batch together, each on its share of the clip's token frames; either engine sums their loss
+parts and gradients over the group (the offload engine in the reduce-scatter of its host state's shards, which
+span all dp x sp ranks). dp x sp ranks form the run's 2D mesh (`init_training_mesh`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
 from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
@@ -69,25 +70,27 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: OffloadConfig, *, device: torch.device,
                  grid: tuple[int, int, int], execution: ExecutionConfig | None = None,
-                 dp: DataParallel = DataParallel.single(), sp_group: dist.ProcessGroup | None = None,
-                 parallel: ParallelConfig | None = None) -> StepEngine:
+                 mesh: DeviceMesh | None = None, parallel: ParallelConfig | None = None) -> StepEngine:
     """The engine the offload config asks for, run as `execution` says. `grid` is a training clip's token grid
-    (the offload planner's check); `dp` the data-parallel replicas it is one of (the offload engine shards the
-    blocks' host state over them); `sp_group` the sequence-parallel group that shares each clip (None: none), in
-    the form `parallel` gives (the resident engine only: RunConfig.validate). A random model is built on the host
-    under the current seed (the same initial weights either way; offload.init_on_host=false builds the offload
-    engine's block by block instead); with model.pretrained the weights come from that folder, and are not drawn
-    first: the resident engine's model by `load_pretrained`, the offload engine's blocks read one at a time into
-    its host state (`OffloadEngine.from_config`), never the whole fp32 model in host RAM."""
+    (the offload planner's check); `mesh` the run's ("dp", "sp") mesh (`init_training_mesh`; None: one process):
+    the data-parallel replicas this rank is one of, and the sequence-parallel group that shares each clip, in the
+    form `parallel` gives. The offload engine shards the blocks' host state over every rank of the mesh. A random
+    model is built on the host under the current seed (the same initial weights either way;
+    offload.init_on_host=false builds the offload engine's block by block instead); with model.pretrained the
+    weights come from that folder, and are not drawn first: the resident engine's model by `load_pretrained`, the
+    offload engine's blocks read one at a time into its host state (`OffloadEngine.from_config`), never the whole
+    fp32 model in host RAM."""
     execution = execution or ExecutionConfig()
+    sp_group = mesh["sp"].get_group() if mesh is not None and mesh["sp"].size() > 1 else None
     if offload_cfg.enabled:
         return OffloadEngine.from_config(model_cfg, device=device, train_cfg=train_cfg, offload_cfg=offload_cfg,
                                          grid=grid, build_on_host=offload_cfg.builds_on_host(model_cfg),
-                                         execution=execution, dp=dp)
+                                         execution=execution, dp=DataParallel.of_run(mesh), sp_group=sp_group,
+                                         parallel=parallel)
     run = planner.grid_run(model_cfg, grid, batch=train_cfg.batch_size, execution=execution,
                            offload=offload_cfg, parallel=parallel)
     autocast = precision_dtype(train_cfg.precision, device) == torch.bfloat16
-    if execution.slab_frames == SLAB_AUTO:  # planned on the whole clip: under sequence parallelism, conservative
+    if execution.slab_frames == SLAB_AUTO:  # one rank's part of the clip (`planner.rank_grid`)
         hbm = hbm_available_bytes(device)
         execution = planner.resident_slabs(run, host_available_bytes() if hbm is None else hbm,
                                            autocast=autocast).execution
@@ -96,7 +99,7 @@ def build_engine(model_cfg: DiTConfig, train_cfg: TrainConfig, offload_cfg: Offl
                                                       autocast=autocast))
     model = apply_execution(build_model(model_cfg), execution).to(device)
     sp = None if sp_group is None else SequenceParallel(model, sp_group, parallel or ParallelConfig(), grid)
-    return ResidentEngine(model, device=device, train_cfg=train_cfg, dp=dp, sp=sp)
+    return ResidentEngine(model, device=device, train_cfg=train_cfg, dp=DataParallel.of(mesh), sp=sp)
 
 
 class Trainer:
@@ -130,9 +133,8 @@ class Trainer:
             self.dataset = build_dataset(data_cfg, in_channels=model_cfg.in_channels)
             seed_everything(train_cfg.seed)
             grid = model_cfg.token_grid(data_cfg.frames, data_cfg.height, data_cfg.width)
-            sp_group = self.mesh["sp"].get_group() if self.mesh is not None and self.mesh["sp"].size() > 1 else None
             self.engine = build_engine(model_cfg, train_cfg, offload_cfg, device=self.device, grid=grid,
-                                       execution=execution, dp=self.dp, sp_group=sp_group, parallel=parallel)
+                                       execution=execution, mesh=self.mesh, parallel=parallel)
             self.execution = self.engine.model.runner.execution   # as run: slab_frames=auto resolved
             self._modes = modes.pop_all()
         self.logger = logger

@@ -1,8 +1,11 @@
 """Sequence-parallel training launched as users launch it (`torchrun --nproc-per-node=2 experiments/train.py
 parallel.sp=2 train.device=cpu ...`, gloo): one clip of 5 token frames (3 + 2 per rank) with DSA, whose offset
 net is trained, and rank 0's metrics.jsonl and final weights equal one process's, fp32; so do the losses of 2
-data-parallel replicas of 2 SP ranks each (4 processes, Swin with shifted windows). A bad value is refused
-with exit status 2 and one line naming the key, before anything is built or written."""
+data-parallel replicas of 2 SP ranks each (4 processes, Swin with shifted windows). On the offload engine (host
+state sharded over all ranks): 2 SP ranks, and 2 replicas of 2 SP ranks with activation offload, a boundary
+stride, a resident tail, token chunks and frame slabs, log one process's losses and grad norms, and the 4-rank
+checkpoint resumes in one process for the step one process takes next. A bad value is refused with exit status 2
+and one line naming the key, before anything is built or written."""
 import json
 import os
 import subprocess
@@ -64,6 +67,33 @@ def test_two_replicas_of_two_sp_ranks_log_one_process_losses(tmp_path):
     trainer.close()
     logged = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged == pytest.approx(trainer.logger.values, rel=RTOL)
+
+
+ENGINE = ["offload=engine", "model.depth=5", "offload.activation_offload=true", "offload.boundary_stride=2",
+          "offload.resident_blocks=1", "execution.chunk_tokens=24", "execution.slab_frames=2", "data.frames=7",
+          "attention=dsa", "attention.max_offset=1.5", "train.steps=3", *BASE]
+
+
+def _logged(out) -> list[float]:
+    """Each logged step's loss, then its grad norm."""
+    rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return [value for row in rows for value in (row["loss"], row["grad_norm"])]
+
+
+@pytest.mark.parametrize("ranks, args", [
+    (["--nproc-per-node=2", "parallel.sp=2"], ["offload=engine", *TINY]),
+    (["--nproc-per-node=4", "parallel.dp=2", "parallel.sp=2"], [*ENGINE, "train.batch_size=4"]),
+])
+def test_sp_ranks_on_the_offload_engine_train_like_one_process(tmp_path, ranks, args):
+    out = tmp_path / "sp"
+    run_script(["-m", "torch.distributed.run", "--standalone", ranks[0], "experiments/train.py", *ranks[1:],
+                f"out_dir={out}", *args], OMP_NUM_THREADS="1")
+    one = tmp_path / "one"
+    run_script(["experiments/train.py", f"out_dir={one}", *args, "train.steps=4"])
+    expected = _logged(one)
+    assert len(expected) == 8 and _logged(out) == pytest.approx(expected[:6], rel=RTOL)
+    run_script(["experiments/train.py", f"out_dir={out}", *args, "train.steps=4", "train.resume=auto"])
+    assert _logged(out)[6:] == pytest.approx(expected[6:], rel=RTOL)   # the P-rank checkpoint, resumed on one
 
 
 def test_more_sp_ranks_than_token_frames_is_refused_before_anything_is_written(tmp_path):

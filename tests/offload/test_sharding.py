@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megaslide.checkpoint import block_shard, block_weights, flat_layout, read_block, save_checkpoint
-from megaslide.config import OffloadConfig, ParallelConfig
+from megaslide.config import AttentionConfig, OffloadConfig, ParallelConfig
 from megaslide.data.build import build_dataset
 from megaslide.diffusion.batches import make_batch
 from megaslide.models.dit import DIT_PRESETS, VideoDiT
@@ -18,6 +18,7 @@ from megaslide.offload.cpu_adam import adamw_step_
 from megaslide.offload.host_state import BlockLayout, HostState, Shard
 from megaslide.offload.streamer import DoneEvent
 from megaslide.offload.updaters import AdamHyper, CpuUpdater, UpdateJob
+from megaslide.parallel.data_parallel import DataParallel
 from megaslide.perf.host_memory import MOMENT_BLOCK, PARAM_ALIGN, StateFormat, shard_numel
 from megaslide.perf.planner import Ceilings, check_fits, grid_run, plan_offload
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg
@@ -107,6 +108,28 @@ def test_planner_gives_host_bytes_per_rank_and_per_node():
     assert two.seconds["h2d"] == pytest.approx(two.h2d_bytes / Ceilings().h2d_GBps / 1e9 + gathered)
     assert two.seconds["optimizer"] == pytest.approx(one.seconds["optimizer"] / 2)
     assert "per rank" in two.table() and "per node (2 ranks)" in two.table()
+
+
+def test_sequence_parallel_ranks_share_their_replica_rows_and_the_host_state_of_every_rank():
+    ranks = [DataParallel(None, rank, 4, sp=2) for rank in range(4)]   # 2 replicas of 2 SP ranks
+    assert [dp.rows(6) for dp in ranks] == [slice(0, 3), slice(0, 3), slice(3, 6), slice(3, 6)]
+    assert ranks[0].replicas == 2 and ranks[0].key == "parallel.dp=2 x parallel.sp=2"
+    dsa = dataclasses.replace(DIT_PRESETS["14B"], attention=AttentionConfig("dsa"))
+    reach = dsa.attention.variant.temporal_reach(dsa.attention.options)
+    plans = {(dp, sp): plan_offload(grid_run(model, (16, 32, 64), batch=2, parallel=ParallelConfig(dp=dp, sp=sp)),
+                                    param_dtype=torch.bfloat16, ceilings=Ceilings())
+             for model in (dsa,) for dp, sp in ((1, 1), (2, 1), (1, 2), (2, 2))}
+    arenas = {key: p.host["block state, pinned arena"] + p.host["block state, pageable arena"]
+              for key, p in plans.items()}
+    assert arenas[1, 2] == arenas[2, 1] and arenas[2, 2] == pytest.approx(arenas[1, 1] / 4, rel=1e-3)
+    assert (plans[1, 2].batch, plans[2, 2].batch) == (2, 1)                    # a replica's rows, whole clips
+    assert plans[1, 2].grid == (min(16, 8 + 2 * reach), 32, 64)                 # a rank's frames and their halo
+    dense = plan_offload(grid_run(DIT_PRESETS["14B"], (16, 32, 64), parallel=ParallelConfig(sp=2)),
+                         param_dtype=torch.bfloat16, ceilings=Ceilings())
+    assert dense.grid == (16, 32, 64) and "2 ranks (2 per node)" in dense.table()   # dense: the whole clip
+    with pytest.raises(ValueError, match=r"ranks_per_node=5 must be in \[1, parallel.dp=2 x parallel.sp=2\]"):
+        plan_offload(grid_run(dsa, (16, 32, 64), batch=2, parallel=ParallelConfig(dp=2, sp=2)),
+                     param_dtype=torch.bfloat16, ranks_per_node=5)
 
 
 def test_planner_counts_a_rank_shard_in_the_compact_state_format():

@@ -135,12 +135,11 @@ def test_bad_sequence_parallel_configs_are_refused_naming_the_key(change, key):
         _run_config(**change).validate()
 
 
-def test_sp_needs_an_attention_with_an_sp_form_the_resident_trainer_and_fitting_degrees(monkeypatch):
+def test_sp_needs_an_attention_with_an_sp_form_eager_blocks_no_kept_attention_and_fitting_degrees(monkeypatch):
     run = _run_config(sp=2)
     run.validate()
-    run.offload = OffloadConfig(enabled=True)
-    with pytest.raises(ValueError, match=r"parallel.sp=2 trains on the resident trainer only: set offload=none"):
-        run.validate()
+    run.offload = OffloadConfig(enabled=True)   # the offload engine trains sequence parallel too
+    run.validate()
     run.offload = OffloadConfig(enabled=True, keep_attention="auto")
     with pytest.raises(ValueError, match=r"parallel.sp=2 with offload.keep_attention=auto: .* set "
                                          r"offload.keep_attention=off or parallel.sp=1"):
