@@ -8,9 +8,15 @@ backward) and the gradient all-reduce, as bandwidths. It fits the one-GPU blocks
 predicts the step on `predict_gpus` GPUs at this clip and at `predict_frames` frames (DSA's work grows linearly
 with the frames), each row marked `predicted`. Rank 0 writes results/sp_training/<name>.json.
 
+With `offload=engine` the clip trains on the offload engine instead (its host state sharded over the ranks; the
+clip may be longer than the resident trainer holds, e.g. data.frames=256 execution.slab_frames=auto): the step and
+the halo exchange are measured, and no row is predicted (the cost model is the resident trainer's).
+
     python -m experiments.sp_training
     torchrun --standalone --nproc-per-node=2 -m experiments.sp_training
     torchrun --standalone --nproc-per-node=2 -m experiments.sp_training smoke=true     # CPU, gloo
+    torchrun --standalone --nproc-per-node=2 -m experiments.sp_training offload=engine data.frames=256 \
+        execution.checkpoint_blocks=false execution.chunk_tokens=null execution.slab_frames=auto
 """
 from __future__ import annotations
 
@@ -83,12 +89,15 @@ def measure_comm(engine, run, device, world: int) -> dict:
     halo_frames = max((b - a) - (t1 - t0) for (a, b), (t0, t1) in zip(windows, map(shard.bounds, range(world))))
     frame_bytes = H * W * run.model.dim * dtype.itemsize
     exchange_s = timed(exchange, device, 5, across_ranks=True).median / 2
+    halo = {"halo_frames": halo_frames, "frame_bytes": frame_bytes, "exchange_s": exchange_s,
+            "link_GBps": halo_frames * frame_bytes / exchange_s / GB}
+    if run.offload.enabled:   # its gradient sum is the reduce-scatter of each block's shards, on its D2H lane
+        return halo
     params = list(model.parameters())
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     allreduce_s = timed(lambda: sp.reduce_gradients(params), device, 5, across_ranks=True).median
-    return {"halo_frames": halo_frames, "frame_bytes": frame_bytes, "exchange_s": exchange_s,
-            "link_GBps": halo_frames * frame_bytes / exchange_s / GB, "grad_bytes": grad_bytes,
-            "allreduce_s": allreduce_s, "allreduce_busbw_GBps": 2 * (world - 1) / world * grad_bytes / allreduce_s / GB}
+    return {**halo, "grad_bytes": grad_bytes, "allreduce_s": allreduce_s,
+            "allreduce_busbw_GBps": 2 * (world - 1) / world * grad_bytes / allreduce_s / GB}
 
 
 def predictions(cfg: SPTrainingConfig, run, world: int, step_s: float, comm: dict) -> list[dict]:
@@ -151,9 +160,10 @@ def benchmark(cfg: SPTrainingConfig, hydra_cfg: DictConfig) -> None:
     peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
     measured = {"status": "measured", "gpus": world, "latent_frames": run.data.frames, "step_s": step.median,
                 **step.ms(), "peak_hbm_GB": peak, "losses": losses, "tokens": math.prod(run.grid)}
-    rows = [measured, *predictions(cfg, run, world, step.median, comm)]
+    rows = [measured, *([] if run.offload.enabled else predictions(cfg, run, world, step.median, comm))]
     if rank == 0:
-        payload = {"world_size": world, "grid": list(run.grid), "device": str(device),
+        payload = {"world_size": world, "engine": "offload" if run.offload.enabled else "resident",
+                   "grid": list(run.grid), "device": str(device),
                    "dtype": str(precision_dtype(run.train.precision, device)), "comm": comm, "steps": rows,
                    "run": dataclasses.asdict(run)}
         out = ExperimentRun("sp_training", name, OmegaConf.to_container(hydra_cfg, resolve=True), cfg.wandb_dir,

@@ -1,4 +1,7 @@
-"""Smoke run of experiments/sp_training.py at its tiny size: torchrun, 2 gloo ranks on CPU."""
+"""Smoke run of experiments/sp_training.py at its tiny size: torchrun, 2 gloo ranks on CPU; and one process on the
+offload engine."""
+import math
+
 from tests.experiments.runner import load_result, run_script
 
 
@@ -20,3 +23,12 @@ def test_sp_training_smoke_measures_two_ranks_and_predicts_more(tmp_path):
     assert abs(fitted["step_s"] - measured["step_s"]) < 1e-9 * measured["step_s"] + 1e-12  # fitted to it
     long = [r["step_s"] for r in sorted(predicted, key=lambda r: r["gpus"]) if r["latent_frames"] == 256]
     assert long == sorted(long, reverse=True)                      # more GPUs, shorter steps
+
+
+def test_sp_training_on_the_offload_engine_measures_and_predicts_nothing(tmp_path):
+    run_script(["-m", "experiments.sp_training", "smoke=true", "offload=engine", "name=engine"], tmp_path)
+    record = load_result(tmp_path, "sp_training", "engine")
+    assert record["engine"] == "offload" and record["comm"] == {}
+    measured, = record["steps"]                                    # the cost model is the resident trainer's
+    assert measured["status"] == "measured" and len(measured["losses"]) == 2 + 5
+    assert all(math.isfinite(loss) for loss in measured["losses"])
