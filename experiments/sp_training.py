@@ -16,7 +16,7 @@ the halo exchange are measured, and no row is predicted (the cost model is the r
     torchrun --standalone --nproc-per-node=2 -m experiments.sp_training
     torchrun --standalone --nproc-per-node=2 -m experiments.sp_training smoke=true     # CPU, gloo
     torchrun --standalone --nproc-per-node=2 -m experiments.sp_training offload=engine data.frames=256 \
-        execution.checkpoint_blocks=false execution.chunk_tokens=null execution.slab_frames=auto
+        execution.slab_frames=auto
 """
 from __future__ import annotations
 

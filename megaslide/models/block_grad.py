@@ -19,14 +19,15 @@ def autograd_block_grad(run, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_ou
     return grads[0], grads[1], grads[2], list(grads[3:])
 
 
-def slab_block_grad(runner, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params, kept=None):
+def slab_block_grad(runner, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params, kept=None, slabs=None):
     """`BlockRunner.block_grad` of a chunked or slabbed block, slab by slab. Per slab: q, k, v from the
     pre-attention slices (checkpointed) and the attention with grad; then each slice of the kept rows
     through the post-attention work with grad and straight into its backward, giving the gradient of its
     attention output rows; then the attention's and the pre-attention slices' backward. Parameter, t_mod
     and ctx gradients sum over slices and slabs, x's over the two slabs that read a halo row. The
     parameters' `.grad` is gathered into and restored after. With `kept` (a `KeptAttention`) each slab's
-    attention replays its kept output and lse instead of running its forward."""
+    attention replays its kept output and lse instead of running its forward. `slabs` (a, t0, t1, b) in frames of
+    `grid` (default: `runner.slabs`); rows of x outside every slab's kept frames get a gradient only as halo."""
     x = x.detach().contiguous()                                                   # (B, N, D)
     t_mod = t_mod.detach().requires_grad_()
     with torch.enable_grad():
@@ -34,7 +35,7 @@ def slab_block_grad(runner, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out
     m, c = mod.detach().requires_grad_(), ctx.detach().requires_grad_()  # leaves: every slice's gradient sums in
     grad_x = torch.zeros_like(x)                                                  # (B, N, D)
     fr = grid[1] * grid[2]                                                        # tokens per frame
-    slabs = runner.slabs(block, grid)
+    slabs = runner.slabs(block, grid) if slabs is None else slabs
     held = [p.grad for p in params]
     for p in params:
         p.grad = None

@@ -22,9 +22,10 @@ Loss: each rank's squared error summed over its real rows, divided by the elemen
 the ranks' losses sum to the one-process mean and the gradients of the replicated parameters sum to its
 gradient: `reduce_gradients` all-reduces them (sum) over the group, `reduce_loss` the logged value. The offload
 engine (megaslide/offload/engine.py) runs the same pieces block by block: `embed` for this rank's rows, the
-`ShardRunner`'s `block` in its streamed forward and its `block_grad` (autograd through `block`, whose halo
-exchange returns each halo row's gradient to its owner) in its backward, `rows_loss` on the head's rows; it sums
-the block gradients over the ranks in the reduce-scatter of its sharded host state.
+`ShardRunner`'s `block` in its streamed forward and its `block_grad` (slab by slab over the rank's window, between
+the halo exchange and its backward, which returns each halo row's gradient to its owner) in its backward,
+`rows_loss` on the head's rows; it sums the block gradients over the ranks in the reduce-scatter of its sharded
+host state.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from megaslide.attention import SelfAttention
 from megaslide.config import ParallelConfig
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
 from megaslide.inference.sharded import TokenShard, shard_rope
-from megaslide.models.block_grad import autograd_block_grad
+from megaslide.models.block_grad import slab_block_grad
 from megaslide.models.chunking import BlockRunner
 from megaslide.models.dit import Embedded, VideoDiT, patchify
 from megaslide.models.slabs import frame_slabs
@@ -101,12 +102,33 @@ class ShardRunner(BlockRunner):
                                            placement=p.placement, transport=p.transport, chunks=p.chunks)
 
     def block_grad(self, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params, kept=None):
-        """`BlockRunner.block_grad` on this rank's rows (the offload engine's backward): autograd through
-        `self.block`, whose halo exchange and SP attention give the other ranks' rows their gradient in their
-        own backward. Every rank of the group calls it for the same block at the same point."""
+        """`BlockRunner.block_grad` on this rank's rows x (B, n, D) (the offload engine's backward). Dense: as one
+        process (its SP attention's backward exchanges with the other ranks). A frame shard: the halo exchange
+        of `block` with grad, then `slab_block_grad` over the rank's window and its slabs (the output gradient
+        grad_out on its own frames), then the exchange's backward, which sends each halo row's gradient to its
+        owner and adds the gradients of this rank's rows from the others' halos. Every rank of the group calls
+        it for the same block at the same point."""
         if kept is not None:
             raise ValueError(_SP_KEPT)
-        return autograd_block_grad(self.block, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
+        if block.attn.sp_form == "global":
+            return super().block_grad(block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
+        sp, (T, H, W) = self.sp, grid
+        slabs = [self.rank_slabs(block, T, r) for r in range(sp.shard.world)]
+        windows = [(s[0][0], s[-1][3]) for s in slabs]
+        a, b = windows[sp.shard.rank]
+        t0, t1 = sp.shard.bounds(sp.shard.rank)
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            xs = exchange_halo(x.contiguous(), sp.shard, windows, sp.group)            # (B, (b-a)*H*W, D)
+        grad_window = grad_out.new_zeros(xs.shape)
+        grad_window[:, (t0 - a) * H * W:(t1 - a) * H * W] = grad_out                   # own rows only are outputs
+        local = [(s0 - a, u0 - a, u1 - a, s1 - a) for s0, u0, u1, s1 in slabs[sp.shard.rank]]
+        grad_xs, grad_t_mod, grad_ctx, grads = slab_block_grad(
+            self, block, xs.detach(), t_mod, ctx, ctx_mask, sp.window_rope(a, b, x.device), (b - a, H, W),
+            grad_window, params, slabs=local)
+        with torch.autocast(x.device.type, enabled=False):
+            torch.autograd.backward(xs, grad_xs, inputs=[x])
+        return x.grad, grad_t_mod, grad_ctx, grads
 
 
 class SequenceParallel:

@@ -8,11 +8,13 @@ the reference (fp32; the SP step sums the same terms in another order). Clips of
 over 2 or 3 ranks; DSA's offsets are driven to near their bound, so samples land in halo frames; with
 max_offset 2.5 the halo (6 frames) is longer than a neighbour's shard, so halos come from ranks two away.
 Swin runs shifted and unshifted layers over 8 frames with windows of 2 and 4 frames along t. Bad configs are
-refused by `RunConfig.validate` (before anything is built), naming the key.
+refused by `RunConfig.validate` (before anything is built), naming the key. Each case also checks the offload
+engine's backward of one block on a rank's rows (`ShardRunner.block_grad`) against autograd over the whole clip.
 """
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -24,6 +26,8 @@ from megaslide.attention.dense import DenseAttention
 from megaslide.config import (AttentionConfig, DataConfig, DiTConfig, ExecutionConfig, OffloadConfig, ParallelConfig,
                               RunConfig, TrainConfig)
 from megaslide.diffusion.flow import TIME_SCALE, flow_matching_loss, interpolate
+from megaslide.inference.sharded import shard_rope
+from megaslide.models.block_grad import autograd_block_grad
 from megaslide.models.dit import build_dit, patchify
 from megaslide.models.chunking import apply_execution
 from megaslide.parallel.sp_train import SequenceParallel
@@ -102,6 +106,39 @@ def _check_case(case: Case, rank: int) -> None:
         scale = p.grad.abs().max().item()
         assert scale > 0 or "offset" in name, f"{name}: a zero reference gradient tests nothing"
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * max(scale, 1e-3), msg=name)
+    _check_block_grad(model, spm, sp, ids)
+
+
+def _check_block_grad(model, spm, sp: SequenceParallel, ids) -> None:
+    """`ShardRunner.block_grad` (the offload engine's backward) of block 0 on each rank's rows, for the output
+    gradient of those rows: x's rows equal autograd over the whole clip's, and t_mod's, ctx's and every parameter's
+    gradients, summed over the ranks, equal its."""
+    g = torch.Generator().manual_seed(2)
+    grid, block = sp.grid, model.blocks[0]
+    x = torch.randn(BATCH, math.prod(grid), model.cfg.dim, generator=g)                  # (B, N, D)
+    grad_out = torch.randn(x.shape, generator=g)
+    t_mod = torch.randn(BATCH, *block.modulation.shape, generator=g)                     # (B, R, D)
+    ctx, ctx_mask = model.embed_context(ids)
+    ctx = ctx.detach()
+    rope = model.rope_table(grid).grid(grid, 0)
+    ref = autograd_block_grad(model.runner.block, block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out,
+                              list(block.parameters()))
+    shard = sp.shard
+    with sp.sharded():
+        got = spm.runner.block_grad(spm.blocks[0], shard.take(x), t_mod, ctx, ctx_mask,
+                                    shard_rope(spm.rope_table(grid), grid, 0, shard), grid, shard.take(grad_out),
+                                    list(spm.blocks[0].parameters()))
+    torch.testing.assert_close(got[0][:, :shard.valid], ref[0][:, shard.start:shard.start + shard.valid],
+                               rtol=1e-4, atol=1e-5, msg="block_grad: x")
+    for name, mine, whole in zip(["t_mod", "ctx", *(n for n, _ in block.named_parameters())], [*got[1:3], *got[3]],
+                                 [*ref[1:3], *ref[3]]):
+        if whole is None:
+            assert mine is None, name
+            continue
+        summed = mine.clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, whole, rtol=1e-4, atol=1e-5 * max(whole.abs().max().item(), 1e-3),
+                                   msg=f"block_grad: {name}")
 
 
 def _run(rank: int, world: int, names: list[str]) -> None:
