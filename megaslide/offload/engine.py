@@ -550,12 +550,12 @@ class OffloadEngine:
         blocks' master weights (a bf16 master widened to fp32): the files of `VideoDiT.save_pretrained` of the
         same weights. Parameters are read from the host state as their shard is written (`write_pretrained`), so
         the host holds at most one shard (`max_shard_size`) beyond the engine's state. One process's engine only:
-        a rank of a sharded one holds 1/parallel.dp of each block."""
+        a rank of a sharded one holds 1/(parallel.dp x parallel.sp) of each block."""
         if self.dp.group is not None:
-            raise ValueError(f"save_pretrained of an offload engine sharded over parallel.dp={self.dp.size} ranks: "
-                             f"each holds only its shard of every block; save a training checkpoint (it resumes on "
-                             f"any number of ranks, experiments/export.py writes a folder from it) or save from a "
-                             f"parallel.dp=1 engine")
+            raise ValueError(f"save_pretrained of an offload engine sharded over {self.dp.size} ranks "
+                             f"({self.dp.key}): each holds only its shard of every block; save a training checkpoint "
+                             f"(it resumes on any number of ranks, experiments/export.py writes a folder from it) or "
+                             f"save from a one-process engine")
         self.flush()
         masters = [block.master for block in self.host.blocks]
         where = dict(zip(self._param_names(), self._norm_order))
