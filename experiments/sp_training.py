@@ -77,7 +77,7 @@ def measure_comm(engine, run, device, world: int) -> dict:
     sp, model = engine.sp, engine.model
     block, (T, H, W) = model.blocks[0], run.grid
     runner = ShardRunner(model.runner, sp)
-    windows = [(s[0][0], s[-1][3]) for s in (runner.rank_slabs(block, T, r) for r in range(world))]
+    windows, _ = runner.windows(block, T)
     shard = sp.shard
     dtype = engine.autocast_dtype or torch.float32
     x = torch.randn(1, shard.valid, run.model.dim, device=device, dtype=dtype, requires_grad=True)

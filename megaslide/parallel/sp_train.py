@@ -72,13 +72,19 @@ class ShardRunner(BlockRunner):
         if block.attn.sp_form == "global":
             return self._run_slab(block, x, rope, grid, slice(None), mod, ctx, ctx_mask)
         sp = self.sp
-        slabs = [self.rank_slabs(block, grid[0], r) for r in range(sp.shard.world)]
-        windows = [(s[0][0], s[-1][3]) for s in slabs]
+        windows, local = self.windows(block, grid[0])
         a, b = windows[sp.shard.rank]
         xs = exchange_halo(x, sp.shard, windows, sp.group)                           # (B, (b-a)*H*W, D)
-        local = [(s0 - a, t0 - a, t1 - a, s1 - a) for s0, t0, t1, s1 in slabs[sp.shard.rank]]
         return self.run_slabs(block, xs, sp.window_rope(a, b, x.device), (b - a, *grid[1:]), local, mod, ctx,
                               ctx_mask)                                              # (B, n, D)
+
+    def windows(self, block, frames: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]]:
+        """Every rank's attention window [a, b) in clip frames (the frames its slabs read), and this rank's slabs
+        in frames of its own window."""
+        slabs = [self.rank_slabs(block, frames, r) for r in range(self.sp.shard.world)]
+        windows = [(s[0][0], s[-1][3]) for s in slabs]
+        a = windows[self.sp.shard.rank][0]
+        return windows, [(s0 - a, t0 - a, t1 - a, s1 - a) for s0, t0, t1, s1 in slabs[self.sp.shard.rank]]
 
     def rank_slabs(self, block, frames: int, rank: int) -> list[tuple[int, int, int, int]]:
         """The slabs (a, t0, t1, b) in clip frames that cover rank `rank`'s frames: one over its attention
@@ -113,8 +119,7 @@ class ShardRunner(BlockRunner):
         if block.attn.sp_form == "global":
             return super().block_grad(block, x, t_mod, ctx, ctx_mask, rope, grid, grad_out, params)
         sp, (T, H, W) = self.sp, grid
-        slabs = [self.rank_slabs(block, T, r) for r in range(sp.shard.world)]
-        windows = [(s[0][0], s[-1][3]) for s in slabs]
+        windows, local = self.windows(block, T)
         a, b = windows[sp.shard.rank]
         t0, t1 = sp.shard.bounds(sp.shard.rank)
         x = x.detach().requires_grad_()
@@ -122,7 +127,6 @@ class ShardRunner(BlockRunner):
             xs = exchange_halo(x.contiguous(), sp.shard, windows, sp.group)            # (B, (b-a)*H*W, D)
         grad_window = grad_out.new_zeros(xs.shape)
         grad_window[:, (t0 - a) * H * W:(t1 - a) * H * W] = grad_out                   # own rows only are outputs
-        local = [(s0 - a, u0 - a, u1 - a, s1 - a) for s0, u0, u1, s1 in slabs[sp.shard.rank]]
         grad_xs, grad_t_mod, grad_ctx, grads = slab_block_grad(
             self, block, xs.detach(), t_mod, ctx, ctx_mask, sp.window_rope(a, b, x.device), (b - a, H, W),
             grad_window, params, slabs=local)
