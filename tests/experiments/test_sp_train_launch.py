@@ -4,8 +4,8 @@ net is trained, and rank 0's metrics.jsonl and final weights equal one process's
 data-parallel replicas of 2 SP ranks each (4 processes, Swin with shifted windows). On the offload engine (host
 state sharded over all 4 ranks), 2 replicas of 2 SP ranks with activation offload, a boundary stride, a resident
 tail, token chunks and frame slabs log one process's losses and grad norms, and their checkpoint resumes in one
-process for the step one process takes next. A bad value is refused with exit status 2
-and one line naming the key, before anything is built or written."""
+process for the step one process takes next. A bad value is refused with exit status 2 and one line naming the
+key, before anything is built or written."""
 import json
 import os
 import subprocess

@@ -25,7 +25,7 @@ def test_sp_training_smoke_measures_two_ranks_and_predicts_more(tmp_path):
     assert long == sorted(long, reverse=True)                      # more GPUs, shorter steps
 
 
-def test_sp_training_on_the_offload_engine_measures_and_predicts_nothing(tmp_path):
+def test_sp_training_on_the_offload_engine_measures_the_step_and_predicts_no_rows(tmp_path):
     run_script(["-m", "experiments.sp_training", "smoke=true", "offload=engine", "name=engine"], tmp_path)
     record = load_result(tmp_path, "sp_training", "engine")
     assert record["engine"] == "offload" and record["comm"] == {}
