@@ -38,7 +38,7 @@ import torch.distributed as dist
 from megaslide.attention import SelfAttention
 from megaslide.config import ParallelConfig
 from megaslide.diffusion.flow import TIME_SCALE, interpolate
-from megaslide.inference.sharded import TokenShard, shard_rope
+from megaslide.inference.sharded import TokenShard, forward_shard, shard_rope
 from megaslide.models.block_grad import slab_block_grad
 from megaslide.models.chunking import BlockRunner
 from megaslide.models.dit import Embedded, VideoDiT, patchify
@@ -173,27 +173,29 @@ class SequenceParallel:
             self._ropes[key] = self.model.rope_table(self.grid).grid((b - a, H, W), a, device=device)
         return self._ropes[key]
 
-    def embed(self, xt: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
-              context_mask: torch.Tensor | None = None) -> Embedded:
-        """The block inputs of this rank's rows (`embed_shard`: tokens (B, n, D), their RoPE, the clip's grid) for
-        the whole clip xt (B, C, T, H, W) at model timesteps t (B,); every rank passes the same clip."""
+    def _row_inputs(self, xt: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None):
+        """This rank's rows (B, n, pv*C) of the whole clip xt (B, C, T, H, W), the captions' ctx (B, L, D) and
+        ctx_mask (B, L), and the rows' RoPE (n, d/2) x 2: what `embed_shard` and `forward_shard` take."""
         model = self.model
         rows = self.shard.take(patchify(xt, model.cfg.patch_size))                   # (B, n, pv*C)
         ctx, ctx_mask = model.embed_context(context, context_mask)                   # (B, L, D), (B, L)
         rope = shard_rope(model.rope_table(self.grid), self.grid, 0, self.shard, xt.device)  # (n, d/2) x 2
-        return model.embed_shard(rows, t, ctx, ctx_mask, rope, self.grid)
+        return rows, ctx, ctx_mask, rope
+
+    def embed(self, xt: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+              context_mask: torch.Tensor | None = None) -> Embedded:
+        """The block inputs of this rank's rows (`embed_shard`: tokens (B, n, D), their RoPE, the clip's grid) for
+        the whole clip xt (B, C, T, H, W) at model timesteps t (B,); every rank passes the same clip."""
+        rows, ctx, ctx_mask, rope = self._row_inputs(xt, context, context_mask)
+        return self.model.embed_shard(rows, t, ctx, ctx_mask, rope, self.grid)
 
     def velocity_rows(self, xt: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                       context_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The velocity of this rank's real rows (B, valid, pv*C) (`patchify`'s layout) for the whole clip
         xt (B, C, T, H, W) at model timesteps t (B,); every rank passes the same clip."""
-        model = self.model
+        rows, ctx, ctx_mask, rope = self._row_inputs(xt, context, context_mask)
         with self.sharded():
-            e = self.embed(xt, t, context, context_mask)
-            h = e.x                                                                  # (B, n, D)
-            for i in range(len(model.blocks)):
-                h = model.run_block(i, h, e)                                         # (B, n, D)
-            v = model.head(h, e)                                                     # (B, n, pv*C)
+            v = forward_shard(self.model, rows, t, ctx, ctx_mask, rope, self.grid)  # (B, n, pv*C)
         return v[:, :self.shard.valid]
 
     def rows_loss(self, v: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
