@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from experiments.hydra_config import run_of, script_main
 from experiments.results_io import descends_from
-from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, from_dict
+from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, SLAB_AUTO, from_dict
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS
 from megaslide.perf.planner import (FITTED, AttentionRate, Budgets, Ceilings, compute_seconds, grid_run,
@@ -101,9 +101,13 @@ def measured_rate(recorded: dict, model: str, attention: str, chunked: bool) -> 
 
 def oom_cell_run(config: dict, cell: dict) -> RunConfig:
     """The run of an oom_thresholds cell: from the train.py overrides it records (`run_overrides`), or for a cell
-    written before the scripts composed train.py's config, from its table's flat keys."""
+    written before the scripts composed train.py's config, from its table's flat keys. A cell run with
+    execution.slab_frames=auto gets the slab size it ran with (its `slab_frames`, what the planner chose then)."""
     if "run_overrides" in cell:
-        return run_of(cell["run_overrides"])
+        run = run_of(cell["run_overrides"])
+        if run.execution.slab_frames != SLAB_AUTO:
+            return run
+        return dataclasses.replace(run, execution=dataclasses.replace(run.execution, slab_frames=cell["slab_frames"]))
     chunked = cell["mode"] == "chunked_offload"
     cfg = dataclasses.replace(cell_model(cell["model"]), attention=AttentionConfig(cell["attention"]))
     execution = ExecutionConfig(chunk_tokens=config["chunk_tokens"] if chunked else 0,

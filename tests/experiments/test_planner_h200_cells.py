@@ -22,7 +22,11 @@ KNOWN_MISSES = {"h200_7B_64f_compact-dsa-chunked_offload-64": "planner 83.2 GB v
                 "the 7B preset with boundary_stride 2 and compact state; open in the long-clip issue",
                 "h200_headline_256_keep_auto-dsa-chunked_offload-256":
                 "planner 138.5 GB vs 122.7 GB measured (+12.8%): selective recompute at 256 frames, 5 blocks' "
-                "attention kept on the GPU; open in the long-clip issue"}
+                "attention kept on the GPU; open in the long-clip issue",
+                "h200_dsa32_chunk65280-dsa-chunked_offload-32":
+                "planner 27.5 GB vs 24.8 GB measured (+10.9%): at 8-frame slices the peak is a finishing slice's "
+                "backward, which the planner counts as eager autograd keeps it (fp32 norm inputs and outputs); "
+                "compiled (train.compile) it keeps less; the planner errs high, on the safe side"}
 
 
 def _h200_measured_cells():
