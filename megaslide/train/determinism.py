@@ -17,6 +17,10 @@ What a GPU run does differently from one run to the next at a fixed seed, and wh
   once per process, at its first cuBLAS call; under the flag PyTorch refuses a matmul without it.
 - torch.compile (train.compile): Inductor times candidate configs of its reduction kernels and keeps the fastest,
   whose summation order may differ; under the flag it keeps one config without timing.
+Left off: PyTorch's flag also fills every new tensor's memory (`torch.empty` and the like) with NaN, so that a read
+of uninitialised memory repeats. That makes no result repeatable that was not: MegaSlide's ops write every element
+they allocate before reading it. So the mode turns the fill off (`torch.utils.deterministic.fill_uninitialized_memory`),
+which is a pass over every allocation of the step.
 Fixed already, on and off: every batch (data indices, caption dropout, timesteps, noise) comes from (seed, step) on
 the host (megaslide/diffusion/batches.py), the data sets take their seed from the config, the model is built on the
 host under the seed, and MegaSlide's other kernels sum in a fixed order: the DSA forward, the zero-offset kernels
@@ -66,17 +70,18 @@ def fix_cublas_workspace() -> None:
 @contextlib.contextmanager
 def deterministic_mode(device: torch.device) -> Iterator[None]:
     """Inside: `torch.use_deterministic_algorithms(True)` (an op without a deterministic implementation raises),
-    cuDNN deterministic without benchmarking and, on CUDA, a deterministic cuBLAS workspace (`fix_cublas_workspace`,
-    which stays set: it cannot change once read). The switches are restored on exit."""
+    without its fill of new memory (module docstring), cuDNN deterministic without benchmarking and, on CUDA, a
+    deterministic cuBLAS workspace (`fix_cublas_workspace`, which stays set: it cannot change once read). The
+    switches are restored on exit."""
     if device.type == "cuda":
         fix_cublas_workspace()
-    cudnn = torch.backends.cudnn
+    cudnn, fill = torch.backends.cudnn, torch.utils.deterministic
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              cudnn.deterministic, cudnn.benchmark)
+              cudnn.deterministic, cudnn.benchmark, fill.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True, warn_only=False)
-    cudnn.deterministic, cudnn.benchmark = True, False
+    cudnn.deterministic, cudnn.benchmark, fill.fill_uninitialized_memory = True, False, False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        cudnn.deterministic, cudnn.benchmark = before[2], before[3]
+        cudnn.deterministic, cudnn.benchmark, fill.fill_uninitialized_memory = before[2:]

@@ -18,7 +18,8 @@ from megaslide.train.trainer import Trainer  # noqa: E402
 from tests.helpers import tiny_data_cfg, tiny_model_cfg, tiny_train_cfg  # noqa: E402
 
 SWITCHES = (torch.are_deterministic_algorithms_enabled, torch.is_deterministic_algorithms_warn_only_enabled,
-            lambda: torch.backends.cudnn.deterministic, lambda: torch.backends.cudnn.benchmark)
+            lambda: torch.backends.cudnn.deterministic, lambda: torch.backends.cudnn.benchmark,
+            lambda: torch.utils.deterministic.fill_uninitialized_memory)
 
 
 def switches() -> tuple:
@@ -49,11 +50,11 @@ def test_the_flag_switches_the_modes_for_the_trainers_lifetime(tmp_path, monkeyp
     """On from construction to close(), then back to what they were (cuDNN benchmarking set before, say)."""
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     before = switches()
-    assert before == (False, False, False, True)
+    assert before == (False, False, False, True, True)
     plain = Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(), tmp_path / "plain")
     assert switches() == before           # the flag off leaves them alone
     trainer = Trainer(tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(deterministic=True), tmp_path / "det")
-    assert switches() == (True, False, True, False)
+    assert switches() == (True, False, True, False, False)   # the flag, without PyTorch's fill of new memory
     trainer.train_step()
     trainer.close()
     plain.close()
