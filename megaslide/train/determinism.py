@@ -18,9 +18,10 @@ What a GPU run does differently from one run to the next at a fixed seed, and wh
 - torch.compile (train.compile): Inductor times candidate configs of its reduction kernels and keeps the fastest,
   whose summation order may differ; under the flag it keeps one config without timing.
 Left off: PyTorch's flag also fills every new tensor's memory (`torch.empty` and the like) with NaN, so that a read
-of uninitialised memory repeats. That makes no result repeatable that was not: MegaSlide's ops write every element
-they allocate before reading it. So the mode turns the fill off (`torch.utils.deterministic.fill_uninitialized_memory`),
-which is a pass over every allocation of the step.
+of uninitialised memory repeats. MegaSlide's ops write what they allocate before they read it, so the fill, a pass
+over every allocation of the step, makes nothing repeatable that was not; the mode turns it off
+(`torch.utils.deterministic.fill_uninitialized_memory`). An op that did read such memory would show as two runs
+that differ, which experiments/determinism.py checks on the GPU.
 Fixed already, on and off: every batch (data indices, caption dropout, timesteps, noise) comes from (seed, step) on
 the host (megaslide/diffusion/batches.py), the data sets take their seed from the config, the model is built on the
 host under the seed, and MegaSlide's other kernels sum in a fixed order: the DSA forward, the zero-offset kernels
