@@ -4,10 +4,11 @@ batch entries that share the caption's keys, after a correctness check.
 
 Why groups. In the 2M-token training step the cross-attention's backward (cuDNN's, on an H200) takes several times
 its forward (docs/long_clips.md, "Where the step goes at 8-frame slices"). Its queries are a whole slice (65,280
-tokens) and its keys a caption (512): a backward that splits the work over key blocks has few of them to give
-out. Grouped, each group is a batch entry of its own, with the same math: a query's softmax runs over the same
-keys, and each key's gradient is the sum of its groups' (summed by autograd through the keys' expand). The
-candidate (`grouped_cross_attention`) lives here until a GPU run says whether it pays.
+tokens) and its keys a caption (512). If that backward splits its work over key blocks, as flash-attention
+backwards do, a caption gives it few to hand out: the hypothesis this benchmark tests. Grouped, each group is a
+batch entry of its own, with the same math: a query's softmax runs over the same keys, and each key's gradient
+is the sum of its groups' (summed by autograd through the keys' expand). The candidate
+(`grouped_cross_attention`) lives here until a GPU run says whether it pays.
 
 Inputs as training's `CrossAttention` makes them under bf16 autocast: q a (B, heads, N, d) view of (B, N, heads,
 d), k and v (B, heads, L, d) views of (B, L, heads, d), and a caption mask (B, 1, 1, L) whose last
