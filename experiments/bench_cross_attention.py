@@ -1,14 +1,15 @@
 """Cross-attention benchmark: SDPA of a token slice's queries over the caption, forward and forward+backward, with
-the queries run whole (as the model's `CrossAttention` runs them) or split into equal groups run side by side as
-batch entries that share the caption's keys, after a correctness check.
+the queries run whole or split into equal groups run side by side as batch entries that share the caption's keys
+(as the model's `CrossAttention` runs them), after a correctness check.
 
 Why groups. In the 2M-token training step the cross-attention's backward (cuDNN's, on an H200) takes several times
 its forward (docs/long_clips.md, "Where the step goes at 8-frame slices"). Its queries are a whole slice (65,280
 tokens) and its keys a caption (512). If that backward splits its work over key blocks, as flash-attention
 backwards do, a caption gives it few to hand out: the hypothesis this benchmark tests. Grouped, each group is a
 batch entry of its own, with the same math: a query's softmax runs over the same keys, and each key's gradient
-is the sum of its groups' (summed by autograd through the keys' expand). The candidate
-(`grouped_cross_attention`) lives here until a GPU run says whether it pays.
+is the sum of its groups' (summed by autograd through the keys' expand). The H200 run said it pays: the model's
+`CrossAttention` now runs `megaslide.models.layers.grouped_cross_attention` with `query_groups`' count, and
+this benchmark times that function.
 
 Inputs as training's `CrossAttention` makes them under bf16 autocast: q a (B, heads, N, d) view of (B, N, heads,
 d), k and v (B, heads, L, d) views of (B, L, heads, d), and a caption mask (B, 1, 1, L) whose last
@@ -33,11 +34,11 @@ import sys
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from experiments.harness import ExperimentRun, check_line
 from experiments.hydra_config import script_config, script_main, trial_preset
+from megaslide.models.layers import grouped_cross_attention
 from megaslide.perf.timing import MIN_REPEATS, measure
 from megaslide.testing import rounding_floor, within_tolerance
 
@@ -76,21 +77,9 @@ class BenchCrossAttentionConfig:
                              f"baseline)")
 
 
-def grouped_cross_attention(q, k, v, mask, groups: int) -> torch.Tensor:
-    """SDPA of q (B, h, N, d) over k, v (B, h, L, d) with `mask` (B, 1, 1, L) or None, the N queries run as
-    `groups` equal groups (N % groups == 0), each a batch entry with the same keys -> (B, h, N, d)."""
-    B, h, N, d = q.shape
-    L, n = k.shape[2], N // groups
-    qg = q.reshape(B, h, groups, n, d).transpose(1, 2).reshape(B * groups, h, n, d)    # (B*g, h, n, d), a view
-    kg, vg = (t[:, None].expand(B, groups, h, L, d).reshape(B * groups, h, L, d) for t in (k, v))  # (B*g, h, L, d)
-    mg = None if mask is None else mask[:, None].expand(B, groups, 1, 1, L).reshape(B * groups, 1, 1, L)
-    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mg)                        # (B*g, h, n, d)
-    return o.reshape(B, groups, h, n, d).transpose(1, 2).reshape(B, h, N, d)
-
-
 def make_inputs(B: int, N: int, heads: int, d: int, L: int, masked: int, device, dtype, seed: int = 0):
     """q (B, heads, N, d), k, v (B, heads, L, d) as strided views of token-major tensors, the caption mask
-    (B, 1, 1, L) (None when no key is masked) and an output gradient (B, heads, N, d)."""
+    (B, 1, 1, L) (None when no key is masked) and an output gradient (B, N, heads, d), the output's layout."""
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, N, heads, d, generator=g, device=device, dtype=dtype).transpose(1, 2)
     k, v = (torch.randn(B, L, heads, d, generator=g, device=device, dtype=dtype).transpose(1, 2) for _ in range(2))
@@ -98,7 +87,7 @@ def make_inputs(B: int, N: int, heads: int, d: int, L: int, masked: int, device,
     if masked:
         mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device=device)
         mask[..., L - masked:] = False
-    grad = torch.randn(B, N, heads, d, generator=g, device=device, dtype=dtype).transpose(1, 2)
+    grad = torch.randn(B, N, heads, d, generator=g, device=device, dtype=dtype)
     return q, k, v, mask, grad
 
 

@@ -69,8 +69,40 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+QUERY_GROUP_MAX = 8192   # most queries a cross-attention group holds (see `query_groups`)
+
+
+def query_groups(n: int) -> int:
+    """How many equal groups cross-attention splits n queries into: the fewest groups of at most QUERY_GROUP_MAX
+    queries whose count divides n, or 1 (whole) when none of up to 4x that fewest count divides n.
+
+    Why: a caption has few keys (512), and cuDNN's SDPA backward hands out its work by key blocks of each batch
+    entry, so a whole slice of queries over one caption leaves the H200 mostly idle. As batch entries that share
+    the caption, groups give it G times the work items. experiments/bench_cross_attention.py measured the sizes
+    (results/cross_attention/): groups of about 8,000 queries are at or near the fastest at both model widths."""
+    fewest = math.ceil(n / QUERY_GROUP_MAX)
+    return next((g for g in range(fewest, 4 * fewest + 1) if n % g == 0), 1) if fewest > 1 else 1
+
+
+def grouped_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            groups: int) -> torch.Tensor:
+    """SDPA of q (B, h, N, d) over k, v (B, h, L, d) with `mask` (B, 1, 1, L) or None -> (B, N, h, d), the N
+    queries run as `groups` equal groups (N % groups == 0), each a batch entry with the same keys.
+
+    The same math as one SDPA: a query's softmax runs over the same keys, and each key's gradient is the sum of
+    its groups' (autograd sums it through the expand)."""
+    B, h, N, d = q.shape
+    L, n = k.shape[2], N // groups
+    qg = q.reshape(B, h, groups, n, d).transpose(1, 2).reshape(B * groups, h, n, d)    # (B*g, h, n, d), a view
+    kg, vg = (t[:, None].expand(B, groups, h, L, d).reshape(B * groups, h, L, d) for t in (k, v))  # (B*g, h, L, d)
+    mg = None if mask is None else mask[:, None].expand(B, groups, 1, 1, L).reshape(B * groups, 1, 1, L)
+    o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mg)                        # (B*g, h, n, d)
+    return o.transpose(1, 2).reshape(B, N, h, d)
+
+
 class CrossAttention(nn.Module):
-    """Queries from video tokens, keys/values from caption tokens (masked where padded)."""
+    """Queries from video tokens, keys/values from caption tokens (masked where padded); the queries run in
+    groups (`query_groups`)."""
 
     def __init__(self, dim: int, num_heads: int, context_dim: int, qk_norm: bool = True):
         super().__init__()
@@ -89,8 +121,8 @@ class CrossAttention(nn.Module):
         k = self.k_norm(k).view(B, -1, h, D // h).transpose(1, 2)     # (B, h, L, d)
         v = v.view(B, -1, h, D // h).transpose(1, 2)                  # (B, h, L, d)
         mask = None if ctx_mask is None else ctx_mask[:, None, None, :]  # (B, 1, 1, L)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, h, N, d)
-        return self.out(o.transpose(1, 2).reshape(B, N, D))           # (B, N, D)
+        o = grouped_cross_attention(q, k, v, mask, query_groups(N))    # (B, N, h, d)
+        return self.out(o.reshape(B, N, D))                           # (B, N, D)
 
 
 class FinalLayer(nn.Module):

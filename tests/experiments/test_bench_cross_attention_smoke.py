@@ -15,7 +15,7 @@ def test_grouped_equals_plain_sdpa_in_float64(groups, masked):
     got, want = (bench.output_and_grads(q, k, v, mask, grad, g, torch.float64) for g in (groups, 1))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # groups = 1 is SDPA itself
+    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)   # groups = 1 is SDPA itself
     assert torch.equal(want[0], plain)
 
 
@@ -25,7 +25,7 @@ def test_the_check_fails_a_grouping_that_mixes_queries(monkeypatch):
         qg = q.reshape(B * groups, h, N // groups, d)
         kg, vg = (t.repeat_interleave(groups, 0) for t in (k, v))
         mg = None if mask is None else mask.repeat_interleave(groups, 0)
-        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mg).reshape(B, h, N, d)
+        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mg).reshape(B, h, N, d).transpose(1, 2)
 
     assert bench.check((1, 12, 2, 4, 5, 1), 3, torch.float32, torch.device("cpu"))["passed"]
     monkeypatch.setattr(bench, "grouped_cross_attention", mixed)

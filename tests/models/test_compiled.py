@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from megaslide.config import DiTConfig, ExecutionConfig
+from megaslide.models import layers
 from megaslide.models.chunking import BlockRunner, compile_blocks
 from megaslide.models.dit import DiTBlock, build_dit
 from megaslide.parallel.apply import parallelize_dit
@@ -82,6 +83,23 @@ def test_compiled_block_equals_eager(attention):
                 continue
             assert want.abs().max() > 0, name
             _assert_fp32_close(got, want, name)
+
+
+@needs_inductor
+@pytest.mark.slow
+def test_compiled_block_with_query_groups_equals_eager(monkeypatch):
+    """Cross-attention's query groups under a symbolic token count: at most 5 queries a group, so slices of 10
+    run 2 groups and the short last slice of 6 runs 2. The compiled block in slices equals the eager block run
+    whole with no groups, output and every gradient."""
+    block, cfg = _block("dense")
+    inputs = _block_inputs(cfg, grid=GRID)
+    want_out, want_grads = _run(block, inputs)
+    monkeypatch.setattr(layers, "QUERY_GROUP_MAX", 5)
+    assert [layers.query_groups(n) for n in (10, 6)] == [2, 2]
+    got_out, got_grads = _run(Runs(block, BlockRunner(ExecutionConfig(chunk_tokens=10), compiled=True)), inputs)
+    _assert_fp32_close(got_out, want_out, "out")
+    for got, want in zip(got_grads, want_grads):
+        _assert_fp32_close(got, want, "grad")
 
 
 @needs_inductor
