@@ -269,14 +269,16 @@ def main(cfg: DictConfig) -> None:
     run = compose_run(cfg, changes)
     model_cfg, grid = run.model, run.grid
     runs = {v: compose_run(cfg, changes + variant_changes(v)) for v in bench.variants}
-    plans = {v: planner.plan_offload(r, param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state)
+    fraction = run.offload.gpu_memory_fraction
+    hbm, host = hbm_available_bytes(device, fraction), host_available_bytes()
+    budgets = planner.Budgets(host if hbm is None else hbm, host, device.type)   # as the engine plans its run
+    plans = {v: planner.plan_offload(r, param_dtype=dtype, pin_optimizer_state=bench.pin_optimizer_state,
+                                     budgets=budgets)
              for v, r in runs.items()}
     plan = plans[bench.variants[0]]
     print(plan.table(), flush=True)
-    fraction = run.offload.gpu_memory_fraction
     for p in plans.values():
-        planner.check_fits(p, host_available=host_available_bytes(),
-                           hbm_available=hbm_available_bytes(device, fraction))
+        planner.check_fits(p, host_available=host, hbm_available=hbm)
     flops = dit_flops(model_cfg, run.train.batch_size, grid)
 
     # 4. memory wall, under the cap the engine will run under

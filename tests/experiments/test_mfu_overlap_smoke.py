@@ -47,3 +47,15 @@ def test_mfu_overlap_tiny_writes_a_complete_result(tmp_path):
     assert record["overlap_speedup_vs_serial"] == pytest.approx(serial["step_s"] / rows["overlap"]["step_s"])
     assert record["ceilings"]["matmul_TFLOPs"] > 0 and record["wandb_dir"] is None  # WANDB_MODE=disabled
     assert "variant" in stdout.splitlines()[-6]  # the table is printed last
+
+
+def test_mfu_overlap_plans_kept_attention_within_its_budgets(tmp_path):
+    """offload.keep_attention=auto: the script plans the kept attention within the budgets the engine plans it
+    with (the device's, or the host's on a CPU), and records where each block's attention is kept."""
+    run_script(["-m", "experiments.mfu_overlap", "tiny=true", "offload.keep_attention=auto", "name=keep",
+                "bench.variants=[overlap]", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    record = load_result(tmp_path, "mfu_overlap", "keep")
+    kept = record["plan"]["kept_attention"]
+    assert kept["mode"] == "auto" and kept["gpu"] == list(range(record["model_cfg"]["depth"])), kept
+    row = record["variants"][0]
+    assert row["variant"] == "overlap" and all(math.isfinite(v) for v in row["losses"])
