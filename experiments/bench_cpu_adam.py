@@ -230,7 +230,7 @@ def check_states(n: int = 100_003, steps: int = 3) -> dict:
             param, m, v, out = state_buffers(p0, master, int8)
             for step, grad in enumerate(grads, 1):
                 fn(param, grad, m, v, step=step, lr=LR, weight_decay=WEIGHT_DECAY, param_bf16=out,
-                   rounding_key=compact.rounding_key(0, 3, step) if master == torch.bfloat16 else None)
+                   rounding_key=compact.rounding_key(0, 3, step))
             runs.append([param, *((m.codes, m.scales, v.codes, v.scales) if int8 else (m, v))])
         same[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*runs))
     return {"n": n, "steps": steps, "native_equals_reference": same, "passed": all(same.values())}
@@ -244,7 +244,7 @@ def state_rows(n: int, threads: int, warmup: int, iters: int) -> list[dict]:
     rows = []
     for name, master, int8 in STATES:
         param, m, v, out = state_buffers(init_param, master, int8)
-        key = compact.rounding_key(0, 0, 1) if master == torch.bfloat16 else None
+        key = compact.rounding_key(0, 0, 1)
         counter = iter(range(1, warmup + iters + 1))
 
         def step() -> None:

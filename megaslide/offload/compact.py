@@ -12,6 +12,12 @@
   is kept as its square root (`SQRT`: the update divides by sqrt(v) anyway, and the root halves the
   dynamic range the code must span), unsigned with M = 4 (E4M4).
 An update dequantises a block (exactly), updates it in fp32 and requantises it with a fresh scale.
+The first moment's codes round to nearest; the root's round stochastically (`encode_magnitude` with random
+bits: up with probability equal to the distance from the code below, in units of the gap). Why: with beta2 =
+0.999 a step moves the root by about 0.05%, far less than half a code step (1.6-3.1%), so round to nearest
+returns the old code and the stored second moment stops following the gradients (it can neither decay nor grow
+by small steps). Stochastic codes follow it in expectation. The first moment needs none: beta1 = 0.9 moves it by
+a tenth of its distance to the gradient each step, so a rounding error decays instead of accumulating.
 Every parameter of a block's flat buffer starts on a multiple of `MOMENT_BLOCK` (it divides PARAM_ALIGN),
 so an update of a run of parameters covers whole quantisation blocks, its last one possibly cut short by
 padding (which stays zero and so never changes a scale).
@@ -21,7 +27,9 @@ from zero) with probability equal to its distance from the one below in units of
 random bits to its low half and truncating. The bits are a counter-based hash (`random_bits`): of the
 element's index in its block's flat buffer and a key made of the run's seed, the block and the AdamW step
 (`rounding_key`), so they do not depend on threads or on how a buffer is split into calls, and a resumed
-run draws exactly the bits the uninterrupted run would have: the seed and the step are all the state.
+run draws exactly the bits the uninterrupted run would have: the seed and the step are all the state. The
+root's codes draw theirs the same way from a key of their own (`root_key`), so the two roundings are
+independent.
 """
 from __future__ import annotations
 
@@ -37,6 +45,8 @@ MANTISSA_BITS = {SIGNED: 3, SQRT: 4}
 MAX_CODE = {SIGNED: 127, SQRT: 255}          # largest magnitude code (the sign is bit 7 of a SIGNED code)
 _SUBNORMAL_BELOW = 2.0 ** -15                # normalised values below this are subnormal codes (e = 0)
 _MASK32 = 0xFFFFFFFF
+ROOT_RANDOM_BITS = 23 - MANTISSA_BITS[SQRT]  # random bits a root code rounds with: the fp32 mantissa bits it drops
+_ROOT_SALT = 0x9E3779B9                      # makes root_key(key) independent of the master's key
 
 
 @dataclass
@@ -80,9 +90,10 @@ class QuantizedMoment:
         """(N,) fp32: the stored quantity, exactly (the first moment, or the root of the second)."""
         return dequantize(self.codes, self.scales, self.kind)
 
-    def store_(self, values: torch.Tensor) -> None:
-        """Quantise (N,) fp32 `values` (the first moment, or the root of the second) into this buffer."""
-        codes, scales = quantize(values, self.kind)
+    def store_(self, values: torch.Tensor, random: torch.Tensor | None = None) -> None:
+        """Quantise (N,) fp32 `values` (the first moment, or the root of the second) into this buffer; `random`:
+        the (N,) int64 random bits of a stochastic rounding (`quantize`)."""
+        codes, scales = quantize(values, self.kind, random)
         self.codes.copy_(codes)
         self.scales.copy_(scales)
 
@@ -127,14 +138,20 @@ def block_scales(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, inverse
 
 
-def encode_magnitude(y: torch.Tensor, kind: str) -> torch.Tensor:
-    """Codes (int32) of normalised magnitudes y in [0, 1): round to nearest even, saturating."""
+def encode_magnitude(y: torch.Tensor, kind: str, random: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes (int32) of normalised magnitudes y in [0, 1), saturating: round to nearest even, or with `random`
+    (int64, 23 - M random bits per element) stochastically: the dropped fp32 bits plus the random bits carry
+    into the code with probability equal to y's distance from the code below, in units of the gap."""
     m = MANTISSA_BITS[kind]
     bits = y.view(torch.int32)
-    rounded = (bits + ((1 << (22 - m)) - 1) + ((bits >> (23 - m)) & 1)) >> (23 - m)   # fp32 -> M mantissa bits
+    if random is None:
+        rounded = (bits + ((1 << (22 - m)) - 1) + ((bits >> (23 - m)) & 1)) >> (23 - m)   # fp32 -> M mantissa bits
+        subnormal = torch.round(y * 2.0 ** (15 + m)).to(torch.int32)                     # exact product; half to even
+    else:
+        rounded = (bits.to(torch.int64) + random) >> (23 - m)
+        subnormal = ((y * 2.0 ** 38).to(torch.int64) + random) >> (23 - m)              # y 2^38 < 2^23, truncated
     normal = rounded - (111 << m)
-    subnormal = torch.round(y * 2.0 ** (15 + m)).to(torch.int32)                     # exact product; half to even
-    return torch.where(y < _SUBNORMAL_BELOW, subnormal, normal).clamp(max=MAX_CODE[kind])
+    return torch.where(y < _SUBNORMAL_BELOW, subnormal, normal).clamp(max=MAX_CODE[kind]).to(torch.int32)
 
 
 def decode_magnitude(code: torch.Tensor, kind: str) -> torch.Tensor:
@@ -145,12 +162,14 @@ def decode_magnitude(code: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.where(e == 0, f.float() * 2.0 ** (-15 - m), normal)
 
 
-def quantize(values: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) fp32 -> codes (N,) uint8 and scales (ceil(N / MOMENT_BLOCK),) fp32."""
+def quantize(values: torch.Tensor, kind: str, random: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) fp32 -> codes (N,) uint8 and scales (ceil(N / MOMENT_BLOCK),) fp32; `random` (N,) int64: round the
+    codes stochastically with these bits (`encode_magnitude`), else to nearest."""
     n = values.numel()
     x = _blocks(values.float())                                                  # (blocks, B)
     scale, inverse = block_scales(x.abs().amax(dim=1))                           # (blocks,) each
-    code = encode_magnitude(x.abs() * inverse[:, None], kind)                    # (blocks, B)
+    random = None if random is None else _blocks(random)                         # (blocks, B)
+    code = encode_magnitude(x.abs() * inverse[:, None], kind, random)            # (blocks, B)
     if kind == SIGNED:
         code = code | (torch.signbit(x).to(torch.int32) << 7)
     return code.flatten()[:n].to(torch.uint8), scale
@@ -187,11 +206,17 @@ def rounding_key(seed: int, block: int, step: int) -> int:
     return key
 
 
-def random_bits(key: int, first_index: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(n,) int64 of 16 random bits each, for elements first_index .. first_index + n - 1 of a flat buffer:
-    the top half of lowbias32(index + key) (mod 2^32)."""
+def root_key(key: int) -> int:
+    """The key of the random bits of the root codes' stochastic rounding in the update keyed `key`."""
+    return _lowbias32(key ^ _ROOT_SALT)
+
+
+def random_bits(key: int, first_index: int, n: int, device: torch.device | str = "cpu",
+                bits: int = 16) -> torch.Tensor:
+    """(n,) int64 of `bits` random bits each, for elements first_index .. first_index + n - 1 of a flat buffer:
+    the top `bits` bits of lowbias32(index + key) (mod 2^32)."""
     index = torch.arange(first_index, first_index + n, dtype=torch.int64, device=device)
-    return _lowbias32(index + key) >> 16
+    return _lowbias32(index + key) >> (32 - bits)
 
 
 def round_stochastic_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

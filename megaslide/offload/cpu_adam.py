@@ -33,7 +33,8 @@ Compact state (megaslide/offload/compact.py, the formats; offload.master_dtype a
 back to bf16 stochastically with the random bits of `rounding_key` (compact.rounding_key) at the element
 indices `first_index` .. (the element's place in its block's flat buffer); and `exp_avg`, `exp_avg_sq` may
 be `QuantizedMoment`s (both): dequantised exactly, updated in fp32 as above (the denominator from the new,
-unquantised sqrt(v)), and requantised per block of MOMENT_BLOCK elements. Both backends compute the same
+unquantised sqrt(v)), and requantised per block of MOMENT_BLOCK elements, the root's codes rounded
+stochastically with the bits of compact.root_key(rounding_key) at the same indices. Both backends compute the same
 fp32 values; a rounding or quantisation decision can differ between them only where torch's sqrt is 1 ulp
 off and the value lies on a decision boundary.
 
@@ -53,7 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megaslide.offload.compact import SIGNED, SQRT, QuantizedMoment, random_bits, round_stochastic_bf16
+from megaslide.offload.compact import (ROOT_RANDOM_BITS, SIGNED, SQRT, QuantizedMoment, random_bits, root_key,
+                                       round_stochastic_bf16)
 from megaslide.offload.csrc import build
 
 __all__ = ["AdamWScalars", "adamw_step_", "adamw_step_torch_", "backend", "native_isa"]
@@ -159,9 +161,11 @@ def _validate(param, grad, exp_avg, exp_avg_sq, param_bf16, *, step, lr, beta1, 
         _check_tensor("param_bf16", param_bf16, (torch.bfloat16,), device, numel)
         tensors["param_bf16"] = param_bf16
     _check_disjoint(tensors)
-    if param.dtype == torch.bfloat16 and (isinstance(rounding_key, bool) or not isinstance(rounding_key, int)
-                                          or not 0 <= rounding_key < 2 ** 32):
-        raise ValueError(f"{_NAME}: param is bf16, rounded stochastically: pass rounding_key, a 32-bit key "
+    stochastic = ("param is bf16" if param.dtype == torch.bfloat16 else
+                  "the moments are 8-bit (the second's root codes)" if isinstance(exp_avg, QuantizedMoment) else None)
+    if stochastic and (isinstance(rounding_key, bool) or not isinstance(rounding_key, int)
+                       or not 0 <= rounding_key < 2 ** 32):
+        raise ValueError(f"{_NAME}: {stochastic}, rounded stochastically: pass rounding_key, a 32-bit key "
                          f"(compact.rounding_key(seed, block, step)), got {rounding_key!r}")
     if isinstance(first_index, bool) or not isinstance(first_index, int) or first_index < 0:
         raise ValueError(f"{_NAME}: first_index must be an int >= 0 (param[0]'s index in its flat buffer), "
@@ -188,7 +192,7 @@ def adamw_step_torch_(param: torch.Tensor, grad: torch.Tensor, exp_avg: Moment, 
         exp_avg, exp_avg_sq: (N,) fp32 first and second moments, or both QuantizedMoments, updated in place.
         step: 1-based step count of this update.
         param_bf16: optional (N,) bf16 buffer that receives the updated fp32 weights (round to nearest).
-        rounding_key, first_index: the random bits of a bf16 param's stochastic rounding (module docstring).
+        rounding_key, first_index: the random bits of the stochastic roundings (module docstring).
     Tensors may have any shape with N elements; they must be contiguous.
     """
     _validate(param, grad, exp_avg, exp_avg_sq, param_bf16, step=step, lr=lr, beta1=beta1,
@@ -218,7 +222,8 @@ def adamw_step_torch_(param: torch.Tensor, grad: torch.Tensor, exp_avg: Moment, 
         param_bf16.copy_(p)
     if quantized:
         exp_avg.store_(m)
-        exp_avg_sq.store_(root)
+        exp_avg_sq.store_(root, random_bits(root_key(rounding_key), first_index, root.numel(), root.device,
+                                            ROOT_RANDOM_BITS))
 
 
 def _native() -> ctypes.CDLL | None:
@@ -276,7 +281,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: Moment, exp_av
         param_bf16: optional (N,) bf16 buffer (fp32 param only), e.g. a slice of a pinned weight buffer;
             receives the updated weights rounded to nearest even.
         num_threads: OpenMP threads; default torch.get_num_threads().
-        rounding_key, first_index: the random bits of a bf16 param's stochastic rounding (module docstring).
+        rounding_key, first_index: the random bits of the stochastic roundings (module docstring).
     All tensors live on the CPU, are contiguous (any shape with N elements) and do not overlap.
     Releases the GIL while it runs (ctypes), so a Python thread can drive it during backward.
     """

@@ -65,7 +65,7 @@ class UpdateJob:
     device_grads: torch.Tensor | None = None  # (numel,) gradient on the device (GpuUpdater without clipping)
     clip: ClipCoefficient | None = None
     health: StepHealth | None = None  # checked before the update; None: unchecked (engine's own test paths)
-    rounding_key: int = 0            # the random bits of a bf16 master's stochastic rounding (compact.rounding_key)
+    rounding_key: int = 0            # the random bits of the stochastic roundings (compact.rounding_key)
 
 
 class CpuUpdater:

@@ -1,6 +1,7 @@
 """A float64 reference of the compact CPU AdamW (megaslide/offload/compact.py states the formats), written
-independently of the library: numpy, a codebook searched for the nearest code, a uint32 hash, and stochastic
-rounding from the exact fraction. `step` returns what one update makes of a state, and for each output the
+independently of the library: numpy, a codebook searched for the nearest code (the first moment) or the two
+around a value (the root of the second, rounded stochastically), a uint32 hash, and stochastic rounding from the
+exact fraction. `step` returns what one update makes of a state, and for each output the
 elements whose value lies so near a rounding or quantisation decision that an fp32 computation may fall on the
 other side (`near`: within NEAR times the magnitude of the terms that made the value, which bounds an fp32
 computation's error): there the fast paths may take the other neighbour, nowhere else."""
@@ -42,15 +43,31 @@ def block_scale(absmax: float) -> float:
     return 0.0 if absmax < 2.0 ** -126 else 2.0 ** math.frexp(absmax)[1]
 
 
-def quantize(x: np.ndarray, kind: str, magnitude: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def stochastic_code(y: np.ndarray, kind: str, r: np.ndarray, tol: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The code of y >= 0 rounded stochastically with the (23 - M)-bit integers r: the code below y, or the next
+    one iff y's fraction of the gap between them, in 2^-(23-M) units, plus r reaches 2^(23-M) (the largest code
+    stays); and whether y lies within tol of that threshold."""
+    book, units = codebook(kind), 2.0 ** (23 - MANTISSA[kind])
+    low = np.searchsorted(book, y, side="right") - 1                        # the largest code <= y
+    top = low == book.size - 1
+    gap = book[np.minimum(low + 1, book.size - 1)] - book[low]
+    fraction = np.where(top, 0.0, (y - book[low]) / np.where(top, 1.0, gap))
+    up = ~top & (fraction * units + r >= units)
+    return low + up, ~top & (np.abs(fraction * units + r - units) * gap / units <= tol)
+
+
+def quantize(x: np.ndarray, kind: str, magnitude: np.ndarray,
+             r: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Dequantised values of float64 x, block by block, and the NEAR flags (`magnitude`: of the terms that
-    made each value)."""
+    made each value); codes to nearest, or with the random integers `r` stochastically."""
     pad = -x.size % BLOCK
     blocks, tol = np.pad(x, (0, pad)).reshape(-1, BLOCK), NEAR * np.pad(magnitude, (0, pad)).reshape(-1, BLOCK)
     absmax = np.abs(blocks).max(axis=1, keepdims=True)                       # (blocks, 1)
     scale = np.array([[block_scale(a)] for a in absmax[:, 0]]).reshape(-1, 1)
     safe = np.where(scale > 0, scale, 1.0)
-    code, flagged = nearest_code((np.abs(blocks) / safe).ravel(), kind, (tol / safe).ravel())
+    y, y_tol = (np.abs(blocks) / safe).ravel(), (tol / safe).ravel()
+    code, flagged = (nearest_code(y, kind, y_tol) if r is None
+                     else stochastic_code(y, kind, np.pad(r, (0, pad)), y_tol))
     out = np.sign(blocks) * codebook(kind)[code].reshape(blocks.shape) * scale
     power = 2.0 ** np.round(np.log2(np.where(absmax > 0, absmax, 1.0)))
     near = (flagged.reshape(blocks.shape) | (np.abs(absmax - power) <= tol.max(axis=1, keepdims=True))) & (scale > 0)
@@ -67,9 +84,15 @@ def lowbias32(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def random16(key: int, first_index: int, n: int) -> np.ndarray:
+def random_bits(key: int, first_index: int, n: int, bits: int = 16) -> np.ndarray:
+    """The top `bits` bits of lowbias32(index + key), as float64 integers."""
     index = (np.arange(first_index, first_index + n, dtype=np.uint64) + np.uint64(key)) % np.uint64(2 ** 32)
-    return (lowbias32(index) >> np.uint32(16)).astype(np.float64)
+    return (lowbias32(index) >> np.uint32(32 - bits)).astype(np.float64)
+
+
+def root_key(key: int) -> int:
+    """The root codes' key: lowbias32 of the update's key xor the salt 0x9E3779B9."""
+    return int(lowbias32(np.array([key ^ 0x9E3779B9]))[0])
 
 
 def round_stochastic_bf16(x: np.ndarray, r: np.ndarray, magnitude: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -113,10 +136,11 @@ def step(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float
     p = decayed - update
     p_terms, m_terms = np.abs(decayed) + np.abs(update), np.abs(beta1 * exp_avg) + np.abs((1 - beta1) * grad)
     none = np.zeros(p.shape, dtype=bool)
-    p, p_near = (round_stochastic_bf16(p, random16(key, first_index, p.size), p_terms) if bf16_master
+    p, p_near = (round_stochastic_bf16(p, random_bits(key, first_index, p.size), p_terms) if bf16_master
                  else (p, none))
     if int8:
-        (m, m_near), (second, second_near) = quantize(m, "signed", m_terms), quantize(root, "sqrt", root)
+        r = random_bits(root_key(key), first_index, root.size, 23 - MANTISSA["sqrt"])
+        (m, m_near), (second, second_near) = quantize(m, "signed", m_terms), quantize(root, "sqrt", root, r)
         second_tol = NEAR * root
     else:
         m_near, second, second_near, second_tol = none, v, none, NEAR * v

@@ -61,7 +61,7 @@ def test_quantize_odd_sizes_and_zero_blocks_exactly(kind):
 def test_random_bits_and_stochastic_rounding_match_the_reference():
     key, first, n = compact.rounding_key(7, 3, 11), 1000, 5000
     bits = compact.random_bits(key, first, n)
-    np.testing.assert_array_equal(bits.double().numpy(), ref.random16(key, first, n))
+    np.testing.assert_array_equal(bits.double().numpy(), ref.random_bits(key, first, n))
     assert compact.rounding_key(7, 3, 12) != key and compact.rounding_key(8, 3, 11) != key
     x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 10.0 ** torch.randint(-20, 20, (n,))
     rounded, _ = ref.round_stochastic_bf16(x.double().numpy(), bits.double().numpy(), np.zeros(n))
@@ -76,6 +76,39 @@ def test_stochastic_rounding_is_unbiased():
     spread = 2.0 ** -7 * 0.5 / n ** 0.5                  # one standard error of a two-point draw
     assert abs(mean - x[0].item()) < 4 * spread
     assert not torch.equal(compact.round_stochastic_bf16(x, compact.random_bits(1, 0, n)), x.bfloat16())
+
+
+def test_stochastic_root_codes_match_the_reference():
+    """Normalised magnitudes over every binade of the root's code, subnormal ones, the largest code's own
+    and exact code values, each with fresh random bits: the same codes as the reference."""
+    gen = torch.Generator().manual_seed(9)
+    y = torch.cat([2.0 ** -torch.rand(4000, generator=gen) * 22,                  # 2^-22 .. 1, log-uniform
+                   torch.rand(500, generator=gen) * 2.0 ** -15,                    # subnormal codes
+                   1 - torch.rand(100, generator=gen) * 2.0 ** -6,                 # at and above the largest code
+                   torch.tensor([0.0, 2.0 ** -15, 0.5, 2.0 ** -19])]).clamp(max=1 - 2.0 ** -24)
+    r = torch.randint(0, 2 ** compact.ROOT_RANDOM_BITS, y.shape, generator=gen)
+    want, _ = ref.stochastic_code(y.double().numpy(), SQRT, r.double().numpy(), np.zeros(y.numel()))
+    np.testing.assert_array_equal(compact.encode_magnitude(y, SQRT, r).numpy(), want)
+
+
+@pytest.mark.parametrize("step_fn", BACKENDS)
+def test_quantized_second_moment_follows_small_steps(step_fn):
+    """beta2 = 0.999 moves the root by about 0.05% a step, far below half a code step: the stored second moment
+    must still follow it. Gradients 4x smaller than the ones that filled it: over 700 steps v decays by 0.999^t
+    toward the new level; the dequantised root tracks float64's within 1% on average over the buffer, and
+    also while v grows back after the gradients return."""
+    n = 64 * 64
+    gen = torch.Generator().manual_seed(2)
+    param, m, v = _state(n, False, True, gen)
+    exact = np.zeros(n)
+    scale = torch.rand(n, generator=gen) + 0.5
+    for step in range(1, 1401):
+        grad = torch.randn(n, generator=gen) * scale * (0.25 if 300 < step <= 1000 else 1.0)
+        exact = 0.999 * exact + 0.001 * grad.double().numpy() ** 2
+        step_fn(param, grad, m, v, step=step, lr=1e-6, rounding_key=compact.rounding_key(1, 0, step))
+        if step in (300, 1000, 1400):
+            ratio = v.values().double().numpy() / np.sqrt(exact)
+            assert abs(ratio.mean() - 1) < 0.01, (step, ratio.mean())
 
 
 def _state(numel: int, bf16_master: bool, int8: bool, gen: torch.Generator):
@@ -162,6 +195,8 @@ def test_bad_compact_arguments_raise_clear_errors():
     m, v = QuantizedMoment.zeros(n, SIGNED), QuantizedMoment.zeros(n, SQRT)
     with pytest.raises(ValueError, match="pass rounding_key"):
         cpu_adam.adamw_step_(p16, g, torch.zeros(n), torch.zeros(n), step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="the moments are 8-bit.*pass rounding_key"):
+        cpu_adam.adamw_step_(torch.zeros(n), g, m, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="no param_bf16 copy"):
         cpu_adam.adamw_step_(p16, g, m, v, step=1, lr=1e-3, rounding_key=1, param_bf16=torch.zeros_like(p16))
     with pytest.raises(ValueError, match="both be fp32 tensors or both QuantizedMoments"):

@@ -139,7 +139,9 @@ void update(float* param, const GradT* grad, float* exp_avg, float* exp_avg_sq,
 // exactly; after the step the master is rounded stochastically to bf16, and each block of kMomentBlock
 // moments is requantised with a fresh power-of-two scale (exp_avg_sq kept as its square root).
 
-constexpr int64_t kMomentBlock = 64;  // compact.MOMENT_BLOCK
+constexpr int64_t kMomentBlock = 64;    // compact.MOMENT_BLOCK
+constexpr int kRootRandomBits = 19;      // compact.ROOT_RANDOM_BITS: 23 - the root code's 4 mantissa bits
+constexpr uint32_t kRootSalt = 0x9E3779B9u;  // compact._ROOT_SALT
 
 // The 'lowbias32' integer hash (xor-shift, multiply, twice): the random bits of element i are its top half.
 inline uint32_t lowbias32(uint32_t x) {
@@ -180,6 +182,17 @@ inline uint32_t encode_magnitude(float y) {
   return code > kMax ? kMax : code;
 }
 
+// The code of a normalised magnitude y in [0, 1), rounded stochastically with the 23 - M random bits r: the fp32
+// bits the code drops, plus r, carry into it with probability equal to y's distance from the code below, in
+// units of the gap; saturating at kMax. Subnormal codes: y * 2^38 < 2^23 is exact, truncated to an integer.
+template <int M, uint32_t kMax>
+inline uint32_t encode_magnitude_stochastic(float y, uint32_t r) {
+  const uint32_t normal = ((bits_of_float(y) + r) >> (23 - M)) - (111u << M);
+  const uint32_t subnormal = (static_cast<uint32_t>(y * 0x1p38f) + r) >> (23 - M);
+  const uint32_t code = y < 0x1p-15f ? subnormal : normal;
+  return code > kMax ? kMax : code;
+}
+
 // The bits of |x|, 0 for a NaN: non-negative floats order as their bits, so a block's largest magnitude is an
 // integer max, which vectorises (a float max does not without -ffinite-math-only); NaNs are passed over, as
 // std::max(max, NaN) passes them.
@@ -214,7 +227,7 @@ inline void load_moments(const Fp32Moments& st, int64_t begin, int64_t n, float*
 }
 
 inline void store_moments(const Fp32Moments& st, int64_t begin, int64_t n, const float* m, const float* v,
-                          const float*) {
+                          const float*, uint32_t, uint32_t) {
   std::memcpy(st.exp_avg + begin, m, n * sizeof(float));
   std::memcpy(st.exp_avg_sq + begin, v, n * sizeof(float));
 }
@@ -248,9 +261,10 @@ inline void load_moments(const Int8Moments& st, int64_t begin, int64_t n, float*
   }
 }
 
-// One quantisation block of len <= kMomentBlock elements: a fresh scale from its largest magnitudes, then codes.
+// One quantisation block of len <= kMomentBlock elements: a fresh scale from its largest magnitudes, then codes;
+// the root's rounded stochastically with the bits of lowbias32(index + i + root_key) (compact.root_key).
 inline void store_block(const Int8Moments& st, int64_t first, int64_t len, const float* __restrict__ m,
-                        const float* __restrict__ root) {
+                        const float* __restrict__ root, uint32_t root_key, uint32_t index) {
   uint32_t m_max = 0u, r_max = 0u;  // the bits of the largest magnitudes (a NaN counts as 0)
 #pragma omp simd reduction(max : m_max, r_max)
   for (int64_t i = 0; i < len; ++i) {
@@ -266,18 +280,20 @@ inline void store_block(const Int8Moments& st, int64_t first, int64_t len, const
   for (int64_t i = 0; i < len; ++i) {
     const uint32_t sign = bits_of_float(m[i]) >> 31;
     mc[i] = static_cast<uint8_t>(encode_magnitude<3, 127u>(std::fabs(m[i]) * m_inverse) | (sign << 7));
-    rc[i] = static_cast<uint8_t>(encode_magnitude<4, 255u>(root[i] * r_inverse));
+    const uint32_t random = lowbias32(index + static_cast<uint32_t>(i) + root_key) >> (32 - kRootRandomBits);
+    rc[i] = static_cast<uint8_t>(encode_magnitude_stochastic<4, 255u>(root[i] * r_inverse, random));
   }
 }
 
+// index: the flat-buffer index of element begin (the random bits' counter).
 inline void store_moments(const Int8Moments& st, int64_t begin, int64_t n, const float* m, const float*,
-                          const float* root) {
+                          const float* root, uint32_t root_key, uint32_t index) {
   int64_t b = 0;
   for (; b + kMomentBlock <= n; b += kMomentBlock) {
-    store_block(st, begin + b, kMomentBlock, m + b, root + b);
+    store_block(st, begin + b, kMomentBlock, m + b, root + b, root_key, index + static_cast<uint32_t>(b));
   }
   if (b < n) {
-    store_block(st, begin + b, n - b, m + b, root + b);
+    store_block(st, begin + b, n - b, m + b, root + b, root_key, index + static_cast<uint32_t>(b));
   }
 }
 
@@ -310,9 +326,9 @@ void compact_tile(ParamT* param, const GradT* grad, const Moments& st, uint16_t*
   for (int64_t i = 0; i < n; ++i) {
     p[i] = adam_element(to_float(param_in[i]), to_float(g[i]), m[i], v[i], &root[i], s);
   }
-  store_params(param + begin, param_bf16 ? param_bf16 + begin : nullptr, p, n, key,
-               first_index + static_cast<uint32_t>(begin));
-  store_moments(st, begin, n, m, v, root);
+  const uint32_t index = first_index + static_cast<uint32_t>(begin);
+  store_params(param + begin, param_bf16 ? param_bf16 + begin : nullptr, p, n, key, index);
+  store_moments(st, begin, n, m, v, root, lowbias32(key ^ kRootSalt), index);
 }
 
 template <typename GradT, typename ParamT, typename Moments>
