@@ -76,10 +76,11 @@ def query_groups(n: int) -> int:
     """How many equal groups cross-attention splits n queries into: the fewest groups of at most QUERY_GROUP_MAX
     queries whose count divides n, or 1 (whole) when none of up to 4x that fewest count divides n.
 
-    Why: a caption has few keys (512), and cuDNN's SDPA backward hands out its work by key blocks of each batch
-    entry, so a whole slice of queries over one caption leaves the H200 mostly idle. As batch entries that share
-    the caption, groups give it G times the work items. experiments/bench_cross_attention.py measured the sizes
-    (results/cross_attention/): groups of about 8,000 queries are at or near the fastest at both model widths."""
+    Why: a caption has few keys (512), and with a whole slice's queries over it as one batch entry, cuDNN's SDPA
+    backward ran markedly slower on an H200 than with the queries in groups, batch entries that share the
+    caption (experiments/bench_cross_attention.py measured the effect, results/cross_attention/ holds it; the
+    cause inside cuDNN is not measured). Groups of about 8,000 queries were at or near the fastest at both
+    model widths."""
     fewest = math.ceil(n / QUERY_GROUP_MAX)
     return next((g for g in range(fewest, 4 * fewest + 1) if n % g == 0), 1) if fewest > 1 else 1
 
