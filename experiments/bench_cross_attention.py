@@ -170,14 +170,8 @@ def bench(cfg: BenchCrossAttentionConfig) -> int:
     passed = all(c["passed"] for c in checks)
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "passed": passed,
                "checks": checks, "tables": {}}
-    run.save({**payload, "partial": True})
-    rows = []
-    if passed:
-        for heads, d in cfg.widths:
-            for tokens in cfg.tokens:
-                rows += cells(cfg, heads, d, tokens, device)
-                run.save({**payload, "partial": True, "tables": {"cells": rows}})
-    payload["tables"]["cells"] = rows
+    rows = run.timed_cells(payload, passed, [(h, d, n) for h, d in cfg.widths for n in cfg.tokens],
+                           lambda heads, d, tokens: cells(cfg, heads, d, tokens, device))
     payload["summary"] = summarize(rows)
     path = run.finish(payload, {"passed": passed})
     for c in checks:

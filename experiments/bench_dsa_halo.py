@@ -122,13 +122,8 @@ def bench(cfg: BenchDSAHaloConfig) -> int:
     passed = all(c["passed"] for c in checks)
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
                "passed": passed, "checks": checks, "tables": {}}
-    run.save({**payload, "partial": True})
-    rows = []
-    if passed:
-        for bound in cfg.bounds:
-            rows += cells(cfg, device, bound)
-            run.save({**payload, "partial": True, "tables": {"cells": rows}})
-    payload["tables"]["cells"] = rows
+    rows = run.timed_cells(payload, passed, [(bound,) for bound in cfg.bounds],
+                           lambda bound: cells(cfg, device, bound))
     summary = {}
     for bound in cfg.bounds:
         gather = [r["ms"] for r in rows if r["bound"] == bound and r["kernel"] == "gather" and "ms" in r]

@@ -133,14 +133,9 @@ def bench(cfg: BenchQKRopeConfig) -> int:
     payload = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
                "ceilings": ceiling, "passed": passed, "checks": checks,
                "choice": {"auto": chosen.name, "not_taken": reasons}, "tables": {}}
-    run.save({**payload, "partial": True})
-    rows = []
-    if passed:
-        for heads, d in cfg.widths:
-            for tokens in cfg.tokens:
-                rows += cells(heads, d, tokens, cfg.frame, device, cfg.repeats, ceiling["hbm_gbps"])
-                run.save({**payload, "partial": True, "tables": {"cells": rows}})
-    payload["tables"]["cells"] = rows
+    rows = run.timed_cells(payload, passed, [(h, d, n) for h, d in cfg.widths for n in cfg.tokens],
+                           lambda heads, d, tokens: cells(heads, d, tokens, cfg.frame, device, cfg.repeats,
+                                                          ceiling["hbm_gbps"]))
     summary = {}
     for heads, d in cfg.widths:
         for tokens in cfg.tokens:

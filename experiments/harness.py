@@ -93,6 +93,18 @@ class ExperimentRun:
         return write_result(self.experiment, self.name, {**payload, "wandb_dir": self.logger.wandb_dir},
                             self.results_dir)
 
+    def timed_cells(self, payload: dict, passed: bool, keys, cells_of) -> list[dict]:
+        """A kernel benchmark's timed rows: `cells_of(*key)` for each key in order, only once its check `passed`;
+        the result is saved as partial before and after each key, so a run cut short keeps what it measured.
+        Sets payload["tables"]["cells"] and returns the rows."""
+        self.save({**payload, "partial": True})
+        rows = []
+        for key in keys if passed else ():
+            rows += cells_of(*key)
+            self.save({**payload, "partial": True, "tables": {**payload["tables"], "cells": rows}})
+        payload["tables"]["cells"] = rows
+        return rows
+
     def finish(self, payload: dict, scalars: dict, images: dict[str, Path] | None = None) -> Path:
         """Log the result's tables, `scalars` and `images` (key -> png) to W&B, write the result, close."""
         for key, rows in find_tables(payload).items():
