@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.hydra_config import run_of, script_main
-from experiments.results_io import descends_from
+from experiments.results_io import descends_from, ran_on
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, SLAB_AUTO, from_dict
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS
@@ -121,8 +121,10 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
     """Every committed H200 training step with its measured time: the OOM tables' timed cells and the
     mfu_overlap variants."""
     steps = []
-    for path in sorted(results_dir.glob("oom_thresholds/h200*.json")):
+    for path in sorted(results_dir.glob("oom_thresholds/*.json")):
         table = json.loads(path.read_text())
+        if table.get("plan_only") or not ran_on(table, "H200"):
+            continue
         config = table["config"]
         for cell in table["tables"]["cells"]:
             if not cell.get("step_s"):
@@ -133,8 +135,10 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
             steps.append(TimedStep(f"{path.stem}-{cell['attention']}-{cell['mode']}-{cell['frames']}",
                                    f"oom_thresholds/{path.name}", cell, run, measured_ceilings(table["ceilings"], rate),
                                    rate is not None, cell["step_s"], descends_from(table["commit"], BLOCK_GRAD)))
-    for path in sorted(results_dir.glob("mfu_overlap/h200*.json")):
+    for path in sorted(results_dir.glob("mfu_overlap/*.json")):
         result = json.loads(path.read_text())
+        if not ran_on(result, "H200"):
+            continue
         cfg, bench = from_dict(DiTConfig, result["model_cfg"]), result["bench"]
         execution = ExecutionConfig(chunk_tokens=result["model_cfg"].get("chunk_tokens", 0))
         for variant in result["variants"]:

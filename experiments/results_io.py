@@ -203,6 +203,13 @@ def hardware() -> dict:
     return info
 
 
+def ran_on(result: dict, gpu: str) -> bool:
+    """Whether `result` ran on GPUs, every one of them named with `gpu` (e.g. "H200"), by its recorded
+    `hardware`: a page about one GPU keeps results of another (an H100 in an H200's place) out."""
+    gpus = (result.get("hardware") or {}).get("gpus") or []
+    return bool(gpus) and all(gpu in name for name in gpus)
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 

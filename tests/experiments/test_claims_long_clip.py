@@ -8,6 +8,8 @@ from experiments.claims import memory, page, throughput
 from experiments.results_io import RESULTS_DIR, write_result
 
 GRID = {"height": 136, "width": 240}
+RUN = {"config": {**GRID, "batch": 1, "chunk_tokens": 16320}, "plan_only": False,   # a measured table's keys
+       "ceilings": {"matmul_TFLOPs": 700.0, "pcie": {"h2d_GBps": 50.0, "d2h_GBps": 50.0}, "hbm_copy_GBps": 4000.0}}
 
 
 def _cell(attention, mode, frames, status="fits", measured=None, predicted=None, **kw):
@@ -27,6 +29,18 @@ def test_most_frames_fitting_ignores_ooms_and_other_modes():
     assert memory.most_frames_fitting(cells) == {("1B", "dsa", "offload"): 32, ("1B", "swin", "offload"): 16}
 
 
+def test_cells_measured_on_another_gpu_stay_out_of_the_claims(results, monkeypatch):
+    """An H100 given in an H200's place: its cells, PCIe rates and steps stay on their own pages."""
+    write_result("oom_thresholds", "h200_a", {**RUN, "tables": {"cells": [_cell("dsa", "offload", 8)]}},
+                 results_dir=results)
+    monkeypatch.setattr("experiments.results_io.hardware", lambda: {"cpu": "x", "gpus": ["NVIDIA H100 80GB HBM3"]})
+    write_result("oom_thresholds", "h100_b", {**RUN, "tables": {"cells": [_cell("dsa", "offload", 16)]}},
+                 results_dir=results)
+    assert [name for name, _ in memory.measured_cells(memory.read_results(results, "oom_thresholds"))] == ["h200_a"]
+    assert [f for f, _, _ in throughput.pcie_rates(results)] == ["oom_thresholds/h200_a"]
+    assert [s.file for s in planner_error.h200_timed_steps(results)] == ["oom_thresholds/h200_a.json"]
+
+
 def test_planner_error_takes_the_worst_fitting_cell_and_the_rule_is_ten_percent():
     cells = [("a", _cell("dsa", "offload", 8, measured=10.0, predicted=10.5)),
              ("a", _cell("swin", "offload", 8, measured=10.0, predicted=8.8)),
@@ -38,7 +52,7 @@ def test_planner_error_takes_the_worst_fitting_cell_and_the_rule_is_ten_percent(
 
 
 def test_c3_reads_measured_cells_and_says_256_frames_not_met(results):
-    write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
+    write_result("oom_thresholds", "run", {**RUN, "tables": {"cells": [
         _cell("dsa", "chunked_offload", 128, measured=100.0, predicted=98.0),
         _cell("dsa", "offload", 128, status="OOM", phase="plan: backward")]}}, results_dir=results)
     write_result("oom_thresholds", "plan", {"config": GRID, "plan_only": True, "tables": {"cells": [
@@ -56,14 +70,14 @@ def test_c3_reads_measured_cells_and_says_256_frames_not_met(results):
 
 
 def test_c3_lists_modes_cut_by_the_time_budget_only_while_none_of_their_cells_was_measured(results):
-    write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
+    write_result("oom_thresholds", "run", {**RUN, "tables": {"cells": [
         _cell("dense", "offload", 8, status="not run"), _cell("dense", "chunked_offload", 16, status="not run"),
         _cell("dense", "chunked_offload", 8, measured=10.0, predicted=10.0)]}}, results_dir=results)
     assert "not run (time budget), no cell measured: 1B dense offload;" in memory.c3(results)[0]
 
 
 def test_c3_says_met_when_a_256_frame_cell_fits_and_replans_with_its_slabs(results):
-    write_result("oom_thresholds", "run", {"config": GRID, "plan_only": False, "tables": {"cells": [
+    write_result("oom_thresholds", "run", {**RUN, "tables": {"cells": [
         _cell("dsa", "chunked_offload", 256, measured=99.0, predicted=100.0, slab_frames=32)]}}, results_dir=results)
     write_result("oom_thresholds", "plan", {"config": GRID, "plan_only": True, "tables": {"cells": [
         _cell("dsa", "chunked_offload", 256, status="OOM", predicted=215.0, predicted_phase="backward",
@@ -90,17 +104,13 @@ def test_first_walls_name_the_wall_beyond_what_fits_and_skip_cut_or_superseded_c
 def test_estimate_rule_is_the_held_out_error_with_what_was_left_out(results):
     """C3's step-time verdict: experiments/planner_error.py's held-out steps of the results folder, the worst
     against ESTIMATE_TARGET, with the excluded steps counted by reason."""
-    config = {**GRID, "batch": 1, "chunk_tokens": 16320}
-    ceilings = {"matmul_TFLOPs": 700.0, "pcie": {"h2d_GBps": 50.0, "d2h_GBps": 50.0}, "hbm_copy_GBps": 4000.0}
     cells = [_cell("dense", "chunked_offload", 8), _cell("dsa", "chunked_offload", 8)]   # dsa: no rate measured
 
     def text_with_step(ratio):
-        write_result("oom_thresholds", "h200_x", {"config": config, "ceilings": ceilings, "plan_only": False,
-                                                  "tables": {"cells": cells}}, results_dir=results)
+        write_result("oom_thresholds", "h200_x", {**RUN, "tables": {"cells": cells}}, results_dir=results)
         (step,) = [s for s in planner_error.h200_timed_steps(results) if s.cell["attention"] == "dense"]
         cells[0]["step_s"] = planner_error.estimate_s(step) / ratio
-        write_result("oom_thresholds", "h200_x", {"config": config, "ceilings": ceilings, "plan_only": False,
-                                                  "tables": {"cells": cells}}, results_dir=results)
+        write_result("oom_thresholds", "h200_x", {**RUN, "tables": {"cells": cells}}, results_dir=results)
         return memory.estimate_text(results)
 
     met = text_with_step(1.1)

@@ -247,3 +247,12 @@ def test_audit_table_counts_every_status_and_strict_fails_unless_all_ok(repo, mo
     (repo / "results/e/b.json").unlink()
     results_io.main()   # still --strict, every result ok: no exit status
     assert capsys.readouterr().out.endswith("1 results: unverifiable 0, not-an-ancestor 0, dirty 0, unknown 0, ok 1\n")
+
+
+def test_ran_on_needs_every_gpu_of_the_result_to_be_that_gpu():
+    def of(*gpus):
+        return {"hardware": {"cpu": "x", "gpus": list(gpus)}}
+    assert results_io.ran_on(of("NVIDIA H200"), "H200") and results_io.ran_on(of("NVIDIA H200", "NVIDIA H200"), "H200")
+    assert not results_io.ran_on(of("NVIDIA H100 80GB HBM3"), "H200")
+    assert not results_io.ran_on(of("NVIDIA H200", "NVIDIA H100 80GB HBM3"), "H200")
+    assert not results_io.ran_on(of(), "H200") and not results_io.ran_on({}, "H200")   # CPU runs, no hardware
