@@ -57,7 +57,8 @@ from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
 from megaslide.attention.dsa.constants import ENTRY_FLOATS
 from megaslide.attention.dsa.op import check_kernel_size
-from megaslide.testing import deterministic_algorithms, within_tolerance
+from megaslide.testing import within_tolerance
+from megaslide.train.determinism import deterministic_mode, fix_cublas_workspace
 
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
 WINDOW = (2, 4, 4)
@@ -149,7 +150,7 @@ def variant_fns(grid, heads, d, dtype, device, max_offset=4.0):
 
             def step():
                 if backward:
-                    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+                    with deterministic_mode(device) if deterministic else contextlib.nullcontext():
                         deformable_slide_attention(q, k, v, off, KERNEL, backend=backend).sum().backward()
                 else:
                     with torch.no_grad():
@@ -528,6 +529,8 @@ def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(BenchAttentionConfig, hydra_cfg, preset)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda" and "dsa_fused_deterministic" in cfg.variants:
+        fix_cublas_workspace()   # train.deterministic's mode needs it before CUDA starts
     heads, d, repeats = cfg.heads, cfg.head_dim, cfg.repeats
     if cfg.smoke:
         sweep_grids, target_grid = [(4, 4, 8), (8, 4, 8)], (4, 8, 8)
