@@ -6,7 +6,9 @@ the study's test clips (`eval_seed`, only recorded). experiments/recipe.py `choo
 candidate by its mean validation caption match and says whether it learned the task there. The result,
 results/quality_recipe/<results_name>.json, holds every run (`per seed`), each candidate's mean scores
 (`candidates`) and the chosen `recipe`, which `quality.py recipe=<file>` trains with. The JSON is rewritten after
-every finished run (`jobs_done` / `jobs_total`); `continue_runs=true` finishes a tuning cut short.
+every finished run (`jobs_done` / `jobs_total`); `continue_runs=true` finishes a tuning cut short: it keeps the
+runs that result already holds (each marked with the commit and date that ran it, `ran_in`), so a fresh machine
+needs only that JSON, and continues the others from their newest checkpoint where out_dir still has one.
 
     python experiments/tune_recipe.py                                     # tiny, CPU
     python experiments/tune_recipe.py model=quality_gpu train.device=cuda ...   # the GPU tuning: docs/quality_study.md
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from experiments.quality_protocol import (check_study, ground_truth_row, make_jo
                                           variant_models)
 from experiments.recipe import candidate_means, choose, tuned_for
 from experiments.report import markdown_table, render
-from experiments.results_io import write_result
+from experiments.results_io import result_path, write_result
 
 EXPERIMENT = "quality_recipe"
 
@@ -38,6 +41,23 @@ def check_candidates(lrs, warmups) -> None:
     if not warmups or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in warmups):
         raise ValueError(f"warmups={list(warmups)} must be a non-empty list of integers >= 0 (train.warmup_steps "
                          f"candidates), e.g. 'warmups=[10,200]'")
+
+
+def finished_runs(path: Path, config: dict, names: list[str]) -> dict[str, dict]:
+    """Run name -> row of each run in `names` that the earlier tuning result at `path` finished (ok or diverged),
+    marked with the commit and date that ran it; {} without that file. A result of a tuning with other settings
+    is refused (ValueError naming continue_runs and the settings that differ)."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    ours, theirs = json.loads(json.dumps(config)), earlier.get("config") or {}
+    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    if differ:
+        raise ValueError(f"continue_runs=true: {path} holds a tuning with other settings ({', '.join(differ)}); "
+                         f"pass another results_name, or continue_runs=false to start it again")
+    origin = {"commit": earlier.get("commit"), "date": earlier.get("date")}
+    return {r["run"]: {**r, "ran_in": r.get("ran_in", origin)} for r in earlier["tables"]["per seed"]
+            if r.get("run") in names and (r["status"] == "ok" or r["status"].startswith("diverged"))}
 
 
 @script_main("tune_recipe")
@@ -58,15 +78,26 @@ def main(cfg: DictConfig) -> None:
         run = dataclasses.replace(train, seed=int(seed), lr=float(lr), warmup_steps=int(warmup))
         jobs.append({**make_job(cfg, variant, models[variant], data, run, tag), "eval_seed": cfg.val_seed})
         candidate_of[run_name(tag, variant, int(seed))] = {"lr": float(lr), "warmup_steps": int(warmup)}
+    names = list(candidate_of)   # in job order
     truth = ground_truth_row(data, cfg.n_eval, cfg.val_seed, cfg.n_train_eval)
     config = {"variants": list(cfg.variants), "lrs": list(cfg.lrs), "warmups": list(cfg.warmups),
               "seeds": list(cfg.seeds), "n_eval": cfg.n_eval, "val_seed": cfg.val_seed, "eval_seed": cfg.eval_seed,
               "tuned_for": tuned_for(data, model, train.steps, train.batch_size)}
 
+    path = result_path(EXPERIMENT, cfg.results_name, cfg.results_dir)
+    kept = finished_runs(path, config, names) if cfg.continue_runs else {}
+    todo = [job for job, name in zip(jobs, names) if name not in kept]
+
     def runs_of(rows: list[dict]) -> list[dict]:
         return [{**r, **candidate_of[r["run"]]} for r in strip_samples(rows)]
 
-    def publish(rows: list[dict]) -> Path:
+    def with_kept(done: list[dict]) -> list[dict]:
+        """The kept runs and those finished now, in job order."""
+        by_name = {**kept, **{r["run"]: r for r in done}}
+        return [by_name[n] for n in names if n in by_name]
+
+    def publish(done: list[dict]) -> Path:
+        rows = with_kept(done)
         runs = runs_of(rows)
         candidates = candidate_means(runs)
         payload = {"config": config, "jobs_done": len(rows), "jobs_total": len(jobs),
@@ -77,8 +108,10 @@ def main(cfg: DictConfig) -> None:
 
     published = [publish([])]
     # a candidate whose loss goes non-finite is a tuning result (too high a learning rate), not a failed tuning
-    rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(publish(done)),
-                    outcomes=(FloatingPointError,))
+    if kept:
+        print(f"continue_runs: {len(kept)} of {len(jobs)} runs kept from {path}, {len(todo)} to run")
+    rows = with_kept(run_jobs(todo, cfg.workers, on_row=lambda done: published.append(publish(done)),
+                              outcomes=(FloatingPointError,)))
     runs = runs_of(rows)
     print(markdown_table(choose(candidate_means(runs), truth["text_alignment"])))
     for r in runs:

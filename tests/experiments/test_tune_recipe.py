@@ -1,6 +1,7 @@
 """Recipes tuned on validation clips (experiments/tune_recipe.py, experiments/recipe.py) and read by quality.py."""
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -136,3 +137,40 @@ def test_tune_recipe_refuses_bad_candidates_before_writing_anything(kind, tmp_pa
     err = run_main(experiments.tune_recipe, ["out_dir=runs/x", "train.steps=1", *args], tmp_path, monkeypatch, capsys)
     assert message in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_continue_runs_keeps_the_runs_the_result_holds_and_runs_the_rest(tmp_path, monkeypatch, capsys):
+    """A tuning cut short on a machine that is gone: continue_runs=true with only its result JSON runs just the
+    runs it lacks, keeps the others as they were (marked with the commit that ran them), and chooses the recipe
+    over all; a result of other settings is refused, naming continue_runs."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    argv = ["tune_recipe.py", f"out_dir={tmp_path}/tune", f"results_dir={tmp_path}/res", *TINY, "variants=[dense]",
+            "lrs=[1e-3,2e-3]", "warmups=[0]"]
+    monkeypatch.setattr(sys, "argv", argv)
+    experiments.tune_recipe.main()
+    path = tmp_path / "res" / "quality_recipe" / "cpu_tiny.json"
+    full = json.loads(path.read_text())
+    cut = {**{k: v for k, v in full.items() if k != "recipe"}, "jobs_done": 1,
+           "tables": {**full["tables"], "per seed": [r for r in full["tables"]["per seed"] if r.get("lr") != 2e-3]}}
+    path.write_text(json.dumps(cut))
+    shutil.rmtree(tmp_path / "tune")                                    # a fresh machine: no run folders
+    ran = []
+    real = experiments.tune_recipe.run_jobs
+    monkeypatch.setattr(experiments.tune_recipe, "run_jobs",
+                        lambda jobs, *a, **k: ran.extend(jobs) or real(jobs, *a, **k))
+    monkeypatch.setattr(sys, "argv", [*argv, "continue_runs=true"])
+    experiments.tune_recipe.main()
+    assert [j["train"].lr for j in ran] == [2e-3]
+    again = json.loads(path.read_text())
+    assert again["jobs_done"] == again["jobs_total"] == 2 and again["recipe"]
+    rows = {r["lr"]: r for r in again["tables"]["per seed"] if r.get("variant") == "dense"}
+    kept = {k: v for k, v in rows[1e-3].items() if k != "ran_in"}
+    assert kept == next(r for r in full["tables"]["per seed"] if r.get("lr") == 1e-3)
+    assert rows[1e-3]["ran_in"] == {"commit": full["commit"], "date": full["date"]} and "ran_in" not in rows[2e-3]
+    monkeypatch.setattr(sys, "argv", [*argv[:-2], "lrs=[1e-3,3e-3]", "warmups=[0]", "continue_runs=true"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        experiments.tune_recipe.main()
+    err = capsys.readouterr().err
+    assert re.search(r"continue_runs=true: .* other settings \(lrs\); pass another results_name", err)
