@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.hydra_config import run_of, script_main
-from experiments.results_io import descends_from, ran_on
+from experiments.results_io import REFERENCE_GPU, descends_from, ran_on
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, SLAB_AUTO, from_dict
 from megaslide.device import precision_dtype
 from megaslide.models.dit import DIT_PRESETS
@@ -123,7 +123,7 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
     steps = []
     for path in sorted(results_dir.glob("oom_thresholds/*.json")):
         table = json.loads(path.read_text())
-        if table.get("plan_only") or not ran_on(table, "H200"):
+        if table.get("plan_only") or not ran_on(table, REFERENCE_GPU):
             continue
         config = table["config"]
         for cell in table["tables"]["cells"]:
@@ -137,7 +137,7 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
                                    rate is not None, cell["step_s"], descends_from(table["commit"], BLOCK_GRAD)))
     for path in sorted(results_dir.glob("mfu_overlap/*.json")):
         result = json.loads(path.read_text())
-        if not ran_on(result, "H200"):
+        if not ran_on(result, REFERENCE_GPU):
             continue
         cfg, bench = from_dict(DiTConfig, result["model_cfg"]), result["bench"]
         execution = ExecutionConfig(chunk_tokens=result["model_cfg"].get("chunk_tokens", 0))

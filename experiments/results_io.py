@@ -203,6 +203,10 @@ def hardware() -> dict:
     return info
 
 
+REFERENCE_GPU = "H200"   # the GPU the claims page and the planner's measured steps speak of; others' results
+                         # keep their own pages
+
+
 def ran_on(result: dict, gpu: str) -> bool:
     """Whether `result` ran on GPUs, every one of them named with `gpu` (e.g. "H200"), by its recorded
     `hardware`: a page about one GPU keeps results of another (an H100 in an H200's place) out."""

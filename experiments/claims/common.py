@@ -7,9 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.report import result_files
-from experiments.results_io import dirty_note, ran_on
-
-GPU = "H200"   # the GPU the claims page speaks of: results from other GPUs stay on their own pages
+from experiments.results_io import REFERENCE_GPU, dirty_note, ran_on
 
 
 def load(results_dir: Path, experiment: str, name: str) -> dict | None:
@@ -46,7 +44,7 @@ def read_results(results_dir: Path, experiment: str) -> list[tuple[str, dict]]:
 def widest(results_dir: Path, experiment: str, ranks_key: str, timed: str | None = None) -> tuple[str, dict] | None:
     """The GPU result of `experiment` with the most ranks, as (name, data); CPU smoke runs excluded.
     `timed`: only results with a finished timing of that variant (runs may time a subset)."""
-    found = [(n, d) for n, d in read_results(results_dir, experiment) if ran_on(d, GPU)
+    found = [(n, d) for n, d in read_results(results_dir, experiment) if ran_on(d, REFERENCE_GPU)
              and (timed is None or any(r["variant"] == timed and "time_s" in r for r in d.get("timings", [])))]
     return max(found, key=lambda nd: nd[1].get(ranks_key, 0), default=None)
 

@@ -7,9 +7,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.claims.common import GPU, link, load, read_results
+from experiments.claims.common import link, load, read_results
 from experiments.planner_error import estimate_s, h200_timed_steps, held_out_error
-from experiments.results_io import descends_from, ran_on
+from experiments.results_io import REFERENCE_GPU, descends_from, ran_on
 from megaslide.config import OffloadConfig
 from megaslide.models.dit import DIT_PRESETS, count_params
 
@@ -82,7 +82,7 @@ def oom_results(results_dir: Path) -> list[tuple[str, dict]]:
 def measured_cells(results: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """(file, cell) of every cell measured on the claims' GPU (planner-only tables excluded)."""
     return [(name, {**c, "file": name}) for name, r in results
-            if not r.get("plan_only") and ran_on(r, GPU) for c in r["tables"]["cells"]]
+            if not r.get("plan_only") and ran_on(r, REFERENCE_GPU) for c in r["tables"]["cells"]]
 
 
 def most_frames_fitting(cells: list[tuple[str, dict]]) -> dict[tuple[str, str, str], int]:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from experiments.claims.common import GPU, link, read_results, under_previous_rule
+from experiments.claims.common import link, read_results, under_previous_rule
 from experiments.quality_protocol import aggregate, learned
-from experiments.results_io import ran_on
+from experiments.results_io import REFERENCE_GPU, ran_on
 
 # Run settings that two quality results must share to pool, besides their config (seeds aside) and the
 # scorer version: setting -> where a result records it (config keys, then Hydra overrides of its command).
@@ -115,7 +115,7 @@ def pooled(results_dir: Path, experiment: str, tuned_first: bool = True) -> Pool
     the run that added its missing seeds). None if there is no GPU result."""
     groups: dict[str, list] = {}
     for name, r in read_results(results_dir, experiment):
-        if ran_on(r, GPU) and "config" in r:
+        if ran_on(r, REFERENCE_GPU) and "config" in r:
             groups.setdefault(config_key(r), []).append((name, r))
 
     def rank(group):

@@ -7,8 +7,8 @@ import itertools
 import json
 from pathlib import Path
 
-from experiments.claims.common import GPU, link, load, read_results, tokens_text, under_previous_rule
-from experiments.results_io import ran_on
+from experiments.claims.common import link, load, read_results, tokens_text, under_previous_rule
+from experiments.results_io import REFERENCE_GPU, ran_on
 from megaslide.config import DiTConfig, from_dict
 from megaslide.models.dit import count_params
 from megaslide.perf.timing import MIN_REPEATS
@@ -27,7 +27,7 @@ def pcie_rates(results_dir: Path) -> list[tuple[str, float, float]]:
     for f in sorted(results_dir.glob("*/*.json")):
         result = json.loads(f.read_text())
         pcie = (result.get("ceilings") or {}).get("pcie")
-        if pcie and ran_on(result, GPU):
+        if pcie and ran_on(result, REFERENCE_GPU):
             found.append((f"{f.parent.name}/{f.stem}", pcie["h2d_GBps"], pcie["d2h_GBps"]))
     return found
 
@@ -124,7 +124,7 @@ CLAIMED_AT_B = 28.4      # ... at this many billion parameters
 def c9(results_dir: Path):
     """C9 from the latest GPU scaling run; without one, from the planner-only result (predicted, never measured)."""
     results = read_results(results_dir, "scaling")
-    runs = [(n, r) for n, r in results if not r.get("plan_only") and ran_on(r, GPU)]
+    runs = [(n, r) for n, r in results if not r.get("plan_only") and ran_on(r, REFERENCE_GPU)]
     if runs:
         return measured_scaling(results_dir, *runs[-1])
     plans = [(n, r) for n, r in results if r.get("plan_only")]
