@@ -308,6 +308,7 @@ def main(cfg: DictConfig) -> None:
                             "datasheet_TFLOPs": H200_DATASHEET_BF16_TFLOPS, "pcie": pcie},
                "model_flops_per_step": flops.train, "executed_flops_per_step": plan.executed_flops,
                "correctness": correctness, "plan": plan.as_dict(), "memory_wall": wall,
+               "budgets": {"budget_GB": budgets.hbm / GB, "host_budget_GB": budgets.host / GB},
                "engine_setup_s": time.perf_counter() - t0, "host_state": engine.host.bytes_report(),
                "variants": [], "targets": TARGETS, "complete": False}
     name = cfg.name or ("tiny" if cfg.tiny else f"{device.type}_{payload['preset']}_d{depth}")

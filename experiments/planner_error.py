@@ -12,7 +12,9 @@ excludes it, and every excluded step is listed with its reason (`exclusion`):
 - a cell a figure of the estimate was fitted on (`megaslide.perf.planner.FITTED`: one eager step, one compiled);
 - the serial ablation (overlap off): the estimate is of the overlapped step;
 - a DSA step whose run measured no attention rate: the estimate would take the default DSA rate, timed on
-  another run's kernel build, not the kernel this step ran.
+  another run's kernel build, not the kernel this step ran;
+- a selective-recompute step whose run recorded no budgets: which blocks' attention today's planner would keep
+  depends on them.
 """
 from __future__ import annotations
 
@@ -150,7 +152,8 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
                 run = grid_run(cfg, cfg.token_grid(bench["frames"], bench["height"], bench["width"]),
                                batch=bench["batch"], grad_clip=variant["grad_clip"], execution=execution,
                                offload=offload)
-            steps.append(TimedStep(f"{path.stem}-{variant['variant']}", f"mfu_overlap/{path.name}", variant, run,
+            cell = {**variant, **result.get("budgets", {})}  # the budgets its kept attention was placed within
+            steps.append(TimedStep(f"{path.stem}-{variant['variant']}", f"mfu_overlap/{path.name}", cell, run,
                                    measured_ceilings(result["ceilings"]), False, variant["step_s"],
                                    descends_from(result["commit"], BLOCK_GRAD)))
     return steps
@@ -159,13 +162,19 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
 PLACES = ("gpu", "host", "recompute")   # where a block's kept attention went (offload.keep_attention)
 
 
+def budgets_recorded(cell: dict) -> bool:
+    """Whether a step recorded the budgets its kept attention was placed within (`kept_budgets` reads them)."""
+    return "budget_GB" in cell and bool({"host_budget_GB", "predicted_host_GB"} & set(cell))
+
+
 def kept_budgets(run: RunConfig, cell: dict) -> Budgets | None:
-    """The budgets a selective-recompute run (an oom_thresholds cell) placed its kept attention within: the free
-    HBM its cell recorded and its host budget, or for a cell that did not record that, its planned host total (the
-    placement had filled the host budget to within one block); None for a run that kept nothing."""
+    """The budgets a selective-recompute run (an oom_thresholds cell, or an mfu_overlap variant with its result's
+    `budgets`) placed its kept attention within: the free HBM it recorded and its host budget, or for a cell that
+    did not record that, its planned host total (the placement had filled the host budget to within one block);
+    None for a run that kept nothing."""
     if run.offload.keep_attention == "off":
         return None
-    host = cell.get("host_budget_GB", cell["predicted_host_GB"])
+    host = cell["host_budget_GB"] if "host_budget_GB" in cell else cell["predicted_host_GB"]
     return Budgets(hbm=int(cell["budget_GB"] * 1e9), host=int(host * 1e9))
 
 
@@ -193,6 +202,9 @@ def exclusion(step: TimedStep) -> str | None:
     for figure in ("elementwise_fitted_on", "elementwise_compiled_fitted_on"):
         if any(f.matches(step.file, step.cell) for f in getattr(FITTED, figure)):
             return f"fitted on it: FITTED.{figure} (megaslide/perf/planner.py)"
+    if step.run.offload.keep_attention != "off" and not budgets_recorded(step.cell):
+        return ("selective recompute whose run recorded no budgets: the blocks whose attention today's planner "
+                "would keep, and so its estimate, are unknown")
     if step.cell.get("overlap") is False:
         return "the serial ablation (overlap off): the estimate is of the overlapped step"
     if step.run.model.attention.name == "dsa" and not step.attention_measured:

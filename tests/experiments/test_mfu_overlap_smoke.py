@@ -57,5 +57,7 @@ def test_mfu_overlap_plans_kept_attention_within_its_budgets(tmp_path):
     record = load_result(tmp_path, "mfu_overlap", "keep")
     kept = record["plan"]["kept_attention"]
     assert kept["mode"] == "auto" and kept["gpu"] == list(range(record["model_cfg"]["depth"])), kept
+    budgets = record["budgets"]  # what experiments/planner_error.py plans the step again within
+    assert budgets["budget_GB"] == budgets["host_budget_GB"] > 0   # on a CPU the engine plans with the host's RAM
     row = record["variants"][0]
     assert row["variant"] == "overlap" and all(math.isfinite(v) for v in row["losses"])

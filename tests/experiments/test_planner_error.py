@@ -65,6 +65,20 @@ def test_the_error_is_read_from_the_files(tmp_path, committed):
     assert changed.excluded == committed.excluded
 
 
+def test_a_selective_recompute_step_is_estimated_within_the_budgets_its_run_recorded(tmp_path, committed):
+    """The 7B-width run that kept attention recorded no budgets: excluded with that reason. A copy that records
+    them (room for every block's kept attention on the device, as the run placed it) is held out."""
+    name = "h200_7Bwidth_d20_keep-overlap"
+    assert dict(committed.excluded)[name].startswith("selective recompute whose run recorded no budgets")
+    (tmp_path / "mfu_overlap").mkdir()
+    data = json.loads((planner_error.RESULTS / "mfu_overlap" / "h200_7Bwidth_d20_keep.json").read_text())
+    assert data["plan"]["kept_attention"]["recompute"] == [] and "budgets" not in data
+    data["budgets"] = {"budget_GB": 140.0, "host_budget_GB": 110.0}
+    (tmp_path / "mfu_overlap" / "h200_7Bwidth_d20_keep.json").write_text(json.dumps(data))
+    held = planner_error.held_out_error(tmp_path)
+    assert [n for n, *_ in held.used] == [name] and held.excluded == []
+
+
 def test_a_folder_without_h200_steps_holds_out_nothing(tmp_path):
     empty = planner_error.held_out_error(tmp_path)
     assert empty.used == [] and empty.excluded == [] and planner_error.report(empty).startswith("no held-out")
