@@ -9,6 +9,8 @@ results/quality_recipe/<results_name>.json, holds every run (`per seed`), each c
 every finished run (`jobs_done` / `jobs_total`); `continue_runs=true` finishes a tuning cut short: it keeps the
 runs that result already holds (each marked with the commit and date that ran it, `ran_in`), so a fresh machine
 needs only that JSON, and continues the others from their newest checkpoint where out_dir still has one.
+`max_runs=n` starts at most n of the runs still to run (in job order), so that a tuning whose runs do not all fit
+one machine's time limit runs over several calls, each finishing its runs.
 
     python experiments/tune_recipe.py                                     # tiny, CPU
     python experiments/tune_recipe.py model=quality_gpu train.device=cuda ...   # the GPU tuning: docs/quality_study.md
@@ -65,6 +67,9 @@ def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
     check_study(cfg)
     check_candidates(cfg.lrs, cfg.warmups)
+    if not isinstance(cfg.max_runs, int) or isinstance(cfg.max_runs, bool) or cfg.max_runs < 0:
+        raise ValueError(f"max_runs={cfg.max_runs!r} must be an integer >= 0: the runs to start in this call "
+                         f"(0: all that are left)")
     if cfg.val_seed in (cfg.eval_seed, data.seed):
         raise ValueError(f"val_seed={cfg.val_seed} equals eval_seed={cfg.eval_seed} or data.seed={data.seed}: "
                          f"validation clips must be neither test nor training clips; pick another val_seed")
@@ -87,6 +92,8 @@ def main(cfg: DictConfig) -> None:
     path = result_path(EXPERIMENT, cfg.results_name, cfg.results_dir)
     kept = finished_runs(path, config, names) if cfg.continue_runs else {}
     todo = [job for job, name in zip(jobs, names) if name not in kept]
+    left = len(todo)
+    todo = todo[:cfg.max_runs or left]
 
     def runs_of(rows: list[dict]) -> list[dict]:
         return [{**r, **candidate_of[r["run"]]} for r in strip_samples(rows)]
@@ -108,8 +115,8 @@ def main(cfg: DictConfig) -> None:
 
     published = [publish([])]
     # a candidate whose loss goes non-finite is a tuning result (too high a learning rate), not a failed tuning
-    if kept:
-        print(f"continue_runs: {len(kept)} of {len(jobs)} runs kept from {path}, {len(todo)} to run")
+    if kept or len(todo) < left:
+        print(f"{len(kept)} of {len(jobs)} runs kept from {path}; {len(todo)} of the {left} left run now")
     rows = with_kept(run_jobs(todo, cfg.workers, on_row=lambda done: published.append(publish(done)),
                               outcomes=(FloatingPointError,)))
     runs = runs_of(rows)

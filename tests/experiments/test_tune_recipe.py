@@ -126,6 +126,7 @@ BAD = {
     "negative lr": (["lrs=[-1e-3]"], "lrs=[-0.001] must be a non-empty list of learning rates > 0"),
     "lrs not a list": (["lrs=1e-3"], "lrs=0.001 must be a list"),
     "fractional warm-up": (["warmups=[1.5]"], "warmups=[1.5] must be a non-empty list of integers >= 0"),
+    "negative max_runs": (["max_runs=-1"], "max_runs=-1 must be an integer >= 0"),
     "validation on the test clips": (["val_seed=10007"], "val_seed=10007 equals eval_seed=10007"),
     "validation on the training clips": (["val_seed=0"], "val_seed=0 equals eval_seed=10007 or data.seed=0"),
 }
@@ -140,16 +141,22 @@ def test_tune_recipe_refuses_bad_candidates_before_writing_anything(kind, tmp_pa
 
 
 def test_continue_runs_keeps_the_runs_the_result_holds_and_runs_the_rest(tmp_path, monkeypatch, capsys):
-    """A tuning cut short on a machine that is gone: continue_runs=true with only its result JSON runs just the
-    runs it lacks, keeps the others as they were (marked with the commit that ran them), and chooses the recipe
-    over all; a result of other settings is refused, naming continue_runs."""
+    """max_runs=1 runs the first run only, and writes no recipe. A tuning cut short on a machine that is gone:
+    continue_runs=true with only its result JSON runs just the runs it lacks, keeps the others as they were
+    (marked with the commit that ran them), and chooses the recipe over all; a result of other settings is
+    refused, naming continue_runs."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "disabled")
     argv = ["tune_recipe.py", f"out_dir={tmp_path}/tune", f"results_dir={tmp_path}/res", *TINY, "variants=[dense]",
             "lrs=[1e-3,2e-3]", "warmups=[0]"]
-    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "argv", [*argv, "max_runs=1"])            # one call's share of the runs
     experiments.tune_recipe.main()
     path = tmp_path / "res" / "quality_recipe" / "cpu_tiny.json"
+    first = json.loads(path.read_text())
+    assert (first["jobs_done"], first["jobs_total"]) == (1, 2) and "recipe" not in first
+    assert [r["lr"] for r in first["tables"]["per seed"] if r.get("variant") == "dense"] == [1e-3]
+    monkeypatch.setattr(sys, "argv", argv)
+    experiments.tune_recipe.main()
     full = json.loads(path.read_text())
     cut = {**{k: v for k, v in full.items() if k != "recipe"}, "jobs_done": 1,
            "tables": {**full["tables"], "per seed": [r for r in full["tables"]["per seed"] if r.get("lr") != 2e-3]}}
