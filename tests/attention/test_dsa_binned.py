@@ -201,36 +201,62 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile, capacity):
         assert (records[unused] == -1).all()  # nothing written outside the lists
 
 
-def test_sort_lists_orders_each_list_in_place():
-    """Shuffled lists of different lengths (one empty): each comes back ascending, in its own place, with
-    the same entries; the unused tail of the records buffer is left alone."""
-    g = torch.Generator().manual_seed(3)
-    lengths = [5, 0, 1, 7, 3]
-    lists = [torch.randperm(50, generator=g)[:n].to(torch.int32) for n in lengths]
-    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    records = torch.cat([*lists, torch.full((4,), -7, dtype=torch.int32)])
-    backward.sort_lists(starts, records)
-    for i, entries in enumerate(lists):
-        assert records[starts[i]:starts[i + 1]].tolist() == sorted(entries.tolist())
-    assert (records[-4:] == -7).all()
+def _striped_lists(offsets, kernel_size, tile, stripes):
+    """The deterministic binning's lists of `offsets` with `stripes` stripes: {(bh, tile): entries in list order}."""
+    B, T, H, W, heads, K, _ = offsets.shape
+    tiles = math.prod(backward.tiles_per_axis((T, H, W), tile))
+    lists = B * heads * tiles
+    starts = torch.full((2 * lists * stripes + 1,), -1, dtype=torch.int32)
+    records = torch.full((B * heads * T * H * W * K * 8,), -1, dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.int32)
+    backward.bin_entries(scratch_entries(offsets, kernel_size), (B, T, H, W, heads), K, tile, 1,
+                         torch.empty(lists, dtype=torch.int32), starts, records, flag, stripes)
+    assert int(flag) == 1 and int(starts[0]) == 0
+    bounds = [(int(starts[i * stripes]), int(starts[(i + 1) * stripes])) for i in range(lists)]
+    return {divmod(i, tiles): records[s:e].tolist() for i, (s, e) in enumerate(bounds) if e > s}
 
 
-def test_deterministic_algorithms_sort_the_lists(monkeypatch):
-    """Under torch.use_deterministic_algorithms(True) the backward sorts its lists (a spy) and its
-    gradients equal the unsorted run's (in the interpreter both orders are fixed)."""
+def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stripes():
+    """With stripes, each list holds exactly the plain construction's entries, in one order fixed by the entries
+    alone: entry block (RANKED_BIN_BLOCK entries), then the corner that reaches the tile (t, y, x bits, lower
+    0), then the entry; so 1, 2 and 3 stripes (2 and 3 programs that each own a segment of every list) give
+    the same lists. 2 batches, 3 heads, odd 3 x 5 x 7 grid, 2 x 2 x 4 tiles, far offsets at half tokens."""
+    grid, kernel_size, tile = (3, 5, 7), (3, 3, 3), (2, 2, 4)
+    B, heads, K, N = 2, 3, math.prod(kernel_size), math.prod(grid)
+    g = torch.Generator().manual_seed(1)
+    offsets = torch.randn((B, *grid, heads, K, 3), generator=g) * 2
+    offsets = torch.where(torch.rand(offsets.shape, generator=g) < 0.5, (offsets * 2).round() / 2, offsets)
+    lower = clamped_positions(offsets, kernel_size).floor().long()  # (B, T, H, W, heads, K, 3)
+    lower = lower.permute(0, 4, 5, 1, 2, 3, 6).reshape(B * heads, K * N, 3)  # (bh, e, axis)
+    tiles_t, tiles_y, tiles_x = backward.tiles_per_axis(grid, tile)
+
+    def corner(bh, key_tile, e):
+        at = (key_tile // (tiles_y * tiles_x), key_tile // tiles_x % tiles_y, key_tile % tiles_x)
+        return sum(4 >> axis for axis in range(3) if at[axis] != lower[bh, e, axis] // tile[axis])
+
+    lists = _striped_lists(offsets, kernel_size, tile, 1)
+    assert {key: set(v) for key, v in lists.items()} == reference_lists(offsets, kernel_size, tile)
+    for (bh, key_tile), entries in lists.items():
+        assert entries == sorted(entries, key=lambda e: (e // launch.RANKED_BIN_BLOCK, corner(bh, key_tile, e), e))
+    assert _striped_lists(offsets, kernel_size, tile, 2) == lists == _striped_lists(offsets, kernel_size, tile, 3)
+
+
+def test_deterministic_algorithms_build_striped_lists(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the backward bins in stripes (a spy) and its gradients equal
+    the default run's (in the interpreter both orders are fixed)."""
     shape, kernel_size = (1, 3, 4, 5, 2, 16), (3, 3, 3)
     q, k, v, offsets, grad_out = make_inputs(shape, kernel_size, torch.float32, offset_std=2.0)
     out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, 0.25)
     args = (q, k, v, offsets, out, lse, grad_out, kernel_size, 0.25, True)
     plain = backward.dsa_backward(*args)
-    calls = []
-    sort = backward.sort_lists
-    monkeypatch.setattr(backward, "sort_lists", lambda *a: (calls.append(1), sort(*a)))
+    stripes = []
+    bin_entries = backward.bin_entries
+    monkeypatch.setattr(backward, "bin_entries", lambda *a: (stripes.append(a[9]), bin_entries(*a)))
     with deterministic_algorithms():
-        sorted_run = backward.dsa_backward(*args)
+        striped = backward.dsa_backward(*args)
     assert not torch.are_deterministic_algorithms_enabled()
-    assert calls, "the deterministic run did not sort its lists"
-    for a, b in zip(plain, sorted_run):
+    assert stripes and all(s is not None and s >= 1 for s in stripes), stripes
+    for a, b in zip(plain, striped):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -256,15 +282,18 @@ def test_binned_kernels_compile_for_sm90():
         bin_const = {"K": 27, "TT": 4, "TY": 4, "TX": 4, "BLOCK": launch.BIN_BLOCK, "ENTRY": constants.ENTRY_FLOATS}
         capped = {("cursor_ptr" if n == "slot_ptr" else n): t for n, t in bins.items()}
         build(backward._bin_capped_kernel, {**capped, "CAP": "i32"}, bin_const, 4)
-        for fill in (False, True):
-            build(backward._bin_kernel, {**bins, "BLOCKS": "i32"}, {**bin_const, "FILL": fill}, 4)
+        for fill, ranked in ((False, False), (True, False), (True, True)):
+            block = launch.RANKED_BIN_BLOCK if ranked else launch.BIN_BLOCK
+            build(backward._bin_kernel, {**bins, "BLOCKS": "i32", "STRIPES": "i32"},
+                  {**bin_const, "BLOCK": block, "FILL": fill, "RANKED": ranked}, 4)
         for dtype, tile, block_e, block_d in [("bf16", (4, 4, 4), 32, 64), ("bf16", (2, 4, 8), 64, 128),
                                               ("bf16", (1, 1, 1), 16, 64), ("fp32", (4, 4, 4), 32, 64)]:
             keys = {"q_ptr": "*" + dtype, "dout_ptr": "*" + dtype, "dsp_ptr": "*fp32", "cursor_ptr": "*i32",
                     "starts_ptr": "*i32", "flag_ptr": "*i32", "records_ptr": "*i32", "dk_ptr": "*" + dtype,
-                    "dv_ptr": "*" + dtype, **common, "D": "i32", "stride_tok": "i32", **tiles, "CAP": "i32"}
+                    "dv_ptr": "*" + dtype, **common, "D": "i32", "stride_tok": "i32", **tiles, "CAP": "i32",
+                    "STRIPES": "i32"}
             const = {"K": 27, "TT": tile[0], "TY": tile[1], "TX": tile[2], "PX": backward.padded_x(tile),
                      "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": constants.ENTRY_FLOATS,
                      "WIDE": False, "EVEN_D": True}
             build(backward._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
-    """) == 8
+    """) == 9

@@ -72,9 +72,9 @@ class Binned(Exception):
     """Stops the DSA backward at its binning, the step that reads the switch."""
 
 
-def test_the_mode_switches_dsa_to_its_sorted_backward(monkeypatch):
-    """The switch the fused DSA backward reads is the one deterministic_mode sets: it asks for the sorted lists
-    (`bin_entries(deterministic=True)`; tests/attention/test_dsa_binned.py checks what they do) inside the mode
+def test_the_mode_switches_dsa_to_its_striped_backward(monkeypatch):
+    """The switch the fused DSA backward reads is the one deterministic_mode sets: it asks for the striped lists
+    (`bin_entries(..., stripes)`; tests/attention/test_dsa_binned.py checks what they do) inside the mode
     only. Its query pass is stubbed out and it stops at the binning: no kernel runs."""
     B, T, H, W, heads, d, K = 1, 3, 3, 3, 1, 16, 27
     q = torch.randn(B, T, H, W, heads, d)
@@ -82,8 +82,8 @@ def test_the_mode_switches_dsa_to_its_sorted_backward(monkeypatch):
     lse = torch.zeros(B, heads, T * H * W)
     asked = []
 
-    def spy(*args, deterministic):
-        asked.append(deterministic)
+    def spy(*args):
+        asked.append(args[9] is not None)   # stripes: the deterministic lists
         raise Binned
 
     monkeypatch.setattr(backward, "query_pass", lambda *args: None)

@@ -39,8 +39,12 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    at the starts. The order inside a list is the order in which programs took slots, so
    it varies from run to run on a GPU, and with it the fp32 summation order of dK / dV
    (rounding-level differences; the interpreter runs programs in order and is deterministic). Under
-   `torch.use_deterministic_algorithms(True)` the exact lists are built and sorted (`sort_lists`), which
-   makes dK / dV the same bits from run to run.
+   `torch.use_deterministic_algorithms(True)` only the exact lists are built, in stripes: each program walks
+   its own run of entry blocks and owns one segment of every list (a count and a cursor per list and
+   stripe: `launch.bin_stripes`); the counts' prefix sum places the segments one after the other, and the
+   fill gives each record the slot of its rank in entry order (`_ranked_slots`: no atomics). So every list
+   holds its entries in the same order every run, and dK / dV are the same bits. No sort: the stripes'
+   counts and cursors take at most a quarter of the records buffer's bytes (outside the scratch bound).
 3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
    (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: reads each entry,
    takes its corners and 1D weights from the stored position (sampling._axis_corners, as the forward),
@@ -78,8 +82,8 @@ import triton.language as tl
 
 from megaslide.attention.dsa.constants import (ENTRY_FLOATS, LOG2E, MAX_TILES_PER_ENTRY, SCRATCH_BYTES,
                                                backward_scratch_bytes)
-from megaslide.attention.dsa.launch import (BIN_BLOCK, INTERPRETED, KeyConfig, LaunchConfig, exact_programs,
-                                            query_launch_config, query_programs)
+from megaslide.attention.dsa.launch import (BIN_BLOCK, INTERPRETED, RANKED_BIN_BLOCK, KeyConfig, LaunchConfig,
+                                            bin_stripes, exact_programs, query_launch_config, query_programs)
 from megaslide.attention.dsa.launch import key_config as default_key_config
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_dot, _split_zeros, _store_split,
                                           _token_rows, row_flags)
@@ -248,27 +252,53 @@ def _bin_capped_kernel(dsp_ptr, cursor_ptr, records_ptr, flag_ptr, T, H, W, TILE
 
 
 @triton.jit
-def _bin_kernel(dsp_ptr, slot_ptr, records_ptr, flag_ptr, T, H, W, TILES_Y, TILES_X, TILES, BLOCKS,
+def _ranked_slots(slot_at, touched, tile, BLOCK: tl.constexpr):
+    """Deterministic slots for one corner's records (E,) of a block: each record's slot is its list segment's
+    cursor (slot_at (E,) pointers, read by this program alone) plus the count of earlier records of the block in
+    the same list, and each cursor then moves past them all. The barriers order every thread's read of the
+    cursors before any update, and the updates before the next corner's reads."""
+    idx = tl.arange(0, BLOCK)
+    same = (tile[:, None] == tile[None, :]) & touched[None, :]  # (E, E) record j lies in record i's list
+    rank = tl.sum((same & (idx[None, :] < idx[:, None])).to(tl.int32), axis=1)  # (E,) same-list records before it
+    total = tl.sum(same.to(tl.int32), axis=1)  # (E,) the block's records in its list
+    base = tl.load(slot_at, mask=touched, other=0, volatile=True)
+    tl.debug_barrier()
+    tl.store(slot_at, base + total, mask=touched)  # the same value from every record of one list
+    tl.debug_barrier()
+    return base + rank
+
+
+@triton.jit
+def _bin_kernel(dsp_ptr, slot_ptr, records_ptr, flag_ptr, T, H, W, TILES_Y, TILES_X, TILES, BLOCKS, STRIPES,
                 K: tl.constexpr, TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr,
-                FILL: tl.constexpr, ENTRY: tl.constexpr):
-    """The exact lists, built only where flag_ptr[0] is set: per (entry, touched tile) count (slot_ptr:
-    counts (B * HEADS, TILES) int32, zeroed) or, with FILL, take a slot from the cursor (slot_ptr: cursors,
-    the starts) and write e there. Programs walk the BLOCKS entry blocks at a stride of the grid's size,
-    so that a launch with nothing to do costs only a few programs."""
+                FILL: tl.constexpr, RANKED: tl.constexpr, ENTRY: tl.constexpr):
+    """The exact lists, built only where flag_ptr[0] is set: per (entry, touched tile) count (slot_ptr: counts
+    (B * HEADS, TILES, STRIPES) int32, zeroed) or, with FILL, take a slot from the cursor (slot_ptr: cursors,
+    the segments' starts) and write e there. Each program walks its own run of the BLOCKS entry blocks, so that
+    a launch with nothing to do costs only a few programs. STRIPES = 1: one segment per list, slots taken with
+    atomics (their order varies from run to run). STRIPES = the programs along axis 0 (RANKED fill): each program
+    has its own segment of every list and ranks its records there in entry order (`_ranked_slots`)."""
     bh = tl.program_id(1)
     if tl.load(flag_ptr) != 0:
         dsp_bh = dsp_ptr + bh.to(tl.int64) * K * T * H * W * ENTRY
-        block = tl.program_id(0)
-        while block < BLOCKS:
+        per_program = tl.cdiv(BLOCKS, tl.num_programs(0))
+        block = tl.program_id(0) * per_program
+        stop = tl.minimum(block + per_program, BLOCKS)
+        segment = tl.program_id(0) % STRIPES  # this program's segment of each list (0 with one stripe)
+        while block < stop:
             e, tiles, used = _touched_tiles(dsp_bh, block, T, H, W, K, TT, TY, TX, BLOCK, ENTRY)
             for ct in tl.static_range(2):
                 for cy in tl.static_range(2):
                     for cx in tl.static_range(2):
                         touched, tile = _corner_tile(tiles, used, ct, cy, cx, TILES_Y, TILES_X)
-                        slot = tl.atomic_add(slot_ptr + bh * TILES + tile, 1, mask=touched, sem="relaxed")
-                        if FILL:
-                            tl.store(records_ptr + slot, e, mask=touched)
-            block += tl.num_programs(0)
+                        slot_at = slot_ptr + (bh * TILES + tile) * STRIPES + segment  # (E,)
+                        if RANKED:
+                            tl.store(records_ptr + _ranked_slots(slot_at, touched, tile, BLOCK), e, mask=touched)
+                        else:
+                            slot = tl.atomic_add(slot_at, 1, mask=touched, sem="relaxed")
+                            if FILL:
+                                tl.store(records_ptr + slot, e, mask=touched)
+            block += 1
 
 
 @triton.jit
@@ -297,7 +327,7 @@ def _dot_acc(acc, coef, rows, UPCAST: tl.constexpr):
 
 @triton.jit
 def _key_kernel(q_ptr, dout_ptr, dsp_ptr, cursor_ptr, starts_ptr, flag_ptr, records_ptr, dk_ptr, dv_ptr,
-                T, H, W, HEADS, D, stride_tok, TILES_Y, TILES_X, TILES, CAP, K: tl.constexpr,
+                T, H, W, HEADS, D, stride_tok, TILES_Y, TILES_X, TILES, CAP, STRIPES, K: tl.constexpr,
                 TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, PX: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, ENTRY: tl.constexpr,
                 WIDE: tl.constexpr, EVEN_D: tl.constexpr):
@@ -322,9 +352,10 @@ def _key_kernel(q_ptr, dout_ptr, dsp_ptr, cursor_ptr, starts_ptr, flag_ptr, reco
     do_bh = dout_ptr + head_off
     dsp_bh = dsp_ptr + bh.to(tl.int64) * K * N * ENTRY
     lst = bh * TILES + tile  # this tile's list: the capped one, or the exact one where the capped lists overflowed
-    exact = tl.load(flag_ptr) != 0
-    start = tl.where(exact, tl.load(starts_ptr + lst), lst * CAP)
-    end = tl.where(exact, tl.load(starts_ptr + lst + 1), lst * CAP + tl.minimum(tl.load(cursor_ptr + lst), CAP))
+    exact = tl.load(flag_ptr) != 0  # (an exact list is STRIPES segments, one after the other)
+    start = tl.where(exact, tl.load(starts_ptr + lst * STRIPES), lst * CAP)
+    end = tl.where(exact, tl.load(starts_ptr + (lst + 1) * STRIPES),
+                   lst * CAP + tl.minimum(tl.load(cursor_ptr + lst), CAP))
 
     dk = tl.zeros([KEYS, BLOCK_D], tl.float32)
     dv = tl.zeros([KEYS, BLOCK_D], tl.float32)
@@ -377,23 +408,6 @@ def query_pass(q, k, v, offsets, out, dout, lse, dq, doff, dsp, kernel_size: Seq
     )
 
 
-def sort_lists(starts: torch.Tensor, records: torch.Tensor) -> None:
-    """Sort every list records[starts[i]:starts[i + 1]] in place (ascending entries), keeping the lists
-    where they are: one sort of (list index, entry) int64 keys, which are unique. The key pass then sums
-    each tile's entries in a fixed order, so dK / dV are the same bits from run to run. Allocates about
-    24 bytes per record for the keys and the sort, outside the scratch bound, and reads the record count
-    back to the host."""
-    lengths = starts[1:] - starts[:-1]  # (lists,)
-    total = int(starts[-1])
-    if total == 0:
-        return
-    lists = torch.repeat_interleave(torch.arange(lengths.numel(), device=records.device), lengths.long(),
-                                    output_size=total)  # (total,) each record's list
-    keys = (lists << 32) | records[:total].long()
-    records[:total] = (torch.sort(keys).values & 0xFFFFFFFF).to(torch.int32)
-
-
-
 def list_capacity(n_tokens: int, num_samples: int, tiles: int) -> int:
     """Records per capped list when the records buffer (MAX_TILES_PER_ENTRY per entry) is split evenly over a
     (batch, head)'s key tiles: K x 8 x the keys of a tile on average, about 4x the mean list on 4 x 4 x 4 tiles."""
@@ -401,52 +415,59 @@ def list_capacity(n_tokens: int, num_samples: int, tiles: int) -> int:
 
 
 def bin_entries(dsp, shape, K: int, tile, capacity: int, cursors, starts, records, flag,
-                deterministic: bool = False) -> None:
+                stripes: int | None = None) -> None:
     """Build the per-(batch, head, key tile) entry lists of one head group of shape (B, T, H, W, g) from
     the query pass's entries dsp (B, g, K, N, ENTRY_FLOATS) of K samples per query, without a host sync.
     First the capped lists, one pass: list i is records[i * capacity:][:min(cursors[i], capacity)]
     (cursors (B * g * tiles,) int32, overwritten; records at least B * g * tiles * capacity int32). If a
     list overflows, flag (1,) int32 is set on the device, and two more passes, which do nothing otherwise,
     build the exact lists: list i is records[starts[i]:starts[i + 1]] (starts (2 * B * g * tiles + 1,)
-    int32: the starts, then the fill's cursors). `deterministic`: the exact lists only, each sorted
-    (`sort_lists`). The key pass reads flag to know which lists it has."""
+    int32: the starts, then the fill's cursors). `stripes` (deterministic): the exact lists only, in the same
+    order every run: each list in `stripes` segments, one per program and run of entry blocks, each filled in
+    entry order (starts (2 * B * g * tiles * stripes + 1,): list i is records[starts[i * stripes]:
+    starts[(i + 1) * stripes]]). The key pass reads flag to know which lists it has."""
     B, T, H, W, g = shape
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
     tiles = tiles_t * tiles_y * tiles_x
-    lists = B * g * tiles
-    blocks = triton.cdiv(T * H * W * K, BIN_BLOCK)
     geometry = (T, H, W, tiles_y, tiles_x, tiles)
-    constexprs = {"K": K, "TT": tile[0], "TY": tile[1], "TX": tile[2], "BLOCK": BIN_BLOCK, "ENTRY": ENTRY_FLOATS,
-                  "num_warps": 4}
-    if deterministic:
-        flag.fill_(1)
-    else:
+    constexprs = {"K": K, "TT": tile[0], "TY": tile[1], "TX": tile[2], "ENTRY": ENTRY_FLOATS, "num_warps": 4}
+    block = BIN_BLOCK if stripes is None else RANKED_BIN_BLOCK
+    blocks = triton.cdiv(T * H * W * K, block)
+    if stripes is None:
         flag.zero_()
         cursors.zero_()
-        _bin_capped_kernel[(blocks, B * g)](dsp, cursors, records, flag, *geometry, capacity, **constexprs)
-    exact_starts, fill_cursors = starts[:lists + 1], starts[lists + 1:]
-    exact_grid = (exact_programs(dsp.device, blocks, B * g), B * g)
-    exact_starts.zero_()
-    _bin_kernel[exact_grid](dsp, exact_starts[1:], records, flag, *geometry, blocks, FILL=False, **constexprs)
-    torch.cumsum(exact_starts[1:], 0, out=fill_cursors)
-    exact_starts[1:].copy_(fill_cursors)
-    fill_cursors.copy_(exact_starts[:-1])
-    _bin_kernel[exact_grid](dsp, fill_cursors, records, flag, *geometry, blocks, FILL=True, **constexprs)
-    if deterministic:
-        sort_lists(exact_starts, records)
+        _bin_capped_kernel[(blocks, B * g)](dsp, cursors, records, flag, *geometry, capacity, BLOCK=block,
+                                            **constexprs)
+        programs, segments = exact_programs(dsp.device, blocks, B * g), 1
+    else:
+        flag.fill_(1)
+        programs, segments = stripes, stripes
+    lists = B * g * tiles * segments  # list segments
+
+    def exact_pass(slots, fill: bool):
+        _bin_kernel[(programs, B * g)](dsp, slots, records, flag, *geometry, blocks, segments, BLOCK=block,
+                                       FILL=fill, RANKED=fill and stripes is not None, **constexprs)
+
+    counts, cursors_at = starts[1:lists + 1], starts[lists + 1:]
+    starts[:lists + 1].zero_()
+    exact_pass(counts, fill=False)
+    torch.cumsum(counts, 0, out=cursors_at)
+    counts.copy_(cursors_at)  # starts[i + 1]: the end of segment i
+    cursors_at.copy_(starts[:lists])  # each segment's fill cursor at its start
+    exact_pass(cursors_at, fill=True)
 
 
 def key_pass(q, dout, dsp, capacity: int, cursors, starts, flag, records, dk, dv, K: int, head_dim_block: int,
-             config: KeyConfig) -> None:
+             config: KeyConfig, stripes: int | None = None) -> None:
     """Launch the key pass over one head group (tensors as `query_pass`, K samples per query, lists from
-    `bin_entries`): writes dk, dv (B, T, H, W, g, d) views in the input dtype."""
+    `bin_entries` with the same `stripes`): writes dk, dv (B, T, H, W, g, d) views in the input dtype."""
     B, T, H, W, g, d = q.shape
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), config.tile)
     tiles = tiles_t * tiles_y * tiles_x
     tt, ty, tx = config.tile
     _key_kernel[(tiles, B * g)](
         q, dout, dsp, cursors, starts, flag, records, dk, dv,
-        T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, capacity, K=K,
+        T, H, W, g, d, q.stride(3), tiles_y, tiles_x, tiles, capacity, stripes or 1, K=K,
         TT=tt, TY=ty, TX=tx, PX=padded_x(config.tile), BLOCK_E=config.block_e, BLOCK_D=head_dim_block,
         UPCAST=INTERPRETED, ENTRY=ENTRY_FLOATS, num_warps=config.num_warps, maxnreg=config.maxnreg,
         **row_flags(T * H * W, q.stride(3), d, head_dim_block),
@@ -471,8 +492,8 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when `offsets_grad` is False.
     `config` overrides the query pass's tiles and `key_config` (a `launch.KeyConfig`) the key tiles
     (for tuning); `scratch_bytes` bounds the scratch (`heads_per_group`). Under
-    `torch.use_deterministic_algorithms(True)` the key tiles' entry lists are sorted
-    (`sort_lists`), so dk / dv are the same bits from run to run."""
+    `torch.use_deterministic_algorithms(True)` the key tiles' entry lists are built in stripes, in the
+    same order every run (`bin_entries`), so dk / dv are the same bits from run to run."""
     B, T, H, W, heads, d = q.shape
     N = T * H * W
     K = math.prod(kernel_size)
@@ -496,7 +517,9 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
                          f"records buffer split over {B * group * tiles} key tiles); use None for that default")
     records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
     cursors = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)  # the capped lists' lengths
-    starts = torch.empty(2 * B * group * tiles + 1, dtype=torch.int32, device=q.device)  # the exact lists'
+    stripes = bin_stripes(q.device, N * K, tiles, B * group) if torch.are_deterministic_algorithms_enabled() else None
+    starts = torch.empty(2 * B * group * tiles * (stripes or 1) + 1, dtype=torch.int32,
+                         device=q.device)  # the exact lists'
     flag = torch.empty(1, dtype=torch.int32, device=q.device)  # set where the capped lists overflowed
     with device_guard(q):
         for h0 in range(0, heads, group):
@@ -507,9 +530,9 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
             query_pass(q_g, k[heads_of], v[heads_of], offsets_g, out[heads_of], dout_g,
                        lse[:, h0:h0 + g].contiguous(), dq[heads_of], doff[heads_of], dsp_g,
                        kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
-            cursors_g, starts_g = cursors[:B * g * tiles], starts[:2 * B * g * tiles + 1]
-            bin_entries(dsp_g, (B, T, H, W, g), K, key_cfg.tile, capacity, cursors_g, starts_g,
-                        records, flag, deterministic=torch.are_deterministic_algorithms_enabled())
+            cursors_g, starts_g = cursors[:B * g * tiles], starts[:2 * B * g * tiles * (stripes or 1) + 1]
+            bin_entries(dsp_g, (B, T, H, W, g), K, key_cfg.tile, capacity, cursors_g, starts_g, records, flag,
+                        stripes)
             key_pass(q_g, dout_g, dsp_g, capacity, cursors_g, starts_g, flag, records, dk[heads_of],
-                     dv[heads_of], K, cfg.block_d, key_cfg)
+                     dv[heads_of], K, cfg.block_d, key_cfg, stripes)
     return dq, dk, dv, doff if offsets_grad else None

@@ -160,13 +160,27 @@ EXACT_PROGRAMS_PER_SM = 16
 that a launch with no overflowed list costs one wave of programs that return."""
 
 
+RANKED_BIN_BLOCK = 64
+"""Entries per block of the deterministic binning (`backward.bin_entries` with stripes): its fill ranks a block's
+records among themselves with a BLOCK x BLOCK comparison (32 values per thread of 4 warps at 64)."""
+
+
 def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
     """Programs along the entry blocks of an exact binning launch: EXACT_PROGRAMS_PER_SM per SM over all
-    (batch, head)s on a GPU (each walks blocks at the grid's stride), 2 in the interpreter (to walk the loop)."""
+    (batch, head)s on a GPU (each walks its own run of blocks), 2 in the interpreter (to walk the loop)."""
     if device.type != "cuda":
         return min(blocks, 2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(blocks, EXACT_PROGRAMS_PER_SM * sms // lists_groups))
+
+
+def bin_stripes(device: torch.device, entries: int, tiles: int, lists_groups: int) -> int:
+    """Stripes of the deterministic binning of `entries` (query, sample)s per (batch, head) over `tiles` key tiles:
+    one program per stripe and (batch, head), as an exact launch has (`exact_programs` over blocks of
+    RANKED_BIN_BLOCK), and at most entries / tiles, so that a stripe's count and cursor per list (2 int32 per
+    list and stripe) take at most a quarter of the records buffer (8 int32 per entry)."""
+    blocks = triton.cdiv(entries, RANKED_BIN_BLOCK)
+    return max(1, min(exact_programs(device, blocks, lists_groups), entries // tiles))
 
 
 @dataclass(frozen=True)
