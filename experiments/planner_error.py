@@ -29,6 +29,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.hydra_config import run_of, script_main
+from experiments.report import result_files
 from experiments.results_io import REFERENCE_GPU, descends_from, ran_on
 from megaslide.config import AttentionConfig, DiTConfig, ExecutionConfig, OffloadConfig, RunConfig, SLAB_AUTO, from_dict
 from megaslide.device import precision_dtype
@@ -123,7 +124,7 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
     """Every committed H200 training step with its measured time: the OOM tables' timed cells and the
     mfu_overlap variants."""
     steps = []
-    for path in sorted(results_dir.glob("oom_thresholds/*.json")):
+    for path in result_files("oom_thresholds", results_dir):
         table = json.loads(path.read_text())
         if table.get("plan_only") or not ran_on(table, REFERENCE_GPU):
             continue
@@ -137,7 +138,7 @@ def h200_timed_steps(results_dir: Path = RESULTS) -> list[TimedStep]:
             steps.append(TimedStep(f"{path.stem}-{cell['attention']}-{cell['mode']}-{cell['frames']}",
                                    f"oom_thresholds/{path.name}", cell, run, measured_ceilings(table["ceilings"], rate),
                                    rate is not None, cell["step_s"], descends_from(table["commit"], BLOCK_GRAD)))
-    for path in sorted(results_dir.glob("mfu_overlap/*.json")):
+    for path in result_files("mfu_overlap", results_dir):
         result = json.loads(path.read_text())
         if not ran_on(result, REFERENCE_GPU):
             continue
