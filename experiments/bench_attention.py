@@ -102,6 +102,13 @@ class BenchAttentionConfig:
                              "(offsets uniform in +-b)")
         if self.repeats < MIN_REPEATS:
             raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
+        for key in ("frames", "module_head_dims"):
+            values = getattr(self, key)
+            if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+                raise ValueError(f"{key}={list(values)} must be a non-empty list of integers >= 1, e.g. {key}=[2,8]")
+        for key in ("heads", "head_dim"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
 
 
 # ----------------------------------------------------------------------------- cells
@@ -527,6 +534,9 @@ def load_baseline(name: str) -> dict | None:
 def main(hydra_cfg: DictConfig) -> None:
     preset = trial_preset(hydra_cfg, smoke=SMOKE, quick=QUICK)
     cfg = script_config(BenchAttentionConfig, hydra_cfg, preset)
+    if not cfg.smoke and not torch.cuda.is_available():
+        raise ValueError("bench_attention times the attention ops at full size (up to 1M tokens): it needs a CUDA "
+                         "GPU; smoke=true runs it tiny on the CPU")
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda" and "dsa_fused_deterministic" in cfg.variants:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,8 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import OverrideParseException
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError
 
 from experiments.results_io import check_result_name, check_writable_folder
 from megaslide.config import (
@@ -63,8 +66,40 @@ def script_main(config_name: str):
                     raise
                 print(f"error: {err}", file=sys.stderr)
                 sys.exit(3 if isinstance(err, FloatingPointError) else 2)
-        return hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run)
+        main = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(run)
+
+        @functools.wraps(task)
+        def entry(*args, **kwargs):
+            if not args and not kwargs:   # from the command line, not called with a config
+                refuse_unknown_keys(config_name, sys.argv[1:])
+            return main(*args, **kwargs)
+        return entry
     return decorate
+
+
+def refuse_unknown_keys(config_name: str, argv: list[str]) -> None:
+    """Before Hydra reads the command line: a `key=value` naming a key that experiments/conf/<config_name>.yaml
+    does not have exits with status 2 and a message naming the key, its closest keys and the file that lists
+    them, instead of Hydra's advice to add it with '+' (which the scripts refuse in turn, as a key they would
+    ignore). Anything else Hydra would refuse is left to Hydra."""
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not overrides or GlobalHydra.instance().is_initialized():
+        return
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            compose(config_name, overrides=overrides)
+            return
+        except ConfigCompositionException as err:
+            unknown = re.match(r"Could not override '([^']+)'", str(err))
+            if not unknown or not isinstance(err.__cause__, ConfigAttributeError):
+                return
+        keys = _flat_keys(OmegaConf.to_container(compose(config_name)))
+    key = unknown.group(1)
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    print(f"error: unknown key {key}: experiments/conf/{config_name}.yaml has no such key{hint}; its keys are "
+          f"listed there", file=sys.stderr)
+    sys.exit(2)
 
 
 def trial_preset(cfg: DictConfig | dict, **presets: dict) -> dict | None:

@@ -240,7 +240,11 @@ def report(h: HeldOutError) -> str:
 
 @script_main("planner_error")
 def main(cfg: DictConfig) -> None:
-    print(report(held_out_error(Path(cfg.results) if cfg.results else RESULTS)))
+    folder = Path(cfg.results) if cfg.results else RESULTS
+    if not folder.is_dir():
+        raise ValueError(f"results={cfg.results} is not a folder; pass the folder that holds oom_thresholds/ and "
+                         f"mfu_overlap/ (the repository's results/ when results is unset)")
+    print(report(held_out_error(folder)))
 
 
 if __name__ == "__main__":

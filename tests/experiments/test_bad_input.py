@@ -23,6 +23,7 @@ import experiments.mfu_overlap
 import experiments.offload_peers
 import experiments.oom_thresholds
 import experiments.plan
+import experiments.planner_error
 import experiments.profile_step
 import experiments.quality
 import experiments.sample
@@ -261,7 +262,31 @@ BAD_TABLE = [
     (experiments.profile_step, "size=33", "size=33 is not divisible by the patch size 2"),
     (experiments.profile_step, "variants=[nope]", "variants=['nope'] must name attention variants"),
     (experiments.profile_step, "device=gpu", "device='gpu': choose one of auto, cpu, cuda"),
+    (experiments.bench_attention, "frames=[0]", "frames=[0] must be a non-empty list of integers >= 1"),
+    (experiments.bench_attention, "head_dim=0", "head_dim=0 must be >= 1"),
+    (experiments.planner_error, "results=no_such_folder", "results=no_such_folder is not a folder"),
 ]
+
+
+# a key the script's config does not have: refused with its closest keys, not with Hydra's advice to add it with '+'
+UNKNOWN_KEYS = [(experiments.ablate_offsets, "variantz=[dsa]", "unknown key variantz: experiments/conf/"
+                 "ablate_offsets.yaml has no such key (did you mean variants?)"),
+                (experiments.train, "train.lrr=1", "unknown key train.lrr: experiments/conf/train.yaml has no such "
+                 "key (did you mean train.lr or"),
+                (experiments.sample, "ckpt=run/x", "unknown key ckpt: experiments/conf/sample.yaml has no such key;")]
+
+
+@pytest.mark.parametrize("script,arg,message", UNKNOWN_KEYS, ids=lambda v: getattr(v, "__name__", v))
+def test_an_unknown_key_is_refused_with_the_keys_it_may_mean(script, arg, message, tmp_path, monkeypatch, capsys):
+    assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_attention_at_full_size_needs_a_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = run_main(experiments.bench_attention, ["name=x"], tmp_path, monkeypatch, capsys)
+    assert "it needs a CUDA GPU; smoke=true runs it tiny on the CPU" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("script,arg,message", BAD_TABLE, ids=lambda v: getattr(v, "__name__", v))
