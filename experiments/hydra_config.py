@@ -81,18 +81,20 @@ def refuse_unknown_keys(config_name: str, argv: list[str]) -> None:
     """Before Hydra reads the command line: a `key=value` naming a key that experiments/conf/<config_name>.yaml
     does not have exits with status 2 and a message naming the key, its closest keys and the file that lists
     them, instead of Hydra's advice to add it with '+' (which the scripts refuse in turn, as a key they would
-    ignore). Anything else Hydra would refuse is left to Hydra."""
-    overrides = [a for a in argv if not a.startswith("-")]
-    if not overrides or GlobalHydra.instance().is_initialized():
+    ignore). A command line with Hydra's own flags (`--cfg job`, `-m`, ...), and anything else Hydra would refuse,
+    is left to Hydra."""
+    if not argv or any(a.startswith("-") or "=" not in a for a in argv) or GlobalHydra.instance().is_initialized():
         return
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            compose(config_name, overrides=overrides)
+            compose(config_name, overrides=argv)
             return
         except ConfigCompositionException as err:
             unknown = re.match(r"Could not override '([^']+)'", str(err))
             if not unknown or not isinstance(err.__cause__, ConfigAttributeError):
                 return
+        except Exception:  # noqa: BLE001 - any other refusal: Hydra reports it when it reads the command line
+            return
         keys = _flat_keys(OmegaConf.to_container(compose(config_name)))
     key = unknown.group(1)
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)

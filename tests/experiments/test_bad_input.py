@@ -32,7 +32,7 @@ import experiments.sp_training
 import experiments.train
 import experiments.tune_recipe
 import experiments.wan_parity
-from experiments.hydra_config import CONF_DIR, typed_configs
+from experiments.hydra_config import CONF_DIR, refuse_unknown_keys, typed_configs
 from megaslide.checkpoint import save_checkpoint
 from megaslide.config import DiTConfig
 from megaslide.train.trainer import Trainer
@@ -280,6 +280,13 @@ UNKNOWN_KEYS = [(experiments.ablate_offsets, "variantz=[dsa]", "unknown key vari
 def test_an_unknown_key_is_refused_with_the_keys_it_may_mean(script, arg, message, tmp_path, monkeypatch, capsys):
     assert message in run_main(script, [arg], tmp_path, monkeypatch, capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_flags_and_other_refusals_are_left_to_hydra():
+    """The unknown-key check steps aside for Hydra's own flags and for what only Hydra reports (it returns)."""
+    for argv in (["train.steps=1", "--cfg", "job"], ["-m", "train.lr=1e-3,2e-3"], ["model=no_such_preset"],
+                 ["train.steps"], []):
+        assert refuse_unknown_keys("train", argv) is None
 
 
 def test_bench_attention_at_full_size_needs_a_gpu(tmp_path, monkeypatch, capsys):
