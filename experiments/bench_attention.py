@@ -51,7 +51,7 @@ from experiments.dsa_candidates import launch_of
 from experiments.harness import ExperimentRun
 from experiments.module_cell import KERNEL, module_fn
 from megaslide.perf.timing import MIN_REPEATS, copy_gbps, matmul_tflops, measure, timed
-from experiments.hydra_config import script_config, script_main, trial_preset
+from experiments.hydra_config import require_ranges, require_sizes, script_config, script_main, trial_preset
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
@@ -102,13 +102,9 @@ class BenchAttentionConfig:
                              "(offsets uniform in +-b)")
         if self.repeats < MIN_REPEATS:
             raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
-        for key in ("frames", "module_head_dims"):
-            values = getattr(self, key)
-            if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
-                raise ValueError(f"{key}={list(values)} must be a non-empty list of integers >= 1, e.g. {key}=[2,8]")
-        for key in ("heads", "head_dim"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        require_sizes("frames", list(self.frames))
+        require_sizes("module_head_dims", list(self.module_head_dims))
+        require_ranges(self, positive=("heads", "head_dim"))
 
 
 # ----------------------------------------------------------------------------- cells

@@ -262,8 +262,8 @@ BAD_TABLE = [
     (experiments.profile_step, "size=33", "size=33 is not divisible by the patch size 2"),
     (experiments.profile_step, "variants=[nope]", "variants=['nope'] must name attention variants"),
     (experiments.profile_step, "device=gpu", "device='gpu': choose one of auto, cpu, cuda"),
-    (experiments.bench_attention, "frames=[0]", "frames=[0] must be a non-empty list of integers >= 1"),
-    (experiments.bench_attention, "head_dim=0", "head_dim=0 must be >= 1"),
+    (experiments.bench_attention, "frames=[0]", "frames=[0]: [0] must be >= 1 each"),
+    (experiments.bench_attention, "head_dim=0", "head_dim=0 must be > 0"),
     (experiments.planner_error, "results=no_such_folder", "results=no_such_folder is not a folder"),
 ]
 

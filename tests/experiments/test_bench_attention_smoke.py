@@ -196,7 +196,7 @@ def test_config_refuses_unknown_variants_and_few_repeats():
         BenchAttentionConfig(**{**ok, "repeats": 4}).validate()
     with pytest.raises(ValueError, match="offset_bounds=\\[0.0\\]"):
         BenchAttentionConfig(**{**ok, "offset_bounds": [0.0]}).validate()
-    with pytest.raises(ValueError, match="module_head_dims=\\[\\] must be a non-empty list"):
+    with pytest.raises(ValueError, match="module_head_dims=\\[\\] must list at least one value"):
         BenchAttentionConfig(**{**ok, "module_head_dims": []}).validate()
 
 
