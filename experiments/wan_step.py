@@ -1,7 +1,9 @@
 """Training steps of a big model as train.py builds it (random init, or model.pretrained read block by block),
 timed on one fixed synthetic clip: losses, step time and its parts, MFU, peak host RSS and HBM, and the
 planner's host RAM and HBM beside them. Nothing is checkpointed or sampled: a 14B model's checkpoint would
-not fit the device's disk. Configuration: experiments/conf/wan_step.yaml (train.py's groups and overrides).
+not fit the device's disk. A run on a CPU is a trial: its result goes under runs/wan_step/<name>/results/, not
+into the tracked results/ (unless MEGASLIDE_RESULTS_DIR says where). Configuration:
+experiments/conf/wan_step.yaml (train.py's groups and overrides).
 
     python -m experiments.wan_step model=tiny model.block=wan offload=engine data.frames=4 timed=2   # CPU, seconds
     python -m experiments.wan_step model=wan-14b model.in_channels=3 model.text_encoder=true offload=engine \
@@ -34,7 +36,7 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"warmup={c['warmup']}, timed={c['timed']}: give warmup >= 0 and timed >= 1")
     plan = make_plan(PlanConfig(run, check=False, ceilings={}))
     device = resolve_device(run.train.device, key="train.device")
-    experiment = ExperimentRun("wan_step", c["name"], config=c)
+    experiment = ExperimentRun("wan_step", c["name"], config=c, trial=device.type != "cuda")
     torch.manual_seed(run.train.seed)
     start = time.perf_counter()
     engine = build_engine(run.model, run.train, run.offload, device=device, grid=run.grid, execution=run.execution)

@@ -1,5 +1,6 @@
 """experiments/wan_step.py: train.py's run, timed on a synthetic clip, from random init and from a folder."""
 import dataclasses
+import json
 
 import pytest
 
@@ -23,3 +24,17 @@ def test_times_steps_of_the_run_and_plans_it(tmp_path, start):
     assert "step_s" in out and len(result["losses"]) == 3 and all(loss > 0 for loss in result["losses"])
     assert result["tokens"] == 4 * 8 * 8 and result["plan_host_GB"] > 0 and result["peak_host_rss_GB"] > 0
     assert any(o.startswith("model=") for o in result["run_overrides"])
+
+
+def test_a_cpu_run_is_a_trial_that_leaves_results_alone(tmp_path, monkeypatch):
+    """With no MEGASLIDE_RESULTS_DIR, a CPU run writes under runs/wan_step/<name>/results/, never results/."""
+    from experiments import wan_step
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MEGASLIDE_RESULTS_DIR", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr("experiments.results_io.RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr("sys.argv", ["wan_step.py", *TINY, "offload.init_on_host=false"])
+    wan_step.main()
+    trial = tmp_path / "runs" / "wan_step" / "smoke" / "results" / "wan_step" / "smoke.json"
+    assert len(json.loads(trial.read_text())["losses"]) == 3
+    assert not (tmp_path / "results").exists()
