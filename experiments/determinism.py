@@ -9,7 +9,8 @@ repeat bit for bit where nothing varies within one: docs/quality_study.md, "Repe
 time and its spread over the timed steps of all its runs, whether the runs' losses (every step) and final weights
 are the same bits, the largest loss difference between them, and for the deterministic row `cost`, its median step
 time over the plain row's. A run that fails (an op without a deterministic implementation raises under the flag) is
-the row's status.
+the row's status. A run on a CPU is a trial: its result goes under runs/determinism/<name>/results/ unless
+MEGASLIDE_RESULTS_DIR says where.
 
     python -m experiments.determinism name=h200                     # GPU: the quality study's 16-frame clip
     python -m experiments.determinism train.device=cpu model=tiny data.frames=3 data.height=8 data.width=8 \\
@@ -30,6 +31,7 @@ from experiments.hydra_config import script_config, script_main, typed_configs
 from experiments.quality_protocol import weights_digest
 from experiments.report import markdown_table
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
+from megaslide.device import resolve_device
 from megaslide.perf.timing import MIN_REPEATS, Timing, timed
 from megaslide.train.trainer import Trainer
 
@@ -112,7 +114,8 @@ def main(hydra_cfg: DictConfig) -> None:
         m.attention.validate(grid)
     config = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("wandb_dir", "wandb_project")},
               "model": dataclasses.asdict(model), "data": dataclasses.asdict(data), "train": dataclasses.asdict(train)}
-    run = ExperimentRun("determinism", cfg.name, config, cfg.wandb_dir, cfg.wandb_project)
+    on_cpu = resolve_device(train.device, key="train.device").type == "cpu"   # a trial: the question is the GPU's
+    run = ExperimentRun("determinism", cfg.name, config, cfg.wandb_dir, cfg.wandb_project, trial=on_cpu)
     rows = []
     for variant in cfg.variants:
         for deterministic in (False, True):

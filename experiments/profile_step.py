@@ -5,7 +5,8 @@ For each variant: build the reference Trainer on MovingShapes, warm up, time `st
 operators with the most device time (CPU time on a CPU run; experiments/op_profile.py).
 Batches are made inside the step, so the data cost is part of the step time. The DiT comes from
 the `model` group; each variant takes from the `attention` group the options it has (with
-`attention=swin`, `attention.window` sets Swin's window), else its defaults.
+`attention=swin`, `attention.window` sets Swin's window), else its defaults. A run on a CPU is a trial: its result
+goes under runs/profile_step/<name>/results/ unless MEGASLIDE_RESULTS_DIR says where (=results publishes it).
 Configuration: experiments/conf/profile_step.yaml.
 
     python -m experiments.profile_step device=cpu model=tiny frames=4 size=16                # tiny
@@ -90,7 +91,9 @@ def profile_variant(name: str, cfg: ProfileStepConfig) -> dict:
 @script_main("profile_step")
 def main(hydra_cfg: DictConfig) -> None:
     cfg = script_config(ProfileStepConfig, hydra_cfg)
-    run = ExperimentRun("profile_step", cfg.name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project)
+    on_cpu = resolve_device(cfg.device).type == "cpu"   # a trial unless MEGASLIDE_RESULTS_DIR publishes it
+    run = ExperimentRun("profile_step", cfg.name, dataclasses.asdict(cfg), cfg.wandb_dir, cfg.wandb_project,
+                        trial=on_cpu)
     profiled = [profile_variant(v, cfg) for v in cfg.variants]
     rows = [{k: v for k, v in r.items() if k != "top"} for r in profiled]
     top = [t for r in profiled for t in r["top"]]

@@ -28,3 +28,8 @@ def run_script_streams(args: list[str], results_dir: Path | None = None, **env: 
 
 def load_result(results_dir: Path, experiment: str, name: str) -> dict:
     return json.loads((results_dir / experiment / f"{name}.json").read_text())
+
+
+def load_trial_result(out_dir: Path, experiment: str, name: str) -> dict:
+    """The result a trial run (ExperimentRun(trial=True), out_dir `out_dir`) writes under its run folder."""
+    return load_result(out_dir / experiment / name / "results", experiment, name)

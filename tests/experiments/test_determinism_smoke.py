@@ -3,7 +3,7 @@ gave the same bits (a CPU run does either way) and the cost; bad keys are refuse
 import pytest
 
 import experiments.determinism
-from tests.experiments.runner import load_result, run_script
+from tests.experiments.runner import load_trial_result, run_script
 from tests.experiments.test_bad_input import run_main
 
 TINY = ["train.device=cpu", "model=tiny", "model.depth=1", "data.frames=3", "data.height=8", "data.width=8",
@@ -12,8 +12,8 @@ TINY = ["train.device=cpu", "model=tiny", "model.depth=1", "data.frames=3", "dat
 
 def test_determinism_smoke(tmp_path):
     out = run_script(["-m", "experiments.determinism", *TINY, "variants=[dsa]", "warmup=1", "steps=5",
-                      f"wandb.dir={tmp_path}/runs"], results_dir=tmp_path)
-    data = load_result(tmp_path, "determinism", "cpu_tiny")
+                      f"wandb.dir={tmp_path}/runs"], MEGASLIDE_RESULTS_DIR="")
+    data = load_trial_result(tmp_path / "runs", "determinism", "cpu_tiny")   # a CPU run is a trial
     plain, det = data["rows"]
     assert [(r["variant"], r["deterministic"], r["status"]) for r in (plain, det)] == [("dsa", False, "ok"),
                                                                                          ("dsa", True, "ok")]

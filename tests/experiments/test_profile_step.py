@@ -1,14 +1,14 @@
 """profile_step.py at tiny CPU size: step times and top operators land in the JSON."""
 import pytest
 
-from tests.experiments.runner import load_result, run_script
+from tests.experiments.runner import load_trial_result, run_script
 
 
 def test_profile_step_smoke(tmp_path):
     out = run_script(["-m", "experiments.profile_step", "device=cpu", "variants=[dense,dsa]", "model.dim=32",
                       "model.depth=1", "model.num_heads=2", "model.ffn_dim=128", "frames=3", "size=8", "batch=1",
-                      "warmup=1", "steps=5", "top=2", f"wandb.dir={tmp_path}/runs"], results_dir=tmp_path)
-    data = load_result(tmp_path, "profile_step", "cpu_tiny")
+                      "warmup=1", "steps=5", "top=2", f"wandb.dir={tmp_path}/runs"], MEGASLIDE_RESULTS_DIR="")
+    data = load_trial_result(tmp_path / "runs", "profile_step", "cpu_tiny")   # a CPU run is a trial
     assert [r["variant"] for r in data["rows"]] == data["config"]["variants"] == ["dense", "dsa"]
     assert all(0 < r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["tokens_per_step"] == 3 * 4 * 4
                for r in data["rows"])
