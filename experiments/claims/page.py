@@ -71,10 +71,10 @@ def readme(results_dir: Path) -> str:
     if partial:
         out += ["## Runs cut short", "",
                 "These runs hit the device time limit; their tables hold only the runs that finished:", ""]
-        out += [f"- {link(results_dir, f.parent.name, f.stem)}: {r['jobs_done']} of {r['jobs_total']} planned runs"
-                + "".join(f"; more seeds of its config in {link(results_dir, g.parent.name, g.stem)}"
-                          for g in _same_config(f, r))
-                for f, r in partial]
+        for f, r in partial:
+            more = [link(results_dir, g.parent.name, g.stem) for g in _same_config(f, r)]
+            out.append(f"- {link(results_dir, f.parent.name, f.stem)}: {r['jobs_done']} of {r['jobs_total']} planned "
+                       f"runs" + (f"; more seeds of its config in {', '.join(more)}" if more else ""))
         out.append("")
     return "\n".join(out)
 

@@ -354,3 +354,18 @@ def test_a_tuned_recipe_is_pooled_first_and_the_untuned_verdict_shows_beside_it(
     assert c7.startswith("supported") and "quality/tuned.json" in _claim(results, "C7")[0]
     assert c7.endswith(f"up to commit {quality.UNTUNED_RULE_UNTIL}: {quality.UNTUNED_RULE}): inconclusive")
     assert "under the previous rule" not in _verdict(results, "C8")   # both pools support C8: nothing shown
+
+
+def test_runs_cut_short_are_listed_with_the_other_files_of_their_config(results):
+    rows = _rows(0, {"dsa": (0.70, 0.8), "dsa_zero": (0.50, 0.6)})
+    write_result("ablate_offsets", "cut", {"config": {"steps": 1500, "seeds": [0], "n_eval": 32}, "rows": [],
+                                           "tables": {"per seed": rows}, "jobs_done": 1, "jobs_total": 2},
+                 results_dir=results)
+    _write(results, "more_a", 1500, [1], rows)
+    _write(results, "more_b", 1500, [2], rows)
+    _write(results, "other", 700, [0], rows)                       # another config: not named
+    listed = [line.replace(" (dirty tree)", "") for line in page.readme(results).splitlines()   # run in a dirty tree
+              if line.startswith("- [ablate_offsets/cut.json]")]
+    assert listed == ["- [ablate_offsets/cut.json](ablate_offsets/cut.json): 1 of 2 planned runs; more seeds of its "
+                      "config in [ablate_offsets/more_a.json](ablate_offsets/more_a.json), "
+                      "[ablate_offsets/more_b.json](ablate_offsets/more_b.json)"]
