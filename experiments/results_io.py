@@ -65,6 +65,9 @@ RESULTS_DIR = REPO_ROOT / "results"
 STAMP_FILE = ".provenance.json"
 NOT_CODE = ["results", STAMP_FILE]   # left out of the diff, the dirty flag and the stamp
 DIRTY_NOTE = " (dirty tree)"
+UNKNOWN_NOTE = " (provenance unknown)"
+MARKS_NOTE = (f"A result marked{DIRTY_NOTE} ran on a tree that differed from its commit; one marked{UNKNOWN_NOTE} "
+              "recorded no verified dirty flag (`python -m experiments.results_io audit` lists each result's status).")
 
 
 # ----------------------------------------------------------------------------- the code that ran
@@ -175,9 +178,10 @@ def is_dirty(result: dict) -> bool:
     return result.get("dirty") is True or str(result.get("commit", "")).endswith("+dirty")
 
 
-def dirty_note(result: dict) -> str:
-    """The mark generated tables put beside the name of a result file from a dirty tree."""
-    return DIRTY_NOTE if is_dirty(result) else ""
+def provenance_mark(result: dict) -> str:
+    """The mark generated pages put beside the name of a result file whose record does not show a clean tree:
+    DIRTY_NOTE for a dirty one, UNKNOWN_NOTE where no verified dirty flag was recorded (`record_status`)."""
+    return {"dirty": DIRTY_NOTE, "unknown": UNKNOWN_NOTE}.get(record_status(result)[0], "")
 
 
 # ----------------------------------------------------------------------------- result files
@@ -293,7 +297,6 @@ VERIFIED_SOURCES = ("git", "stamp")   # the provenance sources whose dirty flag 
 def _audit_status(result: dict, root: Path) -> tuple[str, str]:
     """(status, why) of one result's record (module docstring)."""
     commit = str(result.get("commit") or "").removesuffix("+dirty")
-    source = result.get("provenance_source")
     if not commit or commit == "unknown":
         return "unverifiable", "no commit recorded"
     ancestor = is_ancestor(commit, "HEAD", root)
@@ -303,6 +306,13 @@ def _audit_status(result: dict, root: Path) -> tuple[str, str]:
         return "unverifiable", why
     if not ancestor:
         return "not-an-ancestor", f"{commit[:9]} is not in the history of HEAD"
+    return record_status(result)
+
+
+def record_status(result: dict) -> tuple[str, str]:
+    """(status, why) that a result's record alone gives, without git: "dirty", "unknown" or "ok"
+    (AUDIT_STATUSES; the audit first checks the commit against the repository's history)."""
+    source = result.get("provenance_source")
     if is_dirty(result):
         mismatch = result.get("stamp_mismatch")
         return "dirty", (f"stale stamp: {', '.join(mismatch)} changed" if mismatch else

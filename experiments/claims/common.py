@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.report import result_files
-from experiments.results_io import REFERENCE_GPU, dirty_note, ran_on
+from experiments.results_io import REFERENCE_GPU, provenance_mark, ran_on
 
 
 def load(results_dir: Path, experiment: str, name: str) -> dict | None:
@@ -17,8 +17,9 @@ def load(results_dir: Path, experiment: str, name: str) -> dict | None:
 
 
 def link(results_dir: Path, experiment: str, name: str) -> str:
-    """A result file's link, marked when the result ran on a dirty tree."""
-    marked = dirty_note(load(results_dir, experiment, name) or {})
+    """A result file's link, marked when its record shows a dirty tree or no verified clean one."""
+    result = load(results_dir, experiment, name)
+    marked = provenance_mark(result) if result is not None else ""
     return f"[{experiment}/{name}.json]({experiment}/{name}.json){marked}"
 
 

@@ -130,10 +130,13 @@ def test_the_stamp_file_is_never_committed():
     assert tracked.returncode != 0, f"{STAMP_FILE} is committed: git rm --cached {STAMP_FILE}"
 
 
-def test_dirty_mark():
-    assert results_io.dirty_note({"dirty": True}) == " (dirty tree)"
-    assert results_io.dirty_note({"commit": "abc1234+dirty"}) == " (dirty tree)"  # the old writer's suffix
-    assert results_io.dirty_note({"dirty": False}) == results_io.dirty_note({}) == ""
+def test_provenance_mark():
+    assert results_io.provenance_mark({"dirty": True}) == " (dirty tree)"
+    assert results_io.provenance_mark({"commit": "abc1234+dirty"}) == " (dirty tree)"  # the old writer's suffix
+    assert results_io.provenance_mark({"dirty": False, "provenance_source": "git"}) == ""
+    assert results_io.provenance_mark({"dirty": False, "provenance_source": "stamp"}) == ""
+    for record in ({}, {"dirty": None}, {"dirty": False}, {"dirty": False, "provenance_source": "environment"}):
+        assert results_io.provenance_mark(record) == " (provenance unknown)"   # no verified dirty flag
 
 
 def test_written_results_record_the_code_state(tmp_path):
