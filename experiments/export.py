@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_config, script_main
+from experiments.results_io import check_writable_folder
 from megaslide.config import DiTConfig, from_dict
 from megaslide.extras import require
 from megaslide.inference.weights import sampling_weights
@@ -37,6 +38,7 @@ class ExportConfig:
                              f"experiments/train.py (checkpoints/step_N.pt or checkpoints/step_N/)")
         if Path(self.out).is_file():
             raise ValueError(f"out={self.out!r} is a file; give a folder to write the diffusers model into")
+        check_writable_folder(self.out, "out")   # a folder under a file, or not writable: before the weights load
         shard_bytes(self.max_shard_size)
 
 

@@ -14,16 +14,16 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.generate_inputs import build_inputs, sampler_config
+from experiments.generate_inputs import build_inputs, check_inputs, sampler_config, write_and_leave
 from experiments.hydra_config import script_main
 from megaslide.inference.causal import CausalConfig, CausalGenerator
-from megaslide.inference.launch import init_distributed, shutdown
-from megaslide.inference.outputs import save_latents
+from megaslide.inference.launch import init_distributed
 
 
 @script_main("generate_causal")
 def main(cfg: DictConfig) -> None:
     c = OmegaConf.to_container(cfg, resolve=True)
+    check_inputs(c)
     ctx = init_distributed(c["device"])
     model, noise, ids = build_inputs(c, ctx.device)
     config = sampler_config(CausalConfig, c)
@@ -35,10 +35,7 @@ def main(cfg: DictConfig) -> None:
         if ctx.is_main:
             print(f"chunk {chunk.index} (latent frames {chunk.start}..{chunk.start + config.chunk_frames - 1}) "
                   f"final after {time.perf_counter() - start:.3f} s", flush=True)
-    if ctx.is_main:
-        for path in save_latents(c["out"], torch.cat(chunks, dim=2)):
-            print(f"wrote {path}", flush=True)
-    shutdown(ctx)
+    write_and_leave(ctx, c["out"], torch.cat(chunks, dim=2))
 
 
 if __name__ == "__main__":

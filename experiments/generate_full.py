@@ -11,25 +11,22 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.generate_inputs import build_inputs, sampler_config
+from experiments.generate_inputs import build_inputs, check_inputs, sampler_config, write_and_leave
 from experiments.hydra_config import script_main
 from megaslide.inference.full import FullConfig, FullSequenceSampler
-from megaslide.inference.launch import init_distributed, shutdown
-from megaslide.inference.outputs import save_latents
+from megaslide.inference.launch import init_distributed
 
 
 @script_main("generate_full")
 def main(cfg: DictConfig) -> None:
     c = OmegaConf.to_container(cfg, resolve=True)
+    check_inputs(c)
     ctx = init_distributed(c["device"])
     model, noise, ids = build_inputs(c, ctx.device)
     sampler = FullSequenceSampler(model, frames=c["frames"], height=c["height"], width=c["width"],
                                   config=sampler_config(FullConfig, c), group=ctx.group)
     video = sampler.sample(noise, ids)
-    if ctx.is_main:
-        for path in save_latents(c["out"], video):
-            print(f"wrote {path}", flush=True)
-    shutdown(ctx)
+    write_and_leave(ctx, c["out"], video)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ import torch
 from experiments.hydra_config import RUN_GROUPS, command_line_keys, refuse_repeats
 from experiments.report import render
 from experiments.results_io import check_result_name, check_writable_folder, write_result
-from megaslide.checkpoint import checkpoint_path, step_checkpoints
-from megaslide.config import DataConfig, DiTConfig, TrainConfig
+from megaslide.checkpoint import checkpoint_path, clear_checkpoints, read_state, step_checkpoints
+from megaslide.config import DataConfig, DiTConfig, TrainConfig, require_seed
 from megaslide.data.moving_shapes import MovingShapes
 from megaslide.data.video_io import MP4_SECONDS, frame_grid_png, side_by_side, to_uint8_frames, write_mp4
 from megaslide.eval.motion import score_videos
@@ -174,14 +174,13 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     row = {"variant": attention, "frames": data.frames, "seed": train.seed, "run": run_dir.name,
            "params": count_params(model),
            "steps": train.steps, "init_from": "scratch" if source is None else _relative(source, out_dir)}
-    own = step_checkpoints(run_dir / "checkpoints") if continue_own else {}
-    restart = max(own) if own else None      # the step of the run's own newest checkpoint
-    if restart is not None:
-        if restart > train.steps:
-            raise ValueError(f"{run_dir} holds a checkpoint at step {restart}, past this run's {train.steps} steps: "
-                             f"it belongs to another study; use another out_dir")
-        train = dataclasses.replace(train, resume=str(own[restart]))
-        row["restarted_from"] = _relative(own[restart], out_dir)
+    own = own_checkpoint(run_dir, data, train) if continue_own else None   # the run's own newest, checked
+    restart = own[1] if own else None      # the step of the run's own newest checkpoint
+    if own is not None:
+        train = dataclasses.replace(train, resume=str(own[0]))
+        row["restarted_from"] = _relative(own[0], out_dir)
+    else:   # a fresh run: nothing an earlier run left in its folder may be resumed, re-scored or shown as its own
+        clear_run(run_dir, keep=source)
     logger = RunLogger(run_dir, project=project, name=f"{tag}-{attention}-s{train.seed}",
                        config={"model": dataclasses.asdict(model), "data": dataclasses.asdict(data),
                                "train": dataclasses.asdict(train)}, resume_step=restart)
@@ -215,6 +214,58 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
     row["samples"] = videos[:4]
     row["captions"] = captions[:4]
     return row
+
+
+# the training settings a continued run must share with the checkpoint it continues (the rest, e.g. train.device,
+# train.ckpt_every or the sampling settings, do not change what was trained)
+RUN_SETTINGS = ("batch_size", "lr", "weight_decay", "betas", "grad_clip", "warmup_steps", "ema_decay",
+                "caption_dropout", "logit_normal_mean", "logit_normal_std", "seed", "precision")
+
+
+def own_checkpoint(run_dir: Path, data: DataConfig, train: TrainConfig) -> tuple[Path, int] | None:
+    """(path, step) of the newest checkpoint of `run_dir`, which continue_runs=true continues (None: none, the run
+    starts fresh), refused (ValueError naming each differing setting, saved vs now, and the fix) unless an earlier
+    run of these training and data settings wrote it, at most `train.steps` in: a run of other settings left in
+    out_dir (another lr, batch size, clip) would otherwise be continued as this one."""
+    own = step_checkpoints(run_dir / "checkpoints")
+    if not own:
+        return None
+    restart = max(own)
+    if restart > train.steps:
+        raise ValueError(f"{run_dir} holds a checkpoint at step {restart}, past this run's {train.steps} steps: "
+                         f"it belongs to another study; use another out_dir")
+    path = own[restart]
+    state = read_state(path)
+    saved = {**{f"train.{k}": v for k, v in state.get("train_cfg", {}).items() if k in RUN_SETTINGS},
+             **{f"data.{k}": v for k, v in state.get("data_cfg", {}).items()}}
+    now = {**{f"train.{k}": v for k, v in dataclasses.asdict(train).items() if k in RUN_SETTINGS},
+           **{f"data.{k}": v for k, v in dataclasses.asdict(data).items()}}
+    differ = [f"{k}: {saved.get(k)!r} in the checkpoint vs {now.get(k)!r} now" for k in sorted(set(saved) | set(now))
+              if json.dumps(saved.get(k), default=str) != json.dumps(now.get(k), default=str)]
+    if differ:
+        raise ValueError(f"continue_runs=true: {path} is a checkpoint of a run with other settings ("
+                         f"{'; '.join(differ)}); pass continue_runs=false to start the run again, or another out_dir")
+    return path, restart
+
+
+def check_continued(jobs: list[dict]) -> None:
+    """own_checkpoint of every job that continues its own run (continue_own), before any job starts or any result
+    is written: a checkpoint of another run is refused first, not after the other jobs have trained."""
+    for job in jobs:
+        if job.get("continue_own"):
+            run_dir = Path(job["out_dir"]) / run_name(job["tag"], job["attention"], job["train"].seed)
+            own_checkpoint(run_dir, job["data"], job["train"])
+
+
+def clear_run(run_dir: Path, keep: Path | None = None) -> None:
+    """Before a fresh run trains in `run_dir`: delete the training checkpoints and the sample files (save_samples'
+    eval.npz, the eval mp4) that an earlier run left there (all but `keep`, the checkpoint this run starts from),
+    so that a later continue_runs=true cannot continue another run's checkpoint and a row never points at another
+    run's samples. metrics.jsonl is emptied by the run's logger."""
+    for path in clear_checkpoints(run_dir / "checkpoints", keep=keep):
+        print(f"fresh run: removed {path}, left by an earlier run (continue_runs=true continues a run instead)")
+    for name in ("eval.npz", "eval_0.mp4"):
+        (run_dir / "samples" / name).unlink(missing_ok=True)
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -365,7 +416,8 @@ STUDY_LISTS = ("variants", "clip_frames", "clip_batch_sizes", "clip_steps", "swi
 
 def check_study(cfg) -> None:
     """The study keys of `cfg` (STUDY_COUNTS integers >= 1, STUDY_LISTS lists, not a string read letter by letter,
-    results_name a plain file name, seeds a non-empty list of integers); a ValueError names the key and the fix.
+    results_name a plain file name, seeds a non-empty list of integers, each seed and eval_seed / val_seed in
+    [0, 2**63)); a ValueError names the key and the fix.
     A study script calls it with typed_configs, before anything is written."""
     for key in STUDY_LISTS:
         value = cfg.get(key, [])
@@ -389,6 +441,13 @@ def check_study(cfg) -> None:
         shown = list(seeds) if isinstance(seeds, Sequence) and not isinstance(seeds, str) else seeds
         raise ValueError(f"seeds={shown!r} must be a non-empty list of integers (one run per seed), e.g. "
                          f"seeds=[0] or 'seeds=[0,1,2]'")
+    for i, seed in enumerate(seeds):
+        require_seed(seed, f"seeds[{i}]")
+    for key in ("eval_seed", "val_seed"):   # data seeds of the held-out clips, where the script has them
+        seed = cfg.get(key, 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"{key}={seed!r} must be an integer in [0, 2**63): the data seed of the held-out clips")
+        require_seed(seed, key)
     for key in ("seeds", "variants", "clip_frames", "lrs", "warmups"):
         refuse_repeats(key, cfg.get(key, []))
 
@@ -424,6 +483,7 @@ def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config:
     def save(rows: list[dict]) -> tuple[Path, list[Path]]:
         return publish(experiment, cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs), grids)
 
+    check_continued(jobs)
     published = [save([])]               # the ground truth and the plan, before the first run finishes
     rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(save(done)))
     path, pngs = published[-1]

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from experiments.hydra_config import script_config, script_main
 from experiments.results_io import check_writable_folder
-from megaslide.config import DataConfig, DiTConfig, from_dict
+from megaslide.config import DataConfig, DiTConfig, from_dict, require_seed
 from megaslide.data.video_io import MP4_SECONDS, write_mp4
 from megaslide.device import resolve_device
 from megaslide.diffusion.samplers import euler_sample
@@ -49,6 +49,7 @@ class SampleConfig:
     def validate(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1 (Euler steps of the sampler)")
+        require_seed(self.seed, "seed")
         if not 0 <= self.cfg_scale < math.inf:   # NaN fails it too
             raise ValueError(f"cfg_scale={self.cfg_scale} must be a finite number >= 0 (1: no guidance)")
         if Path(self.out).suffix.lower() != ".mp4":

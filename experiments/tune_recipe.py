@@ -26,8 +26,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import (check_study, ground_truth_row, make_job, run_jobs, run_name, strip_samples,
-                                          variant_models)
+from experiments.quality_protocol import (check_continued, check_study, ground_truth_row, make_job, run_jobs,
+                                          run_name, strip_samples, variant_models)
 from experiments.recipe import candidate_means, choose, tuned_for
 from experiments.report import markdown_table, render
 from experiments.results_io import result_path, write_result
@@ -113,6 +113,7 @@ def main(cfg: DictConfig) -> None:
             payload["recipe"] = choose(candidates, truth["text_alignment"])
         return write_result(EXPERIMENT, cfg.results_name, payload, results_dir=cfg.results_dir)
 
+    check_continued(todo)
     published = [publish([])]
     # a candidate whose loss goes non-finite is a tuning result (too high a learning rate), not a failed tuning
     if kept or len(todo) < left:

@@ -209,6 +209,18 @@ def prune_checkpoints(folder: str | Path, keep: int, *, sharded: bool = False) -
     return old
 
 
+def clear_checkpoints(folder: str | Path, *, keep: str | Path | None = None) -> list[Path]:
+    """Delete every training checkpoint of `folder`, of both formats, except `keep` (a checkpoint a run starts
+    from); returns the deleted: a fresh run into a used folder starts without another run's checkpoints, which a
+    later resume would otherwise take as its own."""
+    kept = Path(keep).absolute() if keep else None
+    old = sorted(p for sharded in (False, True) for p in step_checkpoints(folder, sharded=sharded).values()
+                 if p.absolute() != kept)
+    for path in old:
+        _remove(path)
+    return old
+
+
 def remove_stale_temps(folder: str | Path) -> list[Path]:
     """Delete what a killed save left in `folder`: `.step_N.pt.tmp` files and `.step_N.tmp/` folders, the
     temporary names of this module's saves and nothing else. Called when a run starts (`resume_point`), before

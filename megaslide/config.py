@@ -217,7 +217,7 @@ class DataConfig:
         if self.name not in DATASETS:
             raise ValueError(f"data.name={self.name!r}: choose one of {list(DATASETS)}")
         _require_finite(self, "data")
-        _require_seed(self.seed, "data.seed")
+        require_seed(self.seed, "data.seed")
         if self.name == "latent_cache":
             self._take_cache_size()
         _require_at_least(self, "data", 1, "frames", "height", "width", "num_videos", "num_shapes", "shape_size")
@@ -301,7 +301,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         _require_finite(self, "train")
-        _require_seed(self.seed, "train.seed")
+        require_seed(self.seed, "train.seed")
         _require_at_least(self, "train", 1, "steps", "batch_size", "log_every", "ckpt_every", "sample_steps")
         _require_at_least(self, "train", 0, "warmup_steps", "weight_decay", "cfg_scale", "keep_checkpoints")
         if self.grad_clip < 0:
@@ -505,7 +505,7 @@ def _require_finite(cfg, key: str) -> None:
 SEED_LIMIT = 2 ** 63  # torch.manual_seed and numpy take seeds below this
 
 
-def _require_seed(seed: int, key: str) -> None:
+def require_seed(seed: int, key: str) -> None:
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"{key}={seed} must be in [0, 2**63): choose a smaller non-negative seed")
 

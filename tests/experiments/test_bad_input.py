@@ -19,6 +19,9 @@ import experiments.ablate_offsets
 import experiments.bench_attention
 import experiments.compact_state
 import experiments.dp_scaling
+import experiments.export
+import experiments.generate_causal
+import experiments.generate_full
 import experiments.mfu_overlap
 import experiments.offload_peers
 import experiments.oom_thresholds
@@ -124,6 +127,12 @@ BAD_STUDY = {
     "no seeds": (["seeds=[]"], "seeds=[] must be a non-empty list of integers"),
     "seed not a list": (["seeds=3"], "seeds=3 must be a non-empty list of integers"),
     "fractional seed": (["seeds=[0.5]"], "seeds=[0.5] must be a non-empty list of integers"),
+    "negative seed": (["seeds=[-1]"], "seeds[0]=-1 must be in [0, 2**63): choose a smaller non-negative seed"),
+    "seed past int64": (["seeds=[0,99999999999999999999]"], "seeds[1]=99999999999999999999 must be in [0, 2**63)"),
+    "negative eval seed": (["eval_seed=-5"], "eval_seed=-5 must be in [0, 2**63)"),
+    "eval seed past int64": (["eval_seed=99999999999999999999"], "eval_seed=99999999999999999999 must be in [0, "
+                                                                 "2**63)"),
+    "eval seed not a number": (["eval_seed=abc"], "eval_seed='abc' must be an integer in [0, 2**63)"),
     "variants not a list": (["variants=dsa"], "variants='dsa' must be a list, e.g. variants=[dsa]"),
     "unknown added key": (["+lr=1e-3"], "unknown key(s) +lr: this script has no such key and would ignore it"),
     "unknown added nested key": (["+eval.n=4"], "unknown key(s) +eval.n"),
@@ -169,6 +178,8 @@ def test_full_error_keeps_the_traceback(tmp_path, monkeypatch):
     (["steps=-2"], "steps=-2 must be >= 1"),
     (["steps=1.5"], "steps=1.5 must be an integer"),
     (["cfg_scale=abc"], "cfg_scale='abc' must be a number"),
+    (["seed=-1"], "seed=-1 must be in [0, 2**63): choose a smaller non-negative seed"),
+    (["seed=99999999999999999999"], "seed=99999999999999999999 must be in [0, 2**63)"),
     (["out=x.gif"], "out='x.gif': sample.py writes mp4 video only; give a name ending in .mp4"),
     (["checkpoint=missing.pt"], "checkpoint='missing.pt' does not exist"),
     *([] if CUDA else [(["device=cuda"], "device=cuda but no CUDA device is visible; use device=cpu")]),
@@ -219,6 +230,32 @@ def test_sample_full_disk_exits_nonzero_without_a_file(tmp_path, checkpoint):
     assert "wrote" not in done.stdout and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("script", ["generate_full", "generate_causal"])
+def test_generate_full_disk_exits_nonzero_without_a_file(script, tmp_path):
+    """A write of the latents that fails after sampling (a file-size limit, as a full disk): exit status 1, the error
+    names the out path and the cause, no 'wrote', and neither a partial .pt (before: a 1024-byte one and a
+    traceback) nor a temp file is left."""
+    out = tmp_path / "x.pt"
+    code = ("import resource, runpy, sys\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+            f"sys.argv = ['{script}.py', 'out={out}']\n"
+            f"runpy.run_path('experiments/{script}.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: could not write the latents {out}: "), done.stderr
+    assert "Traceback" not in done.stderr and "wrote" not in done.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_an_out_folder_under_a_file_before_loading(tmp_path, checkpoint, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    err = run_main(experiments.export, [f"checkpoint={checkpoint}", f"out={blocker}/model"], tmp_path, monkeypatch,
+                   capsys)
+    assert f"out='{blocker}/model' lies under {blocker}, a file, not a folder; give a folder path" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
 def _compose(overrides: list[str]):
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return typed_configs(compose("train", overrides=[*overrides, "train.device=cpu"]))
@@ -265,6 +302,17 @@ BAD_TABLE = [
     (experiments.bench_attention, "frames=[0]", "frames=[0]: [0] must be >= 1 each"),
     (experiments.bench_attention, "head_dim=0", "head_dim=0 must be > 0"),
     (experiments.planner_error, "results=no_such_folder", "results=no_such_folder is not a folder"),
+    (experiments.tune_recipe, "val_seed=-1", "val_seed=-1 must be in [0, 2**63)"),
+    *((script, arg, message) for script in (experiments.generate_full, experiments.generate_causal)
+      for arg, message in (
+        ("frames=0", "frames=0 must be > 0"),
+        ("frames=-1", "frames=-1 must be > 0"),
+        ("height=2.5", "height=2.5 must be an integer"),
+        ("width=nan", "width=nan must be an integer"),
+        ("seed=-1", "seed=-1 must be in [0, 2**63): choose a smaller non-negative seed"),
+        ("seed=99999999999999999999", "seed=99999999999999999999 must be in [0, 2**63)"),
+        ("caption=[a]", "caption=['a'] must be one caption (a string)"),
+        ("out=.", "out='.' is a folder; give the file to write the latents to"))),
 ]
 
 
@@ -320,7 +368,8 @@ def test_a_run_listed_twice_is_refused_first(script, arg, message, tmp_path, mon
 # an output folder that is a file (or lies under one) is refused by its key before anything is written, not met
 # as a traceback at the first write
 @pytest.mark.parametrize("script,key", [(experiments.train, "out_dir"), (experiments.quality, "results_dir"),
-                                        (experiments.quality, "out_dir"), (experiments.dp_scaling, "wandb.dir")])
+                                        (experiments.quality, "out_dir"), (experiments.dp_scaling, "wandb.dir"),
+                                        (experiments.generate_full, "out"), (experiments.generate_causal, "out")])
 def test_an_output_folder_that_is_a_file_is_refused_first(script, key, tmp_path, monkeypatch, capsys):
     blocker = tmp_path.parent / f"{tmp_path.name}_file"
     blocker.write_text("")

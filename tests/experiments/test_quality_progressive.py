@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -103,6 +104,32 @@ def test_a_checkpoint_past_the_plan_is_refused(tmp_path):
         protocol.run_variant("dense", tiny_model_cfg(), tiny_data_cfg(), tiny_train_cfg(steps=2), n_eval=1,
                              eval_seed=0, sample_batch=1, out_dir=tmp_path, project="p", tag="q4f",
                              continue_own=True)
+
+
+def test_runs_of_other_settings_in_out_dir_never_mix(tmp_path):
+    """A fresh study (continue_runs=false) into an out_dir that holds an earlier study's run of the same name but
+    other settings starts without its checkpoints and samples (before: its step_4.pt stayed beside the new run's
+    step_2.pt, for a later continue_runs=true to take as this run's); continue_runs=true on a checkpoint of
+    other settings (train.lr) is refused, naming the setting, before anything is written (before: it re-scored
+    the other run's weights as this run's and exited 0)."""
+    args = ["experiments/quality.py", f"out_dir={tmp_path}", *TINY, "clip_frames=[4]", "variants=[dense]",
+            "save_mp4=false", "train.ckpt_every=2", "train.lr=1e-3"]
+    run_script([*args, "train.steps=4"])
+    run = tmp_path / "quality4f_dense_seed0"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2.pt", "step_4.pt"]
+    (run / "samples" / "eval_0.mp4").write_bytes(b"an earlier run's video")
+    out = run_script([*args, "train.steps=2"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2.pt"]
+    assert f"fresh run: removed {run / 'checkpoints' / 'step_4.pt'}, left by an earlier run" in out
+    assert not (run / "samples" / "eval_0.mp4").exists() and (run / "samples" / "eval.npz").exists()
+    result = (tmp_path / "results" / "quality" / "cpu_tiny.json").read_bytes()
+    done = subprocess.run([sys.executable, *args, "train.steps=2", "train.lr=2e-3", "continue_runs=true"],
+                          cwd=REPO_ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (f"error: continue_runs=true: {run / 'checkpoints' / 'step_2.pt'} is a checkpoint of a run with other "
+            f"settings (train.lr: 0.001 in the checkpoint vs 0.002 now); pass continue_runs=false") in done.stderr
+    assert (tmp_path / "results" / "quality" / "cpu_tiny.json").read_bytes() == result
 
 
 def test_sample_files_rescore_like_the_clips(tmp_path):
