@@ -245,9 +245,17 @@ def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, shard
     `resume` is a checkpoint path, "auto" (the newest checkpoint in `folder`, if any) or "".
     `sharded` is the format the training engine reads. Refused with a ValueError before anything
     is built: a checkpoint of the other format, a damaged one, and one of another architecture
-    (the error lists each differing field, saved vs now). What a killed save left in `folder` is removed first
-    (`remove_stale_temps`)."""
+    (the error lists each differing field, saved vs now); and a fresh run ("") into a `folder` that holds an
+    earlier run's checkpoints, which would stay beside the new run's for a later "auto" to continue as its own.
+    What a killed save left in `folder` is removed first (`remove_stale_temps`)."""
     remove_stale_temps(folder)
+    if resume == "":
+        earlier = sorted({**step_checkpoints(folder), **step_checkpoints(folder, sharded=True)}.items())
+        if earlier:
+            names = ", ".join(p.name for _, p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+            raise ValueError(f"train.resume='' starts a fresh run, but {folder} holds {len(earlier)} checkpoint(s) "
+                             f"of an earlier run ({names}): continue that run with train.resume=auto, or give this "
+                             f"one another out_dir (or delete those checkpoints)")
     if resume == "auto":  # the newest of the engine's format; one of the other format is refused below
         path = latest_checkpoint(folder, sharded=sharded) or latest_checkpoint(folder, sharded=not sharded)
     else:

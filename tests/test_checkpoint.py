@@ -119,7 +119,10 @@ def test_resume_point_is_refused_for_another_architecture(tmp_path):
     _tiny_run(tmp_path)
     folder = tmp_path / "checkpoints"
     assert resume_point("auto", folder, tiny_model_cfg(), sharded=False) == (folder / "step_1.pt", 1)
-    assert resume_point("", folder, tiny_model_cfg(), sharded=False) is None
+    assert resume_point("", tmp_path / "empty", tiny_model_cfg(), sharded=False) is None
+    with pytest.raises(ValueError, match=r"train.resume='' starts a fresh run, but .* holds 1 checkpoint\(s\) of an "
+                                         r"earlier run \(step_1.pt\): continue that run with train.resume=auto"):
+        resume_point("", folder, tiny_model_cfg(), sharded=False)   # else a later auto would take it as the new run's
     assert resume_point("auto", tmp_path / "empty", tiny_model_cfg(), sharded=False) is None
     other = dataclasses.replace(tiny_model_cfg("dsa_zero"), dim=128, patch_size=(1, 4, 4))
     with pytest.raises(ValueError, match=r"holds another model than this run's: model.dim: 64 in the checkpoint vs "
