@@ -273,8 +273,12 @@ def write_result(experiment: str, name: str, payload: dict, results_dir: Path | 
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {**provenance(), **payload}
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=float) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(record, indent=2, default=float) + "\n")
+        os.replace(tmp, path)
+    except BaseException:   # a full disk or an interrupt: no half-written temp file is left (the old result stays)
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

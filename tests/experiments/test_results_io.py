@@ -145,6 +145,20 @@ def test_written_results_record_the_code_state(tmp_path):
     assert ("diff_sha256" in record) == (record["dirty"] is True and record["provenance_source"] == "git")
 
 
+def test_a_failed_write_keeps_the_old_result_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = results_io.write_result("demo", "r", {"rows": [1]}, results_dir=tmp_path)
+    before = path.read_text()
+
+    def full_disk(self, text):
+        self.open("w").write(text[:10])     # part of it written, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        results_io.write_result("demo", "r", {"rows": [2]}, results_dir=tmp_path)
+    assert path.read_text() == before and sorted(p.name for p in path.parent.iterdir()) == ["r.json"]
+
+
 # ---- result names ------------------------------------------------------------------------------
 BAD_NAMES = ["../../x", "a/b", "a\\b", "..", ".", "", "x/../../y"]
 
