@@ -226,7 +226,7 @@ class CausalGenerator:
         mc = model.cfg
         F_ = cfg.chunk_frames
         check_chunking(frames, F_)
-        self.chunk_grid = mc.token_grid(F_, height, width)  # raises if the chunk does not patchify
+        self.chunk_grid = mc.token_grid(F_, height, width, keys=("chunk_frames", "height", "width"))  # or raises
         P = group_size(group)
         if mc.num_heads % P:
             raise ValueError(f"model heads={mc.num_heads} are not divisible by the {P} sequence-parallel ranks; "

@@ -57,7 +57,7 @@ class FullSequenceSampler:
         cfg = config or FullConfig()
         cfg.validate()
         mc = model.cfg
-        self.grid = mc.token_grid(frames, height, width)  # raises if the video does not patchify
+        self.grid = mc.token_grid(frames, height, width, keys=("frames", "height", "width"))  # or raises
         self.config, self.batch = cfg, batch
         self.group = group if group_size(group) > 1 else None
         self.model = parallelize_dit(weight_sharing_copy(model), self.group, cfg.parallel,

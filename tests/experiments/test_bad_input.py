@@ -312,7 +312,8 @@ BAD_TABLE = [
         ("seed=-1", "seed=-1 must be in [0, 2**63): choose a smaller non-negative seed"),
         ("seed=99999999999999999999", "seed=99999999999999999999 must be in [0, 2**63)"),
         ("caption=[a]", "caption=['a'] must be one caption (a string)"),
-        ("out=.", "out='.' is a folder; give the file to write the latents to"))),
+        ("out=.", "out='.' is a folder; give the file to write the latents to"),
+        ("height=7", "height=7 is not divisible by the patch size 2"))),
 ]
 
 
