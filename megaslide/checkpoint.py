@@ -239,6 +239,20 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def check_fresh_folder(resume: str, folder: str | Path) -> None:
+    """A fresh run (`resume` "") into a `folder` that holds an earlier run's checkpoints is refused (ValueError
+    naming them and the fix): they would stay beside the new run's for a later "auto" to continue as its own.
+    Read-only, so every rank of a data-parallel run can check at once and all refuse together."""
+    if resume != "":
+        return
+    earlier = sorted({**step_checkpoints(folder), **step_checkpoints(folder, sharded=True)}.items())
+    if earlier:
+        names = ", ".join(p.name for _, p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise ValueError(f"train.resume='' starts a fresh run, but {folder} holds {len(earlier)} checkpoint(s) "
+                         f"of an earlier run ({names}): continue that run with train.resume=auto, or give this "
+                         f"one another out_dir (or delete those checkpoints)")
+
+
 def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, sharded: bool) -> tuple[Path, int] | None:
     """Where train.resume says to continue: (checkpoint, step), or None to start fresh.
 
@@ -249,13 +263,7 @@ def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, shard
     earlier run's checkpoints, which would stay beside the new run's for a later "auto" to continue as its own.
     What a killed save left in `folder` is removed first (`remove_stale_temps`)."""
     remove_stale_temps(folder)
-    if resume == "":
-        earlier = sorted({**step_checkpoints(folder), **step_checkpoints(folder, sharded=True)}.items())
-        if earlier:
-            names = ", ".join(p.name for _, p in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
-            raise ValueError(f"train.resume='' starts a fresh run, but {folder} holds {len(earlier)} checkpoint(s) "
-                             f"of an earlier run ({names}): continue that run with train.resume=auto, or give this "
-                             f"one another out_dir (or delete those checkpoints)")
+    check_fresh_folder(resume, folder)
     if resume == "auto":  # the newest of the engine's format; one of the other format is refused below
         path = latest_checkpoint(folder, sharded=sharded) or latest_checkpoint(folder, sharded=not sharded)
     else:

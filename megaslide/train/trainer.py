@@ -33,7 +33,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
-from megaslide.checkpoint import checkpoint_path, prune_checkpoints, resume_point, save_checkpoint
+from megaslide.checkpoint import (check_fresh_folder, checkpoint_path, prune_checkpoints, resume_point,
+                                  save_checkpoint)
 from megaslide.config import (
     DataConfig,
     DiTConfig,
@@ -124,6 +125,7 @@ class Trainer:
             # (checkpoint, step) to continue from, checked (format, damage, architecture) before anything is built;
             # rank 0 first, as it removes what a killed save left
             sharded = (OffloadEngine if offload_cfg.enabled else ResidentEngine).sharded_checkpoints
+            check_fresh_folder(train_cfg.resume, self.checkpoints)   # every rank at once: all refuse together
             for turn in (True, False):
                 if self.dp.is_main == turn:
                     self.resume_from = resume_point(train_cfg.resume, self.checkpoints, model_cfg, sharded=sharded)

@@ -67,6 +67,13 @@ def test_resident_trainer_on_two_ranks_equals_one_process(tmp_path):
     assert losses(tmp_path / "two") == pytest.approx(one_losses, rel=RTOL)
     assert_same_weights(one, load_checkpoint(tmp_path / "two" / "checkpoints" / "step_3.pt")["model"])
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["checkpoints", "metrics.jsonl"]
+    # a fresh run into that folder is refused on every rank at once (none waits at a barrier for the others)
+    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "experiments/train.py", "parallel.dp=2", f"out_dir={tmp_path / 'two'}", "train.steps=3",
+                            *TINY], cwd=REPO_ROOT, env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"},
+                           capture_output=True, text=True, timeout=240)
+    assert again.returncode != 0, again.stdout + again.stderr
+    assert again.stderr.count("train.resume='' starts a fresh run, but") == 2, again.stderr   # one line per rank
 
 
 def test_sharded_offload_engine_on_three_ranks_equals_one_process_and_resumes(tmp_path):
