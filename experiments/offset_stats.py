@@ -47,7 +47,7 @@ from megaslide.attention.dsa.launch import HaloConfig
 from megaslide.attention.dsa.module import DSAAttention
 from megaslide.attention.dsa.reference import halo_extent, halo_paths_reference
 from megaslide.checkpoint import read_state
-from megaslide.config import DataConfig, DiTConfig, TrainConfig, from_dict
+from megaslide.config import DataConfig, DiTConfig, TrainConfig, from_dict, require_seed
 from megaslide.data.build import build_dataset
 from megaslide.device import resolve_device
 from megaslide.diffusion.batches import make_batch
@@ -82,8 +82,7 @@ class OffsetStatsConfig:
         if self.clips < 1 or self.batch < 1:
             raise ValueError(f"clips={self.clips}, batch={self.batch}: give clips >= 1 and batch >= 1 (clips per "
                              f"forward)")
-        if self.data_seed < 0:
-            raise ValueError(f"data_seed={self.data_seed} must be >= 0 (the data seed of the held-out clips)")
+        require_seed(self.data_seed, "data_seed")   # the data seed of the held-out clips
         if not self.timesteps or not all(0 <= t <= 1 for t in self.timesteps):
             raise ValueError(f"timesteps={self.timesteps}: give flow times in [0, 1] (0 clean, 1 pure noise)")
         if not self.tiles:

@@ -24,6 +24,7 @@ import experiments.generate_causal
 import experiments.generate_full
 import experiments.mfu_overlap
 import experiments.offload_peers
+import experiments.offset_stats
 import experiments.oom_thresholds
 import experiments.plan
 import experiments.planner_error
@@ -254,6 +255,13 @@ def test_export_refuses_an_out_folder_under_a_file_before_loading(tmp_path, chec
                    capsys)
     assert f"out='{blocker}/model' lies under {blocker}, a file, not a folder; give a folder path" in err
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+@pytest.mark.parametrize("seed", ["-1", "99999999999999999999"])
+def test_offset_stats_refuses_a_data_seed_out_of_range(seed, tmp_path, checkpoint, monkeypatch, capsys):
+    err = run_main(experiments.offset_stats, [f"checkpoint={checkpoint}", f"data_seed={seed}"], tmp_path,
+                   monkeypatch, capsys)
+    assert f"data_seed={seed} must be in [0, 2**63)" in err and list(tmp_path.iterdir()) == []
 
 
 def _compose(overrides: list[str]):
