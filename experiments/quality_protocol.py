@@ -50,6 +50,8 @@ SUMMARY = (("colour", "color_match"), ("shape", "shape_match"), ("direction", "d
            ("consistency", "temporal_consistency"), ("motion err", "motion_error"))
 MIN_FRAME_PX = 96
 GRID_CAPTIONS = 3  # held-out captions the sample grid shows, each with the ground truth and every variant's sample
+SAMPLES_FILE = "eval.npz"     # a run's sampled held-out clips, under <run>/samples/ (re-scored from there)
+VIDEO_FILE = "eval_0.mp4"     # its first sample beside the ground truth, beside them
 MEDIA_KEYS = ("samples", "captions", "mp4")  # kept in the rows for the grid and the printout, not in the JSON
 
 
@@ -203,10 +205,11 @@ def run_variant(attention: str, model: DiTConfig, data: DataConfig, train: Train
         logger.finish()
         return {**row, "status": f"OOM: {str(e).splitlines()[0][:120]}"}
     row.update(score(videos, labels), status="ok")
-    row["samples_file"] = _relative(save_samples(run_dir / "samples" / "eval.npz", videos, captions, labels), out_dir)
+    samples = save_samples(run_dir / "samples" / SAMPLES_FILE, videos, captions, labels)
+    row["samples_file"] = _relative(samples, out_dir)
     logger.log({f"eval/{k}": row[k] for k in SCORE_KEYS}, trainer.step)
     if save_mp4:
-        mp4 = write_mp4(run_dir / "samples" / "eval_0.mp4", side_by_side([upscaled(truth[0]), upscaled(videos[0])]),
+        mp4 = write_mp4(run_dir / "samples" / VIDEO_FILE, side_by_side([upscaled(truth[0]), upscaled(videos[0])]),
                         min_seconds=MP4_SECONDS)
         logger.log_video("eval/sample", mp4, f"ground truth | sample: {captions[0]}", trainer.step)
         row["mp4"] = str(mp4)
@@ -264,7 +267,7 @@ def clear_run(run_dir: Path, keep: Path | None = None) -> None:
     run's samples. metrics.jsonl is emptied by the run's logger."""
     for path in clear_checkpoints(run_dir / "checkpoints", keep=keep):
         print(f"fresh run: removed {path}, left by an earlier run (continue_runs=true continues a run instead)")
-    for name in ("eval.npz", "eval_0.mp4"):
+    for name in (SAMPLES_FILE, VIDEO_FILE):
         (run_dir / "samples" / name).unlink(missing_ok=True)
 
 

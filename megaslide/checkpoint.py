@@ -259,11 +259,10 @@ def resume_point(resume: str, folder: str | Path, model_cfg: DiTConfig, *, shard
     `resume` is a checkpoint path, "auto" (the newest checkpoint in `folder`, if any) or "".
     `sharded` is the format the training engine reads. Refused with a ValueError before anything
     is built: a checkpoint of the other format, a damaged one, and one of another architecture
-    (the error lists each differing field, saved vs now); and a fresh run ("") into a `folder` that holds an
-    earlier run's checkpoints, which would stay beside the new run's for a later "auto" to continue as its own.
-    What a killed save left in `folder` is removed first (`remove_stale_temps`)."""
+    (the error lists each differing field, saved vs now). A fresh run into a used `folder` is the caller's to
+    refuse first (`check_fresh_folder`, on every rank). What a killed save left in `folder` is removed first
+    (`remove_stale_temps`)."""
     remove_stale_temps(folder)
-    check_fresh_folder(resume, folder)
     if resume == "auto":  # the newest of the engine's format; one of the other format is refused below
         path = latest_checkpoint(folder, sharded=sharded) or latest_checkpoint(folder, sharded=not sharded)
     else:

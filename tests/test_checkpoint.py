@@ -4,8 +4,9 @@ import re
 import pytest
 import torch
 
-from megaslide.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state,
-                                  remove_stale_temps, resume_point, save_checkpoint, save_sharded_checkpoint)
+from megaslide.checkpoint import (check_fresh_folder, checkpoint_path, latest_checkpoint, load_checkpoint,
+                                  prune_checkpoints, read_state, remove_stale_temps, resume_point, save_checkpoint,
+                                  save_sharded_checkpoint)
 from megaslide.inference.weights import sampling_weights
 
 
@@ -122,7 +123,9 @@ def test_resume_point_is_refused_for_another_architecture(tmp_path):
     assert resume_point("", tmp_path / "empty", tiny_model_cfg(), sharded=False) is None
     with pytest.raises(ValueError, match=r"train.resume='' starts a fresh run, but .* holds 1 checkpoint\(s\) of an "
                                          r"earlier run \(step_1.pt\): continue that run with train.resume=auto"):
-        resume_point("", folder, tiny_model_cfg(), sharded=False)   # else a later auto would take it as the new run's
+        check_fresh_folder("", folder)   # else a later auto would take it as the new run's
+    check_fresh_folder("", tmp_path / "empty")
+    check_fresh_folder("auto", folder)
     assert resume_point("auto", tmp_path / "empty", tiny_model_cfg(), sharded=False) is None
     other = dataclasses.replace(tiny_model_cfg("dsa_zero"), dim=128, patch_size=(1, 4, 4))
     with pytest.raises(ValueError, match=r"holds another model than this run's: model.dim: 64 in the checkpoint vs "
