@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_config, script_main
+from experiments.results_io import check_writable_folder
 from megaslide.data.encode_cache import check_clips, encode_prompts, encode_video_folder
 from megaslide.data.video_folder import VideoFolder
 from megaslide.device import precision_dtype, resolve_device
@@ -53,6 +54,7 @@ class PrecomputeConfig:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not a folder; give a local path")
         if self.root and Path(self.out).resolve() == Path(self.root).resolve():
             raise ValueError(f"out={self.out!r} is the video folder itself; give the cache a folder of its own")
+        check_writable_folder(self.out, "out")   # a file there, or no write access: before any encoder loads
         precision_dtype(self.precision, resolve_device(self.device, key="device"), key="precision")
 
 

@@ -27,6 +27,7 @@ import experiments.offload_peers
 import experiments.offset_stats
 import experiments.oom_thresholds
 import experiments.plan
+import experiments.precompute
 import experiments.planner_error
 import experiments.profile_step
 import experiments.quality
@@ -384,6 +385,16 @@ def test_an_output_folder_that_is_a_file_is_refused_first(script, key, tmp_path,
     blocker.write_text("")
     err = run_main(script, [f"{key}={blocker}/sub"], tmp_path, monkeypatch, capsys)
     assert f"{key}='{blocker}/sub' lies under {blocker}, a file, not a folder" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_precompute_refuses_a_cache_folder_under_a_file_before_any_encoder_loads(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path.parent / f"{tmp_path.name}_file"
+    blocker.write_text("")
+    folder = tmp_path.parent   # stands in for the encoder folders, which are checked only to exist here
+    args = ["root=", "prompts=[a cat]", f"text_encoder={folder}", f"tokenizer={folder}", f"out={blocker}/cache"]
+    err = run_main(experiments.precompute, args, tmp_path, monkeypatch, capsys)
+    assert f"out='{blocker}/cache' lies under {blocker}, a file, not a folder" in err
     assert list(tmp_path.iterdir()) == []
 
 
