@@ -15,6 +15,7 @@ from megaslide.models.dit import DIT_PRESETS, count_params
 
 TB = 1e12
 QUADRATIC_SLOPE = 1.8   # C2: a log-log slope of dense time over tokens at least this counts as quadratic
+DENSE_SWEEP = "h100_dense_sweep"   # C2: dense flash alone over 6 clip sizes, 5 repeats, at a clean commit
 
 
 PAPER_STATE_TB, PAPER_MOMENTS_GB = 1.47, 840   # C1 as the paper states them (~)
@@ -41,7 +42,7 @@ def _loglog_slope(points: list[tuple[float, float]]) -> float:
 
 
 def c2(results_dir: Path):
-    s = load(results_dir, "attention", "h200_sweep")
+    s = load(results_dir, "attention", DENSE_SWEEP)
     if not s:
         return "not measured", "-"
     dense = sorted({(r["tokens"], r["ms"]) for r in s["tables"]["sweep"] + s["tables"]["target"]
@@ -51,8 +52,9 @@ def c2(results_dir: Path):
     grid = next((r["config"] for _, r in oom_results(results_dir)), {"height": 136, "width": 240})
     n2m = math.prod(DIT_PRESETS["1B"].token_grid(TARGET_FRAMES, grid["height"], grid["width"]))
     return ((f"256 frames of 1080p latents (8x spatial VAE, patch 2): {clip_tokens(TARGET_FRAMES, grid, '1B')}. "
-             f"Dense flash fwd+bwd of one 16x64-head layer: {ms:.0f} ms at {n / 1e3:.0f}K tokens "
-             f"({link(results_dir, 'attention', 'h200_sweep')}); x(N ratio)^2 extrapolates to "
+             f"Dense flash fwd+bwd of one 16x64-head layer: {ms:.0f} ms at {n / 1e3:.0f}K tokens on one "
+             f"{s['hardware']['gpus'][0]} ({link(results_dir, 'attention', DENSE_SWEEP)}); x(N ratio)^2 "
+             f"extrapolates to "
              f"{ms * (n2m / n) ** 2 / 1e3:.0f} s at {n2m / 1e6:.2f} M (extrapolated, not run)"),
             (f"{'supported' if slope >= QUADRATIC_SLOPE else 'not supported'}: measured dense time grows as "
              f"N^{slope:.2f} over {dense[0][0] / 1e3:.0f}K-{n / 1e3:.0f}K tokens ({len(dense)} sizes)"))
