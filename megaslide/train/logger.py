@@ -22,10 +22,12 @@ class RunLogger:
         self.out_dir = Path(out_dir)
         self.active = rank == 0
         self.run = None
+        self.last_train: dict = {}   # the newest row with a loss: a resumed run starts from its kept rows'
         if not self.active:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_file = _open_metrics(self.out_dir / "metrics.jsonl", resume_step)
+        self.metrics_file, kept = _open_metrics(self.out_dir / "metrics.jsonl", resume_step)
+        self.last_train = next((row for row in reversed(kept) if "loss" in row), {})
         mode = mode or os.environ.get("WANDB_MODE", "offline")
         if mode != "disabled":
             import wandb  # lazy: a heavy import, and optional for library users
@@ -35,6 +37,8 @@ class RunLogger:
     def log(self, metrics: dict, step: int) -> None:
         if not self.active:
             return
+        if "loss" in metrics:
+            self.last_train = {"step": step, **metrics}
         metrics = {k: _finite_or_none(v) for k, v in metrics.items()}
         self.metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
         self.metrics_file.flush()
@@ -82,25 +86,27 @@ class RunLogger:
             self.run.finish()
 
 
-def _open_metrics(path: Path, resume_step: int | None):
+def _open_metrics(path: Path, resume_step: int | None) -> tuple:
     """`path` opened for writing, holding the rows of steps < resume_step and the first row of
     resume_step (none for a fresh run): training logs a step's row just before it checkpoints that
     step, and rows logged after the checkpoint (a finished run's evaluation) are logged again by the
-    resumed run. A line cut off by a crash is dropped."""
-    kept = []
+    resumed run. A line cut off by a crash is dropped. Returns the file and the kept rows (dicts)."""
+    kept, rows = [], []
     if resume_step is not None and path.is_file():
         at_resume = False                    # whether the first row of resume_step is kept already
         for line in path.read_text().splitlines():
             try:
-                step = json.loads(line)["step"]
+                row = json.loads(line)
+                step = row["step"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
             if step < resume_step or (step == resume_step and not at_resume):
                 kept.append(line + "\n")
+                rows.append(row)
                 at_resume = at_resume or step == resume_step
     f = open(path, "w")  # noqa: SIM115  (the logger's file, open for the run, closed by finish)
     f.writelines(kept)
-    return f
+    return f, rows
 
 
 def _finite_or_none(value):

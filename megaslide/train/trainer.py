@@ -206,7 +206,8 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self, label: str = "train", progress: str = "bar") -> dict:
-        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown). `label` names
+        """Train to cfg.steps; returns the last logged metrics (with the engine's time breakdown; a run resumed at
+        its last step, with nothing left to train, returns the row its log kept for that step). `label` names
         the progress: `progress="bar"` draws a tqdm bar; "lines" prints a line starting with the label at each
         tenth of the run instead (megaslide/train/progress.py), for runs in processes that share one terminal or
         log file, as the study scripts' workers do. A step the engine refuses as non-finite (`NonFiniteStep`, a
@@ -233,7 +234,7 @@ class Trainer:
                 bar.update(1)  # after the postfix: a line shows this step's loss
                 if self.step % self.cfg.ckpt_every == 0 or self.step == self.cfg.steps:
                     self.save()
-        return last
+        return last or (dict(self.logger.last_train) if self.logger else {})
 
     def close(self) -> None:
         """Release the engine, leave the process group (if any) and restore what train.deterministic switched."""

@@ -298,3 +298,4 @@ def test_gpu_study_script_finishes_a_study_with_resume(tmp_path):
     for b, a in zip(before, after):
         assert a["restarted_from"].endswith(f"checkpoints/step_{b['steps']}.pt") and a["init_step"] == b["steps"]
         assert (a["final_weights"], a["text_alignment"]) == (b["final_weights"], b["text_alignment"])
+        assert a["final_loss"] == b["final_loss"]   # a finished run re-scored keeps its logged loss (not nan)

@@ -23,7 +23,10 @@ def test_train_then_sample(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl", "samples"]  # no *.log
     out = run_script(["experiments/train.py", f"out_dir={tmp_path}", *TINY, "train.steps=3", "train.resume=auto"])
     assert f"resumed from {ckpt} at step 2" in out
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 3]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2, 3]
+    again = run_script(["experiments/train.py", f"out_dir={tmp_path}", *TINY, "train.steps=3", "train.resume=auto"])
+    assert f"trained 3 steps, final loss {rows[-1]['loss']:.4f}" in again   # a finished run: its logged loss, not nan
     out = tmp_path / "up.mp4"
     run_script(["experiments/sample.py", f"checkpoint={ckpt}", "caption=a blue square moving up", "steps=1",
                 f"out={out}"])

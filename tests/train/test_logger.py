@@ -69,6 +69,7 @@ def test_metrics_hold_one_run_fresh_or_resumed(tmp_path):
     first.log({"eval/score": 1.0}, 4)           # logged after the checkpoint of step 4
     first.finish()
     finished = RunLogger(tmp_path, mode="disabled", resume_step=4)   # a finished run, evaluated again
+    assert finished.last_train == {"step": 4, "loss": 1.0}           # what its training logged last
     finished.log({"eval/score": 1.0}, 4)
     finished.finish()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][3:] == [
@@ -77,6 +78,7 @@ def test_metrics_hold_one_run_fresh_or_resumed(tmp_path):
         f.write('{"step": 5, "lo')
     resumed = RunLogger(tmp_path, mode="disabled", resume_step=2)
     resumed.log({"loss": 0.5}, 3)
+    assert resumed.last_train == {"step": 3, "loss": 0.5}
     resumed.finish()
     assert _steps(tmp_path / "metrics.jsonl") == [1, 2, 3]
     fresh = RunLogger(tmp_path, mode="disabled")
