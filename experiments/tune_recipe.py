@@ -10,7 +10,8 @@ every finished run (`jobs_done` / `jobs_total`); `continue_runs=true` finishes a
 runs that result already holds (each marked with the commit and date that ran it, `ran_in`), so a fresh machine
 needs only that JSON, and continues the others from their newest checkpoint where out_dir still has one.
 `max_runs=n` starts at most n of the runs still to run (in job order), so that a tuning whose runs do not all fit
-one machine's time limit runs over several calls, each finishing its runs.
+one machine's time limit runs over several calls, each finishing its runs. A continued tuning may add learning
+rates or warm-ups to the grid (`lrs`, `warmups`): only the new candidates' runs are left to run.
 
     python experiments/tune_recipe.py                                     # tiny, CPU
     python experiments/tune_recipe.py model=quality_gpu train.device=cuda ...   # the GPU tuning: docs/quality_study.md
@@ -45,15 +46,24 @@ def check_candidates(lrs, warmups) -> None:
                          f"candidates), e.g. 'warmups=[10,200]'")
 
 
+GRID = ("lrs", "warmups")   # candidate lists a continued tuning may extend: its earlier runs stay valid
+
+
 def finished_runs(path: Path, config: dict, names: list[str]) -> dict[str, dict]:
     """Run name -> row of each run in `names` that the earlier tuning result at `path` finished (ok or diverged),
     marked with the commit and date that ran it; {} without that file. A result of a tuning with other settings
-    is refused (ValueError naming continue_runs and the settings that differ)."""
+    is refused (ValueError naming continue_runs and the settings that differ); `lrs` and `warmups` may add
+    candidates to the earlier lists (every earlier run is still one of this tuning's), not drop any."""
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
     ours, theirs = json.loads(json.dumps(config)), earlier.get("config") or {}
-    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+
+    def same(key: str) -> bool:
+        if key in GRID and isinstance(ours.get(key), list) and isinstance(theirs.get(key), list):
+            return set(theirs[key]) <= set(ours[key])
+        return ours.get(key) == theirs.get(key)
+    differ = sorted(k for k in set(ours) | set(theirs) if not same(k))
     if differ:
         raise ValueError(f"continue_runs=true: {path} holds a tuning with other settings ({', '.join(differ)}); "
                          f"pass another results_name, or continue_runs=false to start it again")

@@ -27,8 +27,8 @@ import experiments.offload_peers
 import experiments.offset_stats
 import experiments.oom_thresholds
 import experiments.plan
-import experiments.precompute
 import experiments.planner_error
+import experiments.precompute
 import experiments.profile_step
 import experiments.quality
 import experiments.sample

@@ -175,6 +175,13 @@ def test_continue_runs_keeps_the_runs_the_result_holds_and_runs_the_rest(tmp_pat
     kept = {k: v for k, v in rows[1e-3].items() if k != "ran_in"}
     assert kept == next(r for r in full["tables"]["per seed"] if r.get("lr") == 1e-3)
     assert rows[1e-3]["ran_in"] == {"commit": full["commit"], "date": full["date"]} and "ran_in" not in rows[2e-3]
+    ran.clear()                                                         # a grid extended: only the new candidate
+    monkeypatch.setattr(sys, "argv", [*argv[:-2], "lrs=[1e-3,2e-3,4e-3]", "warmups=[0]", "continue_runs=true"])
+    experiments.tune_recipe.main()
+    assert [j["train"].lr for j in ran] == [4e-3]
+    extended = json.loads(path.read_text())
+    assert extended["jobs_done"] == extended["jobs_total"] == 3 and extended["config"]["lrs"] == [1e-3, 2e-3, 4e-3]
+    assert [r["lr"] for r in extended["tables"]["candidates"]] == [1e-3, 2e-3, 4e-3]
     monkeypatch.setattr(sys, "argv", [*argv[:-2], "lrs=[1e-3,3e-3]", "warmups=[0]", "continue_runs=true"])
     capsys.readouterr()
     with pytest.raises(SystemExit):
