@@ -7,6 +7,8 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   (materialised samples), DSA fused (Triton) fwd+bwd and its forward alone (`dsa_fused_fwd`, under
   no_grad), and `dsa_zero_fused`: what the `dsa_zero` module's attend runs (zero offsets, no offset
   gradient);
+- kernels: one fwd+bwd call of dsa_fused and dsa_fused_deterministic (those of `variants`) at the target grid,
+  its device time per kernel (torch.profiler): which kernels the deterministic mode's extra time is spent in;
 - module: the `dsa` and `dsa_zero` modules' attend (offset net + op) fwd+bwd at the target grid, for
   each head dim of `module_head_dims` (`heads` heads), bf16 autocast over fp32 weights as training
   runs them; the offset net keeps PyTorch's default init (not the zero init), so samples fall
@@ -50,7 +52,7 @@ from baselines.swin_attention import SwinAttention
 from experiments.dsa_candidates import launch_of
 from experiments.harness import ExperimentRun
 from experiments.module_cell import KERNEL, module_fn
-from megaslide.perf.timing import MIN_REPEATS, copy_gbps, matmul_tflops, measure, timed
+from megaslide.perf.timing import MIN_REPEATS, copy_gbps, kernel_ms, matmul_tflops, measure, timed
 from experiments.hydra_config import require_ranges, require_sizes, script_config, script_main, trial_preset
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
@@ -208,6 +210,19 @@ def sweep(grids, variants, heads, d, dtype, device, repeats, dense_limit, ref_li
             on_row(rows)
             _print_row(row)
     return rows
+
+
+SPLIT = ("dsa_fused", "dsa_fused_deterministic")   # target-grid variants whose time is split per kernel
+
+
+def kernel_split(grid, variants, heads, d, dtype, device) -> list[dict]:
+    """One fwd+bwd call of each SPLIT variant in `variants` at `grid`, its device time per kernel (ms; CUDA
+    only, [] on CPU): where the deterministic mode's extra time goes."""
+    if device.type != "cuda":
+        return []
+    fns = variant_fns(grid, heads, d, dtype, device)
+    return [{"variant": name, "kernel": kernel, "ms": ms} for name in SPLIT if name in variants
+            for kernel, ms in kernel_ms(fns[name][0](), device).items()]
 
 
 def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: None):
@@ -477,7 +492,7 @@ def summarise(target, rows, target_grid, heads, d, dtype, ceil, hbm_gb: float | 
         for other in ("dsa_reference", "dense", SWIN):
             if other in by:
                 summary[f"fused_speedup_vs_{other}"] = by[other]["ms"] / fused["ms"]
-        if "dsa_fused_deterministic" in by:  # the cost of sorting the backward's key-tile lists
+        if "dsa_fused_deterministic" in by:  # the cost of the backward's striped, fixed-order key-tile lists
             summary["deterministic_cost"] = by["dsa_fused_deterministic"]["ms"] / fused["ms"]
         if "dsa_reference" in by and "peak_gb" in fused:
             summary["fused_memory_fraction_of_reference"] = fused["peak_gb"] / by["dsa_reference"]["peak_gb"]
@@ -564,6 +579,7 @@ def main(hydra_cfg: DictConfig) -> None:
     print("target grid", target_grid, flush=True)
     target = sweep([target_grid], cfg.variants, heads, d, dtype, device, repeats,
                    dense_limit=10 ** 9, ref_limit=10 ** 9, on_row=save("target"))
+    tables["kernels"] = kernel_split(target_grid, cfg.variants, heads, d, dtype, device)
     print("modules", flush=True)
     modules = module_rows(target_grid, heads, cfg.module_head_dims, device, repeats, on_row=save("module"))
     print("offset spread", flush=True)

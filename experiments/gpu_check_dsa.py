@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 
 from experiments.dsa_candidates import key_of, launch_of
 from experiments.harness import ExperimentRun, kernel_check_device
-from megaslide.perf.timing import copy_gbps, timed
+from megaslide.perf.timing import copy_gbps, kernel_ms, timed
 from experiments.hydra_config import script_config, script_main
 from megaslide.attention.dsa import deformable_slide_attention, neighborhood_attention
 from megaslide.attention.dsa.op import BACKENDS
@@ -250,23 +250,6 @@ def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: l
                          "kernel_ms": kernel_ms(run_backward, device)})
         on_row(sweep)
     return sweep
-
-
-def kernel_ms(fn, device: torch.device) -> dict[str, float]:
-    """Device time of one fn() call per kernel (or op) name, in ms, from torch.profiler; {} on CPU."""
-    if device.type != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1e3
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def print_tables(rows: list[dict], sweep: dict | None) -> None:

@@ -4,7 +4,8 @@
 - `timed(fn, device)`: warm-up calls, then at least `MIN_REPEATS` timed calls, the device synchronised
   around each; a `Timing` with the median and the spread (min, max, std). Across ranks it reports the
   slowest rank. `measure(setup, repeats, device)`: a table row of it in ms, with the peak memory above
-  the start (CUDA), an out-of-memory as a status.
+  the start (CUDA), an out-of-memory as a status. `kernel_ms(fn, device)`: one call's device time per kernel
+  name (torch.profiler; CUDA), to say which kernel a difference between two timings comes from.
 - ceilings, measured on the machine at hand: `matmul_tflops` (n^3 matmul), `copy_gbps` (HBM or DRAM
   copy), `pcie_gbps` (copies to and from a page-locked host buffer: H2D, D2H and both at once).
 
@@ -101,6 +102,23 @@ def measure(setup, repeats: int, device) -> dict:
     if device.type == "cuda":
         out["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
     return out
+
+
+def kernel_ms(fn, device: torch.device) -> dict[str, float]:
+    """Device time of one fn() call per kernel (or op) name, in ms, from torch.profiler; {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / 1e3
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def matmul_tflops(device: torch.device | str, n: int = 8192, dtype: torch.dtype = torch.bfloat16,
