@@ -28,7 +28,7 @@ import torch
 
 from experiments.hydra_config import RUN_GROUPS, command_line_keys, refuse_repeats
 from experiments.report import render
-from experiments.results_io import check_result_name, check_writable_folder, write_result
+from experiments.results_io import check_result_name, check_writable_folder, result_path, write_result
 from megaslide.checkpoint import checkpoint_path, clear_checkpoints, read_state, step_checkpoints
 from megaslide.config import DataConfig, DiTConfig, TrainConfig, require_seed
 from megaslide.data.moving_shapes import MovingShapes
@@ -419,8 +419,8 @@ STUDY_LISTS = ("variants", "clip_frames", "clip_batch_sizes", "clip_steps", "swi
 
 def check_study(cfg) -> None:
     """The study keys of `cfg` (STUDY_COUNTS integers >= 1, STUDY_LISTS lists, not a string read letter by letter,
-    results_name a plain file name, seeds a non-empty list of integers, each seed and eval_seed / val_seed in
-    [0, 2**63)); a ValueError names the key and the fix.
+    max_runs an integer >= 0 where present, results_name a plain file name, seeds a non-empty list of integers,
+    each seed and eval_seed / val_seed in [0, 2**63)); a ValueError names the key and the fix.
     A study script calls it with typed_configs, before anything is written."""
     for key in STUDY_LISTS:
         value = cfg.get(key, [])
@@ -430,6 +430,10 @@ def check_study(cfg) -> None:
         value = cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1: {meaning}")
+    max_runs = cfg.get("max_runs", 0)
+    if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 0:
+        raise ValueError(f"max_runs={max_runs!r} must be an integer >= 0: the runs to start in this call (0: all "
+                         f"that are left)")
     n, clips = cfg.n_train_eval, cfg.data.num_videos
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= clips:
         raise ValueError(f"n_train_eval={n!r} must be an integer from 0 (off) to data.num_videos={clips}: training "
@@ -479,16 +483,97 @@ def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: Tra
                 n_train_eval=cfg.n_train_eval)
 
 
+# training settings that do not change what a run trains or how it is scored (where and how often it logs or saves)
+BOOKKEEPING = ("device", "log_every", "ckpt_every", "keep_checkpoints", "resume")
+
+
+def settings_digest(job: dict) -> str:
+    """sha256 (first 16 hex digits) of what a job's row depends on: its model, data, training settings (all but
+    BOOKKEEPING) and evaluation (n_eval, eval_seed, n_train_eval). Each row carries it (`settings`), so that
+    continue_runs=true keeps a result's row only for a run of exactly these settings."""
+    train = {k: v for k, v in dataclasses.asdict(job["train"]).items() if k not in BOOKKEEPING}
+    what = {"model": dataclasses.asdict(job["model"]), "data": dataclasses.asdict(job["data"]), "train": train,
+            **{k: job[k] for k in ("attention", "n_eval", "eval_seed", "n_train_eval")}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def held_runs(path: Path, config: dict, jobs: list[dict], grid: Sequence[str] = ()) -> dict[str, dict]:
+    """Run name -> row of each of `jobs` that the earlier result at `path` finished (ok, or diverged: a tuning
+    candidate's outcome) with the job's settings (`settings_digest`), marked with the commit and date that ran it
+    (`ran_in`); {} without that file. So continue_runs=true keeps what a result JSON holds on a machine where those
+    runs' folders are gone. A result of another config is refused (ValueError naming continue_runs and the keys
+    that differ); the config lists named in `grid` may add entries to the earlier lists, not drop any. A row of
+    other run settings (another train.lr, say) is not kept: that run trains again. Rows written before rows
+    carried `settings` are matched by the config and their run name alone, as they were then."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    ours, theirs = json.loads(json.dumps(config)), earlier.get("config") or {}
+
+    def same(key: str) -> bool:
+        if key in grid and isinstance(ours.get(key), list) and isinstance(theirs.get(key), list):
+            return all(x in ours[key] for x in theirs[key])
+        return ours.get(key) == theirs.get(key)
+    differ = sorted(k for k in set(ours) | set(theirs) if not same(k))
+    if differ:
+        raise ValueError(f"continue_runs=true: {path} holds a run of other settings ({', '.join(differ)}); "
+                         f"pass another results_name, or continue_runs=false to start it again")
+    origin = {"commit": earlier.get("commit"), "date": earlier.get("date")}
+    digests = dict(zip(job_names(jobs), map(settings_digest, jobs)))
+    return {r["run"]: {**r, "ran_in": r.get("ran_in", origin)} for r in earlier["tables"]["per seed"]
+            if r.get("run") in digests and r.get("settings", digests[r["run"]]) == digests[r["run"]]
+            and (r["status"] == "ok" or r["status"].startswith("diverged"))}
+
+
+def job_names(jobs: list[dict]) -> list[str]:
+    """Each job's run name (its folder under out_dir, the `run` of its row), in job order."""
+    return [run_name(job["tag"], job["attention"], job["train"].seed) for job in jobs]
+
+
+def runs_to_start(jobs: list[dict], kept: dict[str, dict], max_runs: int) -> tuple[list[dict], int]:
+    """The jobs whose runs `kept` lacks, in job order, at most `max_runs` of them (0: all), and how many it lacks.
+    A job that continues a kept run (progressive clips) needs that run's final checkpoint on this machine: if it is
+    gone (a fresh machine), a ValueError says so before anything runs."""
+    todo = [job for job, name in zip(jobs, job_names(jobs)) if name not in kept]
+    finals = {str(final_checkpoint(job)): name for job, name in zip(jobs, job_names(jobs)) if name in kept}
+    for job in todo:
+        source = finals.get(job["train"].resume)
+        if source and not Path(job["train"].resume).is_file():
+            raise ValueError(f"continue_runs=true: {job_names([job])[0]} continues {source}, which the result holds "
+                             f"but whose final checkpoint {job['train'].resume} is not on this machine; a "
+                             f"progressive study finishes each run's clips on one machine (continue_runs=false "
+                             f"starts it again)")
+    return todo[:max_runs or len(todo)], len(todo)
+
+
+def in_job_order(jobs: list[dict], kept: dict[str, dict], done: list[dict]) -> list[dict]:
+    """The kept rows and those of the runs finished now (`done`, each given its job's `settings_digest`), in job
+    order."""
+    names = job_names(jobs)
+    job_of = dict(zip(names, jobs))
+    by_name = {**kept, **{r["run"]: {**r, "settings": settings_digest(job_of[r["run"]])} for r in done}}
+    return [by_name[n] for n in names if n in by_name]
+
+
 def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config: dict,
               grids: dict[str, int | None]) -> None:
     """Run the jobs (cfg.workers at once), publishing the result after each; print the summary
-    and where the result, its markdown tables, the sample grids and the sample videos are."""
-    def save(rows: list[dict]) -> tuple[Path, list[Path]]:
-        return publish(experiment, cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs), grids)
+    and where the result, its markdown tables, the sample grids and the sample videos are.
+    With continue_runs=true the runs the result JSON already holds are kept (`held_runs`), and `max_runs` (0: all)
+    starts only that many of the others, in job order, so a study can be spread over calls and machines."""
+    path = result_path(experiment, cfg.results_name, cfg.results_dir)
+    kept = held_runs(path, config, jobs) if cfg.get("continue_runs", False) else {}
+    todo, left = runs_to_start(jobs, kept, cfg.get("max_runs", 0))
 
-    check_continued(jobs)
+    def save(done: list[dict]) -> tuple[Path, list[Path]]:
+        return publish(experiment, cfg.results_name, cfg.results_dir, config, in_job_order(jobs, kept, done), truth,
+                       len(jobs), grids)
+
+    check_continued(todo)
     published = [save([])]               # the ground truth and the plan, before the first run finishes
-    rows = run_jobs(jobs, cfg.workers, on_row=lambda done: published.append(save(done)))
+    if kept or len(todo) < left:
+        print(f"{len(kept)} of {len(jobs)} runs kept from {path}; {len(todo)} of the {left} left run now")
+    rows = in_job_order(jobs, kept, run_jobs(todo, cfg.workers, on_row=lambda done: published.append(save(done))))
     path, pngs = published[-1]
     print(summary_table(aggregate(truth + rows)))
     print(f"\nscores (JSON): {path}\ntables (markdown): {render(experiment, Path(cfg.results_dir))}")

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import (check_continued, check_study, ground_truth_row, make_job, run_jobs,
-                                          run_name, strip_samples, variant_models)
+from experiments.quality_protocol import (check_continued, check_study, ground_truth_row, held_runs, in_job_order,
+                                          make_job, run_jobs, run_name, runs_to_start, strip_samples,
+                                          variant_models)
 from experiments.recipe import candidate_means, choose, tuned_for
 from experiments.report import markdown_table, render
 from experiments.results_io import result_path, write_result
@@ -49,37 +49,11 @@ def check_candidates(lrs, warmups) -> None:
 GRID = ("lrs", "warmups")   # candidate lists a continued tuning may extend: its earlier runs stay valid
 
 
-def finished_runs(path: Path, config: dict, names: list[str]) -> dict[str, dict]:
-    """Run name -> row of each run in `names` that the earlier tuning result at `path` finished (ok or diverged),
-    marked with the commit and date that ran it; {} without that file. A result of a tuning with other settings
-    is refused (ValueError naming continue_runs and the settings that differ); `lrs` and `warmups` may add
-    candidates to the earlier lists (every earlier run is still one of this tuning's), not drop any."""
-    if not path.exists():
-        return {}
-    earlier = json.loads(path.read_text())
-    ours, theirs = json.loads(json.dumps(config)), earlier.get("config") or {}
-
-    def same(key: str) -> bool:
-        if key in GRID and isinstance(ours.get(key), list) and isinstance(theirs.get(key), list):
-            return set(theirs[key]) <= set(ours[key])
-        return ours.get(key) == theirs.get(key)
-    differ = sorted(k for k in set(ours) | set(theirs) if not same(k))
-    if differ:
-        raise ValueError(f"continue_runs=true: {path} holds a tuning with other settings ({', '.join(differ)}); "
-                         f"pass another results_name, or continue_runs=false to start it again")
-    origin = {"commit": earlier.get("commit"), "date": earlier.get("date")}
-    return {r["run"]: {**r, "ran_in": r.get("ran_in", origin)} for r in earlier["tables"]["per seed"]
-            if r.get("run") in names and (r["status"] == "ok" or r["status"].startswith("diverged"))}
-
-
 @script_main("tune_recipe")
 def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
     check_study(cfg)
     check_candidates(cfg.lrs, cfg.warmups)
-    if not isinstance(cfg.max_runs, int) or isinstance(cfg.max_runs, bool) or cfg.max_runs < 0:
-        raise ValueError(f"max_runs={cfg.max_runs!r} must be an integer >= 0: the runs to start in this call "
-                         f"(0: all that are left)")
     if cfg.val_seed in (cfg.eval_seed, data.seed):
         raise ValueError(f"val_seed={cfg.val_seed} equals eval_seed={cfg.eval_seed} or data.seed={data.seed}: "
                          f"validation clips must be neither test nor training clips; pick another val_seed")
@@ -93,28 +67,20 @@ def main(cfg: DictConfig) -> None:
         run = dataclasses.replace(train, seed=int(seed), lr=float(lr), warmup_steps=int(warmup))
         jobs.append({**make_job(cfg, variant, models[variant], data, run, tag), "eval_seed": cfg.val_seed})
         candidate_of[run_name(tag, variant, int(seed))] = {"lr": float(lr), "warmup_steps": int(warmup)}
-    names = list(candidate_of)   # in job order
     truth = ground_truth_row(data, cfg.n_eval, cfg.val_seed, cfg.n_train_eval)
     config = {"variants": list(cfg.variants), "lrs": list(cfg.lrs), "warmups": list(cfg.warmups),
               "seeds": list(cfg.seeds), "n_eval": cfg.n_eval, "val_seed": cfg.val_seed, "eval_seed": cfg.eval_seed,
               "tuned_for": tuned_for(data, model, train.steps, train.batch_size)}
 
     path = result_path(EXPERIMENT, cfg.results_name, cfg.results_dir)
-    kept = finished_runs(path, config, names) if cfg.continue_runs else {}
-    todo = [job for job, name in zip(jobs, names) if name not in kept]
-    left = len(todo)
-    todo = todo[:cfg.max_runs or left]
+    kept = held_runs(path, config, jobs, GRID) if cfg.continue_runs else {}
+    todo, left = runs_to_start(jobs, kept, cfg.max_runs)
 
     def runs_of(rows: list[dict]) -> list[dict]:
         return [{**r, **candidate_of[r["run"]]} for r in strip_samples(rows)]
 
-    def with_kept(done: list[dict]) -> list[dict]:
-        """The kept runs and those finished now, in job order."""
-        by_name = {**kept, **{r["run"]: r for r in done}}
-        return [by_name[n] for n in names if n in by_name]
-
     def publish(done: list[dict]) -> Path:
-        rows = with_kept(done)
+        rows = in_job_order(jobs, kept, done)
         runs = runs_of(rows)
         candidates = candidate_means(runs)
         payload = {"config": config, "jobs_done": len(rows), "jobs_total": len(jobs),
@@ -128,7 +94,7 @@ def main(cfg: DictConfig) -> None:
     # a candidate whose loss goes non-finite is a tuning result (too high a learning rate), not a failed tuning
     if kept or len(todo) < left:
         print(f"{len(kept)} of {len(jobs)} runs kept from {path}; {len(todo)} of the {left} left run now")
-    rows = with_kept(run_jobs(todo, cfg.workers, on_row=lambda done: published.append(publish(done)),
+    rows = in_job_order(jobs, kept, run_jobs(todo, cfg.workers, on_row=lambda done: published.append(publish(done)),
                               outcomes=(FloatingPointError,)))
     runs = runs_of(rows)
     print(markdown_table(choose(candidate_means(runs), truth["text_alignment"])))

@@ -40,8 +40,9 @@
 # stage cut short leaves an honest partial result (jobs_done < jobs_total).
 # A study longer than one call: PLAN="SHORT LONG" fixes the steps (no probe, no planning) and every
 # run checkpoints each CKPT_EVERY (200) steps, keeping its newest; RESUME=1 then runs the same study
-# again over the RUNS of the cut one (on the same machine): finished runs re-score their final
-# weights, cut ones continue from their newest checkpoint (quality.py continue_runs=true).
+# again over the RUNS of the cut one (on the same machine): runs its result JSON holds are kept,
+# other finished runs re-score their final weights, cut ones continue from their newest checkpoint
+# (quality.py continue_runs=true).
 # MPS=1 runs the study's processes under CUDA MPS, where nvidia-cuda-mps-control exists and a CUDA
 # client starts under it (their small kernels then share the GPU instead of time-slicing it); the
 # daemon is stopped when the script ends, and the log says whether MPS was used.

@@ -262,9 +262,9 @@ def test_gpu_study_script_dry_run(tmp_path):
 
 
 def test_gpu_study_script_finishes_a_study_with_resume(tmp_path):
-    """PLAN fixes the steps (no probe); RESUME=1 runs the same study again over its RUNS: every run
-    restarts from its own final checkpoint, trains no further and scores the same. RESUME without
-    PLAN, and a second study over the same RUNS without RESUME, are refused."""
+    """PLAN fixes the steps (no probe); RESUME=1 runs the same study again over its RUNS: the runs its result
+    holds are kept, and a finished run it lacks restarts from its own final checkpoint, trains no further and
+    scores the same. RESUME without PLAN, and a second study over the same RUNS without RESUME, are refused."""
     env = {**os.environ, "DRY": "1", "RESULTS": str(tmp_path / "results"), "RUNS": str(tmp_path / "runs"),
            "WANDB_MODE": "disabled", "PLAN": "3 2", "BUDGET_S": "1000000"}   # no stage cut for time
 
@@ -292,10 +292,17 @@ def test_gpu_study_script_finishes_a_study_with_resume(tmp_path):
     assert again.returncode == 2 and "PROXY=huge must be small or large" in again.stderr
     again = study(RESUME="1", RECIPE=str(tmp_path / "absent.json"))
     assert again.returncode == 2 and "absent.json is not a file: pass a recipe JSON" in again.stderr
+    path = tmp_path / "results" / "quality" / "cpu_dry.json"
+    cut = json.loads(path.read_text())          # seed 1's rows lost, as if its calls had not published them
+    cut["tables"]["per seed"] = [r for r in cut["tables"]["per seed"] if r["seed"] != 1]
+    path.write_text(json.dumps({**cut, "jobs_done": 4}))
     again = study(RESUME="1")
     assert again.returncode == 0, again.stdout + again.stderr
     after = rows()
     for b, a in zip(before, after):
+        if b["seed"] == 0:                      # held by the result: kept as they were
+            assert {k: v for k, v in a.items() if k != "ran_in"} == b and a["ran_in"]["commit"] == cut["commit"]
+            continue
         assert a["restarted_from"].endswith(f"checkpoints/step_{b['steps']}.pt") and a["init_step"] == b["steps"]
         assert (a["final_weights"], a["text_alignment"]) == (b["final_weights"], b["text_alignment"])
         assert a["final_loss"] == b["final_loss"]   # a finished run re-scored keeps its logged loss (not nan)
