@@ -36,6 +36,9 @@
 # RECIPE=<file> trains each variant with its own learning rate and warm-up, from a recipe JSON of
 # experiments/tune_recipe.py (docs/quality_study.md, "Tuning each variant's recipe"; LR is then not used):
 # quality.py refuses a recipe tuned for other data, model, batch or short-clip steps (use PLAN for fixed steps).
+# Machines that do not outlive a call: with PLAN and RESUME=1, the runs the result JSON in RESULTS holds are kept
+# (a fresh machine needs only that file there), and MAX_RUNS=n starts only the next n runs, in job order
+# (quality.py max_runs); each call must finish the runs it starts (a progressive run's clips on one machine).
 # Stages 1 and 2 run under `timeout`: the result JSON is rewritten after every finished run, so a
 # stage cut short leaves an honest partial result (jobs_done < jobs_total).
 # A study longer than one call: PLAN="SHORT LONG" fixes the steps (no probe, no planning) and every
@@ -171,7 +174,8 @@ if [ "${SHORT:-0}" -gt 0 ] && [ "$STUDY_S" -gt 0 ]; then
   say "study, at most $STUDY_S s"
   # shellcheck disable=SC2086
   TORCHINDUCTOR_COMPILE_THREADS=1 timeout -k 10 "$STUDY_S" python3 experiments/quality.py $COMMON $STUDY \
-    "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE ${RECIPE:+recipe=$RECIPE} 2>&1 | tee -a "$RUNS/logs/study.log"
+    "seeds=$SEEDS" workers=$WORKERS train.compile=$COMPILE ${RECIPE:+recipe=$RECIPE} ${MAX_RUNS:+max_runs=$MAX_RUNS} \
+    2>&1 | tee -a "$RUNS/logs/study.log"
   STATUS=${PIPESTATUS[0]}
   say "study exit status $STATUS (124: cut at $STUDY_S s; its JSON holds the runs that finished)"
 else

@@ -306,3 +306,25 @@ def test_gpu_study_script_finishes_a_study_with_resume(tmp_path):
         assert a["restarted_from"].endswith(f"checkpoints/step_{b['steps']}.pt") and a["init_step"] == b["steps"]
         assert (a["final_weights"], a["text_alignment"]) == (b["final_weights"], b["text_alignment"])
         assert a["final_loss"] == b["final_loss"]   # a finished run re-scored keeps its logged loss (not nan)
+
+
+def test_gpu_study_script_spreads_a_study_over_machines(tmp_path):
+    """MAX_RUNS=2 trains the first two runs; a fresh machine (RUNS gone) with RESUME=1 and the result JSON alone
+    keeps them and trains the rest."""
+    env = {**os.environ, "DRY": "1", "RESULTS": str(tmp_path / "results"), "RUNS": str(tmp_path / "runs"),
+           "WANDB_MODE": "disabled", "PLAN": "3 0", "BUDGET_S": "1000000"}   # one clip: runs independent
+
+    def study(**extra: str) -> dict:
+        done = subprocess.run(["bash", "experiments/gpu/quality_study.sh"], cwd=REPO_ROOT, env={**env, **extra},
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads((tmp_path / "results" / "quality" / "cpu_dry.json").read_text())
+
+    first = study(MAX_RUNS="2")
+    assert first["jobs_done"] == 2 < first["jobs_total"]
+    shutil.rmtree(tmp_path / "runs")
+    full = study(RESUME="1")
+    assert full["jobs_done"] == full["jobs_total"]
+    rows = [r for r in full["tables"]["per seed"] if r["variant"] != "ground_truth"]
+    assert [r.get("ran_in", {}).get("commit") for r in rows[:2]] == [first["commit"]] * 2
+    assert not any("ran_in" in r for r in rows[2:])
