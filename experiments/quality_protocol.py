@@ -534,8 +534,9 @@ def runs_to_start(jobs: list[dict], kept: dict[str, dict], max_runs: int) -> tup
     """The jobs whose runs `kept` lacks, in job order, at most `max_runs` of them (0: all), and how many it lacks.
     A job that continues a kept run (progressive clips) needs that run's final checkpoint on this machine: if it is
     gone (a fresh machine), a ValueError says so before anything runs."""
-    todo = [job for job, name in zip(jobs, job_names(jobs)) if name not in kept]
-    finals = {str(final_checkpoint(job)): name for job, name in zip(jobs, job_names(jobs)) if name in kept}
+    names = job_names(jobs)
+    todo = [job for job, name in zip(jobs, names) if name not in kept]
+    finals = {str(final_checkpoint(job)): name for job, name in zip(jobs, names) if name in kept}
     for job in todo:
         source = finals.get(job["train"].resume)
         if source and not Path(job["train"].resume).is_file():
@@ -555,25 +556,34 @@ def in_job_order(jobs: list[dict], kept: dict[str, dict], done: list[dict]) -> l
     return [by_name[n] for n in names if n in by_name]
 
 
+def run_held(cfg, jobs: list[dict], path: Path, config: dict, publish: Callable[[list[dict]], object],
+             grid: Sequence[str] = (), outcomes: tuple[type[Exception], ...] = ()) -> tuple[list[dict], list]:
+    """run_jobs (cfg.workers at once) over the jobs whose runs the result at `path` lacks: with continue_runs=true
+    the rows it holds are kept (`held_runs`, with `grid`), and max_runs (0: all) starts only that many of the
+    others, in job order, so a study or tuning can be spread over calls and machines. `publish(rows)` gets the
+    kept rows and those finished so far, in job order, before the first run and after each. Returns every row in
+    job order and what each publish returned."""
+    kept = held_runs(path, config, jobs, grid) if cfg.get("continue_runs", False) else {}
+    todo, left = runs_to_start(jobs, kept, cfg.get("max_runs", 0))
+    check_continued(todo)
+    published = [publish(in_job_order(jobs, kept, []))]   # the plan (and kept rows), before the first run finishes
+    if kept or len(todo) < left:
+        print(f"{len(kept)} of {len(jobs)} runs kept from {path}; {len(todo)} of the {left} left run now")
+    done = run_jobs(todo, cfg.workers, on_row=lambda rows: published.append(publish(in_job_order(jobs, kept, rows))),
+                    outcomes=outcomes)
+    return in_job_order(jobs, kept, done), published
+
+
 def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config: dict,
               grids: dict[str, int | None]) -> None:
     """Run the jobs (cfg.workers at once), publishing the result after each; print the summary
     and where the result, its markdown tables, the sample grids and the sample videos are.
-    With continue_runs=true the runs the result JSON already holds are kept (`held_runs`), and `max_runs` (0: all)
-    starts only that many of the others, in job order, so a study can be spread over calls and machines."""
-    path = result_path(experiment, cfg.results_name, cfg.results_dir)
-    kept = held_runs(path, config, jobs) if cfg.get("continue_runs", False) else {}
-    todo, left = runs_to_start(jobs, kept, cfg.get("max_runs", 0))
+    With continue_runs=true the runs the result JSON already holds are kept, and max_runs starts only that many of
+    the others (`run_held`)."""
+    def save(rows: list[dict]) -> tuple[Path, list[Path]]:
+        return publish(experiment, cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs), grids)
 
-    def save(done: list[dict]) -> tuple[Path, list[Path]]:
-        return publish(experiment, cfg.results_name, cfg.results_dir, config, in_job_order(jobs, kept, done), truth,
-                       len(jobs), grids)
-
-    check_continued(todo)
-    published = [save([])]               # the ground truth and the plan, before the first run finishes
-    if kept or len(todo) < left:
-        print(f"{len(kept)} of {len(jobs)} runs kept from {path}; {len(todo)} of the {left} left run now")
-    rows = in_job_order(jobs, kept, run_jobs(todo, cfg.workers, on_row=lambda done: published.append(save(done))))
+    rows, published = run_held(cfg, jobs, result_path(experiment, cfg.results_name, cfg.results_dir), config, save)
     path, pngs = published[-1]
     print(summary_table(aggregate(truth + rows)))
     print(f"\nscores (JSON): {path}\ntables (markdown): {render(experiment, Path(cfg.results_dir))}")

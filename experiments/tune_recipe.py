@@ -26,8 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments.hydra_config import script_main, typed_configs
-from experiments.quality_protocol import (check_continued, check_study, ground_truth_row, held_runs, in_job_order,
-                                          make_job, run_jobs, run_name, runs_to_start, strip_samples,
+from experiments.quality_protocol import (check_study, ground_truth_row, make_job, run_held, run_name, strip_samples,
                                           variant_models)
 from experiments.recipe import candidate_means, choose, tuned_for
 from experiments.report import markdown_table, render
@@ -72,15 +71,10 @@ def main(cfg: DictConfig) -> None:
               "seeds": list(cfg.seeds), "n_eval": cfg.n_eval, "val_seed": cfg.val_seed, "eval_seed": cfg.eval_seed,
               "tuned_for": tuned_for(data, model, train.steps, train.batch_size)}
 
-    path = result_path(EXPERIMENT, cfg.results_name, cfg.results_dir)
-    kept = held_runs(path, config, jobs, GRID) if cfg.continue_runs else {}
-    todo, left = runs_to_start(jobs, kept, cfg.max_runs)
-
     def runs_of(rows: list[dict]) -> list[dict]:
         return [{**r, **candidate_of[r["run"]]} for r in strip_samples(rows)]
 
-    def publish(done: list[dict]) -> Path:
-        rows = in_job_order(jobs, kept, done)
+    def publish(rows: list[dict]) -> Path:
         runs = runs_of(rows)
         candidates = candidate_means(runs)
         payload = {"config": config, "jobs_done": len(rows), "jobs_total": len(jobs),
@@ -89,13 +83,9 @@ def main(cfg: DictConfig) -> None:
             payload["recipe"] = choose(candidates, truth["text_alignment"])
         return write_result(EXPERIMENT, cfg.results_name, payload, results_dir=cfg.results_dir)
 
-    check_continued(todo)
-    published = [publish([])]
     # a candidate whose loss goes non-finite is a tuning result (too high a learning rate), not a failed tuning
-    if kept or len(todo) < left:
-        print(f"{len(kept)} of {len(jobs)} runs kept from {path}; {len(todo)} of the {left} left run now")
-    rows = in_job_order(jobs, kept, run_jobs(todo, cfg.workers, on_row=lambda done: published.append(publish(done)),
-                              outcomes=(FloatingPointError,)))
+    rows, published = run_held(cfg, jobs, result_path(EXPERIMENT, cfg.results_name, cfg.results_dir), config,
+                               publish, GRID, outcomes=(FloatingPointError,))
     runs = runs_of(rows)
     print(markdown_table(choose(candidate_means(runs), truth["text_alignment"])))
     for r in runs:

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import experiments.quality
+from tests.experiments.test_bad_input import run_main
 from tests.experiments.test_tune_recipe import TINY
 
 
@@ -63,7 +64,6 @@ def test_a_progressive_run_never_continues_a_checkpoint_that_is_gone(tmp_path, m
 
 @pytest.mark.parametrize("value", ["-1", "true", "1.5"])
 def test_max_runs_must_be_a_count(value, tmp_path, monkeypatch, capsys):
-    from tests.experiments.test_bad_input import run_main
     err = run_main(experiments.quality, ["out_dir=runs/x", "train.steps=1", f"max_runs={value}"], tmp_path,
                    monkeypatch, capsys)
     assert f"max_runs={value if value != 'true' else 'True'} must be an integer >= 0" in err

@@ -163,8 +163,8 @@ def test_continue_runs_keeps_the_runs_the_result_holds_and_runs_the_rest(tmp_pat
     path.write_text(json.dumps(cut))
     shutil.rmtree(tmp_path / "tune")                                    # a fresh machine: no run folders
     ran = []
-    real = experiments.tune_recipe.run_jobs
-    monkeypatch.setattr(experiments.tune_recipe, "run_jobs",
+    real = protocol.run_jobs
+    monkeypatch.setattr(protocol, "run_jobs",
                         lambda jobs, *a, **k: ran.extend(jobs) or real(jobs, *a, **k))
     monkeypatch.setattr(sys, "argv", [*argv, "continue_runs=true"])
     experiments.tune_recipe.main()
