@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.report import result_files
-from experiments.results_io import REFERENCE_GPU, provenance_mark, ran_on
+from experiments.results_io import REFERENCE_GPU, is_ancestor, provenance_mark, ran_on, record_status
 
 
 def load(results_dir: Path, experiment: str, name: str) -> dict | None:
@@ -54,3 +57,93 @@ def under_previous_rule(rule: str, verdict: str, until: str = "") -> str:
     """A verdict as the rule it replaced gave it, shown beside the new one: `rule` says what that rule was,
     `verdict` is what it gives on the same data and `until` the last commit that applied it, where recorded."""
     return f"under the previous rule ({f'up to commit {until}: ' if until else ''}{rule}): {verdict}"
+
+
+PROVENANCE_RULE = (
+    "The rule of every verdict: it rests only on results whose provenance audit status is ok (a clean tree at a "
+    "commit in the history of HEAD); each claim's own rule is applied to those alone. Where they leave a claim no "
+    "evidence, its verdict is 'not assessed', naming the results to re-run from a clean commit; where leaving the "
+    "others out changes a verdict, the parts it changes are shown beside it under the previous rule (results of any "
+    "provenance counted). Our figures from every result stay shown in the 'ours' column.")
+ANY_PROVENANCE = "results of any provenance counted; the parts of its verdict that differ"
+PROVENANCE_WORDS = {"unknown": "unknown provenance", "dirty": "a dirty tree",
+                    "not-an-ancestor": "a commit not in the history of HEAD"}
+CITED = re.compile(r"\]\(([^()\s]+\.json)\)")   # the target of every result link (`link`) in a row
+
+
+def provenance_status(result: dict, commits: dict[str, bool | None] | None = None) -> str:
+    """"ok", "unknown", "dirty" or "not-an-ancestor": the audit's status of a result (results_io.AUDIT_STATUSES),
+    save that where git cannot tell whether its commit is in HEAD's history (a shallow clone) its record decides,
+    so the claims page is the same in every clone; no recorded commit is unknown. `commits`: is_ancestor answers
+    by commit, filled as asked."""
+    commit = str(result.get("commit") or "").removesuffix("+dirty")
+    if not commit or commit == "unknown":
+        return "unknown"
+    commits = {} if commits is None else commits
+    if commit not in commits:
+        commits[commit] = is_ancestor(commit)
+    return "not-an-ancestor" if commits[commit] is False else record_status(result)[0]
+
+
+@dataclass
+class Evidence:
+    """A results folder, its results' provenance statuses ("experiment/name.json" -> status) and, where some are
+    not ok, a view of the folder holding only the ok ones: what PROVENANCE_RULE lets a verdict rest on."""
+    results_dir: Path
+    statuses: dict[str, str]
+    ok_dir: Path | None
+
+    def judge(self, claim: Claim) -> tuple[str, str]:
+        """The claim's (our figure, verdict) under PROVENANCE_RULE: our figure from every result, links marked;
+        the verdict by the claim's own rule on the ok results, unchanged where the others change nothing."""
+        ours, verdict = claim.ours(self.results_dir)
+        if self.ok_dir is None:
+            return ours, verdict
+        ok_ours, ok_verdict = claim.ours(self.ok_dir)
+        if ok_verdict == verdict:
+            return ours, verdict
+        behind = self._described(CITED.findall(ours + verdict))
+        if CITED.search(ok_ours + ok_verdict):   # the ok results give it evidence: their verdict stands
+            shown = (f"{ok_verdict}; judged on results of known provenance only, leaving out those with {behind} "
+                     f"(re-run them from a clean commit to count them)")
+        else:
+            shown = f"not assessed: its evidence has {behind}; re-run it from a clean commit"
+        changed = "; ".join(c for c in clauses(verdict) if c not in shown) or verdict
+        return ours, f"{shown}; {under_previous_rule(ANY_PROVENANCE, changed)}"
+
+    def _described(self, cited: list[str]) -> str:
+        """The cited results that are not ok, grouped by status: "unknown provenance (a.json, b.json)"."""
+        groups: dict[str, list[str]] = {}
+        for f in sorted(set(cited)):
+            if self.statuses.get(f, "ok") != "ok":
+                groups.setdefault(self.statuses[f], []).append(f)
+        return " and ".join(f"{PROVENANCE_WORDS[s]} ({', '.join(fs)})" for s, fs in groups.items()) or \
+            "no known clean provenance (results it reads without linking: `python -m experiments.results_io audit`)"
+
+
+def clauses(text: str) -> list[str]:
+    """The parts of a verdict separated by "; " outside brackets: "a (b; c); d" -> ["a (b; c)", "d"]."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([") - (ch in ")]")
+        if depth == 0 and text.startswith("; ", i):
+            parts.append(text[start:i])
+            start = i + 2
+    return parts + [text[start:]]
+
+
+@contextmanager
+def evidence(results_dir: Path) -> Iterator[Evidence]:
+    """The Evidence of a results folder; its ok-only view (links to the ok result files) lasts while in use."""
+    commits: dict[str, bool | None] = {}
+    paths = {f"{f.parent.name}/{f.name}": f for f in sorted(results_dir.glob("*/*.json"))}
+    statuses = {name: provenance_status(json.loads(f.read_text()), commits) for name, f in paths.items()}
+    if all(s == "ok" for s in statuses.values()):
+        yield Evidence(results_dir, statuses, None)
+        return
+    with tempfile.TemporaryDirectory(prefix="ok_results_") as view:
+        for name, f in paths.items():
+            if statuses[name] == "ok":
+                (Path(view) / name).parent.mkdir(exist_ok=True)
+                (Path(view) / name).symlink_to(f.resolve())
+        yield Evidence(results_dir, statuses, Path(view))

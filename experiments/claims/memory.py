@@ -155,8 +155,9 @@ def length_verdict(cells: list[tuple[str, dict]], attention: str, frames: int, c
         return f"{'supported' if shown else 'not supported'} ({seen}; {c['file']}; {rule})"
     if not at:
         most = [f for (_, a, _), f in most_frames_fitting(cells).items() if a == attention]
-        return (f"not assessed: no measured {attention} cell of {frames} frames (the most frames a measured "
-                f"{attention} cell fits: {max(most, default=0)}; {rule})")
+        fits = (f"the most frames a measured {attention} cell fits: {max(most)}" if most else
+                f"no measured {attention} cell fits at any length")
+        return f"not assessed: no measured {attention} cell of {frames} frames ({fits}; {rule})"
     why = "; ".join(f"{_cell_name(c)}: {status_text(c)}"
                     + (f", predicted peak {c['predicted_peak_GB']:.0f} GB" if c.get("predicted_peak_GB") else "")
                     + f": {_no_outcome(c)}" for c in at)
