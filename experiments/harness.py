@@ -106,13 +106,14 @@ class ExperimentRun:
         return rows
 
     def finish(self, payload: dict, scalars: dict, images: dict[str, Path] | None = None) -> Path:
-        """Log the result's tables, `scalars` and `images` (key -> png) to W&B, write the result, close."""
+        """Write the result, then log its tables, `scalars` and `images` (key -> png) to W&B and close: the
+        result is on disk before W&B sees it, so a W&B failure cannot lose a finished measurement."""
+        path = self.save(payload)
         for key, rows in find_tables(payload).items():
             self.logger.log_table(key, rows)
         self.logger.summary(scalars)
-        for key, path in (images or {}).items():
-            self.logger.log_image(key, path)
-        path = self.save(payload)
+        for key, image in (images or {}).items():
+            self.logger.log_image(key, image)
         self.logger.finish()
         return path
 

@@ -15,6 +15,7 @@ from megaslide.models.dit import DIT_PRESETS, count_params
 
 TB = 1e12
 QUADRATIC_SLOPE = 1.8   # C2: a log-log slope of dense time over tokens at least this counts as quadratic
+LAYER_SWEEP = "h200_sweep_v2"   # C3: fused DSA and Swin layer peaks up to 1M tokens, at a clean commit
 DENSE_SWEEP = "h100_dense_sweep"   # C2: dense flash alone over 6 clip sizes, 5 repeats, at a clean commit
 
 
@@ -330,7 +331,7 @@ def c3(results_dir: Path):
 
 def layer_peaks(results_dir: Path) -> str:
     """The attention layer alone at the sweep's largest clip: fwd+bwd peak HBM of fused DSA and Swin."""
-    s = load(results_dir, "attention", "h200_sweep")
+    s = load(results_dir, "attention", LAYER_SWEEP)
     if not s:
         return "attention layer alone not measured"
     sweep = s["tables"]["sweep"]
@@ -342,5 +343,5 @@ def layer_peaks(results_dir: Path) -> str:
             f"{f['peak_gb']:.1f} GB, Swin {w['peak_gb']:.1f} GB; at {d['tokens'] / 1e3:.0f}K tokens fused DSA peaks "
             f"{'above' if t['peak_gb'] > d['peak_gb'] else 'at or below'} dense flash ({t['peak_gb']:.1f} vs "
             f"{d['peak_gb']:.1f} GB); dense flash not run past {d['tokens'] / 1e3:.0f}K tokens (time, not memory, "
-            f"is its wall) ({link(results_dir, 'attention', 'h200_sweep')})")
+            f"is its wall) ({link(results_dir, 'attention', LAYER_SWEEP)})")
 

@@ -16,6 +16,8 @@ from megaslide.perf.timing import MIN_REPEATS
 PAPER_MFU, PAPER_MFU_SERIAL, PAPER_MFU_GPU_OPT = 0.61, 0.28, 0.15   # C4, C5 as the paper states them
 MIN_TIMED_STEPS = MIN_REPEATS   # fewer timed steps give no median and spread
 
+CPU_ADAM = "h200_n268M_t16"   # C1/C4: the CPU AdamW rate of the H200 machine's 16 cores, at a clean commit
+
 
 PAPER_STEP_S, PAPER_PARAMS = 3.1, 105e9   # C4 as the paper states it: 3.1 s per step of its 105B model
 HOST_CORES = 16                             # the CPU the CPU AdamW floor is scaled to
@@ -54,7 +56,7 @@ def step_floors(params: float, rates: list[tuple[str, float, float]], adam: tupl
 
 def physics_105b(results_dir: Path) -> tuple[str, str] | None:
     """C1/C4: the paper's 105B step time against the floors at our measured PCIe and CPU AdamW rates."""
-    rates, adam = pcie_rates(results_dir), load(results_dir, "cpu_adam", "h200")
+    rates, adam = pcie_rates(results_dir), load(results_dir, "cpu_adam", CPU_ADAM)
     if not rates or not adam:
         return None
     rate, size, threads = adam_rate(adam)
@@ -69,7 +71,7 @@ def physics_105b(results_dir: Path) -> tuple[str, str] | None:
             f"results' `ceilings.pcie`) need >= {lo:.1f}-{hi:.1f} s with both directions overlapped "
             f"({f['pcie_serial_s'][0]:.1f}-{f['pcie_serial_s'][1]:.1f} s serially); CPU AdamW at the measured "
             f"{rate / 1e9:.2f} G params/s (bf16 grad + bf16 out, {size / 1e6:.0f}M params, {threads} threads"
-            f"{scaled}; {link(results_dir, 'cpu_adam', 'h200')}) needs >= {f['adam_s']:.1f} s")
+            f"{scaled}; {link(results_dir, 'cpu_adam', CPU_ADAM)}) needs >= {f['adam_s']:.1f} s")
     word = "below our floor" if PAPER_STEP_S < floor else "above our floor"
     return text, (f"the paper's {PAPER_STEP_S} s/step at {PAPER_PARAMS / 1e9:.0f}B is {word} of {floor:.1f} s "
                   f"(rule: compared with max(PCIe floor, CPU AdamW floor))")

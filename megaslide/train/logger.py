@@ -54,12 +54,18 @@ class RunLogger:
 
     def log_table(self, key: str, rows: list[dict]) -> None:
         """A result table as a W&B table: one column per key any row has (in first-seen order);
-        a value that is not a number, string or bool (a list, a dict) is shown as its JSON."""
+        a value that is not a number, string or bool (a list, a dict) is shown as its JSON, and a column
+        whose values are of more than one kind (a block index beside "all", say) as text, since a W&B
+        table refuses a column of mixed types."""
         if self.run is None:
             return
         import wandb
         columns = list(dict.fromkeys(k for row in rows for k in row))
         data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        for i in range(len(columns)):
+            if len({_kind(r[i]) for r in data} - {None}) > 1:
+                for r in data:
+                    r[i] = None if r[i] is None else str(r[i])
         self.run.log({key: wandb.Table(columns=columns, data=data)})
 
     def log_image(self, key: str, path: str | Path) -> None:
@@ -112,6 +118,13 @@ def _open_metrics(path: Path, resume_step: int | None) -> tuple:
 def _finite_or_none(value):
     """A metric as JSON can hold it: a non-finite float (NaN, inf) becomes null."""
     return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _kind(value) -> str | None:
+    """What a W&B table column takes a cell as: "number" (int or float), "bool", "str"; None for an empty cell."""
+    if value is None:
+        return None
+    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else "str"
 
 
 def _cell(value):

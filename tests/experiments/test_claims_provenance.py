@@ -55,13 +55,13 @@ def test_a_claim_with_some_results_of_unknown_provenance_is_judged_on_the_known_
     """C4 draws on the MFU run (known) and the CPU AdamW rate (unknown): its MFU verdict stands on the first;
     the 105B floor, which needs the second, is left out and shown under the previous rule."""
     copied(tmp_path, "mfu_overlap", "h200_7Bwidth_d20_5steps", KNOWN)
-    copied(tmp_path, "cpu_adam", "h200", UNKNOWN)
+    copied(tmp_path, "cpu_adam", "h200_n268M_t16", UNKNOWN)
     ours, verdict = row(tmp_path, "C4")
     assert verdict.startswith("not reproduced: MFU 44.3% (measured peak) / 32.6% (datasheet) vs 61%; overlap gain "
                               "1.29x vs 2.18x; judged on results of known provenance only, leaving out those with "
-                              "unknown provenance (cpu_adam/h200.json) (re-run them from a clean commit to count "
+                              "unknown provenance (cpu_adam/h200_n268M_t16.json) (re-run them from a clean commit to count "
                               "them); " + PREVIOUS + "the paper's 3.1 s/step at 105B is below our floor of")
-    assert "[cpu_adam/h200.json](cpu_adam/h200.json) (provenance unknown)" in ours
+    assert "[cpu_adam/h200_n268M_t16.json](cpu_adam/h200_n268M_t16.json) (provenance unknown)" in ours
 
 
 def test_a_dirty_result_counts_no_more_than_an_unknown_one(tmp_path):

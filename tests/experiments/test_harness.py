@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from experiments import results_io
 from experiments.harness import ExperimentRun
 from tests.experiments.runner import REPO_ROOT
@@ -67,3 +69,18 @@ def test_a_plan_only_run_leaves_the_tracked_results_alone(tmp_path):
     status = subprocess.run(["git", "status", "--porcelain", "--", "results"], cwd=REPO_ROOT, capture_output=True,
                             text=True, check=True).stdout
     assert "oom_thresholds" not in status
+
+
+def test_a_wandb_failure_at_finish_keeps_the_result(tmp_path, monkeypatch):
+    """finish writes the result before W&B sees its tables, so a W&B error cannot lose a finished measurement."""
+    monkeypatch.setenv("MEGASLIDE_RESULTS_DIR", str(tmp_path / "results"))
+    run = ExperimentRun("bench", "kept", {}, out_dir=tmp_path / "runs")
+
+    class Failing(RecordingLogger):
+        def log_table(self, key, rows):
+            raise TypeError("Data row contained incompatible types")
+
+    run.logger = Failing()
+    with pytest.raises(TypeError):
+        run.finish({"tables": {"t": [{"a": 1}]}}, {})
+    assert json.loads(run.result_path.read_text())["tables"] == {"t": [{"a": 1}]}

@@ -85,3 +85,16 @@ def test_metrics_hold_one_run_fresh_or_resumed(tmp_path):
     fresh.log({"loss": 0.1}, 1)
     fresh.finish()
     assert _steps(tmp_path / "metrics.jsonl") == [1]
+
+
+def test_a_column_of_mixed_kinds_reaches_a_real_wandb_table_as_text(tmp_path, monkeypatch):
+    """W&B's Table refuses a column whose cells change type (offset_stats' per-block rows, then block "all"): such
+    a column goes as text, other columns keep their type."""
+    import wandb
+    fake_wandb(monkeypatch)
+    sys.modules["wandb"].Table = wandb.Table     # the real table, with its type checks
+    logger = RunLogger(tmp_path, mode="offline")
+    rows = [{"block": 0, "p50": 0.5}, {"block": 1, "p50": None}, {"block": "all", "p50": 0.7}]
+    logger.log_table("blocks", rows)
+    table = logger.run.logged[0]["blocks"]
+    assert table.data == [["0", 0.5], ["1", None], ["all", 0.7]]
