@@ -49,7 +49,7 @@ def rounding_floor(dtype: torch.dtype, reference: torch.Tensor, ulps: float = 2)
 @contextlib.contextmanager
 def deterministic_algorithms():
     """Run the block under `torch.use_deterministic_algorithms(True)`, restoring the setting after
-    (DSA's fused backward then sorts its key-tile lists: bitwise repeatable dK / dV)."""
+    (DSA's fused backward then builds its key-tile lists in a fixed order: bitwise repeatable dK / dV)."""
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

@@ -59,8 +59,8 @@ def test_a_claim_with_some_results_of_unknown_provenance_is_judged_on_the_known_
     ours, verdict = row(tmp_path, "C4")
     assert verdict.startswith("not reproduced: MFU 44.3% (measured peak) / 32.6% (datasheet) vs 61%; overlap gain "
                               "1.29x vs 2.18x; judged on results of known provenance only, leaving out those with "
-                              "unknown provenance (cpu_adam/h200_n268M_t16.json) (re-run them from a clean commit to count "
-                              "them); " + PREVIOUS + "the paper's 3.1 s/step at 105B is below our floor of")
+                              "unknown provenance (cpu_adam/h200_n268M_t16.json) (re-run them from a clean commit "
+                              "to count them); " + PREVIOUS + "the paper's 3.1 s/step at 105B is below our floor of")
     assert "[cpu_adam/h200_n268M_t16.json](cpu_adam/h200_n268M_t16.json) (provenance unknown)" in ours
 
 
