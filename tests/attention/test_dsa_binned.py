@@ -161,6 +161,13 @@ def reference_lists(offsets: torch.Tensor, kernel_size, tile) -> dict[tuple[int,
     return lists
 
 
+def _far_half_token_offsets(shape, seed):
+    """Offsets (B, T, H, W, heads, K, 3) of std 2, half of them rounded to half tokens (zero-weight corners)."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.randn(shape, generator=g) * 2
+    return torch.where(torch.rand(offsets.shape, generator=g) < 0.5, (offsets * 2).round() / 2, offsets)
+
+
 @pytest.mark.parametrize("grid,kernel_size,tile,capacity", [((3, 5, 7), (3, 3, 3), (2, 2, 4), None),
                                                             ((1, 4, 6), (1, 3, 5), (1, 1, 1), None),
                                                             ((1, 4, 6), (1, 3, 5), (1, 1, 1), 6)])
@@ -170,9 +177,7 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile, capacity):
     The default capacity gives the capped lists (flag clear, nothing written outside their rooms); 6
     records overflow, and the exact lists (flag set) hold the same sets."""
     B, heads, K = 2, 3, math.prod(kernel_size)
-    g = torch.Generator().manual_seed(0)
-    offsets = torch.randn((B, *grid, heads, K, 3), generator=g) * 2
-    offsets = torch.where(torch.rand(offsets.shape, generator=g) < 0.5, (offsets * 2).round() / 2, offsets)
+    offsets = _far_half_token_offsets((B, *grid, heads, K, 3), seed=0)
     tiles = math.prod(backward.tiles_per_axis(grid, tile))
     lists = B * heads * tiles
     capacity = capacity or backward.list_capacity(math.prod(grid), K, tiles)
@@ -201,8 +206,9 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile, capacity):
         assert (records[unused] == -1).all()  # nothing written outside the lists
 
 
-def _striped_lists(offsets, kernel_size, tile, stripes):
-    """The deterministic binning's lists of `offsets` with `stripes` stripes: {(bh, tile): entries in list order}."""
+def _striped_segments(offsets, kernel_size, tile, stripes):
+    """The deterministic binning's lists of `offsets` with `stripes` stripes, by segment: {(bh, tile): [segment s's
+    entries in list order for s < stripes]} for each nonempty list."""
     B, T, H, W, heads, K, _ = offsets.shape
     tiles = math.prod(backward.tiles_per_axis((T, H, W), tile))
     lists = B * heads * tiles
@@ -212,8 +218,14 @@ def _striped_lists(offsets, kernel_size, tile, stripes):
     backward.bin_entries(scratch_entries(offsets, kernel_size), (B, T, H, W, heads), K, tile, 1,
                          torch.empty(lists, dtype=torch.int32), starts, records, flag, stripes)
     assert int(flag) == 1 and int(starts[0]) == 0
-    bounds = [(int(starts[i * stripes]), int(starts[(i + 1) * stripes])) for i in range(lists)]
-    return {divmod(i, tiles): records[s:e].tolist() for i, (s, e) in enumerate(bounds) if e > s}
+    bounds = starts[:lists * stripes + 1].tolist()
+    return {divmod(i, tiles): [records[bounds[s]:bounds[s + 1]].tolist() for s in range(i * stripes, (i + 1) * stripes)]
+            for i in range(lists) if bounds[(i + 1) * stripes] > bounds[i * stripes]}
+
+
+def _striped_lists(offsets, kernel_size, tile, stripes):
+    """The deterministic binning's lists of `offsets` with `stripes` stripes: {(bh, tile): entries in list order}."""
+    return {key: sum(segments, []) for key, segments in _striped_segments(offsets, kernel_size, tile, stripes).items()}
 
 
 def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stripes():
@@ -224,9 +236,7 @@ def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stri
     tokens."""
     grid, kernel_size, tile = (3, 5, 7), (3, 3, 3), (2, 2, 4)
     B, heads, K, N = 1, 2, math.prod(kernel_size), math.prod(grid)
-    g = torch.Generator().manual_seed(1)
-    offsets = torch.randn((B, *grid, heads, K, 3), generator=g) * 2
-    offsets = torch.where(torch.rand(offsets.shape, generator=g) < 0.5, (offsets * 2).round() / 2, offsets)
+    offsets = _far_half_token_offsets((B, *grid, heads, K, 3), seed=1)
     lower = clamped_positions(offsets, kernel_size).floor().long()  # (B, T, H, W, heads, K, 3)
     lower = lower.permute(0, 4, 5, 1, 2, 3, 6).reshape(B * heads, K * N, 3).tolist()  # [bh][e][axis]
     tiles_t, tiles_y, tiles_x = backward.tiles_per_axis(grid, tile)
@@ -240,6 +250,29 @@ def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stri
     for (bh, key_tile), entries in lists.items():
         assert entries == sorted(entries, key=lambda e: (e // launch.RANKED_BIN_BLOCK, corner(bh, key_tile, e), e))
     assert _striped_lists(offsets, kernel_size, tile, 3) == lists
+
+
+@pytest.mark.parametrize("stripes", [4, 7, 10])
+def test_deterministic_counts_land_in_the_stripes_that_fill_them(stripes):
+    """Segment s of each list holds exactly the list's entries of stripe s (launch.stripe_entries), so each count
+    landed in the segment that its stripe's fill program fills (a count in another segment moves the segments'
+    bounds off the records the fill writes). 2835 entries per (batch, head): 45 blocks of RANKED_BIN_BLOCK, the
+    last partial, counted in 12 blocks of BIN_BLOCK; 4 stripes of 12 blocks (the last 9; bounds on counted
+    blocks' bounds), 7 of 7 (the last 3) and 10 of 5 (the last empty), whose bounds fall inside counted blocks.
+    1 batch, 2 heads, odd 3 x 5 x 7 grid, 2 x 2 x 4 tiles, far offsets at half tokens."""
+    grid, kernel_size, tile = (3, 5, 7), (3, 3, 3), (2, 2, 4)
+    B, heads, K = 1, 2, math.prod(kernel_size)
+    entries = math.prod(grid) * K
+    assert (entries, math.ceil(entries / launch.RANKED_BIN_BLOCK)) == (2835, 45)
+    per_stripe = launch.stripe_entries(entries, stripes)
+    assert per_stripe == launch.RANKED_BIN_BLOCK * {4: 12, 7: 7, 10: 5}[stripes]
+    offsets = _far_half_token_offsets((B, *grid, heads, K, 3), seed=2)
+    want = reference_lists(offsets, kernel_size, tile)
+    got = _striped_segments(offsets, kernel_size, tile, stripes)
+    assert got.keys() == want.keys()
+    for key, segments in got.items():
+        assert [sorted(segment) for segment in segments] == [
+            sorted(e for e in want[key] if e // per_stripe == s) for s in range(stripes)], key
 
 
 def test_deterministic_algorithms_build_striped_lists(monkeypatch):
@@ -285,7 +318,7 @@ def test_binned_kernels_compile_for_sm90():
         build(backward._bin_capped_kernel, {**capped, "CAP": "i32"}, bin_const, 4)
         for fill, ranked in ((False, False), (True, False), (True, True)):
             block = launch.RANKED_BIN_BLOCK if ranked else launch.BIN_BLOCK
-            build(backward._bin_kernel, {**bins, "BLOCKS": "i32", "STRIPES": "i32"},
+            build(backward._bin_kernel, {**bins, "BLOCKS": "i32", "STRIPES": "i32", "STRIPE_ENTRIES": "i32"},
                   {**bin_const, "BLOCK": block, "FILL": fill, "RANKED": ranked}, 4)
         for dtype, tile, block_e, block_d in [("bf16", (4, 4, 4), 32, 64), ("bf16", (2, 4, 8), 64, 128),
                                               ("bf16", (1, 1, 1), 16, 64), ("fp32", (4, 4, 4), 32, 64)]:

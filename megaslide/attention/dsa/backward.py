@@ -39,11 +39,13 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    at the starts. The order inside a list is the order in which programs took slots, so
    it varies from run to run on a GPU, and with it the fp32 summation order of dK / dV
    (rounding-level differences; the interpreter runs programs in order and is deterministic). Under
-   `torch.use_deterministic_algorithms(True)` only the exact lists are built, in stripes: each program walks
-   its own run of entry blocks and owns one segment of every list (a count and a cursor per list and
-   stripe: `launch.bin_stripes`); the counts' prefix sum places the segments one after the other, and the
-   fill gives each record the slot of its rank in entry order (`_ranked_slots`: no atomics). So every list
-   holds its entries in the same order every run, and dK / dV are the same bits. No sort: the stripes'
+   `torch.use_deterministic_algorithms(True)` only the exact lists are built, in stripes: the entries are cut
+   into runs of blocks, one per fill program (`launch.bin_stripes`, `launch.stripe_entries`), and each list
+   into one segment per stripe (a count and a cursor per list and stripe). The count takes one program per
+   entry block, which adds its records to its stripe's counts (integer atomics: the same counts in any
+   order); the counts' prefix sum places the segments one after the other, and each fill program walks its
+   stripe, giving each record the slot of its rank in entry order (`_ranked_slots`: no atomics). So every
+   list holds its entries in the same order every run, and dK / dV are the same bits. No sort: the stripes'
    counts and cursors take at most a quarter of the records buffer's bytes (outside the scratch bound).
 3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
    (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: reads each entry,
@@ -83,7 +85,8 @@ import triton.language as tl
 from megaslide.attention.dsa.constants import (ENTRY_FLOATS, LOG2E, MAX_TILES_PER_ENTRY, SCRATCH_BYTES,
                                                backward_scratch_bytes)
 from megaslide.attention.dsa.launch import (BIN_BLOCK, INTERPRETED, RANKED_BIN_BLOCK, KeyConfig, LaunchConfig,
-                                            bin_stripes, exact_programs, query_launch_config, query_programs)
+                                            bin_stripes, exact_programs, query_launch_config, query_programs,
+                                            stripe_entries)
 from megaslide.attention.dsa.launch import key_config as default_key_config
 from megaslide.attention.dsa.rows import (_load_rows, _load_split, _split_axpy, _split_dot, _split_zeros, _store_split,
                                           _token_rows, row_flags)
@@ -270,23 +273,25 @@ def _ranked_slots(slot_at, touched, tile, BLOCK: tl.constexpr):
 
 @triton.jit
 def _bin_kernel(dsp_ptr, slot_ptr, records_ptr, flag_ptr, T, H, W, TILES_Y, TILES_X, TILES, BLOCKS, STRIPES,
-                K: tl.constexpr, TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK: tl.constexpr,
-                FILL: tl.constexpr, RANKED: tl.constexpr, ENTRY: tl.constexpr):
+                STRIPE_ENTRIES, K: tl.constexpr, TT: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr,
+                BLOCK: tl.constexpr, FILL: tl.constexpr, RANKED: tl.constexpr, ENTRY: tl.constexpr):
     """The exact lists, built only where flag_ptr[0] is set: per (entry, touched tile) count (slot_ptr: counts
     (B * HEADS, TILES, STRIPES) int32, zeroed) or, with FILL, take a slot from the cursor (slot_ptr: cursors,
-    the segments' starts) and write e there. Each program walks its own run of the BLOCKS entry blocks, so that
-    a launch with nothing to do costs only a few programs. STRIPES = 1: one segment per list, slots taken with
-    atomics (their order varies from run to run). STRIPES = the programs along axis 0 (RANKED fill): each program
-    has its own segment of every list and ranks its records there in entry order (`_ranked_slots`)."""
+    the segments' starts) and write e there. Each list has STRIPES segments; entry e's records go to segment
+    e // STRIPE_ENTRIES. Each program walks its own run of the BLOCKS entry blocks: a few programs, so that a
+    launch with nothing to do costs little, or one program per block (the deterministic count: integer atomics
+    give the same counts in any order). STRIPES = 1: one segment per list, slots taken with atomics (their order
+    varies from run to run). RANKED fill: one program per stripe, whose run is the stripe's entries, so it alone
+    owns that segment of every list and ranks its records there in entry order (`_ranked_slots`)."""
     bh = tl.program_id(1)
     if tl.load(flag_ptr) != 0:
         dsp_bh = dsp_ptr + bh.to(tl.int64) * K * T * H * W * ENTRY
         per_program = tl.cdiv(BLOCKS, tl.num_programs(0))
         block = tl.program_id(0) * per_program
         stop = tl.minimum(block + per_program, BLOCKS)
-        segment = tl.program_id(0) % STRIPES  # this program's segment of each list (0 with one stripe)
         while block < stop:
             e, tiles, used = _touched_tiles(dsp_bh, block, T, H, W, K, TT, TY, TX, BLOCK, ENTRY)
+            segment = e // STRIPE_ENTRIES  # (E,) each entry's segment of its lists (0 with one stripe)
             for ct in tl.static_range(2):
                 for cy in tl.static_range(2):
                     for cx in tl.static_range(2):
@@ -423,38 +428,43 @@ def bin_entries(dsp, shape, K: int, tile, capacity: int, cursors, starts, record
     list overflows, flag (1,) int32 is set on the device, and two more passes, which do nothing otherwise,
     build the exact lists: list i is records[starts[i]:starts[i + 1]] (starts (2 * B * g * tiles + 1,)
     int32: the starts, then the fill's cursors). `stripes` (deterministic): the exact lists only, in the same
-    order every run: each list in `stripes` segments, one per program and run of entry blocks, each filled in
-    entry order (starts (2 * B * g * tiles * stripes + 1,): list i is records[starts[i * stripes]:
+    order every run: each list in `stripes` segments, one per stripe of the entries (`launch.stripe_entries`),
+    each filled in entry order (starts (2 * B * g * tiles * stripes + 1,): list i is records[starts[i * stripes]:
     starts[(i + 1) * stripes]]). The key pass reads flag to know which lists it has."""
     B, T, H, W, g = shape
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
     tiles = tiles_t * tiles_y * tiles_x
     geometry = (T, H, W, tiles_y, tiles_x, tiles)
     constexprs = {"K": K, "TT": tile[0], "TY": tile[1], "TX": tile[2], "ENTRY": ENTRY_FLOATS, "num_warps": 4}
-    block = BIN_BLOCK if stripes is None else RANKED_BIN_BLOCK
-    blocks = triton.cdiv(T * H * W * K, block)
+    entries = T * H * W * K
     if stripes is None:
         flag.zero_()
         cursors.zero_()
-        _bin_capped_kernel[(blocks, B * g)](dsp, cursors, records, flag, *geometry, capacity, BLOCK=block,
+        blocks = triton.cdiv(entries, BIN_BLOCK)
+        _bin_capped_kernel[(blocks, B * g)](dsp, cursors, records, flag, *geometry, capacity, BLOCK=BIN_BLOCK,
                                             **constexprs)
-        programs, segments = exact_programs(dsp.device, blocks, B * g), 1
+        count_launch = fill_launch = (exact_programs(dsp.device, blocks, B * g), BIN_BLOCK)  # (programs, block)
+        segments, segment_entries = 1, entries
     else:
         flag.fill_(1)
-        programs, segments = stripes, stripes
+        count_launch = (triton.cdiv(entries, BIN_BLOCK), BIN_BLOCK)  # a program per block
+        fill_launch = (stripes, RANKED_BIN_BLOCK)  # a program per stripe
+        segments, segment_entries = stripes, stripe_entries(entries, stripes)
     lists = B * g * tiles * segments  # list segments
 
-    def exact_pass(slots, fill: bool):
-        _bin_kernel[(programs, B * g)](dsp, slots, records, flag, *geometry, blocks, segments, BLOCK=block,
-                                       FILL=fill, RANKED=fill and stripes is not None, **constexprs)
+    def exact_pass(slots, launch: tuple[int, int], fill: bool):
+        programs, block = launch
+        _bin_kernel[(programs, B * g)](dsp, slots, records, flag, *geometry, triton.cdiv(entries, block), segments,
+                                       segment_entries, BLOCK=block, FILL=fill, RANKED=fill and stripes is not None,
+                                       **constexprs)
 
     counts, cursors_at = starts[1:lists + 1], starts[lists + 1:]
     starts[:lists + 1].zero_()
-    exact_pass(counts, fill=False)
+    exact_pass(counts, count_launch, fill=False)
     torch.cumsum(counts, 0, out=cursors_at)
     counts.copy_(cursors_at)  # starts[i + 1]: the end of segment i
     cursors_at.copy_(starts[:lists])  # each segment's fill cursor at its start
-    exact_pass(cursors_at, fill=True)
+    exact_pass(cursors_at, fill_launch, fill=True)
 
 
 def key_pass(q, dout, dsp, capacity: int, cursors, starts, flag, records, dk, dv, K: int, head_dim_block: int,

@@ -153,8 +153,9 @@ def key_config(grid: tuple[int, int, int], head_dim: int) -> KeyConfig:
 
 
 BIN_BLOCK = 256
-"""Entries per binning program: 2 per thread of 4 warps. Its entry loads and its atomics are latency-bound,
-so it pays to keep many programs resident (a larger block takes more registers and lowers occupancy)."""
+"""Entries per block of the binning's capped pass, its exact passes and the deterministic count: 2 per thread of 4
+warps. Its entry loads and its atomics are latency-bound, so it pays to keep many programs resident (a larger
+block takes more registers and lowers occupancy)."""
 EXACT_PROGRAMS_PER_SM = 16
 """Programs per SM of an exact binning launch (`exact_programs`): 64 warps of 4, as many as an SM holds, so
 that a launch with no overflowed list costs one wave of programs that return."""
@@ -181,6 +182,14 @@ def bin_stripes(device: torch.device, entries: int, tiles: int, lists_groups: in
     list and stripe) take at most a quarter of the records buffer (8 int32 per entry)."""
     blocks = triton.cdiv(entries, RANKED_BIN_BLOCK)
     return max(1, min(exact_programs(device, blocks, lists_groups), entries // tiles))
+
+
+def stripe_entries(entries: int, stripes: int) -> int:
+    """Entries per stripe of the deterministic binning of `entries` (query, sample)s in `stripes` stripes: the run
+    of cdiv(blocks, stripes) blocks of RANKED_BIN_BLOCK entries that each of the fill's `stripes` programs walks
+    (the last run shorter, or empty). Stripe s holds entries [s * this, (s + 1) * this); its records fill
+    segment s of every list, and the count adds them there, whichever program counts them."""
+    return RANKED_BIN_BLOCK * triton.cdiv(triton.cdiv(entries, RANKED_BIN_BLOCK), stripes)
 
 
 @dataclass(frozen=True)
