@@ -56,6 +56,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -298,17 +299,24 @@ AUDIT_STATUSES = {   # in the order the audit tries them; the first that applies
 VERIFIED_SOURCES = ("git", "stamp")   # the provenance sources whose dirty flag was checked when the result was written
 
 
-def _audit_status(result: dict, root: Path) -> tuple[str, str]:
-    """(status, why) of one result's record (module docstring)."""
+def recorded_commit(result: dict) -> str:
+    """The commit a result records, without an old '+dirty' suffix; "" where none is recorded."""
     commit = str(result.get("commit") or "").removesuffix("+dirty")
-    if not commit or commit == "unknown":
+    return "" if commit == "unknown" else commit
+
+
+def audit_status(result: dict, ancestor: Callable[[str], bool | None]) -> tuple[str, str]:
+    """(status, why) of one result's record (module docstring); `ancestor(commit)` says whether the commit is in
+    HEAD's history (None: git cannot tell), as `is_ancestor` does."""
+    commit = recorded_commit(result)
+    if not commit:
         return "unverifiable", "no commit recorded"
-    ancestor = is_ancestor(commit, "HEAD", root)
-    if ancestor is None:
+    answer = ancestor(commit)
+    if answer is None:
         why = "git is not available here" if shutil.which("git") is None else \
             f"git cannot tell: commit {commit} is not in this repository (a shallow clone?) or is ambiguous"
         return "unverifiable", why
-    if not ancestor:
+    if not answer:
         return "not-an-ancestor", f"{commit[:9]} is not in the history of HEAD"
     return record_status(result)
 
@@ -339,7 +347,7 @@ def audit_result(path: Path, root: Path = REPO_ROOT) -> dict:
         return {**row, "status": "unverifiable", "why": f"not readable as JSON: {err}"}
     if not isinstance(result, dict):
         return {**row, "status": "unverifiable", "why": "not a JSON object"}
-    status, why = _audit_status(result, root)
+    status, why = audit_status(result, lambda commit: is_ancestor(commit, "HEAD", root))
     return {**row, "commit": result.get("commit"), "source": result.get("provenance_source"),
             "note": bool(result.get("provenance_note")), "status": status, "why": why}
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.report import result_files
-from experiments.results_io import REFERENCE_GPU, is_ancestor, provenance_mark, ran_on, record_status
+from experiments.results_io import (REFERENCE_GPU, audit_status, is_ancestor, provenance_mark, ran_on,
+                                   record_status, recorded_commit)
 
 
 def load(results_dir: Path, experiment: str, name: str) -> dict | None:
@@ -76,13 +77,16 @@ def provenance_status(result: dict, commits: dict[str, bool | None] | None = Non
     save that where git cannot tell whether its commit is in HEAD's history (a shallow clone) its record decides,
     so the claims page is the same in every clone; no recorded commit is unknown. `commits`: is_ancestor answers
     by commit, filled as asked."""
-    commit = str(result.get("commit") or "").removesuffix("+dirty")
-    if not commit or commit == "unknown":
-        return "unknown"
     commits = {} if commits is None else commits
-    if commit not in commits:
-        commits[commit] = is_ancestor(commit)
-    return "not-an-ancestor" if commits[commit] is False else record_status(result)[0]
+
+    def ancestor(commit: str) -> bool | None:
+        if commit not in commits:
+            commits[commit] = is_ancestor(commit)
+        return commits[commit]
+    status = audit_status(result, ancestor)[0]
+    if status != "unverifiable":
+        return status
+    return record_status(result)[0] if recorded_commit(result) else "unknown"
 
 
 @dataclass
