@@ -9,6 +9,9 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   gradient);
 - kernels: one fwd+bwd call of dsa_fused and dsa_fused_deterministic (those of `variants`) at the target grid,
   its device time per kernel (torch.profiler): which kernels the deterministic mode's extra time is spent in;
+- rank_blocks (only where `rank_blocks` lists any): dsa_fused_deterministic at the target grid with the
+  deterministic binning ranked in blocks of b entries (`launch.KeyConfig.rank_block`) for each b listed, and
+  its cost over the target table's dsa_fused (`rank_block_rows`);
 - module: the `dsa` and `dsa_zero` modules' attend (offset net + op) fwd+bwd at the target grid, for
   each head dim of `module_head_dims` (`heads` heads), bf16 autocast over fp32 weights as training
   runs them; the offset net keeps PyTorch's default init (not the zero init), so samples fall
@@ -41,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from baselines.swin_attention import SwinAttention
+from experiments import gpu_check_dsa
 from experiments.dsa_candidates import launch_of
 from experiments.harness import ExperimentRun
 from experiments.module_cell import KERNEL, module_fn
@@ -85,6 +89,7 @@ class BenchAttentionConfig:
     head_dim: int
     module_head_dims: list[int]
     offset_bounds: list[float]
+    rank_blocks: list[int]
     gather_launches: list[list[int]]
     frames: list[int]
     variants: list[str]
@@ -102,6 +107,11 @@ class BenchAttentionConfig:
         if any(not b > 0 for b in self.offset_bounds):
             raise ValueError(f"offset_bounds={list(self.offset_bounds)}: each bound must be > 0 "
                              "(offsets uniform in +-b)")
+        if self.rank_blocks:  # launch.py imports triton, which a CPU-only install may lack
+            from megaslide.attention.dsa.launch import RANK_BLOCKS
+            if not set(self.rank_blocks) <= set(RANK_BLOCKS):
+                raise ValueError(f"rank_blocks={list(self.rank_blocks)}: each must be one of {list(RANK_BLOCKS)}, "
+                                 "entries per block of the deterministic binning (launch.KeyConfig.rank_block)")
         if self.repeats < MIN_REPEATS:
             raise ValueError(f"repeats={self.repeats}: time at least {MIN_REPEATS} calls for a median and a spread")
         require_sizes("frames", list(self.frames))
@@ -223,6 +233,44 @@ def kernel_split(grid, variants, heads, d, dtype, device) -> list[dict]:
     fns = variant_fns(grid, heads, d, dtype, device)
     return [{"variant": name, "kernel": kernel, "ms": ms} for name in SPLIT if name in variants
             for kernel, ms in kernel_ms(fns[name][0](), device).items()]
+
+
+def rank_block_rows(grid, heads, d, dtype, device, repeats, rank_blocks, target, on_row=lambda rows: None):
+    """dsa_fused_deterministic fwd+bwd at `grid` with the deterministic binning ranked in blocks of b entries
+    (`launch.KeyConfig.rank_block`, the default key config otherwise) for each b of `rank_blocks`, on the target
+    rows' inputs. A key config reaches the kernels only outside autograd, so they are called as gpu_check_dsa's
+    `run` calls them: the forward, then the backward on dout = ones, without the autograd rows' gradient
+    accumulation (list the default block, launch.RANKED_BIN_BLOCK, too for a row on the same calls).
+    `deterministic_cost`: ms over the `target` table's dsa_fused ms, where that ran."""
+    from megaslide.attention.dsa import launch
+    n, K = math.prod(grid), math.prod(KERNEL)
+    fused = _ok(target, variant="dsa_fused")
+    case = gpu_check_dsa.Case("rank_block", (1, *grid, heads, d), KERNEL, fp32_offsets=True)
+    rows = []
+    for block in rank_blocks:
+        row = {"variant": "dsa_fused_deterministic", "rank_block": block, "grid": list(grid), "tokens": n}
+        if refusal := kernel_refusal(grid):
+            row["status"] = f"skipped: {refusal}"
+        elif device.type != "cuda":
+            row["status"] = "skipped: Triton kernels need CUDA"
+        else:
+            keys = replace(launch.key_config(tuple(grid), d), rank_block=block)
+
+            def setup(keys=keys):
+                q, k, v, off = (x.detach() for x in make_inputs(grid, heads, d, K, dtype, device))
+                inputs = [q, k, v, off, torch.ones_like(q)]  # dout: out.sum()'s gradient
+
+                def step():
+                    with deterministic_mode(device):
+                        gpu_check_dsa.run("triton", inputs, case, dtype, "dsa", key_config=keys)
+                return step
+            row.update(measure(setup, repeats, device))
+            if fused and row["status"] == "ok":
+                row["deterministic_cost"] = row["ms"] / fused["ms"]
+        rows.append(row)
+        on_row(rows)
+        _print_row(row)
+    return rows
 
 
 def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: None):
@@ -564,7 +612,7 @@ def main(hydra_cfg: DictConfig) -> None:
                          "GPU; smoke=true runs it tiny on the CPU")
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda" and "dsa_fused_deterministic" in cfg.variants:
+    if device.type == "cuda" and ("dsa_fused_deterministic" in cfg.variants or cfg.rank_blocks):
         fix_cublas_workspace()   # train.deterministic's mode needs it before CUDA starts
     heads, d, repeats = cfg.heads, cfg.head_dim, cfg.repeats
     if cfg.smoke:
@@ -594,6 +642,10 @@ def main(hydra_cfg: DictConfig) -> None:
     target = sweep([target_grid], cfg.variants, heads, d, dtype, device, repeats,
                    dense_limit=10 ** 9, ref_limit=10 ** 9, on_row=save("target"))
     tables["kernels"] = kernel_split(target_grid, cfg.variants, heads, d, dtype, device)
+    if cfg.rank_blocks:
+        print("deterministic binning's rank blocks", flush=True)
+        tables["rank_blocks"] = rank_block_rows(target_grid, heads, d, dtype, device, repeats, cfg.rank_blocks,
+                                                target, on_row=save("rank_blocks"))
     print("modules", flush=True)
     modules = module_rows(target_grid, heads, cfg.module_head_dims, device, repeats, on_row=save("module"))
     print("offset spread", flush=True)

@@ -21,10 +21,12 @@ F64 = torch.float64
 
 
 def assert_backward_matches(shape, kernel_size, dtype, tile, block_e, offsets_dtype=None, half_tokens=False,
-                            capacity=None, scratch_bytes=SCRATCH_BYTES, **input_kw):
-    """dsa_backward with key tiles `tile`, `block_e` entries per dot and `capacity` records per capped list:
-    every gradient within tolerance of the float64 reference. half_tokens: offsets rounded to multiples of
-    0.5 (zero-weight corners); scratch_bytes: the head groups' scratch bound."""
+                            capacity=None, scratch_bytes=SCRATCH_BYTES, rank_block=launch.RANKED_BIN_BLOCK,
+                            **input_kw):
+    """dsa_backward with key tiles `tile`, `block_e` entries per dot, `capacity` records per capped list and
+    `rank_block` entries per block of the deterministic binning: every gradient within tolerance of the float64
+    reference; under deterministic algorithms, a second backward gives the same bits. half_tokens: offsets
+    rounded to multiples of 0.5 (zero-weight corners); scratch_bytes: the head groups' scratch bound."""
     inputs = make_inputs(shape, kernel_size, dtype, **input_kw)
     if half_tokens:
         inputs[3] = (inputs[3] * 2).round() / 2
@@ -34,9 +36,14 @@ def assert_backward_matches(shape, kernel_size, dtype, tile, block_e, offsets_dt
     offsets = inputs[3].to(offsets_dtype or dtype)
     scale = shape[-1] ** -0.5
     out, lse = forward.dsa_forward(q, k, v, offsets, kernel_size, scale)
-    grads = backward.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, scale, offsets_grad=True,
-                                 key_config=launch.KeyConfig(tile, block_e, num_warps=1, capacity=capacity),
-                                 scratch_bytes=scratch_bytes)
+    keys = launch.KeyConfig(tile, block_e, num_warps=1, capacity=capacity, rank_block=rank_block)
+
+    def run_backward():
+        return backward.dsa_backward(q, k, v, offsets, out, lse, grad_out, kernel_size, scale, offsets_grad=True,
+                                     key_config=keys, scratch_bytes=scratch_bytes)
+    grads = run_backward()
+    if torch.are_deterministic_algorithms_enabled():  # the striped lists: the same order every run
+        assert all(torch.equal(a, b) for a, b in zip(grads, run_backward()))
     for name, want, ref, got in zip(["dq", "dk", "dv", "doffsets"], truth[1:], same_dtype[1:], grads):
         assert got.dtype == ref.dtype and got.shape == ref.shape, name
         err = (got.to(F64) - want).abs().max().item()
@@ -73,6 +80,27 @@ def test_a_capacity_past_the_records_buffer_is_refused():
                                  key_config=launch.KeyConfig((1, 2, 4), 16, 1, capacity=capacity))
 
 
+def test_a_rank_block_other_than_a_power_of_two_from_16_to_128_is_refused():
+    for rank_block in (8, 24, 256):
+        with pytest.raises(ValueError, match=r"KeyConfig.rank_block=\d+: .* must be one of \(16, 32, 64, 128\)"):
+            launch.KeyConfig((1, 2, 4), 16, 1, rank_block=rank_block)
+
+
+def test_deterministic_backward_at_the_smallest_rank_block(monkeypatch):
+    """Under deterministic algorithms, the key config's rank_block reaches the binning (a spy), whose fill then
+    ranks blocks of 16 entries, the smallest: every gradient still matches, the same bits twice (32's lists are
+    checked entry by entry in the list-order test). Odd 3 x 4 x 5 grid, 2 heads, d = 12, 2 x 2 x 4 tiles, far
+    offsets: 540 entries per head in 2 stripes of 17 blocks of 16."""
+    rank_block = 16
+    blocks = []
+    bin_entries = backward.bin_entries
+    monkeypatch.setattr(backward, "bin_entries", lambda *a: (blocks.append((a[9], a[10])), bin_entries(*a)))
+    with deterministic_algorithms():
+        assert_backward_matches((1, 3, 4, 5, 2, 12), (1, 3, 3), torch.float32, (2, 2, 4), 16,
+                                rank_block=rank_block, far_fraction=0.3, offset_std=2.0)
+    assert blocks == [(2, rank_block)] * 2
+
+
 def test_one_key_tiles_bf16_d40():
     """Tiles of one key (8 tiles for most samples, the key rows padded to 16), bf16 with fp32 offsets,
     d = 40 padded to 64, a 1 x 3 x 5 window."""
@@ -98,6 +126,7 @@ def test_default_key_tiles_through_the_op():
     assert launch.key_config((16, 128, 128), 64).tile == (4, 4, 4)
     assert launch.key_config((16, 128, 128), 64).maxnreg == launch.KEY_MAXNREG
     assert launch.key_config((16, 128, 128), 80).maxnreg is None  # block_d 128: uncapped (launch.capped_registers)
+    assert launch.key_config((16, 128, 128), 64).rank_block == launch.RANKED_BIN_BLOCK
     assert launch.key_config((1, 6, 300), 64).tile == (1, 8, 8)
     assert launch.key_config((2, 64, 64), 64).tile == (2, 4, 8)
     assert launch.key_config((1, 1, 5), 64).tile == (1, 1, 8)
@@ -206,9 +235,9 @@ def test_binning_matches_plain_lists(grid, kernel_size, tile, capacity):
         assert (records[unused] == -1).all()  # nothing written outside the lists
 
 
-def _striped_segments(offsets, kernel_size, tile, stripes):
-    """The deterministic binning's lists of `offsets` with `stripes` stripes, by segment: {(bh, tile): [segment s's
-    entries in list order for s < stripes]} for each nonempty list."""
+def _striped_segments(offsets, kernel_size, tile, stripes, rank_block=launch.RANKED_BIN_BLOCK):
+    """The deterministic binning's lists of `offsets` with `stripes` stripes of blocks of `rank_block` entries, by
+    segment: {(bh, tile): [segment s's entries in list order for s < stripes]} for each nonempty list."""
     B, T, H, W, heads, K, _ = offsets.shape
     tiles = math.prod(backward.tiles_per_axis((T, H, W), tile))
     lists = B * heads * tiles
@@ -216,24 +245,27 @@ def _striped_segments(offsets, kernel_size, tile, stripes):
     records = torch.full((B * heads * T * H * W * K * 8,), -1, dtype=torch.int32)
     flag = torch.zeros(1, dtype=torch.int32)
     backward.bin_entries(scratch_entries(offsets, kernel_size), (B, T, H, W, heads), K, tile, 1,
-                         torch.empty(lists, dtype=torch.int32), starts, records, flag, stripes)
+                         torch.empty(lists, dtype=torch.int32), starts, records, flag, stripes, rank_block)
     assert int(flag) == 1 and int(starts[0]) == 0
     bounds = starts[:lists * stripes + 1].tolist()
     return {divmod(i, tiles): [records[bounds[s]:bounds[s + 1]].tolist() for s in range(i * stripes, (i + 1) * stripes)]
             for i in range(lists) if bounds[(i + 1) * stripes] > bounds[i * stripes]}
 
 
-def _striped_lists(offsets, kernel_size, tile, stripes):
-    """The deterministic binning's lists of `offsets` with `stripes` stripes: {(bh, tile): entries in list order}."""
-    return {key: sum(segments, []) for key, segments in _striped_segments(offsets, kernel_size, tile, stripes).items()}
+def _striped_lists(offsets, kernel_size, tile, stripes, rank_block=launch.RANKED_BIN_BLOCK):
+    """The deterministic binning's lists of `offsets` with `stripes` stripes of blocks of `rank_block` entries:
+    {(bh, tile): entries in list order}."""
+    by_list = _striped_segments(offsets, kernel_size, tile, stripes, rank_block)
+    return {key: sum(segments, []) for key, segments in by_list.items()}
 
 
-def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stripes():
+@pytest.mark.parametrize("rank_block", [launch.RANKED_BIN_BLOCK, 32])
+def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stripes(rank_block):
     """With stripes, each list holds exactly the plain construction's entries, in one order fixed by the entries
-    alone: entry block (RANKED_BIN_BLOCK entries), then the corner that reaches the tile (t, y, x bits, lower
-    0), then the entry; so 1 and 3 stripes (3 programs that each own a segment of every list, the last one
-    shorter) give the same lists. 1 batch, 2 heads, odd 3 x 5 x 7 grid, 2 x 2 x 4 tiles, far offsets at half
-    tokens."""
+    and the rank block alone: entry block (rank_block entries, the default's and a smaller one), then the corner
+    that reaches the tile (t, y, x bits, lower 0), then the entry; so 1 and 3 stripes (3 programs that each own a
+    segment of every list, the last one shorter) give the same lists. 1 batch, 2 heads, odd 3 x 5 x 7 grid,
+    2 x 2 x 4 tiles, far offsets at half tokens."""
     grid, kernel_size, tile = (3, 5, 7), (3, 3, 3), (2, 2, 4)
     B, heads, K, N = 1, 2, math.prod(kernel_size), math.prod(grid)
     offsets = _far_half_token_offsets((B, *grid, heads, K, 3), seed=1)
@@ -245,11 +277,11 @@ def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stri
         at = (key_tile // (tiles_y * tiles_x), key_tile // tiles_x % tiles_y, key_tile % tiles_x)
         return sum(4 >> axis for axis in range(3) if at[axis] != lower[bh][e][axis] // tile[axis])
 
-    lists = _striped_lists(offsets, kernel_size, tile, 1)
+    lists = _striped_lists(offsets, kernel_size, tile, 1, rank_block)
     assert {key: set(v) for key, v in lists.items()} == reference_lists(offsets, kernel_size, tile)
     for (bh, key_tile), entries in lists.items():
-        assert entries == sorted(entries, key=lambda e: (e // launch.RANKED_BIN_BLOCK, corner(bh, key_tile, e), e))
-    assert _striped_lists(offsets, kernel_size, tile, 3) == lists
+        assert entries == sorted(entries, key=lambda e: (e // rank_block, corner(bh, key_tile, e), e))
+    assert _striped_lists(offsets, kernel_size, tile, 3, rank_block) == lists
 
 
 @pytest.mark.parametrize("stripes", [4, 7, 10])
@@ -295,8 +327,8 @@ def test_deterministic_algorithms_build_striped_lists(monkeypatch):
 
 
 def test_binned_kernels_compile_for_sm90():
-    """Build the query, both binning and the key kernels to sm_90 SASS (bf16 and fp32 rows, the default and
-    swept key tiles) in a process without TRITON_INTERPRET."""
+    """Build the query, both binning (the ranked fill at each of launch.RANK_BLOCKS) and the key kernels to sm_90
+    SASS (bf16 and fp32 rows, the default and swept key tiles) in a process without TRITON_INTERPRET."""
     assert builds_for_sm90("""
         from megaslide.attention.dsa import backward, constants, launch
 
@@ -316,8 +348,8 @@ def test_binned_kernels_compile_for_sm90():
         bin_const = {"K": 27, "TT": 4, "TY": 4, "TX": 4, "BLOCK": launch.BIN_BLOCK, "ENTRY": constants.ENTRY_FLOATS}
         capped = {("cursor_ptr" if n == "slot_ptr" else n): t for n, t in bins.items()}
         build(backward._bin_capped_kernel, {**capped, "CAP": "i32"}, bin_const, 4)
-        for fill, ranked in ((False, False), (True, False), (True, True)):
-            block = launch.RANKED_BIN_BLOCK if ranked else launch.BIN_BLOCK
+        exact = [(False, False, launch.BIN_BLOCK), (True, False, launch.BIN_BLOCK)]
+        for fill, ranked, block in exact + [(True, True, b) for b in launch.RANK_BLOCKS]:
             build(backward._bin_kernel, {**bins, "BLOCKS": "i32", "STRIPES": "i32", "STRIPE_ENTRIES": "i32"},
                   {**bin_const, "BLOCK": block, "FILL": fill, "RANKED": ranked}, 4)
         for dtype, tile, block_e, block_d in [("bf16", (4, 4, 4), 32, 64), ("bf16", (2, 4, 8), 64, 128),
@@ -330,4 +362,4 @@ def test_binned_kernels_compile_for_sm90():
                      "BLOCK_E": block_e, "BLOCK_D": block_d, "UPCAST": False, "ENTRY": constants.ENTRY_FLOATS,
                      "WIDE": False, "EVEN_D": True}
             build(backward._key_kernel, keys, const, 4, aligned_ints=("D", "stride_tok"))
-    """) == 9
+    """) == 12

@@ -70,7 +70,17 @@ def test_bench_attention_smoke(tmp_path):
     baseline = {r["variant"]: r for r in load_result(RESULTS_DIR, "attention", "h200_sweep")["tables"]["target"]}
     assert [line["bound"] for line in lines[7:]] == [baseline["dsa_fused"]["peak_gb"],
                                                      baseline["dsa_zero_fused"]["peak_gb"]]
+    assert "rank_blocks" not in data["tables"]  # none listed: no rank-block rows
     assert data["wandb_dir"] is None  # WANDB_MODE=disabled
+
+
+def test_bench_attention_smoke_rank_blocks(tmp_path):
+    """Each listed rank block adds a dsa_fused_deterministic row at the target grid, skipped on CPU."""
+    run_script(["-m", "experiments.bench_attention", "smoke=true", "rank_blocks=[16,32]", "variants=[dsa_fused]",
+                "sweep_variants=[dsa_fused]", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    rows = load_result(tmp_path, "attention", "smoke")["tables"]["rank_blocks"]
+    assert [(r["variant"], r["rank_block"], r["grid"], r["status"]) for r in rows] == [
+        ("dsa_fused_deterministic", b, [4, 8, 8], "skipped: Triton kernels need CUDA") for b in (16, 32)]
 
 
 def test_roofline_of_a_known_shape():
@@ -221,7 +231,7 @@ def test_config_refuses_unknown_variants_and_few_repeats():
               gather_launches=[[16, 2]],
               frames=[1],
               variants=["dsa_fused"], sweep_variants=["dense"], repeats=5, baseline="", wandb_dir="runs",
-              wandb_project="p")
+              wandb_project="p", rank_blocks=[16, 128])
     BenchAttentionConfig(**ok).validate()
     with pytest.raises(ValueError, match="sweep_variants=\\['flash'\\] unknown"):
         BenchAttentionConfig(**{**ok, "sweep_variants": ["flash"]}).validate()
@@ -231,6 +241,8 @@ def test_config_refuses_unknown_variants_and_few_repeats():
         BenchAttentionConfig(**{**ok, "offset_bounds": [0.0]}).validate()
     with pytest.raises(ValueError, match="module_head_dims=\\[\\] must list at least one value"):
         BenchAttentionConfig(**{**ok, "module_head_dims": []}).validate()
+    with pytest.raises(ValueError, match=r"rank_blocks=\[16, 12\]: each must be one of \[16, 32, 64, 128\]"):
+        BenchAttentionConfig(**{**ok, "rank_blocks": [16, 12]}).validate()
 
 
 def test_tiles_at_the_target_grid():

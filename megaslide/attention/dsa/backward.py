@@ -40,13 +40,14 @@ tensors' token strides, HEADS is the group's size. An entry is one (query n, sam
    it varies from run to run on a GPU, and with it the fp32 summation order of dK / dV
    (rounding-level differences; the interpreter runs programs in order and is deterministic). Under
    `torch.use_deterministic_algorithms(True)` only the exact lists are built, in stripes: the entries are cut
-   into runs of blocks, one per fill program (`launch.bin_stripes`, `launch.stripe_entries`), and each list
-   into one segment per stripe (a count and a cursor per list and stripe). The count takes one program per
-   entry block, which adds its records to its stripe's counts (integer atomics: the same counts in any
-   order); the counts' prefix sum places the segments one after the other, and each fill program walks its
-   stripe, giving each record the slot of its rank in entry order (`_ranked_slots`: no atomics). So every
-   list holds its entries in the same order every run, and dK / dV are the same bits. No sort: the stripes'
-   counts and cursors take at most a quarter of the records buffer's bytes (outside the scratch bound).
+   into runs of blocks of `KeyConfig.rank_block` entries, one per fill program (`launch.bin_stripes`,
+   `launch.stripe_entries`), and each list into one segment per stripe (a count and a cursor per list and
+   stripe). The count takes one program per entry block, which adds its records to its stripe's counts
+   (integer atomics: the same counts in any order); the counts' prefix sum places the segments one after the
+   other, and each fill program walks its stripe, giving each record the slot of its rank in entry order
+   (`_ranked_slots`: no atomics). So every list holds its entries in the same order every run, and dK / dV
+   are the same bits. No sort: the stripes' counts and cursors take at most a quarter of the records
+   buffer's bytes (outside the scratch bound).
 3. Key pass (`_key_kernel`, one program per (batch, head, key tile)): holds the tile's dK and dV
    (KEYS x d, fp32) in registers and walks its list BLOCK_E entries at a time: reads each entry,
    takes its corners and 1D weights from the stored position (sampling._axis_corners, as the forward),
@@ -420,7 +421,7 @@ def list_capacity(n_tokens: int, num_samples: int, tiles: int) -> int:
 
 
 def bin_entries(dsp, shape, K: int, tile, capacity: int, cursors, starts, records, flag,
-                stripes: int | None = None) -> None:
+                stripes: int | None = None, rank_block: int = RANKED_BIN_BLOCK) -> None:
     """Build the per-(batch, head, key tile) entry lists of one head group of shape (B, T, H, W, g) from
     the query pass's entries dsp (B, g, K, N, ENTRY_FLOATS) of K samples per query, without a host sync.
     First the capped lists, one pass: list i is records[i * capacity:][:min(cursors[i], capacity)]
@@ -430,7 +431,8 @@ def bin_entries(dsp, shape, K: int, tile, capacity: int, cursors, starts, record
     int32: the starts, then the fill's cursors). `stripes` (deterministic): the exact lists only, in the same
     order every run: each list in `stripes` segments, one per stripe of the entries (`launch.stripe_entries`),
     each filled in entry order (starts (2 * B * g * tiles * stripes + 1,): list i is records[starts[i * stripes]:
-    starts[(i + 1) * stripes]]). The key pass reads flag to know which lists it has."""
+    starts[(i + 1) * stripes]]), ranked in blocks of `rank_block` entries (`KeyConfig.rank_block`; `stripes` from
+    `launch.bin_stripes` at the same block). The key pass reads flag to know which lists it has."""
     B, T, H, W, g = shape
     tiles_t, tiles_y, tiles_x = tiles_per_axis((T, H, W), tile)
     tiles = tiles_t * tiles_y * tiles_x
@@ -448,8 +450,8 @@ def bin_entries(dsp, shape, K: int, tile, capacity: int, cursors, starts, record
     else:
         flag.fill_(1)
         count_launch = (triton.cdiv(entries, BIN_BLOCK), BIN_BLOCK)  # a program per block
-        fill_launch = (stripes, RANKED_BIN_BLOCK)  # a program per stripe
-        segments, segment_entries = stripes, stripe_entries(entries, stripes)
+        fill_launch = (stripes, rank_block)  # a program per stripe
+        segments, segment_entries = stripes, stripe_entries(entries, stripes, rank_block)
     lists = B * g * tiles * segments  # list segments
 
     def exact_pass(slots, launch: tuple[int, int], fill: bool):
@@ -500,8 +502,8 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
     """The fused backward (module docstring). Inputs as `dsa_forward` (contiguous) plus its out and lse and the
     output gradient dout (B, T, H, W, heads, d). Returns dq, dk, dv in the dtype and shape of q, k, v
     and d(offsets) (B, T, H, W, heads, K, 3) in offsets' dtype, or None when `offsets_grad` is False.
-    `config` overrides the query pass's tiles and `key_config` (a `launch.KeyConfig`) the key tiles
-    (for tuning); `scratch_bytes` bounds the scratch (`heads_per_group`). Under
+    `config` overrides the query pass's tiles and `key_config` (a `launch.KeyConfig`) the key tiles and the
+    deterministic binning's block (for tuning); `scratch_bytes` bounds the scratch (`heads_per_group`). Under
     `torch.use_deterministic_algorithms(True)` the key tiles' entry lists are built in stripes, in the
     same order every run (`bin_entries`), so dk / dv are the same bits from run to run."""
     B, T, H, W, heads, d = q.shape
@@ -527,7 +529,8 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
                          f"records buffer split over {B * group * tiles} key tiles); use None for that default")
     records = torch.empty(records_bound, dtype=torch.int32, device=q.device)  # the key tiles' entry lists
     cursors = torch.empty(B * group * tiles, dtype=torch.int32, device=q.device)  # the capped lists' lengths
-    stripes = bin_stripes(q.device, N * K, tiles, B * group) if torch.are_deterministic_algorithms_enabled() else None
+    stripes = (bin_stripes(q.device, N * K, tiles, B * group, key_cfg.rank_block)
+               if torch.are_deterministic_algorithms_enabled() else None)
     starts = torch.empty(2 * B * group * tiles * (stripes or 1) + 1, dtype=torch.int32,
                          device=q.device)  # the exact lists'
     flag = torch.empty(1, dtype=torch.int32, device=q.device)  # set where the capped lists overflowed
@@ -542,7 +545,7 @@ def dsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tor
                        kernel_size, scale, scale * LOG2E, offsets_grad, cfg)
             cursors_g, starts_g = cursors[:B * g * tiles], starts[:2 * B * g * tiles * (stripes or 1) + 1]
             bin_entries(dsp_g, (B, T, H, W, g), K, key_cfg.tile, capacity, cursors_g, starts_g, records, flag,
-                        stripes)
+                        stripes, key_cfg.rank_block)
             key_pass(q_g, dout_g, dsp_g, capacity, cursors_g, starts_g, flag, records, dk[heads_of],
                      dv[heads_of], K, cfg.block_d, key_cfg, stripes)
     return dq, dk, dv, doff if offsets_grad else None

@@ -35,18 +35,37 @@ class LaunchConfig:
                              f"block_q={self.block_q}")
 
 
+RANKED_BIN_BLOCK = 64
+"""Entries per block of the deterministic binning (`backward.bin_entries` with stripes) by default
+(`KeyConfig.rank_block`): its fill ranks a block's records among themselves with a BLOCK x BLOCK comparison
+(32 values per thread of 4 warps at 64)."""
+RANK_BLOCKS = (16, 32, 64, 128)
+"""The values `KeyConfig.rank_block` takes: powers of two (a Triton block) from 16, where the fill's serial steps
+per program are already 4x the default's, to 128, whose BLOCK x BLOCK comparison is 128 values per thread of
+4 warps."""
+
+
 @dataclass(frozen=True)
 class KeyConfig:
     """Tiles of the backward's binning and key pass: key tiles of tile = (t, y, x) tokens (powers of two),
     BLOCK_E entries per dot, num_warps per key program; `capacity` records per capped list (None:
     `backward.list_capacity`, the records buffer split evenly; a small one forces the exact lists, for tests);
-    maxnreg caps the key program's registers per thread (as `LaunchConfig.maxnreg`)."""
+    maxnreg caps the key program's registers per thread (as `LaunchConfig.maxnreg`). rank_block: entries per
+    block of the deterministic binning's ranked fill (one of RANK_BLOCKS): a smaller block makes fewer
+    comparisons per entry (rank_block each) in more serial steps per fill program. Its lists hold their entries
+    in (block, corner, entry) order, so another rank_block gives other bits, as fixed from run to run."""
 
     tile: tuple[int, int, int]
     block_e: int
     num_warps: int
     capacity: int | None = None
     maxnreg: int | None = None
+    rank_block: int = RANKED_BIN_BLOCK
+
+    def __post_init__(self):
+        if self.rank_block not in RANK_BLOCKS:
+            raise ValueError(f"KeyConfig.rank_block={self.rank_block}: entries per block of the deterministic "
+                             f"binning must be one of {RANK_BLOCKS} (a power of two from 16 to 128)")
 
 
 def query_programs(grid: tuple[int, int, int], config: LaunchConfig) -> int:
@@ -161,11 +180,6 @@ EXACT_PROGRAMS_PER_SM = 16
 that a launch with no overflowed list costs one wave of programs that return."""
 
 
-RANKED_BIN_BLOCK = 64
-"""Entries per block of the deterministic binning (`backward.bin_entries` with stripes): its fill ranks a block's
-records among themselves with a BLOCK x BLOCK comparison (32 values per thread of 4 warps at 64)."""
-
-
 def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
     """Programs along the entry blocks of an exact binning launch: EXACT_PROGRAMS_PER_SM per SM over all
     (batch, head)s on a GPU (each walks its own run of blocks), 2 in the interpreter (to walk the loop)."""
@@ -175,21 +189,22 @@ def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
     return max(1, min(blocks, EXACT_PROGRAMS_PER_SM * sms // lists_groups))
 
 
-def bin_stripes(device: torch.device, entries: int, tiles: int, lists_groups: int) -> int:
-    """Stripes of the deterministic binning of `entries` (query, sample)s per (batch, head) over `tiles` key tiles:
-    one program per stripe and (batch, head), as an exact launch has (`exact_programs` over blocks of
-    RANKED_BIN_BLOCK), and at most entries / tiles, so that a stripe's count and cursor per list (2 int32 per
-    list and stripe) take at most a quarter of the records buffer (8 int32 per entry)."""
-    blocks = triton.cdiv(entries, RANKED_BIN_BLOCK)
+def bin_stripes(device: torch.device, entries: int, tiles: int, lists_groups: int,
+                block: int = RANKED_BIN_BLOCK) -> int:
+    """Stripes of the deterministic binning of `entries` (query, sample)s per (batch, head) over `tiles` key tiles
+    in blocks of `block` entries (`KeyConfig.rank_block`): one program per stripe and (batch, head), as an exact
+    launch has (`exact_programs` over the blocks), and at most entries / tiles, so that a stripe's count and cursor
+    per list (2 int32 per list and stripe) take at most a quarter of the records buffer (8 int32 per entry)."""
+    blocks = triton.cdiv(entries, block)
     return max(1, min(exact_programs(device, blocks, lists_groups), entries // tiles))
 
 
-def stripe_entries(entries: int, stripes: int) -> int:
+def stripe_entries(entries: int, stripes: int, block: int = RANKED_BIN_BLOCK) -> int:
     """Entries per stripe of the deterministic binning of `entries` (query, sample)s in `stripes` stripes: the run
-    of cdiv(blocks, stripes) blocks of RANKED_BIN_BLOCK entries that each of the fill's `stripes` programs walks
-    (the last run shorter, or empty). Stripe s holds entries [s * this, (s + 1) * this); its records fill
-    segment s of every list, and the count adds them there, whichever program counts them."""
-    return RANKED_BIN_BLOCK * triton.cdiv(triton.cdiv(entries, RANKED_BIN_BLOCK), stripes)
+    of cdiv(blocks, stripes) blocks of `block` entries (`KeyConfig.rank_block`) that each of the fill's `stripes`
+    programs walks (the last run shorter, or empty). Stripe s holds entries [s * this, (s + 1) * this); its records
+    fill segment s of every list, and the count adds them there, whichever program counts them."""
+    return block * triton.cdiv(triton.cdiv(entries, block), stripes)
 
 
 @dataclass(frozen=True)
