@@ -259,7 +259,7 @@ def _striped_lists(offsets, kernel_size, tile, stripes, rank_block=launch.RANKED
     return {key: sum(segments, []) for key, segments in by_list.items()}
 
 
-@pytest.mark.parametrize("rank_block", [launch.RANKED_BIN_BLOCK, 32])
+@pytest.mark.parametrize("rank_block", [32, 64])
 def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stripes(rank_block):
     """With stripes, each list holds exactly the plain construction's entries, in one order fixed by the entries
     and the rank block alone: entry block (rank_block entries, the default's and a smaller one), then the corner
@@ -288,19 +288,19 @@ def test_deterministic_lists_hold_their_entries_in_entry_order_whatever_the_stri
 def test_deterministic_counts_land_in_the_stripes_that_fill_them(stripes):
     """Segment s of each list holds exactly the list's entries of stripe s (launch.stripe_entries), so each count
     landed in the segment that its stripe's fill program fills (a count in another segment moves the segments'
-    bounds off the records the fill writes). 2835 entries per (batch, head): 45 blocks of RANKED_BIN_BLOCK, the
+    bounds off the records the fill writes). 2835 entries per (batch, head): 45 rank blocks of 64 entries, the
     last partial, counted in 12 blocks of BIN_BLOCK; 4 stripes of 12 blocks (the last 9; bounds on counted
     blocks' bounds), 7 of 7 (the last 3) and 10 of 5 (the last empty), whose bounds fall inside counted blocks.
     1 batch, 2 heads, odd 3 x 5 x 7 grid, 2 x 2 x 4 tiles, far offsets at half tokens."""
     grid, kernel_size, tile = (3, 5, 7), (3, 3, 3), (2, 2, 4)
     B, heads, K = 1, 2, math.prod(kernel_size)
     entries = math.prod(grid) * K
-    assert (entries, math.ceil(entries / launch.RANKED_BIN_BLOCK)) == (2835, 45)
-    per_stripe = launch.stripe_entries(entries, stripes)
-    assert per_stripe == launch.RANKED_BIN_BLOCK * {4: 12, 7: 7, 10: 5}[stripes]
+    assert (entries, math.ceil(entries / 64)) == (2835, 45)
+    per_stripe = launch.stripe_entries(entries, stripes, 64)
+    assert per_stripe == 64 * {4: 12, 7: 7, 10: 5}[stripes]
     offsets = _far_half_token_offsets((B, *grid, heads, K, 3), seed=2)
     want = reference_lists(offsets, kernel_size, tile)
-    got = _striped_segments(offsets, kernel_size, tile, stripes)
+    got = _striped_segments(offsets, kernel_size, tile, stripes, 64)
     assert got.keys() == want.keys()
     for key, segments in got.items():
         assert [sorted(segment) for segment in segments] == [

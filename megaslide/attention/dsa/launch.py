@@ -35,14 +35,13 @@ class LaunchConfig:
                              f"block_q={self.block_q}")
 
 
-RANKED_BIN_BLOCK = 64
+RANKED_BIN_BLOCK = 32
 """Entries per block of the deterministic binning (`backward.bin_entries` with stripes) by default
 (`KeyConfig.rank_block`): its fill ranks a block's records among themselves with a BLOCK x BLOCK comparison
-(32 values per thread of 4 warps at 64)."""
+(8 values per thread of 4 warps at 32). 32 was the fastest of 16, 32 and 64 (docs/dsa_kernels.md)."""
 RANK_BLOCKS = (16, 32, 64, 128)
 """The values `KeyConfig.rank_block` takes: powers of two (a Triton block) from 16, where the fill's serial steps
-per program are already 4x the default's, to 128, whose BLOCK x BLOCK comparison is 128 values per thread of
-4 warps."""
+per program are 2x the default's, to 128, whose BLOCK x BLOCK comparison is 128 values per thread of 4 warps."""
 
 
 @dataclass(frozen=True)
