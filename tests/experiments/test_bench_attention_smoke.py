@@ -67,7 +67,7 @@ def test_bench_attention_smoke(tmp_path):
     assert lines[4] == {"target": TARGET_LINES[4], "bound": 2.0, "measured": pytest.approx(ratio), "met": ratio <= 2.0}
     assert all(line["measured"] is None and line["met"] is None for i, line in enumerate(lines) if i != 4)
     # the memory bounds come from the repository's baseline result, not from this run's results folder
-    baseline = {r["variant"]: r for r in load_result(RESULTS_DIR, "attention", "h200_sweep")["tables"]["target"]}
+    baseline = {r["variant"]: r for r in load_result(RESULTS_DIR, "attention", "h200_kernels_v18")["tables"]["target"]}
     assert [line["bound"] for line in lines[7:]] == [baseline["dsa_fused"]["peak_gb"],
                                                      baseline["dsa_zero_fused"]["peak_gb"]]
     assert "rank_blocks" not in data["tables"]  # none listed: no rank-block rows
