@@ -499,12 +499,13 @@ def settings_digest(job: dict) -> str:
 
 def held_runs(path: Path, config: dict, jobs: list[dict], grid: Sequence[str] = ()) -> dict[str, dict]:
     """Run name -> row of each of `jobs` that the earlier result at `path` finished (ok, or diverged: a tuning
-    candidate's outcome) with the job's settings (`settings_digest`), marked with the commit and date that ran it
-    (`ran_in`); {} without that file. So continue_runs=true keeps what a result JSON holds on a machine where those
-    runs' folders are gone. A result of another config is refused (ValueError naming continue_runs and the keys
-    that differ); the config lists named in `grid` may add entries to the earlier lists, not drop any. A row of
-    other run settings (another train.lr, say) is not kept: that run trains again. Rows written before rows
-    carried `settings` are matched by the config and their run name alone, as they were then."""
+    candidate's outcome) with the job's settings (`settings_digest`), marked with the commit, date and hardware of
+    the call that ran it (`ran_in`: a continued result's runs may come from other machines); {} without that
+    file. So continue_runs=true keeps what a result JSON holds on a machine where those runs' folders are gone.
+    A result of another config is refused (ValueError naming continue_runs and the keys that differ); the
+    config lists named in `grid` may add entries to the earlier lists, not drop any. A row of other run settings
+    (another train.lr, say) is not kept: that run trains again. Rows written before rows carried `settings` are
+    matched by the config and their run name alone, as they were then."""
     if not path.exists():
         return {}
     earlier = json.loads(path.read_text())
@@ -518,7 +519,7 @@ def held_runs(path: Path, config: dict, jobs: list[dict], grid: Sequence[str] = 
     if differ:
         raise ValueError(f"continue_runs=true: {path} holds a run of other settings ({', '.join(differ)}); "
                          f"pass another results_name, or continue_runs=false to start it again")
-    origin = {"commit": earlier.get("commit"), "date": earlier.get("date")}
+    origin = {key: earlier.get(key) for key in ("commit", "date", "hardware")}
     digests = dict(zip(job_names(jobs), map(settings_digest, jobs)))
     return {r["run"]: {**r, "ran_in": r.get("ran_in", origin)} for r in earlier["tables"]["per seed"]
             if r.get("run") in digests and r.get("settings", digests[r["run"]]) == digests[r["run"]]

@@ -7,8 +7,8 @@ candidate by its mean validation caption match and says whether it learned the t
 results/quality_recipe/<results_name>.json, holds every run (`per seed`), each candidate's mean scores
 (`candidates`) and the chosen `recipe`, which `quality.py recipe=<file>` trains with. The JSON is rewritten after
 every finished run (`jobs_done` / `jobs_total`); `continue_runs=true` finishes a tuning cut short: it keeps the
-runs that result already holds (each marked with the commit and date that ran it, `ran_in`), so a fresh machine
-needs only that JSON, and continues the others from their newest checkpoint where out_dir still has one.
+runs that result already holds (each marked with the commit, date and hardware that ran it, `ran_in`), so a fresh
+machine needs only that JSON, and continues the others from their newest checkpoint where out_dir still has one.
 `max_runs=n` starts at most n of the runs still to run (in job order), so that a tuning whose runs do not all fit
 one machine's time limit runs over several calls, each finishing its runs. A continued tuning may add learning
 rates or warm-ups to the grid (`lrs`, `warmups`): only the new candidates' runs are left to run.

@@ -174,7 +174,8 @@ def test_continue_runs_keeps_the_runs_the_result_holds_and_runs_the_rest(tmp_pat
     rows = {r["lr"]: r for r in again["tables"]["per seed"] if r.get("variant") == "dense"}
     kept = {k: v for k, v in rows[1e-3].items() if k != "ran_in"}
     assert kept == next(r for r in full["tables"]["per seed"] if r.get("lr") == 1e-3)
-    assert rows[1e-3]["ran_in"] == {"commit": full["commit"], "date": full["date"]} and "ran_in" not in rows[2e-3]
+    assert rows[1e-3]["ran_in"] == {"commit": full["commit"], "date": full["date"], "hardware": full["hardware"]}
+    assert full["hardware"]["cpu_cores"] > 0 and "ran_in" not in rows[2e-3]   # the machine that ran it, recorded
     ran.clear()                                                         # a grid extended: only the new candidate
     monkeypatch.setattr(sys, "argv", [*argv[:-2], "lrs=[1e-3,2e-3,4e-3]", "warmups=[0]", "continue_runs=true"])
     experiments.tune_recipe.main()
