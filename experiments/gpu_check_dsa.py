@@ -5,7 +5,11 @@ and compares the Triton output and the gradients of q, k, v and offsets with the
 PyTorch reference run on the same rounded inputs. Op `dsa_zero` checks the zero-offset
 kernels (`neighborhood_attention`, zero_kernels.py) the same way at the same shapes (output
 and q, k, v gradients against the reference with zero offsets) and that two backward runs
-are bit-identical (they use no atomics). The rule (megaslide.testing.within_tolerance):
+are bit-identical (they use no atomics). Op `dsa_halo` checks the op with `halo_reach` set (the halo
+forward, halo.py, then the gather kernels' backward on its lse): offsets uniform in +-reach, a quarter on
+the bound, a few moved past it so that tiles inside, on and beyond the halo bound meet in one call; each
+row also compares the per-tile paths with the plain rule (`reference.halo_paths_reference`) and asks for
+tiles of both paths. The rule (megaslide.testing.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
@@ -48,7 +52,8 @@ F64 = torch.float64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR_ULPS = 2
 GRADS = ("out", "dq", "dk", "dv", "doffsets")
-OPS = ("dsa", "dsa_zero")  # the general kernels; the zero-offset kernels (no offsets, no offset gradient)
+OPS = ("dsa", "dsa_zero", "dsa_halo")  # the general kernels; the zero-offset kernels (no offsets, no offset
+# gradient); the general op with the halo forward
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class Case:
     far_fraction: float = 0.0  # share of offset coordinates moved far outside the grid
     offsets_grad: bool = True
     fp32_offsets: bool = False  # offsets stay fp32 whatever the dtype, as the DSA module passes them
+    halo_reach: int | None = None  # op dsa_halo: offsets uniform in +-halo_reach (far_fraction moved past it)
 
 
 GPU_CASES = [
@@ -96,6 +102,14 @@ OVERFLOW_CAPACITY = 8
 backward falls back to its exact lists (backward.py), as it does where offsets pile samples onto a tile."""
 SMOKE_LAUNCHES = [(16, 1), (16, 1, 4, 128)]  # rows of queries; 4 x 4 query patches, registers capped
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
+HALO_CASES = [  # op dsa_halo (3 x 3 x 3 windows): the op's default tiles, 2 x 4 x 4 up to reach 1, 1 x 4 x 4 beyond
+    Case("d64_halo_reach1_odd_grid", (2, 6, 13, 11, 2, 64), (3, 3, 3), far_fraction=3e-4, fp32_offsets=True,
+         halo_reach=1),
+    Case("d48_halo_reach2_padded", (1, 5, 10, 12, 3, 48), (3, 3, 3), far_fraction=5e-4, halo_reach=2),
+    Case("d128_halo_reach0_edges", (1, 3, 7, 13, 2, 128), (3, 3, 3), far_fraction=5e-4, halo_reach=0),
+]
+SMOKE_HALO_CASES = [Case("smoke_halo_d16", (1, 3, 4, 13, 1, 16), (3, 3, 3), far_fraction=3e-3, fp32_offsets=True,
+                         halo_reach=0)]  # tiles of both paths; small halos: the interpreter is slow
 
 
 def checked_key_configs(smoke: bool, key_candidates: list[list[int]]) -> list:
@@ -118,8 +132,12 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int 
     K = math.prod(case.kernel_size)
     q, k, v, grad_out = (torch.randn(case.shape, generator=g, device=device, dtype=F64) for _ in range(4))
     offsets = case.offset_std * torch.randn((B, T, H, W, heads, K, 3), generator=g, device=device, dtype=F64)
+    if case.halo_reach is not None:  # uniform in +-reach, a quarter exactly on the bound
+        offsets = case.halo_reach * (2 * torch.rand(offsets.shape, generator=g, device=device, dtype=F64) - 1)
+        on_bound = torch.rand(offsets.shape, generator=g, device=device, dtype=F64) < 0.25
+        offsets = torch.where(on_bound, case.halo_reach * offsets.sign(), offsets)
     far = torch.rand(offsets.shape, generator=g, device=device, dtype=F64) < case.far_fraction
-    offsets = torch.where(far, offsets.sign() * (max(T, H, W) + 5 * offsets.abs()), offsets)
+    offsets = torch.where(far, torch.where(offsets < 0, -1.0, 1.0) * (max(T, H, W) + 5 * offsets.abs()), offsets)
     return [x.to(dtype) for x in (q, k, v, offsets, grad_out)]
 
 
@@ -140,11 +158,12 @@ def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str, key_confi
         grads = backward.dsa_backward(q, k, v, offsets, out, lse, grad_out, case.kernel_size, scale,
                                       case.offsets_grad, config=launch, key_config=key_config)
         return [out, *(g for g in grads if g is not None)]
-    leaves = [q, k, v] + ([offsets] if case.offsets_grad and op == "dsa" else [])
+    leaves = [q, k, v] + ([offsets] if case.offsets_grad and op != "dsa_zero" else [])
     for x in leaves:
         x.requires_grad_()
-    if op == "dsa":
-        out = deformable_slide_attention(q, k, v, offsets, case.kernel_size, backend=backend)
+    if op != "dsa_zero":
+        reach = case.halo_reach if backend == "triton" else None  # dsa_halo: the halo forward
+        out = deformable_slide_attention(q, k, v, offsets, case.kernel_size, backend=backend, halo_reach=reach)
     else:
         out = neighborhood_attention(q, k, v, case.kernel_size, backend=backend)
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
@@ -180,16 +199,33 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
         row["deterministic"] = all(torch.equal(a, b) for a, b in zip(fused, again))
         row["passed"] &= row["deterministic"]
         del again
-    elif op == "dsa" and key_config is None and launch is None:  # sorted key-tile lists: the same bits twice
+    elif op != "dsa_zero" and key_config is None and launch is None:  # sorted key-tile lists: the same bits twice
         with deterministic_algorithms():
             first, again = (run("triton", inputs, case, dtype, op) for _ in range(2))
         row["deterministic"] = all(torch.equal(a, b) for a, b in zip(first, again))
         row["passed"] &= row["deterministic"]
         del first, again
+    if op == "dsa_halo":  # the tiles of each path, against the plain rule; both must be met
+        row.update(halo_paths(inputs, case, dtype))
+        row["passed"] &= row["paths_match"] and min(row["paths"].values()) > 0
     del truth, same_dtype, fused
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def halo_paths(inputs, case: Case, dtype: torch.dtype) -> dict:
+    """The halo forward's per-tile paths at the op's default tile (`launch.halo_config`), their counts and
+    whether they match `reference.halo_paths_reference`."""
+    from megaslide.attention.dsa import halo, launch
+    from megaslide.attention.dsa.reference import halo_paths_reference
+    q, k, v = (x.to(dtype) for x in inputs[:3])
+    offsets = inputs[3].to(torch.float32 if case.fp32_offsets else dtype)
+    tile = launch.halo_config(case.halo_reach).tile
+    _, _, path = halo.dsa_halo_forward(q, k, v, offsets, case.kernel_size, case.shape[-1] ** -0.5,
+                                       case.halo_reach, store_lse=False)
+    want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, tile)
+    return {"paths": halo.path_counts(path), "paths_match": torch.equal(path.cpu(), want.cpu())}
 
 
 def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]],
@@ -300,8 +336,9 @@ def check(cfg: GpuCheckConfig) -> int:
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", BACKENDS, probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     key_case = cases[0] if cfg.smoke else KEY_CASE
-    jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops for case in cases
-            for dtype in dtypes]
+    halo_cases = SMOKE_HALO_CASES if cfg.smoke else HALO_CASES
+    jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops
+            for case in (halo_cases if op == "dsa_halo" else cases) for dtype in dtypes]
     if "dsa" in cfg.ops:
         from megaslide.attention.dsa import launch
         jobs += [lambda k=k, d=dtype: check_case(key_case, d, device, "dsa", k)
@@ -312,7 +349,7 @@ def check(cfg: GpuCheckConfig) -> int:
     launches = [launch_of(c, key_case.shape[-1]) for c in candidates]  # a malformed candidate fails here, first
     if cfg.sweep:  # every query block the sweep times, checked on one case of each op
         jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o, launch=c)
-                 for c in launches for op in cfg.ops for dtype in dtypes]
+                 for c in launches for op in cfg.ops if op != "dsa_halo" for dtype in dtypes]
     # the rows the sweep will time
     timings = len(candidates) + len(swept_key_configs(cfg.smoke, cfg.key_candidates)) if cfg.sweep else 0
     expected_auto = "triton" if device.type == "cuda" else auto_backend  # on a GPU, auto must pick the kernels

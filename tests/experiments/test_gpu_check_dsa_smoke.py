@@ -21,6 +21,9 @@ def test_gpu_check_dsa_smoke(tmp_path):
     general = [r for r in data["rows"]
                if r["op"] == "dsa" and "_keys_" not in r["case"] and "_launch_" not in r["case"]]
     assert general and all(r["deterministic"] for r in general)  # sorted key-tile lists, run twice
+    halo = [r for r in data["rows"] if r["op"] == "dsa_halo"]  # the op with the halo forward, both dtypes
+    assert {r["dtype"] for r in halo} == {"fp32", "bf16"} and all("doffsets" in r["errors"] for r in halo)
+    assert all(r["paths_match"] and min(r["paths"].values()) > 0 and r["deterministic"] for r in halo)
     assert {r["dtype"] for r in data["rows"] if r["case"].endswith("_cap8")} == {"fp32", "bf16"}  # exact lists
     assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 and c["zero_fwd_ms"] > 0 and c["zero_bwd_ms"] > 0
                for c in data["sweep"]["configs"])
