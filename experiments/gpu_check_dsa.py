@@ -102,10 +102,12 @@ OVERFLOW_CAPACITY = 8
 backward falls back to its exact lists (backward.py), as it does where offsets pile samples onto a tile."""
 SMOKE_LAUNCHES = [(16, 1), (16, 1, 4, 128)]  # rows of queries; 4 x 4 query patches, registers capped
 SMOKE_CASES = [Case("smoke_d16", (1, 2, 3, 5, 1, 16), (1, 3, 3), far_fraction=0.2, fp32_offsets=True)]
-HALO_CASES = [  # op dsa_halo (3 x 3 x 3 windows): the op's default tiles, 2 x 4 x 4 up to reach 1, 1 x 4 x 4 beyond
+HALO_CASES = [  # op dsa_halo (3 x 3 x 3 windows): the op's default tiles, 2 x 4 x 4 up to reach 1, 1 x 4 x 4 beyond;
+    # each halo's K rows fit 227 KB of shared memory in fp32 (test_dsa_halo.py builds them for sm_90)
     Case("d64_halo_reach1_odd_grid", (2, 6, 13, 11, 2, 64), (3, 3, 3), far_fraction=3e-4, fp32_offsets=True,
          halo_reach=1),
-    Case("d48_halo_reach2_padded", (1, 5, 10, 12, 3, 48), (3, 3, 3), far_fraction=5e-4, halo_reach=2),
+    Case("d48_halo_reach1_padded", (1, 5, 10, 12, 3, 48), (3, 3, 3), far_fraction=3e-4, halo_reach=1),
+    Case("d32_halo_reach2", (1, 5, 10, 12, 3, 32), (3, 3, 3), far_fraction=5e-4, halo_reach=2),
     Case("d128_halo_reach0_edges", (1, 3, 7, 13, 2, 128), (3, 3, 3), far_fraction=5e-4, halo_reach=0),
 ]
 SMOKE_HALO_CASES = [Case("smoke_halo_d16", (1, 3, 4, 13, 1, 16), (3, 3, 3), far_fraction=3e-3, fp32_offsets=True,

@@ -120,3 +120,43 @@ def test_halo_kernel_builds_for_sm90_with_few_shuffles():
             shuffles = compiled.asm["ptx"].count("shfl.sync")
             assert shuffles <= MAX_SHUFFLES, f"{shuffles} warp shuffles in the PTX at HALO {tile['HALO']}"
     """) == 2
+
+
+def test_halo_too_large_for_the_chip_names_the_option(monkeypatch):
+    """A halo whose K rows do not fit the GPU's shared memory fails at launch in the compiler (only a GPU
+    raises it); the op turns that into an error naming halo_reach and the fixes."""
+    from triton.runtime.errors import OutOfResources
+
+    class TooLarge:
+        def __getitem__(self, grid):
+            def launch_(*args, **kwargs):
+                raise OutOfResources(327680, 232448, "shared memory")
+            return launch_
+
+    monkeypatch.setattr(halo, "_dsa_halo_fwd_kernel", TooLarge())
+    q, k, v, offsets = dsa_halo_inputs((1, 3, 4, 5, 1, 48), 2, torch.float32)
+    with pytest.raises(ValueError, match=r"halo_reach=2 .*7x10x10 halo of 48-wide float32 K rows.*bf16 inputs"):
+        halo.dsa_halo_forward(q, k, v, offsets, KERNEL, 0.25, 2)
+
+
+def test_gpu_check_halo_cases_fit_the_chip_in_fp32():
+    """The GPU check's largest halo cases (gpu_check_dsa.HALO_CASES: reach 1 at d 64, reach 2 at d 32) build
+    for sm_90 in fp32 within the H100's and H200's 227 KB of shared memory per block (fp32 at reach 2 and d 48,
+    or at reach 1 and d 128, takes 320 KB and is refused at launch: the test above)."""
+    assert builds_for_sm90("""
+        from megaslide.attention.dsa import halo
+
+        LIMIT = 232448
+        fwd = {**{n: "*fp32" for n in ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "off_ptr", "lse_ptr"]},
+               "path_ptr": "*i8", **{n: "i32" for n in ["T", "H", "W", "HEADS", "D", "stride_tok", "stride_off_tok"]},
+               "qk_scale": "fp32"}
+        base = {"KT": 3, "KH": 3, "KW": 3, "STORE_LSE": True, "WIDE": False, "EVEN_D": True, "PRECISION": "ieee",
+                "DOT_FP32": False}
+        reach1_d64 = {**base, "TILE_T": 2, "TILE_Y": 4, "TILE_X": 4, "REACH": 1, "ET": 6, "EY": 8, "EX": 8,
+                      "HALO": 512, "BLOCK_D": 64}
+        reach2_d32 = {**base, "TILE_T": 1, "TILE_Y": 4, "TILE_X": 4, "REACH": 2, "ET": 7, "EY": 10, "EX": 10,
+                      "HALO": 1024, "BLOCK_D": 32}
+        for tile in (reach1_d64, reach2_d32):
+            compiled = build(halo._dsa_halo_fwd_kernel, fwd, tile, 4, aligned_ints=("D", "stride_tok"))
+            assert compiled.metadata.shared <= LIMIT, (tile, compiled.metadata.shared)
+    """) == 2

@@ -31,10 +31,12 @@ next power of two (at least 16) with masked columns.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from megaslide.attention.dsa.constants import LOG2E, MAX_HALO_REACH
 from megaslide.attention.dsa.forward import _forward_queries
@@ -177,7 +179,7 @@ def dsa_halo_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     path = torch.empty((B * heads, tiles), dtype=torch.int8, device=q.device)  # (B * heads, tiles)
     block_d = head_dim_block(d)
     dot_fp32 = INTERPRETED and q.dtype == torch.bfloat16  # the interpreter's dots read bf16 as integers
-    with device_guard(q):
+    with device_guard(q), _too_large_for_chip(reach, extent, q):
         _dsa_halo_fwd_kernel[(tiles, B * heads)](
             q, k, v, offsets, out, lse if store_lse else out, path,  # lse never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
@@ -188,6 +190,20 @@ def dsa_halo_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
             num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, block_d),
         )
     return out, lse, path
+
+
+@contextmanager
+def _too_large_for_chip(reach: int, extent: tuple[int, int, int], q: torch.Tensor):
+    """Turn the compiler's out-of-resources error at launch (the halo's K rows do not fit the GPU's shared
+    memory: e.g. fp32 at reach 2, or d = 128 in fp32 at reach 1) into one that names the option and the fix."""
+    try:
+        yield
+    except OutOfResources as err:
+        raise ValueError(
+            f"halo_reach={reach} (attention.halo_reach): a tile's {'x'.join(map(str, extent))} halo of "
+            f"{q.shape[-1]}-wide {str(q.dtype).removeprefix('torch.')} K rows does not fit this GPU's on-chip "
+            f"memory ({err}); use a smaller halo_reach, bf16 inputs, or halo_reach=None (the gather forward)"
+        ) from err
 
 
 def path_counts(path: torch.Tensor) -> dict[str, int]:
