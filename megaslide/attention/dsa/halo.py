@@ -26,7 +26,9 @@ Scores are fp32 (tensor-core dots of the input dtype, fp32 inputs at full fp32 p
 interpreter bf16 operands are widened to fp32 first, as its dots would read bf16 bits as integers); the
 final dot takes the fp32 weights and V widened to fp32, at full fp32 precision for fp32 inputs and at tf32
 for bf16 ones (the weights rounded to tf32: finer than bf16's rounding of out); head dims are padded to the
-next power of two (at least 16) with masked columns.
+next power of two (at least 16) with masked columns. A full-precision fp32 score dot runs on CUDA cores as one
+chain of multiply-adds per score, so it is summed over chunks of FP32_DOT_CHUNK head columns, which keeps each
+chain as short as a 64-wide head's (docs/dsa_kernels.md, "Where the kernels stand", says why).
 """
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ from megaslide.attention.dsa.reference import halo_extent
 from megaslide.attention.dsa.rows import _token_rows, row_flags
 from megaslide.attention.dsa.sampling import _corner_axes, _sample_axes, _softmax_step, _window_start
 from megaslide.backends import device_guard
+
+
+FP32_DOT_CHUNK = 64
+"""Head columns per score dot at full fp32 precision (module docstring)."""
 
 
 @triton.jit
@@ -80,7 +86,8 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
                          TILE_T: tl.constexpr, TILE_Y: tl.constexpr, TILE_X: tl.constexpr, REACH: tl.constexpr,
                          ET: tl.constexpr, EY: tl.constexpr, EX: tl.constexpr, HALO: tl.constexpr,
                          BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, WIDE: tl.constexpr,
-                         EVEN_D: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                         EVEN_D: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                         DOT_CHUNK: tl.constexpr):
     BQ: tl.constexpr = TILE_T * TILE_Y * TILE_X
     pid_bh = tl.program_id(1)
     b = (pid_bh // HEADS).to(tl.int64)
@@ -123,12 +130,19 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
         h_ok = (hh < ET * EY * EX) & (ht0 + ht < T) & (hy0 + hy < H) & (hx0 + hx < W)  # (HALO,) rows on the grid
         halo_tok = tl.where(h_ok, ((ht0 + ht) * H + hy0 + hy) * W + hx0 + hx, 0)  # (HALO,)
         halo_rows = _token_rows(halo_tok, stride_tok, cols, WIDE)  # (HALO, BD)
-        k_halo = tl.load(k_ptr + head_off + halo_rows, mask=h_ok[:, None] & col_ok, other=0.0)  # (HALO, BD)
         own_rows = _token_rows(n, stride_tok, cols, WIDE)  # (BQ, BD)
-        q = tl.load(q_ptr + head_off + own_rows, mask=col_ok, other=0.0)  # (BQ, BD)
-        if DOT_FP32:  # the same products: a bf16 value is exact in fp32
-            q, k_halo = q.to(tl.float32), k_halo.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k_halo), input_precision=PRECISION) * qk_scale  # (BQ, HALO) log2 units
+        scores = tl.zeros([BQ, HALO], tl.float32)  # (BQ, HALO) q . k, summed over column chunks of DOT_CHUNK
+        for c in tl.static_range(BLOCK_D // DOT_CHUNK):
+            chunk = tl.arange(0, DOT_CHUNK) + c * DOT_CHUNK  # (DC,) head columns
+            chunk_ok = (chunk < D)[None, :]  # (1, DC)
+            k_halo = tl.load(k_ptr + head_off + _token_rows(halo_tok, stride_tok, chunk, WIDE),
+                             mask=h_ok[:, None] & chunk_ok, other=0.0)  # (HALO, DC)
+            q = tl.load(q_ptr + head_off + _token_rows(n, stride_tok, chunk, WIDE), mask=chunk_ok,
+                        other=0.0)  # (BQ, DC)
+            if DOT_FP32:  # the same products: a bf16 value is exact in fp32
+                q, k_halo = q.to(tl.float32), k_halo.to(tl.float32)
+            scores += tl.dot(q, tl.trans(k_halo), input_precision=PRECISION)
+        scores *= qk_scale  # log2 units
 
         m_i = tl.full([BQ], float("-inf"), tl.float32)  # running max (log2 units)
         l_i = tl.zeros([BQ], tl.float32)  # running softmax denominator
@@ -179,14 +193,16 @@ def dsa_halo_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
     path = torch.empty((B * heads, tiles), dtype=torch.int8, device=q.device)  # (B * heads, tiles)
     block_d = head_dim_block(d)
     dot_fp32 = INTERPRETED and q.dtype == torch.bfloat16  # the interpreter's dots read bf16 as integers
+    precision = "ieee" if q.dtype == torch.float32 or dot_fp32 else "tf32"
+    dot_chunk = min(block_d, FP32_DOT_CHUNK) if precision == "ieee" else block_d  # module docstring
     with device_guard(q), _too_large_for_chip(reach, extent, q):
         _dsa_halo_fwd_kernel[(tiles, B * heads)](
             q, k, v, offsets, out, lse if store_lse else out, path,  # lse never written without STORE_LSE
             T, H, W, heads, d, q.stride(3), offsets.stride(3), scale * LOG2E,
             KT=kt, KH=kh, KW=kw, TILE_T=cfg.tile[0], TILE_Y=cfg.tile[1], TILE_X=cfg.tile[2], REACH=reach,
             ET=extent[0], EY=extent[1], EX=extent[2], HALO=triton.next_power_of_2(extent[0] * extent[1] * extent[2]),
-            BLOCK_D=block_d, STORE_LSE=store_lse, DOT_FP32=dot_fp32,
-            PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else "tf32",
+            BLOCK_D=block_d, STORE_LSE=store_lse, DOT_FP32=dot_fp32, DOT_CHUNK=dot_chunk,
+            PRECISION=precision,
             num_warps=cfg.num_warps, **row_flags(N, q.stride(3), d, block_d),
         )
     return out, lse, path
