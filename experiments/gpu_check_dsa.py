@@ -110,7 +110,7 @@ HALO_CASES = [  # op dsa_halo (3 x 3 x 3 windows): the op's default tiles, 2 x 4
     Case("d32_halo_reach2", (1, 5, 10, 12, 3, 32), (3, 3, 3), far_fraction=5e-4, halo_reach=2),
     Case("d128_halo_reach0_edges", (1, 3, 7, 13, 2, 128), (3, 3, 3), far_fraction=5e-4, halo_reach=0),
 ]
-SMOKE_HALO_CASES = [Case("smoke_halo_d16", (1, 3, 4, 13, 1, 16), (3, 3, 3), far_fraction=3e-3, fp32_offsets=True,
+SMOKE_HALO_CASES = [Case("smoke_halo_d16", (1, 3, 4, 8, 1, 16), (3, 3, 3), far_fraction=5e-3, fp32_offsets=True,
                          halo_reach=0)]  # tiles of both paths; small halos: the interpreter is slow
 
 
