@@ -4,7 +4,8 @@ from tests.experiments.runner import load_result, run_script
 
 
 def test_gpu_check_dsa_smoke(tmp_path):
-    run_script(["-m", "experiments.gpu_check_dsa", "smoke=true", "sweep=true", f"wandb.dir={tmp_path}/runs"], tmp_path)
+    run_script(["-m", "experiments.gpu_check_dsa", "smoke=true", "sweep=true", "ops=[dsa,dsa_zero]",
+                f"wandb.dir={tmp_path}/runs"], tmp_path)
     data = load_result(tmp_path, "attention", "dsa_gpu_check_smoke")
     assert data["passed"] is True and data["rows"] and data["jobs_done"] == data["jobs_total"]
     zero = [r for r in data["rows"] if r["op"] == "dsa_zero" and "_launch_" not in r["case"]]
@@ -21,13 +22,22 @@ def test_gpu_check_dsa_smoke(tmp_path):
     general = [r for r in data["rows"]
                if r["op"] == "dsa" and "_keys_" not in r["case"] and "_launch_" not in r["case"]]
     assert general and all(r["deterministic"] for r in general)  # sorted key-tile lists, run twice
-    halo = [r for r in data["rows"] if r["op"] == "dsa_halo"]  # the op with the halo forward, both dtypes
-    assert {r["dtype"] for r in halo} == {"fp32", "bf16"} and all("doffsets" in r["errors"] for r in halo)
-    assert all(r["paths_match"] and min(r["paths"].values()) > 0 and r["deterministic"] for r in halo)
     assert {r["dtype"] for r in data["rows"] if r["case"].endswith("_cap8")} == {"fp32", "bf16"}  # exact lists
     assert all(c["fwd_ms"] > 0 and c["bwd_ms"] > 0 and c["zero_fwd_ms"] > 0 and c["zero_bwd_ms"] > 0
                for c in data["sweep"]["configs"])
     assert data["sweep"]["key_configs"] and all(c["bwd_ms"] > 0 for c in data["sweep"]["key_configs"])
+
+
+def test_gpu_check_dsa_halo_smoke(tmp_path):
+    """Op dsa_halo (its own test, so that the two smoke runs share the CI's workers): the op with the halo
+    forward, both dtypes, out and all four gradients, tiles of both paths matching the plain rule, same bits."""
+    run_script(["-m", "experiments.gpu_check_dsa", "smoke=true", "ops=[dsa_halo]", f"wandb.dir={tmp_path}/runs"],
+               tmp_path)
+    data = load_result(tmp_path, "attention", "dsa_gpu_check_smoke")
+    halo = data["rows"]
+    assert data["passed"] is True and {r["op"] for r in halo} == {"dsa_halo"}
+    assert {r["dtype"] for r in halo} == {"fp32", "bf16"} and all("doffsets" in r["errors"] for r in halo)
+    assert all(r["paths_match"] and min(r["paths"].values()) > 0 and r["deterministic"] for r in halo)
 
 
 def test_a_check_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
