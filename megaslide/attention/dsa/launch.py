@@ -38,7 +38,7 @@ class LaunchConfig:
 RANKED_BIN_BLOCK = 32
 """Entries per block of the deterministic binning (`backward.bin_entries` with stripes) by default
 (`KeyConfig.rank_block`): its fill ranks a block's records among themselves with a BLOCK x BLOCK comparison
-(8 values per thread of 4 warps at 32). 32 was the fastest of 16, 32 and 64 (docs/dsa_kernels.md)."""
+(8 values per thread of 4 warps at 32); chosen by timing 16, 32 and 64 (docs/dsa_kernels.md)."""
 RANK_BLOCKS = (16, 32, 64, 128)
 """The values `KeyConfig.rank_block` takes: powers of two (a Triton block) from 16, where the fill's serial steps
 per program are 2x the default's, to 128, whose BLOCK x BLOCK comparison is 128 values per thread of 4 warps."""
@@ -188,8 +188,7 @@ def exact_programs(device: torch.device, blocks: int, lists_groups: int) -> int:
     return max(1, min(blocks, EXACT_PROGRAMS_PER_SM * sms // lists_groups))
 
 
-def bin_stripes(device: torch.device, entries: int, tiles: int, lists_groups: int,
-                block: int = RANKED_BIN_BLOCK) -> int:
+def bin_stripes(device: torch.device, entries: int, tiles: int, lists_groups: int, block: int) -> int:
     """Stripes of the deterministic binning of `entries` (query, sample)s per (batch, head) over `tiles` key tiles
     in blocks of `block` entries (`KeyConfig.rank_block`): one program per stripe and (batch, head), as an exact
     launch has (`exact_programs` over the blocks), and at most entries / tiles, so that a stripe's count and cursor
@@ -198,7 +197,7 @@ def bin_stripes(device: torch.device, entries: int, tiles: int, lists_groups: in
     return max(1, min(exact_programs(device, blocks, lists_groups), entries // tiles))
 
 
-def stripe_entries(entries: int, stripes: int, block: int = RANKED_BIN_BLOCK) -> int:
+def stripe_entries(entries: int, stripes: int, block: int) -> int:
     """Entries per stripe of the deterministic binning of `entries` (query, sample)s in `stripes` stripes: the run
     of cdiv(blocks, stripes) blocks of `block` entries (`KeyConfig.rank_block`) that each of the fill's `stripes`
     programs walks (the last run shorter, or empty). Stripe s holds entries [s * this, (s + 1) * this); its records
