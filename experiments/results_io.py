@@ -212,9 +212,12 @@ REFERENCE_GPU = "H200"   # the GPU the claims page and the planner's measured st
                          # keep their own pages
 
 
+ANY_GPU = ""   # ran_on(result, ANY_GPU): ran on GPUs of any kind
+
+
 def ran_on(result: dict, gpu: str) -> bool:
-    """Whether `result` ran on GPUs, every one of them named with `gpu` (e.g. "H200"), by its recorded
-    `hardware`: a page about one GPU keeps results of another (an H100 in an H200's place) out."""
+    """Whether `result` ran on GPUs, every one of them named with `gpu` (e.g. "H200"; ANY_GPU: any), by its
+    recorded `hardware`: a page about one GPU keeps results of another (an H100 in an H200's place) out."""
     gpus = (result.get("hardware") or {}).get("gpus") or []
     return bool(gpus) and all(gpu in name for name in gpus)
 

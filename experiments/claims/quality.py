@@ -14,7 +14,7 @@ import yaml
 
 from experiments.claims.common import link, read_results, under_previous_rule
 from experiments.quality_protocol import aggregate, learned
-from experiments.results_io import REFERENCE_GPU, ran_on
+from experiments.results_io import ANY_GPU, REFERENCE_GPU, ran_on
 
 # Run settings that two quality results must share to pool, besides their config (seeds aside) and the
 # scorer version: setting -> where a result records it (config keys, then Hydra overrides of its command).
@@ -62,6 +62,7 @@ class Pooled:
     per_seed: list      # the row of each pooled run (seed_runs; no ground truth)
     settings: dict      # run_settings shared by the pooled files
     links: list[str]
+    gpus: list[str]     # the GPUs the pooled files ran on
 
     @property
     def training(self) -> str:
@@ -106,8 +107,10 @@ def training_clips(settings: dict) -> int:
     return sum(int(s) * int(b) for s, b in zip(steps, batches))
 
 
-def pooled(results_dir: Path, experiment: str, tuned_first: bool = True) -> Pooled | None:
-    """The GPU results of `experiment` pooled over their per-seed rows (seed_runs): of the files that
+def pooled(results_dir: Path, experiment: str, tuned_first: bool = True, gpu: str = ANY_GPU) -> Pooled | None:
+    """The results of `experiment` that ran on `gpu` (any GPU by default: a trained model's scores depend on
+    its data, model and recipe, which the pool key holds, not on the GPU that ran the steps; until
+    GPU_RULE_UNTIL only H200 results pooled) pooled over their per-seed rows (seed_runs): of the files that
     share one run_settings key, the group of the newest scorer, then (`tuned_first`) of a recipe tuned on
     validation clips (experiments/tune_recipe.py; chosen before any test score was seen), then of the recipe
     that trains each run on the most clips (training_clips: the claims are about trained models, and a recipe
@@ -115,7 +118,7 @@ def pooled(results_dir: Path, experiment: str, tuned_first: bool = True) -> Pool
     the run that added its missing seeds). None if there is no GPU result."""
     groups: dict[str, list] = {}
     for name, r in read_results(results_dir, experiment):
-        if ran_on(r, REFERENCE_GPU) and "config" in r:
+        if ran_on(r, gpu) and "config" in r:
             groups.setdefault(config_key(r), []).append((name, r))
 
     def rank(group):
@@ -131,8 +134,9 @@ def pooled(results_dir: Path, experiment: str, tuned_first: bool = True) -> Pool
     truth = [row for row in group[0][1]["tables"]["per seed"] if row["variant"] == "ground_truth"]
     rows = {(r["variant"], r["frames"]): r for r in aggregate(per_seed + truth, ddof=1)}
     used = {name for name, _ in runs.values()}
+    gpus = sorted({g for n, r in group if n in used for g in r["hardware"]["gpus"]})
     return Pooled(rows, per_seed, run_settings(group[0][1]),
-                  [link(results_dir, experiment, n) for n, _ in group if n in used])
+                  [link(results_dir, experiment, n) for n, _ in group if n in used], gpus)
 
 
 def _scores(r: dict) -> str:
@@ -254,19 +258,19 @@ class QualityClaim:
     parity: bool = False   # the paper claims a match (|a - b| small), not a lead
 
     def judge(self, results_dir: Path) -> tuple[str, str]:
-        found = self._pools(results_dir, tuned_first=True)
+        found = self._pools(results_dir, tuned_first=True, gpu=ANY_GPU)
         if not found:
             return "not measured at GPU scale", "open"
         ours, text, verdict = self._assess(found)
-        if not any(p.settings.get("recipe") for _, p in found):   # no tuned study voted: the pools are the same
-            return ours, text
-        untuned = self._assess(self._pools(results_dir, tuned_first=False))[2]
-        if untuned != verdict:
-            text += "; " + under_previous_rule(UNTUNED_RULE, untuned, until=UNTUNED_RULE_UNTIL)
+        for rule, until, tuned_first in ((GPU_RULE, GPU_RULE_UNTIL, True), (UNTUNED_RULE, UNTUNED_RULE_UNTIL, False)):
+            earlier = self._pools(results_dir, tuned_first, gpu=REFERENCE_GPU)   # the rules before were H200-only
+            word = self._assess(earlier)[2] if earlier else "open"
+            if word != verdict:
+                text += "; " + under_previous_rule(rule, word, until=until)
         return ours, text
 
-    def _pools(self, results_dir: Path, tuned_first: bool) -> list[tuple[str, Pooled]]:
-        return [(e, p) for e in self.studies if (p := pooled(results_dir, e, tuned_first))]
+    def _pools(self, results_dir: Path, tuned_first: bool, gpu: str) -> list[tuple[str, Pooled]]:
+        return [(e, p) for e in self.studies if (p := pooled(results_dir, e, tuned_first, gpu))]
 
     def _assess(self, found: list[tuple[str, Pooled]]) -> tuple[str, str, str]:
         """(our evidence, the verdict with its reasons, the verdict word) of the pooled studies `found`."""
@@ -308,7 +312,7 @@ class QualityClaim:
             gt = p.rows[("ground_truth", truth)]
             ours.append(f"{experiment} ground truth TC {gt['temporal_consistency_mean']:.2f}, TA "
                         f"{gt['text_alignment_mean']:.2f}; {p.training}, n_eval {p.settings['n_eval']}, scorer "
-                        f"v{version}, H200 ({', '.join(p.links)})")
+                        f"v{version}, {', '.join(p.gpus)} ({', '.join(p.links)})")
         verdict = overall({w for w, _ in parts} - {SUPERSEDED})
         was = overall(set(previous) - {SUPERSEDED})
         text = f"{verdict}: " + "; ".join(text for _, text in parts)
@@ -325,6 +329,8 @@ PREVIOUS_PARITY = f", and parity was one-sided: DSA no worse than {NOT_WORSE:+.2
 UNTUNED_RULE = ("a study of a recipe tuned on validation clips was not preferred: of one scorer, the recipe that "
                 "trained on the most clips voted")
 UNTUNED_RULE_UNTIL = "6455f8a8e"   # the last commit whose pooling did not prefer a tuned recipe
+GPU_RULE = "only results that ran on an H200 pooled"
+GPU_RULE_UNTIL = "d0e35fdb3"   # the last commit whose pooling kept other GPUs' quality results out
 
 
 QUALITY_CLAIMS = {

@@ -356,6 +356,30 @@ def test_a_tuned_recipe_is_pooled_first_and_the_untuned_verdict_shows_beside_it(
     assert "under the previous rule" not in _verdict(results, "C8")   # both pools support C8: nothing shown
 
 
+def test_quality_studies_pool_from_any_gpu_and_the_h200_only_verdict_shows_beside(results, monkeypatch):
+    """A trained model's scores do not depend on the GPU that ran its steps: a tuned study that ran on an H100
+    votes, and where that changes a verdict, the H200-only pooling's verdict (the rule until GPU_RULE_UNTIL) is
+    shown beside it. CPU results still never vote."""
+    weak_swin = [_four((0.80, 0.90), (0.80, 0.90), (0.10, 0.10), (0.60, 0.50)) for _ in range(3)]
+    _write(results, "h200", 3000, [0, 1, 2], [r for rows in (_rows(s, weak_swin[s]) for s in range(3))
+                                              for r in rows], experiment="quality", clip_frames=[16], batch_size=8)
+    monkeypatch.setattr("experiments.results_io.hardware", lambda: {"cpu": "x", "gpus": ["NVIDIA H100 80GB HBM3"]})
+    learned_swin = [_four((0.80, 0.90), (0.80, 0.90), (0.60, 0.70), (0.60, 0.50)) for _ in range(3)]
+    _write(results, "h100", 1500, [0, 1, 2], [r for rows in (_rows(s, learned_swin[s]) for s in range(3))
+                                              for r in rows], experiment="quality", clip_frames=[16],
+           batch_size=8, recipe={"swin": {"lr": 3e-4, "warmup_steps": 100}})
+    ours, c7 = _claim(results, "C7")
+    assert c7.startswith("supported") and "NVIDIA H100 80GB HBM3 ([quality/h100.json]" in ours
+    assert f"up to commit {quality.GPU_RULE_UNTIL}: {quality.GPU_RULE}): inconclusive" in c7
+    assert f"up to commit {quality.UNTUNED_RULE_UNTIL}: {quality.UNTUNED_RULE}): inconclusive" in c7
+    h200_only = quality.pooled(results, "quality", gpu="H200")
+    assert [link.split("]")[0] for link in h200_only.links] == ["[quality/h200.json"]
+    monkeypatch.setattr("experiments.results_io.hardware", lambda: {"cpu": "x", "gpus": []})
+    _write(results, "cpu", 9000, [0, 1, 2], [r for rows in (_rows(s, learned_swin[s]) for s in range(3))
+                                             for r in rows], experiment="quality", clip_frames=[16], batch_size=8)
+    assert "quality/cpu.json" not in _claim(results, "C7")[0]
+
+
 def test_runs_cut_short_are_listed_with_the_other_files_of_their_config(results):
     rows = _rows(0, {"dsa": (0.70, 0.8), "dsa_zero": (0.50, 0.6)})
     write_result("ablate_offsets", "cut", {"config": {"steps": 1500, "seeds": [0], "n_eval": 32}, "rows": [],
