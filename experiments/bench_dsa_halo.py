@@ -10,8 +10,9 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   reach min(ceil(bound), MAX_HALO_REACH) (past it most tiles take the gathers: the fallback's cost), both
   storing the lse (as a training forward does); median ms and spread, peak memory, the halo cells' tiles on
   each path and `max_err` against the gather forward's output; a halo cell whose
-  kernel fails to build (e.g. out of shared memory) is kept with its error;
-- summary: per bound, the best halo cell's speedup over the gather forward.
+  kernel fails to build (e.g. out of shared memory) is kept with its error; on a GPU, for each tile of 16 or
+  32 queries, a `halo_cuda` cell of the CUDA C++ halo forward (halo_cuda.py) likewise;
+- summary: per bound, the best halo cell's speedup over the gather forward (and the best halo_cuda cell's).
 
     python -m experiments.bench_dsa_halo name=h200_dsa_halo   # GPU
     python -m experiments.bench_dsa_halo smoke=true           # tiny, CPU via TRITON_INTERPRET=1
@@ -100,10 +101,28 @@ def cells(cfg: BenchDSAHaloConfig, device, bound: float) -> list[dict]:
             row.update(measure(lambda: lambda: dsa_halo_forward(q, k, v, offsets, KERNEL, scale, reach,
                                                                 config=config), cfg.repeats, device))
             rows.append(row)
+            if device.type == "cuda" and t * y * x in (16, 32):  # the CUDA C++ halo forward (halo_cuda.py), bf16
+                rows.append(cuda_cell(q, k, v, offsets, scale, reach, (t, y, x), want, cfg.repeats, device, base))
     for row in rows:
         progress(f"+-{bound:g} {row['kernel']:6s} {row.get('tile', '')} {row.get('status')} "
                  f"{row.get('ms', float('nan')):8.3f} ms paths {row.get('paths', '')} err {row.get('max_err', '')}")
     return rows
+
+
+def cuda_cell(q, k, v, offsets, scale, reach, tile, want, repeats, device, base) -> dict:
+    """One cell of the CUDA C++ halo forward (halo_cuda.py; 4 warps, forward only) at `tile`, as a halo cell."""
+    from megaslide.attention.dsa.halo import path_counts
+    from megaslide.attention.dsa.halo_cuda import dsa_halo_forward_cuda
+    row = {**base, "kernel": "halo_cuda", "tile": list(tile), "num_warps": 4}
+    progress(f"+-{base['bound']:g} halo_cuda {list(tile)}: first call (builds the kernel with nvcc)")
+    try:
+        out, _, path = dsa_halo_forward_cuda(q, k, v, offsets, KERNEL, scale, reach, tile=tile)
+    except Exception as err:  # no nvcc, a failed build or launch, a tile over the shared memory
+        return {**row, "status": "error", "error": f"{type(err).__name__}: {err}"[:400]}
+    row.update(paths=path_counts(path), max_err=(out.float() - want).abs().max().item())
+    row.update(measure(lambda: lambda: dsa_halo_forward_cuda(q, k, v, offsets, KERNEL, scale, reach, tile=tile),
+                       repeats, device))
+    return row
 
 
 def bench(cfg: BenchDSAHaloConfig) -> int:
@@ -130,6 +149,9 @@ def bench(cfg: BenchDSAHaloConfig) -> int:
         halo = [r["ms"] for r in rows if r["bound"] == bound and r["kernel"] == "halo" and "ms" in r]
         if gather and halo:
             summary[f"halo_speedup_pm{bound:g}"] = gather[0] / min(halo)
+        cuda = [r["ms"] for r in rows if r["bound"] == bound and r["kernel"] == "halo_cuda" and "ms" in r]
+        if gather and cuda:
+            summary[f"halo_cuda_speedup_pm{bound:g}"] = gather[0] / min(cuda)
     payload["summary"] = summary
     path = run.finish(payload, {"passed": passed, **summary})
     print(f"{'PASS' if passed else 'FAIL'}; {summary}; wrote {path}")

@@ -9,7 +9,9 @@ are bit-identical (they use no atomics). Op `dsa_halo` checks the op with `halo_
 forward, halo.py, then the gather kernels' backward on its lse): offsets uniform in +-reach, a quarter on
 the bound, a few moved past it so that tiles inside, on and beyond the halo bound meet in one call; each
 row also compares the per-tile paths with the plain rule (`reference.halo_paths_reference`) and asks for
-tiles of both paths. The rule (megaslide.testing.within_tolerance):
+tiles of both paths. Op `dsa_halo_cuda` checks the CUDA C++ halo forward (halo_cuda.py: bf16, forward only,
+the gathers for the tiles it refuses) on the same cases: out and the lse against float64, its paths, the
+same bits twice. The rule (megaslide.testing.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
@@ -52,8 +54,8 @@ F64 = torch.float64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR_ULPS = 2
 GRADS = ("out", "dq", "dk", "dv", "doffsets")
-OPS = ("dsa", "dsa_zero", "dsa_halo")  # the general kernels; the zero-offset kernels (no offsets, no offset
-# gradient); the general op with the halo forward
+OPS = ("dsa", "dsa_zero", "dsa_halo", "dsa_halo_cuda")  # the general kernels; the zero-offset kernels (no offsets,
+# no offset gradient); the general op with the halo forward; the CUDA C++ halo forward (bf16, forward only)
 
 
 @dataclass(frozen=True)
@@ -190,12 +192,7 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
     row = {"case": name, "op": op, "dtype": dtype_name, "shape": list(case.shape),
            "kernel_size": list(case.kernel_size), "passed": True, "errors": {}}
     for name, want, ref, got in zip(GRADS, truth, same_dtype, fused):
-        err_fused = (got.to(F64) - want).abs().max().item()
-        err_ref = (ref.to(F64) - want).abs().max().item()
-        floor = rounding_floor(got.dtype, want, FLOOR_ULPS)
-        ok = within_tolerance(err_fused, err_ref, floor)
-        row["errors"][name] = {"triton": err_fused, "reference_same_dtype": err_ref, "floor": floor, "ok": ok}
-        row["passed"] &= ok
+        compare(row, name, got, want, ref)
     if op == "dsa_zero" and launch is None:  # no atomics: a second run gives the same bits
         again = run("triton", inputs, case, dtype, op)
         row["deterministic"] = all(torch.equal(a, b) for a, b in zip(fused, again))
@@ -216,18 +213,66 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
     return row
 
 
+def compare(row: dict, name: str, got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor) -> None:
+    """Record in `row` the kernel's error on `name` against the float64 `want` beside the same-dtype reference
+    `ref`'s, and fail the row where the rule (module docstring) fails."""
+    err_kernel = (got.to(F64) - want).abs().max().item()
+    err_ref = (ref.to(F64) - want).abs().max().item()
+    floor = rounding_floor(got.dtype, want, FLOOR_ULPS)
+    ok = within_tolerance(err_kernel, err_ref, floor)
+    row["errors"][name] = {"triton": err_kernel, "reference_same_dtype": err_ref, "floor": floor, "ok": ok}
+    row["passed"] &= ok
+
+
 def halo_paths(inputs, case: Case, dtype: torch.dtype) -> dict:
     """The halo forward's per-tile paths at the op's default tile (`launch.halo_config`), their counts and
     whether they match `reference.halo_paths_reference`."""
-    from megaslide.attention.dsa import halo, launch
-    from megaslide.attention.dsa.reference import halo_paths_reference
+    from megaslide.attention.dsa import halo
     q, k, v = (x.to(dtype) for x in inputs[:3])
     offsets = inputs[3].to(torch.float32 if case.fp32_offsets else dtype)
-    tile = launch.halo_config(case.halo_reach).tile
     _, _, path = halo.dsa_halo_forward(q, k, v, offsets, case.kernel_size, case.shape[-1] ** -0.5,
                                        case.halo_reach, store_lse=False)
-    want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, tile)
+    return paths_against_rule(path, offsets, case)
+
+
+def paths_against_rule(path: torch.Tensor, offsets: torch.Tensor, case: Case) -> dict:
+    """A halo forward's per-tile paths (B * heads, tiles) at the op's default tile: their counts and whether
+    they match `reference.halo_paths_reference`."""
+    from megaslide.attention.dsa import halo, launch
+    from megaslide.attention.dsa.reference import halo_paths_reference
+    want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, launch.halo_config(case.halo_reach).tile)
     return {"paths": halo.path_counts(path), "paths_match": torch.equal(path.cpu(), want.cpu())}
+
+
+def check_halo_cuda(case: Case, device: torch.device) -> dict:
+    """One row of op dsa_halo_cuda: the CUDA C++ halo forward (on CPU its emulation) in bf16 at the op's default
+    tile, out and lse against float64 beside the same-dtype reference, its paths against the plain rule (tiles
+    of both paths required) and the same bits twice. A build or launch failure is the row's error."""
+    from megaslide.attention.dsa import halo_cuda
+    from megaslide.attention.dsa.reference import deformable_slide_attention_reference, log_sum_exp_reference
+    q, k, v, offsets, _ = make_inputs(case, torch.bfloat16, device)
+    offsets = offsets.float() if case.fp32_offsets else offsets
+    scale = case.shape[-1] ** -0.5
+    row = {"case": case.name, "op": "dsa_halo_cuda", "dtype": "bf16", "shape": list(case.shape),
+           "kernel_size": list(case.kernel_size), "passed": False, "errors": {}}
+    try:
+        runs = [halo_cuda.dsa_halo_forward_cuda(q, k, v, offsets, case.kernel_size, scale, case.halo_reach)
+                for _ in range(2)]
+    except Exception as err:  # no nvcc, a failed build or launch: recorded, the other rows go on
+        return {**row, "error": f"{type(err).__name__}: {err}"[:500]}
+    (out, lse, path), again = runs
+    wide = [x.to(F64) for x in (q, k, v, offsets)]
+    compared = {"out": (out, deformable_slide_attention_reference(*wide, case.kernel_size, scale),
+                        deformable_slide_attention_reference(q, k, v, offsets, case.kernel_size, scale)),
+                "lse": (lse, log_sum_exp_reference(wide[0], wide[1], wide[3], case.kernel_size, scale),
+                        log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))}
+    row["passed"] = True
+    for name, (got, want, ref) in compared.items():
+        compare(row, name, got, want, ref)
+    row["deterministic"] = all(torch.equal(a, b) for a, b in zip(runs[0], again))
+    row.update(paths_against_rule(path, offsets, case))
+    row["passed"] &= row["deterministic"] and row["paths_match"] and min(row["paths"].values()) > 0
+    return row
 
 
 def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]],
@@ -339,8 +384,10 @@ def check(cfg: GpuCheckConfig) -> int:
     auto_backend = select_backend("auto", BACKENDS, probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
     key_case = cases[0] if cfg.smoke else KEY_CASE
     halo_cases = SMOKE_HALO_CASES if cfg.smoke else HALO_CASES
-    jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops
+    jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops if op != "dsa_halo_cuda"
             for case in (halo_cases if op == "dsa_halo" else cases) for dtype in dtypes]
+    if "dsa_halo_cuda" in cfg.ops:  # bf16 only: the kernel's dots are bf16 tensor-core dots
+        jobs += [lambda c=case: check_halo_cuda(c, device) for case in halo_cases]
     if "dsa" in cfg.ops:
         from megaslide.attention.dsa import launch
         jobs += [lambda k=k, d=dtype: check_case(key_case, d, device, "dsa", k)

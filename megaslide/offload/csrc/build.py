@@ -11,6 +11,10 @@ without AVX-512. Builds land in `$TORCH_EXTENSIONS_DIR/megaslide/`, else
 folder if that cannot be created), and are
 written to a temporary file and renamed, so concurrent processes never load a partial file.
 
+CUDA sources (`load_cuda`, e.g. the DSA halo kernel) take the same cache and rename through `nvcc`: their
+key holds the source, nvcc and its version, the flags and the target architecture (sm_XY) instead of the
+CPU's feature flags.
+
 OpenMP: the library links libgomp by its soname `libgomp.so.1`. torch's pip wheels ship and
 load a `libgomp.so.1` first, so import torch before loading and both share one OpenMP runtime
 (one thread pool, no oversubscription between torch ops and these kernels).
@@ -74,17 +78,38 @@ def _cache_root() -> Path:
         return Path(tempfile.gettempdir()) / f"megaslide-extensions-{os.getuid()}"
 
 
+def _cached_path(source: Path, parts: list[str]) -> Path:
+    """The cache entry of a build of `source` (a path) keyed by its bytes and `parts`."""
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), *(p.encode() for p in parts)):
+        key.update(part)
+        key.update(b"\0")
+    return _cache_root() / f"{source.stem}_{key.hexdigest()[:16]}" / f"lib{source.stem}.so"
+
+
+def _build_and_load(path: Path, command: list[str], source: Path) -> ctypes.CDLL:
+    """Run `command` + ["-o", tmp] unless `path` exists, rename tmp onto it, load it; BuildError on failure."""
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+            os.close(fd)
+            cmd = [*command, "-o", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                os.unlink(tmp)
+                raise BuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr[-2000:]}")
+            os.replace(tmp, path)
+        return ctypes.CDLL(str(path))
+    except OSError as err:
+        raise BuildError(f"could not build or load {source.name}: {err}") from err
+
+
 def library_path(source: str) -> Path:
     """Where the build of `source` (a file name in this folder) for this machine is cached."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256()
-    for part in ((SOURCE_DIR / source).read_bytes(), compiler.encode(), version.encode(),
-                 " ".join(compile_flags()).encode(), _cpu_identity().encode()):
-        key.update(part)
-        key.update(b"\0")
-    stem = Path(source).stem
-    return _cache_root() / f"{stem}_{key.hexdigest()[:16]}" / f"lib{stem}.so"
+    return _cached_path(SOURCE_DIR / source, [compiler, version, " ".join(compile_flags()), _cpu_identity()])
 
 
 def load(source: str) -> ctypes.CDLL:
@@ -93,16 +118,40 @@ def load(source: str) -> ctypes.CDLL:
     Raises BuildError with the compiler's message when anything fails."""
     try:
         path = library_path(source)
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-            os.close(fd)
-            cmd = [_compiler(), *compile_flags(), str(SOURCE_DIR / source), "-o", tmp]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                os.unlink(tmp)
-                raise BuildError(f"`{' '.join(cmd)}` failed:\n{done.stderr[-2000:]}")
-            os.replace(tmp, path)
-        return ctypes.CDLL(str(path))
     except OSError as err:
         raise BuildError(f"could not build or load {source}: {err}") from err
+    return _build_and_load(path, [_compiler(), *compile_flags(), str(SOURCE_DIR / source)], SOURCE_DIR / source)
+
+
+def nvcc() -> str:
+    """The CUDA compiler: `$NVCC`, else `nvcc` on PATH, else /usr/local/cuda/bin/nvcc."""
+    for candidate in (os.environ.get("NVCC"), "nvcc", "/usr/local/cuda/bin/nvcc"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    raise BuildError("no CUDA compiler found: install the CUDA toolkit (nvcc) or set $NVCC")
+
+
+def cuda_compile_flags(arch: str) -> list[str]:
+    """nvcc flags for a shared library of device code for `arch` ("90" for sm_90): -O3 without --use_fast_math
+    (exp2f, log2f and division keep their full-precision forms and denormals are kept), -lineinfo for profilers;
+    the CUDA runtime is linked statically (nvcc's default), so the library needs no libcudart on the loader's
+    path."""
+    return ["-O3", f"-arch=sm_{arch}", "-std=c++17", "-lineinfo", "-shared", "-Xcompiler", "-fPIC"]
+
+
+def cuda_library_path(source: Path, arch: str) -> Path:
+    """Where the build of the CUDA source `source` (a path) for sm_`arch` is cached."""
+    compiler = nvcc()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    return _cached_path(source, [compiler, version, " ".join(cuda_compile_flags(arch)), f"sm_{arch}"])
+
+
+def load_cuda(source: Path, arch: str) -> ctypes.CDLL:
+    """Compile the CUDA source `source` (a path) for sm_`arch` with nvcc unless a cached build exists; load it.
+
+    Raises BuildError with the compiler's message when anything fails."""
+    try:
+        path = cuda_library_path(source, arch)
+    except OSError as err:
+        raise BuildError(f"could not build or load {source.name}: {err}") from err
+    return _build_and_load(path, [nvcc(), *cuda_compile_flags(arch), str(source)], source)
