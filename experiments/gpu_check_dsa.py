@@ -69,6 +69,7 @@ class GpuCheckConfig:
     key_candidates: list[list[int]]
     dtypes: list[str]
     ops: list[str]
+    cases: list[str]
     wandb_dir: str
     wandb_project: str
 
@@ -377,18 +378,28 @@ def check(cfg: GpuCheckConfig) -> int:
         raise ValueError(f"dtypes {unknown} unknown; choose from {sorted(DTYPES)}")
     if not cfg.ops or set(cfg.ops) - set(OPS):
         raise ValueError(f"ops={list(cfg.ops)}: choose one or more of {list(OPS)}")
+    key_case = cases[0] if cfg.smoke else KEY_CASE
+    halo_cases = SMOKE_HALO_CASES if cfg.smoke else HALO_CASES
+    key_rows = not cfg.cases or key_case.name in cfg.cases  # the key-tile and query-block rows run on key_case
+    if cfg.cases:  # only the named cases (e.g. to re-run one failing row)
+        known = {c.name for c in cases + halo_cases}
+        if set(cfg.cases) - known:
+            raise ValueError(f"cases={list(cfg.cases)}: {sorted(set(cfg.cases) - known)} unknown; choose from "
+                             f"{sorted(known)}, or cases=[] for all")
+        cases, halo_cases = ([c for c in group if c.name in cfg.cases] for group in (cases, halo_cases))
+        if not any(halo_cases if op.startswith("dsa_halo") else cases for op in cfg.ops):
+            raise ValueError(f"cases={list(cfg.cases)} has no case of ops={list(cfg.ops)}: the halo ops check "
+                             f"{[c.name for c in HALO_CASES]}, the others {[c.name for c in GPU_CASES]}")
     name = cfg.name or ("dsa_gpu_check_smoke" if cfg.smoke else "dsa_gpu_check")
     run = ExperimentRun("attention", name, asdict(cfg), cfg.wandb_dir, cfg.wandb_project, trial=cfg.smoke)
 
     probe = torch.zeros((1, 1, 1, 1, 1, 16), device=device)
     auto_backend = select_backend("auto", BACKENDS, probe, torch.zeros((1, 1, 1, 1, 1, 1, 3), device=device)).name
-    key_case = cases[0] if cfg.smoke else KEY_CASE
-    halo_cases = SMOKE_HALO_CASES if cfg.smoke else HALO_CASES
     jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops if op != "dsa_halo_cuda"
-            for case in (halo_cases if op == "dsa_halo" else cases) for dtype in dtypes]
+            for case in (halo_cases if op.startswith("dsa_halo") else cases) for dtype in dtypes]
     if "dsa_halo_cuda" in cfg.ops:  # bf16 only: the kernel's dots are bf16 tensor-core dots
         jobs += [lambda c=case: check_halo_cuda(c, device) for case in halo_cases]
-    if "dsa" in cfg.ops:
+    if "dsa" in cfg.ops and key_rows:
         from megaslide.attention.dsa import launch
         jobs += [lambda k=k, d=dtype: check_case(key_case, d, device, "dsa", k)
                  for k in checked_key_configs(cfg.smoke, cfg.key_candidates) for dtype in dtypes]
@@ -396,7 +407,7 @@ def check(cfg: GpuCheckConfig) -> int:
         jobs += [lambda d=dtype: check_case(key_case, d, device, "dsa", overflow) for dtype in dtypes]
     candidates = SMOKE_LAUNCHES if cfg.smoke else cfg.launch_candidates
     launches = [launch_of(c, key_case.shape[-1]) for c in candidates]  # a malformed candidate fails here, first
-    if cfg.sweep:  # every query block the sweep times, checked on one case of each op
+    if cfg.sweep and key_rows:  # every query block the sweep times, checked on one case of each op
         jobs += [lambda c=c, o=op, d=dtype: check_case(key_case, d, device, o, launch=c)
                  for c in launches for op in cfg.ops if op != "dsa_halo" for dtype in dtypes]
     # the rows the sweep will time

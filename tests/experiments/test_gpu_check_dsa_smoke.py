@@ -61,12 +61,37 @@ def test_a_check_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_check, "check_case", check_case)
     cfg = gpu_check.GpuCheckConfig(name="cut", smoke=True, sweep=False, launch_candidates=[], key_candidates=[],
-                                   dtypes=["fp32", "bf16"],
-                                   ops=["dsa"], wandb_dir=str(tmp_path / "runs"), wandb_project="p")
+                                   dtypes=["fp32", "bf16"], ops=["dsa"], cases=[],
+                                   wandb_dir=str(tmp_path / "runs"), wandb_project="p")
     with pytest.raises(TimeoutError):
         gpu_check.check(cfg)
     data = load_result(tmp_path, "attention", "cut")
     assert data["jobs_done"] == 2 and data["jobs_total"] > 3 and len(data["rows"]) == 2 and data["passed"] is True
+
+
+def test_cases_keep_only_the_named_rows_and_refuse_unknown_names(tmp_path, monkeypatch):
+    """cases=[...] checks only those cases (no key-tile rows unless the key case is named); an unknown name, or
+    names with no case of the chosen ops, is refused before anything runs, naming the key and the choices."""
+    import experiments.gpu_check_dsa as gpu_check
+    monkeypatch.setenv("MEGASLIDE_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    monkeypatch.setattr(gpu_check, "check_case", lambda case, dtype, device, op, key_config=None, launch=None:
+                        calls.append((case.name, op, key_config))
+                        or {"case": case.name, "op": op, "dtype": dtype, "passed": True, "errors": {}})
+
+    def check(ops, cases):
+        return gpu_check.check(gpu_check.GpuCheckConfig(
+            name="some", smoke=True, sweep=False, launch_candidates=[], key_candidates=[], dtypes=["bf16"], ops=ops,
+            cases=cases, wandb_dir=str(tmp_path / "runs"), wandb_project="p"))
+    assert check(["dsa", "dsa_halo"], ["smoke_halo_d16"]) == 0
+    assert calls == [("smoke_halo_d16", "dsa_halo", None)]
+    for ops, cases, match in ((["dsa"], ["d128_halo_reach9"], r"cases=.*unknown.*smoke_halo_d16"),
+                              (["dsa"], ["smoke_halo_d16"], r"no case of ops=\['dsa'\]")):
+        with pytest.raises(ValueError, match=match):
+            check(ops, cases)
+    assert calls == [("smoke_halo_d16", "dsa_halo", None)]   # the refused calls checked nothing
 
 
 def test_sweep_candidates_parse_with_their_defaults():
