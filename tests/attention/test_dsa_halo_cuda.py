@@ -159,6 +159,22 @@ def test_kernel_builds_for_sm90_within_shared_memory_without_spills(tmp_path):
 
 
 @needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the launcher's failure where no GPU is present")
+def test_the_launcher_takes_its_c_signature_through_ctypes(monkeypatch, tmp_path):
+    """The library's launcher called as `_launch` calls it, with the argument types `library` declares: on a
+    machine without a GPU it returns a CUDA error code (the runtime finds no device before any launch) and its
+    message, where a mismatch between the declared and the C argument list would raise a TypeError."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    halo_cuda.library.cache_clear()
+    lib = halo_cuda.library("90")
+    (q, k, v, offsets), reach, tile = halo_case("reach1_odd_grid_d24")
+    out, lse, path = torch.empty_like(q), torch.empty(1, 1, 3 * 5 * 13), torch.empty(1, 8, dtype=torch.int8)
+    code = halo_cuda.call_kernel(lib, None, q, k, v, offsets, out, lse, path, KERNEL, 0.25, reach, tile)
+    assert code != 0 and lib.megaslide_dsa_halo_error_string(code)
+    halo_cuda.library.cache_clear()
+
+
+@needs_nvcc
 def test_cuda_build_is_cached_per_architecture(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     sm90, sm80 = (build.cuda_library_path(halo_cuda.SOURCE, arch) for arch in ("90", "80"))

@@ -131,14 +131,14 @@ def dsa_halo_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off
 
 
 @functools.lru_cache(maxsize=None)
-def _library(arch: str) -> ctypes.CDLL:
+def library(arch: str) -> ctypes.CDLL:
     """The kernel's library for sm_`arch`, built at first use (BuildError if nvcc is missing or fails)."""
     from megaslide.offload.csrc.build import load_cuda
 
     lib = load_cuda(SOURCE, arch)
     lib.megaslide_dsa_halo_fwd.restype = ctypes.c_int
     lib.megaslide_dsa_halo_fwd.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3
-                                           + [ctypes.c_int] * 15 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
+                                           + [ctypes.c_int] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
     lib.megaslide_dsa_halo_fwd_shared_bytes.restype = ctypes.c_long
     lib.megaslide_dsa_halo_fwd_shared_bytes.argtypes = [ctypes.c_int] * 4
     lib.megaslide_dsa_halo_error_string.restype = ctypes.c_char_p
@@ -149,22 +149,29 @@ def _library(arch: str) -> ctypes.CDLL:
 def library_for(device: torch.device) -> ctypes.CDLL:
     """The kernel's library built for `device`'s architecture."""
     major, minor = torch.cuda.get_device_capability(device)
-    return _library(f"{major}{minor}")
+    return library(f"{major}{minor}")
 
 
 def _launch(q, k, v, offsets, out, lse, path, kernel_size, scale, reach, tile) -> None:
     """Run the CUDA kernel on torch's current stream of q's device: writes path, and out / lse of path-1 tiles."""
-    B, T, H, W, heads, d = q.shape
     lib = library_for(q.device)
     with device_guard(q):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        code = lib.megaslide_dsa_halo_fwd(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), offsets.data_ptr(), OFFSET_DTYPES[offsets.dtype],
-            out.data_ptr(), lse.data_ptr() if lse is not None else None, path.data_ptr(),
-            B, T, H, W, heads, d, *kernel_size, *tile, reach, scale * LOG2E, int(lse is not None), stream)
+        code = call_kernel(lib, stream, q, k, v, offsets, out, lse, path, kernel_size, scale, reach, tile)
     if code != 0:
         raise RuntimeError(f"the CUDA halo forward failed to launch: {lib.megaslide_dsa_halo_error_string(code)!r} "
                            f"(cudaError_t {code}; shape {tuple(q.shape)}, tile {tile}, reach {reach})")
+
+
+def call_kernel(lib: ctypes.CDLL, stream: int | None, q, k, v, offsets, out, lse, path, kernel_size, scale, reach,
+                tile) -> int:
+    """One call of the library's launcher with the tensors' pointers and the sizes in its C signature's order;
+    returns its cudaError_t code (0: launched)."""
+    B, T, H, W, heads, d = q.shape
+    return lib.megaslide_dsa_halo_fwd(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), offsets.data_ptr(), OFFSET_DTYPES[offsets.dtype],
+        out.data_ptr(), lse.data_ptr() if lse is not None else None, path.data_ptr(),
+        B, T, H, W, heads, d, *kernel_size, *tile, reach, scale * LOG2E, int(lse is not None), stream)
 
 
 def halo_tiles_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
