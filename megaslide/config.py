@@ -33,7 +33,7 @@ class AttentionConfig:
 
     `name` picks a variant of the attention registry; `options` are that variant's own typed
     options, its `Options` dataclass (dense: none; swin: window; dsa and dsa_zero: kernel_size,
-    max_offset, backend, halo_reach). Given as a dict or as another variant's options they are converted
+    max_offset, backend, halo_reach, halo_kernel). Given as a dict or as another variant's options they are converted
     field by field, and one the variant does not take raises a ValueError listing those it does.
     As a dict (`from_dict`) the config is either flat, `name` beside the options as in the
     Hydra group experiments/conf/attention, or `{name, options}` as `dataclasses.asdict` writes it.

@@ -99,7 +99,8 @@ def test_attention_config_refuses_an_option_of_another_variant():
     with pytest.raises(ValueError, match=r"\['window'\] unknown to the 'dsa' attention"):
         from_dict(AttentionConfig, {"name": "dsa", "window": [2, 4, 4]})
     with pytest.raises(ValueError,
-                       match=r"\['backend', 'halo_reach', 'kernel_size', 'max_offset'\] unknown to the 'dense'"):
+                       match=r"\['backend', 'halo_kernel', 'halo_reach', 'kernel_size', 'max_offset'\] unknown to the "
+                             r"'dense'"):
         dataclasses.replace(AttentionConfig("dsa"), name="dense")
     cfg = AttentionConfig("dsa")
     cfg.name = "swin"                       # a reassigned name is checked again by validate()

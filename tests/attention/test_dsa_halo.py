@@ -81,26 +81,30 @@ def test_path_choice_counts():
     assert path.tolist() == [[1, 1], [1, 0]]
 
 
-def test_op_backward_after_halo_forward():
-    """The op with halo_reach runs the halo forward and the gather kernels' backward on the lse it stored."""
-    q, k, v, offsets = dsa_halo_inputs((1, 3, 4, 5, 1, 16), 1, torch.float32)  # two tiles of 2 x 4 x 4
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("halo_kernel, dtype", [("triton", torch.float32), ("cuda", torch.bfloat16)])
+def test_op_backward_after_halo_forward(halo_kernel, dtype):
+    """The op with halo_reach runs the halo forward and the gather kernels' backward on the lse it stored; with
+    halo_kernel="cuda" the forward is halo_cuda.py's (on CPU tensors its emulation of the CUDA kernel)."""
+    q, k, v, offsets = dsa_halo_inputs((1, 3, 4, 5, 1, 16), 1, dtype)  # two tiles of 2 x 4 x 4
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     inputs = [q, k, v, offsets, grad]
     truth = run("reference", inputs, KERNEL, F64)
-    same_dtype = run("reference", inputs, KERNEL, torch.float32)
+    same_dtype = run("reference", inputs, KERNEL, dtype)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, offsets)]
-    out = deformable_slide_attention(*leaves, KERNEL, backend="triton", halo_reach=1)
+    out = deformable_slide_attention(*leaves, KERNEL, backend="triton", halo_reach=1, halo_kernel=halo_kernel)
     got = [out.detach(), *torch.autograd.grad(out, leaves, grad)]
     for name, g, want, ref in zip(["out", "dq", "dk", "dv", "doffsets"], got, truth, same_dtype):
         assert_close(name, g, want, ref)
 
 
-@pytest.mark.parametrize("reach", [-1, 1.5, True, 3])
-def test_bad_reach_is_refused(reach):
+@pytest.mark.parametrize("reach, kernel", [(-1, "triton"), (1.5, "triton"), (True, "triton"), (3, "triton"),
+                                           (None, "cuda"), (1, "CUDA")])
+def test_bad_reach_or_halo_kernel_is_refused(reach, kernel):
     q = torch.zeros(1, 3, 3, 3, 1, 16)
     offsets = torch.zeros(1, 3, 3, 3, 1, 27, 3)
-    with pytest.raises(ValueError, match="halo_reach"):
-        deformable_slide_attention(q, q, q, offsets, KERNEL, backend="reference", halo_reach=reach)
+    with pytest.raises(ValueError, match="halo_reach" if kernel == "triton" else "halo_kernel"):
+        deformable_slide_attention(q, q, q, offsets, KERNEL, backend="reference", halo_reach=reach,
+                                   halo_kernel=kernel)
 
 
 def test_halo_kernel_builds_for_sm90_with_few_shuffles():

@@ -24,7 +24,7 @@ def test_swin_loads_through_its_entry_point_and_the_core_never_imports_baselines
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-DSA_OPTIONS = r"\['kernel_size', 'max_offset', 'backend', 'halo_reach'\]"
+DSA_OPTIONS = r"\['kernel_size', 'max_offset', 'backend', 'halo_reach', 'halo_kernel'\]"
 
 
 @pytest.mark.parametrize("name,option,known", [("swin", "windw", r"\['window'\]"), ("dsa", "kernel", DSA_OPTIONS),

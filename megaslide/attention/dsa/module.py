@@ -20,8 +20,8 @@ from megaslide.attention.base import AttendMemory, Grid, SelfAttention
 from megaslide.attention.dsa.bounded import bounded_offsets
 from megaslide.attention.dsa.depthwise import depthwise_conv3d
 from megaslide.attention.dsa.constants import SCRATCH_BYTES, backward_scratch_bytes
-from megaslide.attention.dsa.op import (BACKENDS, SPLIT_BACKENDS, KernelSize, check_halo_reach, check_kernel_size,
-                                        deformable_slide_attention, neighborhood_attention)
+from megaslide.attention.dsa.op import (BACKENDS, SPLIT_BACKENDS, KernelSize, check_halo_kernel, check_halo_reach,
+                                        check_kernel_size, deformable_slide_attention, neighborhood_attention)
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class DSAOptions:
     max_offset: float = 4.0              # offsets bounded by max_offset * tanh, in tokens
     backend: str = "auto"                # the op's backend: auto or one of dsa.op.BACKENDS
     halo_reach: int | None = None        # triton forward on the halo kernel, halos for offsets <= this; None: off
+    halo_kernel: str = "triton"          # the halo forward's kernel: triton (halo.py) or cuda (halo_cuda.py, bf16)
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_size", check_kernel_size(self.kernel_size))
@@ -37,6 +38,7 @@ class DSAOptions:
         if self.max_offset < 0:
             raise ValueError(f"attention.max_offset={self.max_offset} must be >= 0")
         check_halo_reach(self.halo_reach)
+        check_halo_kernel(self.halo_kernel, self.halo_reach)
         known = ["auto", *(b.name for b in BACKENDS)]
         if self.backend not in known:
             raise ValueError(f"attention.backend={self.backend!r}: choose one of {known}")
@@ -144,7 +146,7 @@ class DSAAttention(SelfAttention):
         else:
             offsets = self.offsets(x, grid) if read is None else read             # (B, T, H, W, h, K, 3)
             o = deformable_slide_attention(q6, k6, v6, offsets, kernel_size, backend=backend, keep=keep,
-                                           halo_reach=self.options.halo_reach)
+                                           halo_reach=self.options.halo_reach, halo_kernel=self.options.halo_kernel)
         return o.reshape(B, N, h, d)                                  # (B, N, h, d)
 
 

@@ -51,8 +51,12 @@ def _needs_grad(*inputs: torch.Tensor) -> bool:
 @torch.library.custom_op("megaslide::dsa_fused_forward", mutates_args=())
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                    kernel_size: list[int], scale: float, store_lse: bool,
-                   halo_reach: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if halo_reach >= 0:  # the halo forward (halo.py); -1: the gather forward
+                   halo_reach: int, halo_kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if halo_reach >= 0 and halo_kernel == "cuda":  # the CUDA C++ halo forward (halo_cuda.py)
+        from megaslide.attention.dsa import halo_cuda  # on first use (module docstring)
+        out, lse, _ = halo_cuda.dsa_halo_forward_cuda(q, k, v, offsets, kernel_size, scale, halo_reach,
+                                                      store_lse=store_lse)
+    elif halo_reach >= 0:  # the Triton halo forward (halo.py); -1: the gather forward
         from megaslide.attention.dsa import halo  # on first use (module docstring)
         out, lse, _ = halo.dsa_halo_forward(q, k, v, offsets, kernel_size, scale, halo_reach, store_lse=store_lse)
     else:
@@ -62,7 +66,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: t
 
 
 @_fused_forward.register_fake
-def _(q, k, v, offsets, kernel_size, scale, store_lse, halo_reach):
+def _(q, k, v, offsets, kernel_size, scale, store_lse, halo_reach, halo_kernel):
     B, T, H, W, heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, heads, T * H * W) if store_lse else 0, dtype=torch.float32)
 
@@ -116,10 +120,10 @@ class _DSATritonFunction(torch.autograd.Function):
     log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int):
+    def forward(ctx, q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int, halo_kernel: str):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
         # out (B, T, H, W, heads, d), lse (B, heads, N)
-        out, lse = _fused_forward(q, k, v, offsets, kernel_size, scale, True, halo_reach)
+        out, lse = _fused_forward(q, k, v, offsets, kernel_size, scale, True, halo_reach, halo_kernel)
         ctx.save_for_backward(q, k, v, offsets, out, lse)
         ctx.kernel_size = kernel_size
         ctx.scale = scale
@@ -131,7 +135,7 @@ class _DSATritonFunction(torch.autograd.Function):
         offsets_grad = ctx.needs_input_grad[3]
         dq, dk, dv, doff = _fused_backward(q, k, v, offsets, out, lse, dout.contiguous(), ctx.kernel_size,
                                            ctx.scale, offsets_grad)
-        return dq, dk, dv, doff if offsets_grad else None, None, None, None
+        return dq, dk, dv, doff if offsets_grad else None, None, None, None, None
 
 
 class _NATritonFunction(torch.autograd.Function):
@@ -184,15 +188,16 @@ class NASplit(DSASplit):
         return _na_backward(q, k, v, out, lse, dout.contiguous(), self.kernel_size, self.scale)
 
 
-def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int | None = None
-                ) -> torch.Tensor:
+def _dsa_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float, halo_reach: int | None = None,
+                halo_kernel: str = "triton") -> torch.Tensor:
     """The fused kernels; forward only when no input needs a gradient. halo_reach: the forward runs on the
-    halo kernel (halo.py) with halos for offsets of up to that many tokens; None: the gather forward."""
+    halo kernel (`halo_kernel`: halo.py's Triton one or halo_cuda.py's CUDA one) with halos for offsets of up to
+    that many tokens; None: the gather forward."""
     reach = -1 if halo_reach is None else halo_reach
     if _needs_grad(q, k, v, offsets):
-        return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale, reach)
+        return _DSATritonFunction.apply(q, k, v, offsets, kernel_size, scale, reach, halo_kernel)
     q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-    return _fused_forward(q, k, v, offsets, kernel_size, scale, False, reach)[0]
+    return _fused_forward(q, k, v, offsets, kernel_size, scale, False, reach, halo_kernel)[0]
 
 
 def _na_triton(q, k, v, offsets, kernel_size: KernelSize, scale: float) -> torch.Tensor:
@@ -339,6 +344,22 @@ def check_halo_reach(halo_reach: int | None) -> int | None:
     return halo_reach
 
 
+HALO_KERNELS = ("triton", "cuda")
+"""The halo forward's kernels: halo.py (Triton, fp32 and bf16) and halo_cuda.py (CUDA C++, bf16)."""
+
+
+def check_halo_kernel(halo_kernel: str, halo_reach: int | None) -> str:
+    """halo_kernel: one of HALO_KERNELS; "cuda" only with a halo_reach (it is a halo forward). Else a
+    ValueError naming the key and the fix."""
+    if halo_kernel not in HALO_KERNELS:
+        raise ValueError(f"halo_kernel (attention.halo_kernel) must be one of {list(HALO_KERNELS)}, "
+                         f"got {halo_kernel!r}")
+    if halo_kernel == "cuda" and halo_reach is None:
+        raise ValueError("halo_kernel='cuda' (attention.halo_kernel) runs the halo forward: set halo_reach "
+                         "(attention.halo_reach, e.g. 1) too, or use halo_kernel='triton'")
+    return halo_kernel
+
+
 def check_scale(scale: float | None, q: torch.Tensor) -> float:
     """The softmax scale: d ** -0.5 when None, else a finite number (a ValueError otherwise)."""
     if scale is None:
@@ -367,7 +388,7 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                offsets: torch.Tensor,
                                kernel_size: int | Sequence[int] = (3, 3, 3), *,
                                scale: float | None = None, backend: str = "auto", keep=None,
-                               halo_reach: int | None = None) -> torch.Tensor:
+                               halo_reach: int | None = None, halo_kernel: str = "triton") -> torch.Tensor:
     """3D Deformable Slide Attention.
 
     Every query token and head attends to K = kt * kh * kw samples: sample j starts at
@@ -395,6 +416,8 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             cores over each query tile's halo), with halos that cover offsets of up to this many tokens;
             tiles whose samples leave their halo take the gather forward, and the backward is the same.
             None: the gather forward. The other backends, and a `keep` split, compute the same op on their own forward.
+        halo_kernel: the halo forward's kernel, "triton" (halo.py) or "cuda" (halo_cuda.py: CUDA C++, bf16
+            inputs, built with nvcc at first use; its emulation in torch on CPU tensors).
 
     Returns:
         (B, T, H, W, heads, d) in q's dtype.
@@ -402,11 +425,12 @@ def deformable_slide_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     kernel_size = check_inputs(q, k, v, offsets, kernel_size)
     scale = check_scale(scale, q)
     halo_reach = check_halo_reach(halo_reach)
+    halo_kernel = check_halo_kernel(halo_kernel, halo_reach)
     if keep is not None:
         return keep(split_op(backend, BACKENDS, q, offsets, kernel_size, scale, DSASplit), q, k, v, offsets)
     chosen = select_backend(backend, BACKENDS, q, offsets)
     if chosen.name == "triton":
-        return _dsa_triton(q, k, v, offsets, kernel_size, scale, halo_reach)
+        return _dsa_triton(q, k, v, offsets, kernel_size, scale, halo_reach, halo_kernel)
     return chosen.run(q, k, v, offsets, kernel_size, scale)
 
 
