@@ -9,9 +9,10 @@ are bit-identical (they use no atomics). Op `dsa_halo` checks the op with `halo_
 forward, halo.py, then the gather kernels' backward on its lse): offsets uniform in +-reach, a quarter on
 the bound, a few moved past it so that tiles inside, on and beyond the halo bound meet in one call; each
 row also compares the per-tile paths with the plain rule (`reference.halo_paths_reference`) and asks for
-tiles of both paths. Op `dsa_halo_cuda` checks the CUDA C++ halo forward (halo_cuda.py: bf16, forward only,
-the gathers for the tiles it refuses) on the same cases: out and the lse against float64, its paths, the
-same bits twice. The rule (megaslide.testing.within_tolerance):
+tiles of both paths. Op `dsa_halo_cuda` checks the op with the CUDA C++ halo forward (halo_cuda.py: bf16; the
+gathers for the tiles it refuses, and the gather backward on its lse) on the same cases: out, all four
+gradients and the forward's lse against float64, its paths, the same bits twice. The rule
+(megaslide.testing.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
@@ -167,8 +168,11 @@ def run(backend: str, inputs, case: Case, dtype: torch.dtype, op: str, key_confi
     for x in leaves:
         x.requires_grad_()
     if op != "dsa_zero":
-        reach = case.halo_reach if backend == "triton" else None  # dsa_halo: the halo forward
-        out = deformable_slide_attention(q, k, v, offsets, case.kernel_size, backend=backend, halo_reach=reach)
+        fused = backend == "triton"
+        reach = case.halo_reach if fused else None  # dsa_halo, dsa_halo_cuda: the halo forward
+        kernel = "cuda" if fused and op == "dsa_halo_cuda" else "triton"
+        out = deformable_slide_attention(q, k, v, offsets, case.kernel_size, backend=backend, halo_reach=reach,
+                                         halo_kernel=kernel)
     else:
         out = neighborhood_attention(q, k, v, case.kernel_size, backend=backend)
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
@@ -246,30 +250,33 @@ def paths_against_rule(path: torch.Tensor, offsets: torch.Tensor, case: Case) ->
 
 
 def check_halo_cuda(case: Case, device: torch.device) -> dict:
-    """One row of op dsa_halo_cuda: the CUDA C++ halo forward (on CPU its emulation) in bf16 at the op's default
-    tile, out and lse against float64 beside the same-dtype reference, its paths against the plain rule (tiles
-    of both paths required) and the same bits twice. A build or launch failure is the row's error."""
+    """One row of op dsa_halo_cuda, bf16: the op with the CUDA C++ halo forward (on CPU its emulation) and the
+    gather backward, out and all four gradients against float64 beside the same-dtype reference; the forward
+    alone at the op's default tile: its lse the same way, its paths against the plain rule (tiles of both paths
+    required) and the same bits twice. A build or launch failure is the row's error."""
     from megaslide.attention.dsa import halo_cuda
-    from megaslide.attention.dsa.reference import deformable_slide_attention_reference, log_sum_exp_reference
-    q, k, v, offsets, _ = make_inputs(case, torch.bfloat16, device)
-    offsets = offsets.float() if case.fp32_offsets else offsets
+    from megaslide.attention.dsa.reference import log_sum_exp_reference
+    op, dtype = "dsa_halo_cuda", torch.bfloat16
+    inputs = make_inputs(case, dtype, device)
+    q, k, v = inputs[:3]
+    offsets = inputs[3].float() if case.fp32_offsets else inputs[3]
     scale = case.shape[-1] ** -0.5
-    row = {"case": case.name, "op": "dsa_halo_cuda", "dtype": "bf16", "shape": list(case.shape),
+    row = {"case": case.name, "op": op, "dtype": "bf16", "shape": list(case.shape),
            "kernel_size": list(case.kernel_size), "passed": False, "errors": {}}
     try:
+        got = run("triton", inputs, case, dtype, op)
         runs = [halo_cuda.dsa_halo_forward_cuda(q, k, v, offsets, case.kernel_size, scale, case.halo_reach)
                 for _ in range(2)]
     except Exception as err:  # no nvcc, a failed build or launch: recorded, the other rows go on
         return {**row, "error": f"{type(err).__name__}: {err}"[:500]}
-    (out, lse, path), again = runs
-    wide = [x.to(F64) for x in (q, k, v, offsets)]
-    compared = {"out": (out, deformable_slide_attention_reference(*wide, case.kernel_size, scale),
-                        deformable_slide_attention_reference(q, k, v, offsets, case.kernel_size, scale)),
-                "lse": (lse, log_sum_exp_reference(wide[0], wide[1], wide[3], case.kernel_size, scale),
-                        log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))}
+    (_, lse, path), again = runs
     row["passed"] = True
-    for name, (got, want, ref) in compared.items():
-        compare(row, name, got, want, ref)
+    for name, want, ref, value in zip(GRADS, run("reference", inputs, case, F64, op),
+                                      run("reference", inputs, case, dtype, op), got):
+        compare(row, name, value, want, ref)
+    wide = [x.to(F64) for x in (q, k, offsets)]
+    compare(row, "lse", lse, log_sum_exp_reference(*wide, case.kernel_size, scale),
+            log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))
     row["deterministic"] = all(torch.equal(a, b) for a, b in zip(runs[0], again))
     row.update(paths_against_rule(path, offsets, case))
     row["passed"] &= row["deterministic"] and row["paths_match"] and min(row["paths"].values()) > 0
