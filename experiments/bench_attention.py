@@ -6,7 +6,9 @@ Tables of results/attention/<name>.json (rendered by experiments/report.py):
   dense SDPA (flash on GPU), Swin 2x4x4 windows (32 keys per query), the DSA reference
   (materialised samples), DSA fused (Triton) fwd+bwd and its forward alone (`dsa_fused_fwd`, under
   no_grad), and `dsa_zero_fused`: what the `dsa_zero` module's attend runs (zero offsets, no offset
-  gradient);
+  gradient); where `variants` names them, the op with the CUDA C++ halo forward (halo_kernel="cuda", halos
+  covering the offsets' bound, at most MAX_HALO_REACH) fwd+bwd (`dsa_fused_halo_cuda`) and forward alone
+  (`dsa_fused_halo_cuda_fwd`), also in the offsets table, with target lines of their own;
 - kernels: one fwd+bwd call of dsa_fused and dsa_fused_deterministic (those of `variants`) at the target grid,
   its device time per kernel (torch.profiler): which kernels the deterministic mode's extra time is spent in;
 - rank_blocks (only where `rank_blocks` lists any): dsa_fused_deterministic at the target grid with the
@@ -61,7 +63,7 @@ from experiments.hydra_config import require_ranges, require_sizes, script_confi
 from experiments.results_io import RESULTS_DIR
 from megaslide.attention import build_attention
 from megaslide.attention.dsa import deformable_slide_attention
-from megaslide.attention.dsa.constants import ENTRY_FLOATS
+from megaslide.attention.dsa.constants import ENTRY_FLOATS, MAX_HALO_REACH
 from megaslide.attention.dsa.op import check_kernel_size
 from megaslide.testing import within_tolerance
 from megaslide.train.determinism import deterministic_mode, fix_cublas_workspace
@@ -69,7 +71,9 @@ from megaslide.train.determinism import deterministic_mode, fix_cublas_workspace
 DATASHEET_FP32_TFLOPS = 67.0   # H100/H200 SXM CUDA-core fp32 (non-tensor) peak, datasheet
 WINDOW = (2, 4, 4)
 SWIN = "swin" + "x".join(map(str, WINDOW))
-VARIANTS = ("dense", SWIN, "dsa_reference", "dsa_fused", "dsa_fused_fwd", "dsa_fused_deterministic", "dsa_zero_fused")
+VARIANTS = ("dense", SWIN, "dsa_reference", "dsa_fused", "dsa_fused_fwd", "dsa_fused_deterministic", "dsa_zero_fused",
+            "dsa_fused_halo_cuda", "dsa_fused_halo_cuda_fwd")
+HALO_CUDA = ("dsa_fused_halo_cuda", "dsa_fused_halo_cuda_fwd")   # the op with the CUDA halo forward, fwd+bwd / fwd
 MODULES = ("dsa", "dsa_zero")
 SLOPE_TOKENS = (65_000, 1_100_000)  # the slope target's "65K to 1M tokens": 8 to 128 frames of 68 x 120
 SMOKE = {"heads": 2, "head_dim": 16, "module_head_dims": [16], "repeats": 5}
@@ -159,23 +163,30 @@ def variant_fns(grid, heads, d, dtype, device, max_offset=4.0):
     swin = attend(lambda: SwinAttention(heads * d, heads, window=win, layer_idx=1))
     dsa_zero = attend(lambda: build_attention("dsa_zero", heads * d, heads, kernel_size=KERNEL, backend="triton"))
 
-    def dsa(backend, backward=True, deterministic=False):
+    def dsa(backend, backward=True, deterministic=False, halo_kernel=None):
+        """halo_kernel: the op's halo forward on that kernel, with halos covering the offsets' bound (at most
+        MAX_HALO_REACH tokens); None: the gather forward."""
+        halo = {} if halo_kernel is None else {"halo_reach": min(math.ceil(max_offset), MAX_HALO_REACH),
+                                               "halo_kernel": halo_kernel}
+
         def setup():
             q, k, v, off = make_inputs(grid, heads, d, K, dtype, device, max_offset)
 
             def step():
                 if backward:
                     with deterministic_mode(device) if deterministic else contextlib.nullcontext():
-                        deformable_slide_attention(q, k, v, off, KERNEL, backend=backend).sum().backward()
+                        deformable_slide_attention(q, k, v, off, KERNEL, backend=backend, **halo).sum().backward()
                 else:
                     with torch.no_grad():
-                        deformable_slide_attention(q, k, v, off, KERNEL, backend=backend)
+                        deformable_slide_attention(q, k, v, off, KERNEL, backend=backend, **halo)
             return step
         return setup
 
     return {"dense": (dense, n), SWIN: (swin, math.prod(win)), "dsa_reference": (dsa("reference"), K),
             "dsa_fused": (dsa("triton"), K), "dsa_fused_fwd": (dsa("triton", backward=False), K),
-            "dsa_fused_deterministic": (dsa("triton", deterministic=True), K), "dsa_zero_fused": (dsa_zero, K)}
+            "dsa_fused_deterministic": (dsa("triton", deterministic=True), K), "dsa_zero_fused": (dsa_zero, K),
+            HALO_CUDA[0]: (dsa("triton", halo_kernel="cuda"), K),
+            HALO_CUDA[1]: (dsa("triton", backward=False, halo_kernel="cuda"), K)}
 
 
 def _print_row(row: dict) -> None:
@@ -288,14 +299,15 @@ def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: Non
     return rows
 
 
-def offset_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda rows: None):
-    """dsa_fused fwd+bwd and its forward alone at `grid` with offsets uniform in +-b for each b of
-    `bounds`: how the kernels' cost depends on how far samples spread (the targets' +-4 is the widest
-    the module allows, whose tanh bound is 4 by default). Skipped on CPU, as the other fused rows."""
+def offset_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda rows: None,
+                names=("dsa_fused", "dsa_fused_fwd")):
+    """dsa_fused fwd+bwd and its forward alone (or the variants `names`) at `grid` with offsets uniform in +-b
+    for each b of `bounds`: how the kernels' cost depends on how far samples spread (the targets' +-4 is the
+    widest the module allows, whose tanh bound is 4 by default). Skipped on CPU, as the other fused rows."""
     rows = []
     for bound in bounds:
         fns = variant_fns(grid, heads, d, dtype, device, max_offset=bound)
-        for name in ("dsa_fused", "dsa_fused_fwd"):
+        for name in names:
             row = {"variant": name, "max_offset": bound, "grid": list(grid), "tokens": math.prod(grid)}
             if device.type != "cuda":
                 row["status"] = "skipped: Triton kernels need CUDA"
@@ -498,6 +510,12 @@ def targets(target, modules, rows, baseline: dict | None, spread=()) -> list[dic
              target_row("dsa_fused fwd+bwd ms, offsets +-1 <= 15 (moonshot)", near, 15.0),
              target_row("dsa_fused fwd+bwd ms, offsets +-4 <= 40", ms(target, "dsa_fused"), 40.0),
              target_row("dsa_fused forward ms, offsets +-1 <= 6", ms(spread, "dsa_fused_fwd", max_offset=1.0), 6.0)]
+    if _ok(target, variant=HALO_CUDA[0]):   # the op with the CUDA halo forward, where this run measured it
+        lines += [target_row(f"{HALO_CUDA[0]} fwd+bwd ms, offsets +-1 <= 25", ms(spread, HALO_CUDA[0], max_offset=1.0),
+                             25.0),
+                  target_row(f"{HALO_CUDA[0]} fwd+bwd ms, offsets +-4 <= 40", ms(target, HALO_CUDA[0]), 40.0),
+                  target_row(f"{HALO_CUDA[1]} forward ms, offsets +-1 <= 6", ms(spread, HALO_CUDA[1], max_offset=1.0),
+                             6.0)]
     for d in dict.fromkeys(r["head_dim"] for r in modules):
         dsa, zero = _ok(modules, variant="dsa", head_dim=d), _ok(modules, variant="dsa_zero", head_dim=d)
         lines.append(target_row(f"module dsa / dsa_zero at d={d} <= 2 (issue: d=128)",
@@ -649,7 +667,9 @@ def main(hydra_cfg: DictConfig) -> None:
     print("modules", flush=True)
     modules = module_rows(target_grid, heads, cfg.module_head_dims, device, repeats, on_row=save("module"))
     print("offset spread", flush=True)
-    spread = offset_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, on_row=save("offsets"))
+    names = ("dsa_fused", "dsa_fused_fwd") + (HALO_CUDA if HALO_CUDA[0] in cfg.variants else ())
+    spread = offset_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, on_row=save("offsets"),
+                         names=names)
     print("gather floor", flush=True)
     checks = {"gather_check": gather_check(device)} if device.type == "cuda" else {}
     print(checks, flush=True)

@@ -207,6 +207,20 @@ def test_target_lines_not_measured_are_none():
         assert lines["dsa_fused fwd+bwd ms, offsets +-4 <= 40"]["met"] is True
 
 
+def test_target_lines_of_the_cuda_halo_forward_where_measured():
+    """Where a run measured the op with the CUDA halo forward (variants dsa_fused_halo_cuda[_fwd]), three lines of
+    its own follow the dsa_fused ones, read the same way (+-1 from the offsets rows, +-4 from the target table)."""
+    target = [row("dsa_fused", 262144, 38.0), row("dsa_fused_halo_cuda", 262144, 35.0)]
+    spread = [row("dsa_fused_halo_cuda", 262144, 26.0, max_offset=1.0),
+              row("dsa_fused_halo_cuda_fwd", 262144, 5.5, max_offset=1.0),
+              row("dsa_fused_halo_cuda_fwd", 262144, 3.0, max_offset=0.5)]
+    lines = [(line["target"], line["measured"], line["met"]) for line in targets(target, [], [], None, spread)]
+    assert lines[4:7] == [("dsa_fused_halo_cuda fwd+bwd ms, offsets +-1 <= 25", 26.0, False),
+                          ("dsa_fused_halo_cuda fwd+bwd ms, offsets +-4 <= 40", 35.0, True),
+                          ("dsa_fused_halo_cuda_fwd forward ms, offsets +-1 <= 6", 5.5, True)]
+    assert not any("halo_cuda" in line["target"] for line in targets(target[:1], [], [], None, spread))
+
+
 def test_target_row_rule():
     assert target_row("x", 50.0, 50.0)["met"] is True  # at the bound
     assert target_row("x", float("nan"), 50.0)["met"] is False  # NaN fails
