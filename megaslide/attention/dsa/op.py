@@ -167,7 +167,7 @@ class DSASplit:
 
     def forward(self, q, k, v, offsets):
         q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
-        return _fused_forward(q, k, v, offsets, self.kernel_size, self.scale, True, -1)   # the gather forward
+        return _fused_forward(q, k, v, offsets, self.kernel_size, self.scale, True, -1, "triton")   # the gather forward
 
     def backward(self, inputs, out, lse, dout, needs):
         q, k, v, offsets = (x.contiguous() for x in inputs)
