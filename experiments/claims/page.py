@@ -70,8 +70,9 @@ def readme(results_dir: Path) -> str:
     partial = [(f, r) for f in sorted(results_dir.glob("*/*.json"))
                if is_partial(r := json.loads(f.read_text()))]
     if partial:
-        out += ["## Runs cut short", "",
-                "These runs hit the device time limit; their tables hold only the runs that finished:", ""]
+        out += ["## Runs not finished", "",
+                "These results hold fewer runs than they planned (cut by a device time limit, or spread over calls "
+                "and not finished yet); their tables hold only the runs that finished:", ""]
         for f, r in partial:
             more = [link(results_dir, g.parent.name, g.stem) for g in _same_config(f, r)]
             out.append(f"- {link(results_dir, f.parent.name, f.stem)}: {r['jobs_done']} of {r['jobs_total']} planned "
