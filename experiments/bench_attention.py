@@ -73,6 +73,7 @@ WINDOW = (2, 4, 4)
 SWIN = "swin" + "x".join(map(str, WINDOW))
 VARIANTS = ("dense", SWIN, "dsa_reference", "dsa_fused", "dsa_fused_fwd", "dsa_fused_deterministic", "dsa_zero_fused",
             "dsa_fused_halo_cuda", "dsa_fused_halo_cuda_fwd")
+FUSED = ("dsa_fused", "dsa_fused_fwd")   # the fused op fwd+bwd / fwd
 HALO_CUDA = ("dsa_fused_halo_cuda", "dsa_fused_halo_cuda_fwd")   # the op with the CUDA halo forward, fwd+bwd / fwd
 MODULES = ("dsa", "dsa_zero")
 SLOPE_TOKENS = (65_000, 1_100_000)  # the slope target's "65K to 1M tokens": 8 to 128 frames of 68 x 120
@@ -300,7 +301,7 @@ def module_rows(grid, heads, head_dims, device, repeats, on_row=lambda rows: Non
 
 
 def offset_rows(grid, heads, d, dtype, device, repeats, bounds, on_row=lambda rows: None,
-                names=("dsa_fused", "dsa_fused_fwd")):
+                names=FUSED):
     """dsa_fused fwd+bwd and its forward alone (or the variants `names`) at `grid` with offsets uniform in +-b
     for each b of `bounds`: how the kernels' cost depends on how far samples spread (the targets' +-4 is the
     widest the module allows, whose tanh bound is 4 by default). Skipped on CPU, as the other fused rows."""
@@ -667,7 +668,7 @@ def main(hydra_cfg: DictConfig) -> None:
     print("modules", flush=True)
     modules = module_rows(target_grid, heads, cfg.module_head_dims, device, repeats, on_row=save("module"))
     print("offset spread", flush=True)
-    names = ("dsa_fused", "dsa_fused_fwd") + (HALO_CUDA if HALO_CUDA[0] in cfg.variants else ())
+    names = FUSED + (HALO_CUDA if HALO_CUDA[0] in cfg.variants else ())
     spread = offset_rows(target_grid, heads, d, dtype, device, repeats, cfg.offset_bounds, on_row=save("offsets"),
                          names=names)
     print("gather floor", flush=True)

@@ -56,7 +56,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR_ULPS = 2
 GRADS = ("out", "dq", "dk", "dv", "doffsets")
 OPS = ("dsa", "dsa_zero", "dsa_halo", "dsa_halo_cuda")  # the general kernels; the zero-offset kernels (no offsets,
-# no offset gradient); the general op with the halo forward; the CUDA C++ halo forward (bf16, forward only)
+# no offset gradient); the general op with the halo forward; the op with the CUDA C++ halo forward (bf16)
 
 
 @dataclass(frozen=True)
@@ -209,8 +209,8 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
         row["deterministic"] = all(torch.equal(a, b) for a, b in zip(first, again))
         row["passed"] &= row["deterministic"]
         del first, again
-    if op == "dsa_halo":  # the tiles of each path, against the plain rule; both must be met
-        row.update(halo_paths(inputs, case, dtype))
+    if op.startswith("dsa_halo"):  # the tiles of each path, against the plain rule; both must be met
+        row.update(halo_paths(inputs, case, dtype, op, row))
         row["passed"] &= row["paths_match"] and min(row["paths"].values()) > 0
     del truth, same_dtype, fused
     if device.type == "cuda":
@@ -229,58 +229,34 @@ def compare(row: dict, name: str, got: torch.Tensor, want: torch.Tensor, ref: to
     row["passed"] &= ok
 
 
-def halo_paths(inputs, case: Case, dtype: torch.dtype) -> dict:
+def halo_paths(inputs, case: Case, dtype: torch.dtype, op: str, row: dict) -> dict:
     """The halo forward's per-tile paths at the op's default tile (`launch.halo_config`), their counts and
-    whether they match `reference.halo_paths_reference`."""
-    from megaslide.attention.dsa import halo
+    whether they match `reference.halo_paths_reference`. Op dsa_halo_cuda (the CUDA forward: halo_cuda.py)
+    also records in `row` its lse against float64 beside the same-dtype reference."""
+    from megaslide.attention.dsa import halo, halo_cuda, launch
+    from megaslide.attention.dsa.reference import halo_paths_reference, log_sum_exp_reference
     q, k, v = (x.to(dtype) for x in inputs[:3])
     offsets = inputs[3].to(torch.float32 if case.fp32_offsets else dtype)
-    _, _, path = halo.dsa_halo_forward(q, k, v, offsets, case.kernel_size, case.shape[-1] ** -0.5,
-                                       case.halo_reach, store_lse=False)
-    return paths_against_rule(path, offsets, case)
-
-
-def paths_against_rule(path: torch.Tensor, offsets: torch.Tensor, case: Case) -> dict:
-    """A halo forward's per-tile paths (B * heads, tiles) at the op's default tile: their counts and whether
-    they match `reference.halo_paths_reference`."""
-    from megaslide.attention.dsa import halo, launch
-    from megaslide.attention.dsa.reference import halo_paths_reference
+    scale = case.shape[-1] ** -0.5
+    if op == "dsa_halo_cuda":
+        _, lse, path = halo_cuda.dsa_halo_forward_cuda(q, k, v, offsets, case.kernel_size, scale, case.halo_reach)
+        wide = [x.to(F64) for x in (q, k, offsets)]
+        compare(row, "lse", lse, log_sum_exp_reference(*wide, case.kernel_size, scale),
+                log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))
+    else:
+        _, _, path = halo.dsa_halo_forward(q, k, v, offsets, case.kernel_size, scale, case.halo_reach,
+                                           store_lse=False)
     want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, launch.halo_config(case.halo_reach).tile)
     return {"paths": halo.path_counts(path), "paths_match": torch.equal(path.cpu(), want.cpu())}
 
 
-def check_halo_cuda(case: Case, device: torch.device) -> dict:
-    """One row of op dsa_halo_cuda, bf16: the op with the CUDA C++ halo forward (on CPU its emulation) and the
-    gather backward, out and all four gradients against float64 beside the same-dtype reference; the forward
-    alone at the op's default tile: its lse the same way, its paths against the plain rule (tiles of both paths
-    required) and the same bits twice. A build or launch failure is the row's error."""
-    from megaslide.attention.dsa import halo_cuda
-    from megaslide.attention.dsa.reference import log_sum_exp_reference
-    op, dtype = "dsa_halo_cuda", torch.bfloat16
-    inputs = make_inputs(case, dtype, device)
-    q, k, v = inputs[:3]
-    offsets = inputs[3].float() if case.fp32_offsets else inputs[3]
-    scale = case.shape[-1] ** -0.5
-    row = {"case": case.name, "op": op, "dtype": "bf16", "shape": list(case.shape),
-           "kernel_size": list(case.kernel_size), "passed": False, "errors": {}}
+def failure_recorded(check: Callable[[], dict], row: dict) -> dict:
+    """check()'s row, or `row` failed with the error where check() raises (e.g. no nvcc, or a failed build or
+    launch of the CUDA halo forward), so that the other rows go on."""
     try:
-        got = run("triton", inputs, case, dtype, op)
-        runs = [halo_cuda.dsa_halo_forward_cuda(q, k, v, offsets, case.kernel_size, scale, case.halo_reach)
-                for _ in range(2)]
-    except Exception as err:  # no nvcc, a failed build or launch: recorded, the other rows go on
-        return {**row, "error": f"{type(err).__name__}: {err}"[:500]}
-    (_, lse, path), again = runs
-    row["passed"] = True
-    for name, want, ref, value in zip(GRADS, run("reference", inputs, case, F64, op),
-                                      run("reference", inputs, case, dtype, op), got):
-        compare(row, name, value, want, ref)
-    wide = [x.to(F64) for x in (q, k, offsets)]
-    compare(row, "lse", lse, log_sum_exp_reference(*wide, case.kernel_size, scale),
-            log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))
-    row["deterministic"] = all(torch.equal(a, b) for a, b in zip(runs[0], again))
-    row.update(paths_against_rule(path, offsets, case))
-    row["passed"] &= row["deterministic"] and row["paths_match"] and min(row["paths"].values()) > 0
-    return row
+        return check()
+    except Exception as err:  # recorded in the result, which fails
+        return {**row, "passed": False, "errors": {}, "error": f"{type(err).__name__}: {err}"[:500]}
 
 
 def sweep_launch_configs(device: torch.device, smoke: bool, launch_candidates: list[list[int]],
@@ -405,7 +381,9 @@ def check(cfg: GpuCheckConfig) -> int:
     jobs = [lambda c=case, d=dtype, o=op: check_case(c, d, device, o) for op in cfg.ops if op != "dsa_halo_cuda"
             for case in (halo_cases if op.startswith("dsa_halo") else cases) for dtype in dtypes]
     if "dsa_halo_cuda" in cfg.ops:  # bf16 only: the kernel's dots are bf16 tensor-core dots
-        jobs += [lambda c=case: check_halo_cuda(c, device) for case in halo_cases]
+        jobs += [lambda c=case: failure_recorded(lambda: check_case(c, "bf16", device, "dsa_halo_cuda"),
+                                                 {"case": c.name, "op": "dsa_halo_cuda", "dtype": "bf16"})
+                 for case in halo_cases]
     if "dsa" in cfg.ops and key_rows:
         from megaslide.attention.dsa import launch
         jobs += [lambda k=k, d=dtype: check_case(key_case, d, device, "dsa", k)

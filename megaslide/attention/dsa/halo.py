@@ -45,7 +45,8 @@ from megaslide.attention.dsa.forward import _forward_queries
 from megaslide.attention.dsa.launch import INTERPRETED, HaloConfig, halo_config, head_dim_block
 from megaslide.attention.dsa.reference import halo_extent
 from megaslide.attention.dsa.rows import _token_rows, row_flags
-from megaslide.attention.dsa.sampling import _corner_axes, _sample_axes, _softmax_step, _window_start
+from megaslide.attention.dsa.sampling import (_corner_axes, _query_tile, _sample_axes, _softmax_step,
+                                               _window_start)
 from megaslide.backends import device_guard
 
 
@@ -94,18 +95,7 @@ def _dsa_halo_fwd_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_pt
     h = pid_bh % HEADS
     N = T * H * W
     p = tl.program_id(0)
-    x_tiles = tl.cdiv(W, TILE_X)
-    y_tiles = tl.cdiv(H, TILE_Y)
-    t0 = p // (x_tiles * y_tiles) * TILE_T  # the tile's first query along each axis
-    y0 = p // x_tiles % y_tiles * TILE_Y
-    x0 = p % x_tiles * TILE_X
-    i = tl.arange(0, BQ)  # (BQ,)
-    t = t0 + i // (TILE_Y * TILE_X)  # (BQ,) query coordinates, clamped onto the grid below
-    y = y0 + i // TILE_X % TILE_Y
-    x = x0 + i % TILE_X
-    q_valid = (t < T) & (y < H) & (x < W)
-    t, y, x = tl.minimum(t, T - 1), tl.minimum(y, H - 1), tl.minimum(x, W - 1)
-    n = (t * H + y) * W + x  # (BQ,) valid tokens
+    t0, y0, x0, n, q_valid, t, y, x = _query_tile(T, H, W, TILE_T, TILE_Y, TILE_X)  # (BQ,) queries of the tile
 
     head_off = b * N * stride_tok + h * D  # element offset of (b, token 0, h)
     off_q = off_ptr + b * N * stride_off_tok + h * (KT * KH * KW * 3) + n.to(tl.int64) * stride_off_tok  # (BQ,)

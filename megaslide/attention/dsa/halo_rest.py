@@ -15,6 +15,7 @@ from megaslide.attention.dsa.constants import LOG2E
 from megaslide.attention.dsa.forward import _forward_queries
 from megaslide.attention.dsa.launch import head_dim_block
 from megaslide.attention.dsa.rows import row_flags
+from megaslide.attention.dsa.sampling import _query_tile
 from megaslide.backends import device_guard
 
 
@@ -24,21 +25,12 @@ def _halo_rest_kernel(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, path_ptr,
                       KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                       TILE_T: tl.constexpr, TILE_Y: tl.constexpr, TILE_X: tl.constexpr,
                       BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, WIDE: tl.constexpr, EVEN_D: tl.constexpr):
-    BQ: tl.constexpr = TILE_T * TILE_Y * TILE_X
     pid_bh = tl.program_id(1)
     p = tl.program_id(0)
     if tl.load(path_ptr + pid_bh * tl.num_programs(0) + p) == 0:
         b = (pid_bh // HEADS).to(tl.int64)
         h = pid_bh % HEADS
-        x_tiles = tl.cdiv(W, TILE_X)
-        y_tiles = tl.cdiv(H, TILE_Y)
-        i = tl.arange(0, BQ)  # (BQ,)
-        t = p // (x_tiles * y_tiles) * TILE_T + i // (TILE_Y * TILE_X)  # (BQ,) query coordinates
-        y = p // x_tiles % y_tiles * TILE_Y + i // TILE_X % TILE_Y
-        x = p % x_tiles * TILE_X + i % TILE_X
-        q_valid = (t < T) & (y < H) & (x < W)
-        t, y, x = tl.minimum(t, T - 1), tl.minimum(y, H - 1), tl.minimum(x, W - 1)
-        n = (t * H + y) * W + x  # (BQ,) valid tokens
+        _, _, _, n, q_valid, t, y, x = _query_tile(T, H, W, TILE_T, TILE_Y, TILE_X)  # (BQ,) queries of the tile
         _forward_queries(q_ptr, k_ptr, v_ptr, off_ptr, out_ptr, lse_ptr, b, h, n, q_valid, t, y, x,
                          T, H, W, HEADS, D, stride_tok, stride_off_tok, qk_scale, KT, KH, KW,
                          BLOCK_D, STORE_LSE, WIDE, EVEN_D)

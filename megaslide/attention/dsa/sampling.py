@@ -77,6 +77,29 @@ def _softmax_step(m_i, l_i, s):
 
 
 @triton.jit
+def _query_tile(T, H, W, TILE_T: tl.constexpr, TILE_Y: tl.constexpr, TILE_X: tl.constexpr):
+    """This program's tile of TILE_T x TILE_Y x TILE_X queries (tiles row-major over (t, y, x) tile indices,
+    program p of the launch grid's first axis takes tile p), as the halo forwards tile the grid. Returns the
+    tile's first query along each axis (t0, y0, x0) and its queries as `_query_block` does: n (BQ,) token
+    indices, q_valid (BQ,) and the grid coordinates t, y, x (BQ,), rows past the grid clamped onto its edge."""
+    BQ: tl.constexpr = TILE_T * TILE_Y * TILE_X
+    p = tl.program_id(0)
+    x_tiles = tl.cdiv(W, TILE_X)
+    y_tiles = tl.cdiv(H, TILE_Y)
+    t0 = p // (x_tiles * y_tiles) * TILE_T
+    y0 = p // x_tiles % y_tiles * TILE_Y
+    x0 = p % x_tiles * TILE_X
+    i = tl.arange(0, BQ)  # (BQ,)
+    t = t0 + i // (TILE_Y * TILE_X)  # (BQ,) query coordinates, clamped onto the grid below
+    y = y0 + i // TILE_X % TILE_Y
+    x = x0 + i % TILE_X
+    q_valid = (t < T) & (y < H) & (x < W)
+    t, y, x = tl.minimum(t, T - 1), tl.minimum(y, H - 1), tl.minimum(x, W - 1)
+    n = (t * H + y) * W + x  # (BQ,) valid tokens
+    return t0, y0, x0, n, q_valid, t, y, x
+
+
+@triton.jit
 def _query_block(T, H, W, HEADS, BLOCK_Q: tl.constexpr, BLOCK_Y: tl.constexpr):
     """This program's (batch, head) and its BLOCK_Q query tokens: with BLOCK_Y = 1 a run of
     consecutive tokens (row-major over (t, y, x)), else a BLOCK_Y x BX patch (BX = BLOCK_Q // BLOCK_Y)
