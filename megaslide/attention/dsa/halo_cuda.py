@@ -1,13 +1,14 @@
 """The CUDA C++ halo forward of 3D-DSA (cuda/halo_fwd.cu) from Python, and a plain-torch emulation of it for CPU.
 
-`dsa_halo_forward_cuda` has halo.dsa_halo_forward's contract (out, lse in log2 units, per-tile paths: 1 halo,
-0 gathers). On a GPU the CUDA kernel (built with nvcc at first use, cached: megaslide/offload/csrc/build.py, and
+`dsa_halo_forward_cuda` has halo.dsa_halo_forward's contract (out, lse in log2 units, per-tile paths: 1 halo, 0
+gathers). On a GPU the CUDA kernel (built with nvcc at first use, cached: megaslide/offload/csrc/build.py, and
 loaded with ctypes) runs the tiles whose samples stay in their halo and writes every tile's path; the gather
 forward (halo_rest.py, Triton) then runs the others. On CPU tensors `halo_tiles_emulated` runs the kernel's
 per-tile algorithm in torch (the halo's K and V rows, S = Q K^T over the halo, each sample's score from its 8
-corner entries of S by halo-local index, the softmax, the weights W on the halo's tokens, out = W V with W split
-into bf16 high and low parts) and halo_rest.py runs the rest under the Triton interpreter, so the tiling, the
-path choice and the index arithmetic are tested without a GPU.
+corner entries of S by halo-local index with its fractions rounded to 16 bits as the kernel keeps them, the
+softmax, the weights W on the halo's tokens, out = W V with W split into bf16 high and low parts) and halo_rest.py
+runs the rest under the Triton interpreter, so the tiling, the path choice and the index arithmetic are tested
+without a GPU.
 
 Inputs: q, k, v contiguous bf16 (B, T, H, W, heads, d) with d a multiple of 8 up to 128 (padded to 16, 32, 48,
 64 or 128 in the kernel); offsets contiguous (B, T, H, W, heads, K, 3) in fp32, bf16 or fp16. fp32 q, k, v are
@@ -42,6 +43,9 @@ SHARED_LIMIT = 232448
 """Shared memory per block of an H100 / H200 (227 KiB), the bound used where no GPU is at hand."""
 WARPS = 4
 ROW_PAD, SCORE_PAD, STAGE_BYTES = 8, 4, 1024  # as halo_fwd.cu's kRowPad, kScorePad, kStageBytes
+PLACE_BYTES = 8  # halo_fwd.cu's Place: a sample's lower corner and its three fractions
+FRAC_STEPS = 65536
+"""The kernel keeps each fraction as a multiple of 1 / FRAC_STEPS (halo_fwd.cu's kFracScale)."""
 
 
 def _round_up(x: int, m: int) -> int:
@@ -50,14 +54,16 @@ def _round_up(x: int, m: int) -> int:
 
 def shared_bytes(tile: Sequence[int], head_dim: int, kernel_size: Sequence[int], reach: int) -> int:
     """Dynamic shared memory of one CTA (halo_fwd.cu's Layout): K then V halo rows (bf16, padded rows), S then W
-    (fp32, BQ x padded halo), Q rows or the warps' staging tiles, the (query, sample) scores and the sums."""
+    (fp32, BQ x padded halo), the Q rows, then each (query, sample)'s place, then the warps' staging tiles, the
+    (query, sample) scores and the sums."""
     bq = tile[0] * tile[1] * tile[2]
     d_pad = next(p for p in PADDED_HEAD_DIMS if head_dim <= p)
     extent = halo_extent(tuple(tile), tuple(kernel_size), reach)
     halo_pad = _round_up(extent[0] * extent[1] * extent[2], 16)
     samples = kernel_size[0] * kernel_size[1] * kernel_size[2]
     parts = [halo_pad * (d_pad + ROW_PAD) * 2, bq * (halo_pad + SCORE_PAD) * 4,
-             max(bq * (d_pad + ROW_PAD) * 2, WARPS * STAGE_BYTES), bq * samples * 4, bq * 4]
+             max(bq * (d_pad + ROW_PAD) * 2, bq * samples * PLACE_BYTES, WARPS * STAGE_BYTES), bq * samples * 4,
+             bq * 4]
     return sum(_round_up(part, 128) for part in parts)
 
 
@@ -225,9 +231,13 @@ def halo_tiles_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
         lower_f = torch.floor(pos)
         o = origin[axis][None, :, None, None]  # (1, tiles, 1, 1)
         inside &= (pos >= o) & (pos <= o + e - 1)
+        steps = torch.clamp(torch.round((pos - lower_f) * FRAC_STEPS), max=FRAC_STEPS - 1)  # the kernel's 16 bits
+        steps = torch.where(valid[None, :, :, None], steps, 0.0)  # a query past the grid: lower corner only
         lower.append(torch.clamp(lower_f.long() - o, 0, e - 1))
-        upper.append(torch.clamp(torch.clamp(lower_f.long() + 1, max=size - 1) - o, 0, e - 1))
-        frac.append(pos - lower_f)
+        # inside the halo wherever its weight is above 0 on a path-1 tile (the clamp keeps path-0 tiles' indices,
+        # which the kernel never computes, on the halo)
+        upper.append(torch.clamp(lower[-1] + (steps > 0).long(), max=e - 1))
+        frac.append(steps / FRAC_STEPS)
     path = (inside | ~valid[None, :, :, None]).flatten(2).all(dim=2)  # (BH, tiles)
 
     corners = []  # (halo-local index, weight), each (BH, tiles, BQ, K), in the kernel's order
