@@ -2,13 +2,13 @@
 
 The script re-runs itself under ncu (`child=true`: one forward and one backward of each op in `ops`, in that
 order) and profiles the first `launch_count` launches of the named kernels, in launch order: for `dsa` the
-forward, the backward's query pass, the binning's capped pass and its two exact passes (no-ops unless a
-list overflowed) and the key pass of the first head group (6); for `dsa_zero` its forward, dq and dk / dv
-kernels (3). It parses ncu's text report into one row per launch (duration, SM and memory throughput,
-issue slots busy, IPC, the busiest pipe, L1 / L2 throughput and hit rates, registers, theoretical and
-achieved occupancy) and writes results/attention/<name>.json. Clocks are left as they are
-(`--clock-control none`), so durations are the machine's own; ncu replays each kernel once per pass, so
-the script's wall time is many times the kernels'.
+forward, the backward's query pass, the binning's capped pass and its two exact passes (no-ops unless a list
+overflowed) and the key pass of the first head group (6); for `dsa_zero` its forward, dq and dk / dv kernels
+(3); for `dsa_halo_cuda` the CUDA halo forward (1). It parses ncu's text report into one row per launch
+(duration, SM and memory throughput, issue slots busy, IPC, the busiest pipe, L1 / L2 throughput and hit rates,
+registers, theoretical and achieved occupancy) and writes results/attention/<name>.json. Clocks are left as they
+are (`--clock-control none`), so durations are the machine's own; ncu replays each kernel once per pass, so the
+script's wall time is many times the kernels'.
 
     python -m experiments.ncu_dsa name=h200_ncu          # on a GPU machine with ncu
     python -m experiments.ncu_dsa 'ops=[dsa_zero,dsa]' launch_count=9   # both ops' kernels
@@ -33,7 +33,8 @@ from experiments.hydra_config import script_config, script_main
 from experiments.results_io import REPO_ROOT
 
 KERNELS = {"dsa": ["_dsa_fwd_kernel", "_query_kernel", "_bin_capped_kernel", "_bin_kernel", "_key_kernel"],
-           "dsa_zero": ["_na_fwd_kernel", "_na_bwd_dq_kernel", "_na_bwd_dkdv_kernel"]}
+           "dsa_zero": ["_na_fwd_kernel", "_na_bwd_dq_kernel", "_na_bwd_dkdv_kernel"],
+           "dsa_halo_cuda": ["halo_fwd_kernel"]}
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy",
             "WarpStateStats"]
 METRICS = {  # row key: (ncu's metric name in the text report, its unit there; durations in any time unit)
@@ -73,8 +74,9 @@ class NcuConfig:
 
 def run_kernels(cfg: NcuConfig) -> None:
     """The child: one forward and one backward of each op, in the order of `ops`, on bf16 inputs (offsets
-    U(-4, 4)); ncu profiles the first `launch_count` launches in that order."""
-    from megaslide.attention.dsa import backward, forward, zero_kernels
+    U(-4, 4)); for dsa_halo_cuda the CUDA halo forward alone, at reach 1 with offsets U(-1, 1), so that every
+    tile takes its halo path. ncu profiles the first `launch_count` launches in that order."""
+    from megaslide.attention.dsa import backward, forward, halo_cuda, zero_kernels
 
     B, T, H, W, heads, d = cfg.shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -85,6 +87,9 @@ def run_kernels(cfg: NcuConfig) -> None:
             offsets = (8 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, device="cuda") - 4).to(torch.bfloat16)
             out, lse = forward.dsa_forward(q, k, v, offsets, window, scale)
             backward.dsa_backward(q, k, v, offsets, out, lse, dout, window, scale, offsets_grad=True)
+        elif op == "dsa_halo_cuda":
+            offsets = (2 * torch.rand((B, T, H, W, heads, 27, 3), generator=g, device="cuda") - 1).to(torch.bfloat16)
+            halo_cuda.dsa_halo_forward_cuda(q, k, v, offsets, window, scale, reach=1)
         else:
             out, lse = zero_kernels.na_forward(q, k, v, window, scale)
             zero_kernels.na_backward(q, k, v, out, lse, dout, window, scale)
