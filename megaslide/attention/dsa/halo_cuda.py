@@ -5,8 +5,8 @@ gathers). On a GPU the CUDA kernel (built with nvcc at first use, cached: megasl
 loaded with ctypes) runs the tiles whose samples stay in their halo and writes every tile's path; the gather
 forward (halo_rest.py, Triton) then runs the others. On CPU tensors `halo_tiles_emulated` runs the kernel's
 per-tile algorithm in torch (the halo's K and V rows, S = Q K^T over the halo, each sample's score from its 8
-corner entries of S by halo-local index with its fractions rounded to 16 bits as the kernel keeps them, the
-softmax, the weights W on the halo's tokens, out = W V with W split into bf16 high and low parts) and halo_rest.py
+corner entries of S by halo-local index, the softmax, the weights W on the halo's tokens (fractions rounded to
+16 bits, as the kernel keeps them), out = W V with W split into bf16 high and low parts) and halo_rest.py
 runs the rest under the Triton interpreter, so the tiling, the path choice and the index arithmetic are tested
 without a GPU.
 
@@ -222,7 +222,7 @@ def halo_tiles_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
     j = torch.arange(samples)  # (K,)
     window = [j // (kh * kw), j // kw % kh, j % kw]  # (K,) each
     inside = torch.ones(bh, tiles, bq, samples, dtype=torch.bool)  # (BH, tiles, BQ, K)
-    lower, upper, frac = [], [], []
+    lower, fracs, steps = [], [], []  # per axis: halo-local lower corner, fp32 fraction, its 16-bit rounding
     for axis in range(3):
         size, kk, e = grid[axis], kernel_size[axis], extent[axis]
         start = torch.clamp(torch.clamp(coords[axis] - kk // 2, min=0), max=size - kk)  # (tiles, BQ)
@@ -231,30 +231,34 @@ def halo_tiles_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
         lower_f = torch.floor(pos)
         o = origin[axis][None, :, None, None]  # (1, tiles, 1, 1)
         inside &= (pos >= o) & (pos <= o + e - 1)
-        steps = torch.clamp(torch.round((pos - lower_f) * FRAC_STEPS), max=FRAC_STEPS - 1)  # the kernel's 16 bits
-        steps = torch.where(valid[None, :, :, None], steps, 0.0)  # a query past the grid: lower corner only
+        frac = torch.where(valid[None, :, :, None], pos - lower_f, 0.0)  # a query past the grid: lower corner only
+        fracs.append(frac)
+        steps.append(torch.clamp(torch.round(frac * FRAC_STEPS), max=FRAC_STEPS - 1) / FRAC_STEPS)
         lower.append(torch.clamp(lower_f.long() - o, 0, e - 1))
-        # inside the halo wherever its weight is above 0 on a path-1 tile (the clamp keeps path-0 tiles' indices,
-        # which the kernel never computes, on the halo)
-        upper.append(torch.clamp(lower[-1] + (steps > 0).long(), max=e - 1))
-        frac.append(steps / FRAC_STEPS)
     path = (inside | ~valid[None, :, :, None]).flatten(2).all(dim=2)  # (BH, tiles)
 
-    corners = []  # (halo-local index, weight), each (BH, tiles, BQ, K), in the kernel's order
-    for ct in range(2):
-        for cy in range(2):
-            for cx in range(2):
-                idx = ((upper[0] if ct else lower[0]) * extent[1] + (upper[1] if cy else lower[1])) * extent[2] \
-                    + (upper[2] if cx else lower[2])
-                w = ((frac[0] if ct else 1 - frac[0]) * (frac[1] if cy else 1 - frac[1])
-                     * (frac[2] if cx else 1 - frac[2]))
-                corners.append((idx, w))
-    s = sum(w * scores.gather(3, idx) for idx, w in corners) * (scale * LOG2E)  # (BH, tiles, BQ, K) log2 units
+    def corners(frac: list) -> list:
+        """(halo-local index, weight) of the 8 corners at these fractions, each (BH, tiles, BQ, K), in the kernel's
+        order; an upper corner (inside the halo wherever its weight is above 0 on a path-1 tile; the clamp keeps
+        path-0 tiles' indices, which the kernel never computes, on the halo) exists where its fraction is above 0."""
+        upper = [torch.clamp(lo + (f > 0).long(), max=e - 1) for lo, f, e in zip(lower, frac, extent)]
+        found = []
+        for ct in range(2):
+            for cy in range(2):
+                for cx in range(2):
+                    idx = ((upper[0] if ct else lower[0]) * extent[1] + (upper[1] if cy else lower[1])) \
+                        * extent[2] + (upper[2] if cx else lower[2])
+                    w = ((frac[0] if ct else 1 - frac[0]) * (frac[1] if cy else 1 - frac[1])
+                         * (frac[2] if cx else 1 - frac[2]))
+                    found.append((idx, w))
+        return found
+
+    s = sum(w * scores.gather(3, idx) for idx, w in corners(fracs)) * (scale * LOG2E)  # (BH, tiles, BQ, K) log2
     m = s.amax(dim=3, keepdim=True)  # (BH, tiles, BQ, 1)
     prob = torch.exp2(s - m)  # (BH, tiles, BQ, K)
     denom = prob.sum(dim=3)  # (BH, tiles, BQ)
     weights = torch.zeros_like(scores)  # (BH, tiles, BQ, HALO): W, the numerator's weight on each halo token
-    for idx, w in corners:
+    for idx, w in corners(steps):  # W's fractions in the kernel's 16 bits
         weights.scatter_add_(3, idx, prob * w)
     hi = weights.bfloat16().float()  # W = hi + lo to about 16 bits, both bf16 operands of the kernel's dot
     lo = (weights - hi).bfloat16().float()

@@ -11,7 +11,7 @@
 //   2. V's halo rows are copied into K's buffer (cp.async), overlapping the next three steps.
 //   3. Every (query, sample) pair, one per thread at a time, is placed once: its lower corner's halo-local index
 //      and its three fractions rounded to 16 bits (`Place`, 8 bytes, kept in Q's freed buffer), and its score,
-//      the trilinear sum of its corner entries of S times qk_scale (log2 units).
+//      the trilinear sum of its corner entries of S with fp32 fractions times qk_scale (log2 units).
 //   4. The softmax over each query's K samples, by the TPQ = threads / BQ threads of the query (warp shuffles);
 //      lse = max + log2(sum). The CTA zeroes S's buffer.
 //   5. W, each query's probabilities times corner weights on the halo: the TPQ threads of a query split the
@@ -26,9 +26,9 @@
 //
 // Positions follow the op's definition: along an axis of size S with kernel k the window of query i starts at
 // clamp(i - k / 2, 0, S - k); sample j sits at start + j + offset (fp32), clamped to [0, S - 1], and reads its
-// lower neighbour with weight 1 - frac and, where frac > 0, the next one with weight frac. frac is rounded to a
-// multiple of 2^-16 (at most 2^-17 off; bf16 keeps 2^-8 of an offset); an upper neighbour exists only where the
-// rounded frac is above 0, and then lies inside the grid and the halo.
+// lower neighbour with weight 1 - frac and, where frac > 0, the next one with weight frac (then inside the grid
+// and the halo). The scores use frac in fp32; W uses it rounded to a multiple of 2^-16 (at most 2^-17 off, below
+// bf16's rounding of out), where a frac rounded to 0 drops the upper neighbour.
 //
 // Layout: q, k, v, out contiguous bf16 (B, T, H, W, heads, d), d a multiple of 8 (padded here to D_PAD, a
 // multiple of 16); offsets contiguous (B, T, H, W, heads, K, 3) in fp32, bf16 or fp16; lse fp32 (B, heads, N)
@@ -134,11 +134,12 @@ __device__ __forceinline__ float load_offset(const void* __restrict__ offsets, l
 }
 
 // One axis of a sample: the halo-local lower neighbour (moved into [0, extent - 1]; a query past the grid may
-// sample off the halo and is never stored), the fraction towards the next one in units of 2^-16, and whether the
-// clamped position lies in the halo.
+// sample off the halo and is never stored), the fraction towards the next one (fp32, and in units of 2^-16),
+// and whether the clamped position lies in the halo.
 struct Axis {
     int lower;
-    unsigned frac;
+    float frac;
+    unsigned steps;
     bool inside;
 };
 
@@ -147,7 +148,8 @@ __device__ __forceinline__ Axis sample_axis(int start, int j, float offset, int 
     float raw = static_cast<float>(start + j) + offset;
     float pos = fminf(fmaxf(raw, 0.0f), static_cast<float>(size) - 1.0f);
     float lower_f = floorf(pos);
-    a.frac = min(__float2uint_rn((pos - lower_f) * kFracScale), 65535u);
+    a.frac = pos - lower_f;
+    a.steps = min(__float2uint_rn(a.frac * kFracScale), 65535u);
     a.inside = pos >= static_cast<float>(origin) && pos <= static_cast<float>(origin + extent - 1);
     a.lower = min(max(static_cast<int>(lower_f) - origin, 0), extent - 1);
     return a;
@@ -179,15 +181,21 @@ struct Place {
 };
 
 __device__ __forceinline__ Place make_place(const Sample& s, const Geometry& g) {
-    return Place{static_cast<unsigned>((s.t.lower * g.ey + s.y.lower) * g.ex + s.x.lower) | (s.t.frac << 16),
-                 s.y.frac | (s.x.frac << 16)};
+    return Place{static_cast<unsigned>((s.t.lower * g.ey + s.y.lower) * g.ex + s.x.lower) | (s.t.steps << 16),
+                 s.y.steps | (s.x.steps << 16)};
 }
 
-// The lower corner's halo-local coordinates of a place and its weights toward the upper corner.
+// The lower corner's halo-local coordinates of a sample and its weights toward the upper corner (an upper corner
+// exists where its weight is above 0).
 struct Corner {
     int t, y, x;
     float ft, fy, fx;
 };
+
+// A sample's corner with its fp32 fractions, for its score.
+__device__ __forceinline__ Corner exact_corner(const Sample& s) {
+    return Corner{s.t.lower, s.y.lower, s.x.lower, s.t.frac, s.y.frac, s.x.frac};
+}
 
 __device__ __forceinline__ Corner open_place(Place p, const Geometry& g) {
     Corner c;
@@ -249,12 +257,12 @@ __device__ __forceinline__ void copy_halo_rows(bf16* dst, const bf16* src, long 
     }
 }
 
+// (min 1 CTA an SM for the register bound: ptxas then spills nothing; two fit an SM at d 64 all the same)
 template <int BQ, int D_PAD>
-__global__ void __launch_bounds__(kThreads) halo_fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                            const bf16* __restrict__ v,
-                                                            const void* __restrict__ offsets,
-                                                            bf16* __restrict__ out, float* __restrict__ lse,
-                                                            int8_t* __restrict__ path, Geometry g) {
+__global__ void __launch_bounds__(kThreads, 1)
+    halo_fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                    const void* __restrict__ offsets, bf16* __restrict__ out, float* __restrict__ lse,
+                    int8_t* __restrict__ path, Geometry g) {
     constexpr int LD = D_PAD + kRowPad;
     constexpr int TPQ = kThreads / BQ;  // threads per query in the softmax and in W (4 or 8)
     extern __shared__ __align__(128) unsigned char smem[];
@@ -327,16 +335,18 @@ __global__ void __launch_bounds__(kThreads) halo_fwd_kernel(const bf16* __restri
     copy_commit();
 
     // every (query, sample): its place (a query past the grid: the lower corner only, inside the halo) and its
-    // score from its corners of S, log2 units
+    // score from its corners of S with fp32 fractions (the lse stays as exact as the gather forward's), log2 units
     for (int e = threadIdx.x; e < BQ * samples; e += kThreads) {
         const int i = div_of(e, g.by_samples);
         Query qq = tile_query(i, t0, y0, x0, g);
         Sample sm = query_sample(qq, e - i * samples, offsets, (row0 + qq.n * g.heads) * samples * 3, ht0, hy0,
                                  hx0, g);
-        if (!qq.valid) sm.t.frac = sm.y.frac = sm.x.frac = 0;
-        const Place pl = make_place(sm, g);
-        places[e] = pl;
-        sc[e] = corner_sum(s + i * ls, open_place(pl, g), g) * g.qk_scale;
+        if (!qq.valid) {
+            sm.t.frac = sm.y.frac = sm.x.frac = 0.0f;
+            sm.t.steps = sm.y.steps = sm.x.steps = 0;
+        }
+        places[e] = make_place(sm, g);
+        sc[e] = corner_sum(s + i * ls, exact_corner(sm), g) * g.qk_scale;
     }
     __syncthreads();
 
