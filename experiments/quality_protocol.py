@@ -561,10 +561,14 @@ def run_held(cfg, jobs: list[dict], path: Path, config: dict, publish: Callable[
              grid: Sequence[str] = (), outcomes: tuple[type[Exception], ...] = ()) -> tuple[list[dict], list]:
     """run_jobs (cfg.workers at once) over the jobs whose runs the result at `path` lacks: with continue_runs=true
     the rows it holds are kept (`held_runs`, with `grid`), and max_runs (0: all) starts only that many of the
-    others, in job order, so a study or tuning can be spread over calls and machines. `publish(rows)` gets the
+    others, in job order, so a study or tuning can be spread over calls and machines (a continue_runs=true that
+    finds no result says so, since it then starts every run again). `publish(rows)` gets the
     kept rows and those finished so far, in job order, before the first run and after each. Returns every row in
     job order and what each publish returned."""
     kept = held_runs(path, config, jobs, grid) if cfg.get("continue_runs", False) else {}
+    if cfg.get("continue_runs", False) and not path.exists():
+        print(f"continue_runs=true: no result at {path} to continue, so every run starts from its beginning "
+              "(pass the results_dir that holds the earlier result to keep its runs)")
     todo, left = runs_to_start(jobs, kept, cfg.get("max_runs", 0))
     check_continued(todo)
     published = [publish(in_job_order(jobs, kept, []))]   # the plan (and kept rows), before the first run finishes

@@ -140,6 +140,22 @@ def test_tune_recipe_refuses_bad_candidates_before_writing_anything(kind, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_continue_runs_without_a_result_says_that_every_run_starts(tmp_path, monkeypatch, capsys):
+    """continue_runs=true where results_dir holds no earlier result (a fresh machine the result was not copied to)
+    runs from the beginning, and says so with the path it looked at, before the first run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(sys, "argv", ["tune_recipe.py", f"out_dir={tmp_path}/tune", f"results_dir={tmp_path}/res",
+                                      *TINY, "variants=[dense]", "lrs=[1e-3,2e-3]", "warmups=[0]",
+                                      "continue_runs=true", "max_runs=1"])
+    experiments.tune_recipe.main()
+    out = capsys.readouterr().out
+    expected = f"continue_runs=true: no result at {tmp_path}/res/quality_recipe/cpu_tiny.json to continue"
+    assert expected in out and out.index(expected) < out.index("| variant |")
+    done = json.loads((tmp_path / "res" / "quality_recipe" / "cpu_tiny.json").read_text())
+    assert (done["jobs_done"], done["jobs_total"]) == (1, 2)
+
+
 def test_continue_runs_keeps_the_runs_the_result_holds_and_runs_the_rest(tmp_path, monkeypatch, capsys):
     """max_runs=1 runs the first run only, and writes no recipe. A tuning cut short on a machine that is gone:
     continue_runs=true with only its result JSON runs just the runs it lacks, keeps the others as they were
