@@ -105,11 +105,14 @@ def _build_and_load(path: Path, command: list[str], source: Path) -> ctypes.CDLL
         raise BuildError(f"could not build or load {source.name}: {err}") from err
 
 
+def _toolchain(compiler: str) -> list[str]:
+    """A compiler's path and its `--version` text: part of every build's cache key."""
+    return [compiler, subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout]
+
+
 def library_path(source: str) -> Path:
     """Where the build of `source` (a file name in this folder) for this machine is cached."""
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    return _cached_path(SOURCE_DIR / source, [compiler, version, " ".join(compile_flags()), _cpu_identity()])
+    return _cached_path(SOURCE_DIR / source, [*_toolchain(_compiler()), " ".join(compile_flags()), _cpu_identity()])
 
 
 def load(source: str) -> ctypes.CDLL:
@@ -141,9 +144,7 @@ def cuda_compile_flags(arch: str) -> list[str]:
 
 def cuda_library_path(source: Path, arch: str) -> Path:
     """Where the build of the CUDA source `source` (a path) for sm_`arch` is cached."""
-    compiler = nvcc()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    return _cached_path(source, [compiler, version, " ".join(cuda_compile_flags(arch)), f"sm_{arch}"])
+    return _cached_path(source, [*_toolchain(nvcc()), " ".join(cuda_compile_flags(arch)), f"sm_{arch}"])
 
 
 def load_cuda(source: Path, arch: str) -> ctypes.CDLL:
