@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from experiments.claims.common import link, load, under_previous_rule, widest
+from experiments.claims.common import gpus_text, link, newest_one_gpu, under_previous_rule, widest
 from megaslide.testing import within_tolerance
 
 PAPER_GPUS = 8          # S1-S4: the paper's rank count
@@ -40,7 +40,8 @@ def output_verdict(results_dir: Path) -> str:
     ok, figures = same_output(result)
     P = result["ranks"]
     at = "" if P >= PAPER_GPUS else f", not run at {PAPER_GPUS}"
-    return (f"{'supported' if ok else 'not supported'} on {P} H200s{at} (paper: {PAPER_GPUS} GPUs): {figures} "
+    return (f"{'supported' if ok else 'not supported'} on {gpus_text(P, result)}{at} (paper: {PAPER_GPUS} GPUs): "
+            f"{figures} "
             f"({link(results_dir, 'sp_inference', name)}; rule: supported if {SAME_OUTPUT_RULE})")
 
 
@@ -65,12 +66,13 @@ def _slower_rungs(ladder: list[tuple[str, float]]) -> list[str]:
 
 def s_claim(which):
     def f(results_dir: Path):
-        one, wide = load(results_dir, "sp_inference", "wan-1.3b_P1"), widest_sp(results_dir)
-        if not one:
+        first, wide = newest_one_gpu(results_dir, "sp_inference", "ranks"), widest_sp(results_dir)
+        if not first:
             return "not measured", "-"
-        name, p = wide or ("wan-1.3b_P1", one)
+        one_name, one = first
+        name, p = wide or first
         P, s, src = p["ranks"], p["summary"], link(results_dir, "sp_inference", name)
-        where = f"{P} H200{'s' if P > 1 else ''}"
+        where = gpus_text(P, p)
         if which == "S3":
             vs = s["speedup_vs_full_sequence_total"]
             scaling = (f"; {s['speedup_vs_1gpu_total']:.2f}x over 1 GPU (target 1.8x)" if P > 1 else
@@ -83,18 +85,18 @@ def s_claim(which):
             one_ms = one["summary"]["ttff_ms"]
             more = f", {s['ttff_ms']:.0f} ms on {where} ({src})" if P > 1 else ""
             below = max(one_ms, s["ttff_ms"]) < 1e3 * PAPER_TTFF_S
-            return ((f"first chunk final after {one_ms:.0f} ms on 1 H200 "
-                     f"({link(results_dir, 'sp_inference', 'wan-1.3b_P1')})"
+            return ((f"first chunk final after {one_ms:.0f} ms on {gpus_text(1, one)} "
+                     f"({link(results_dir, 'sp_inference', one_name)})"
                      f"{more}; VAE decode excluded"),
                     (f"first frame < {PAPER_TTFF_S:g} s: {'supported' if below else 'not supported'} (rule: every "
                      f"measured first-chunk time below {PAPER_TTFF_S:g} s); quality unchanged (read as the same "
                      "output: the run's weights are random, and the same video scores the same): "
                      + output_verdict(results_dir)))
-        ladders = [(1, "wan-1.3b_P1", one)] + ([(P, name, p)] if P > 1 else [])
+        ladders = [(1, one_name, one)] + ([(P, name, p)] if P > 1 else [])
         texts, findings = [], []
         for gpus, file, result in ladders:
             ladder, slower = _ladder(result), _slower_rungs(_ladder(result))
-            texts.append(f"{gpus} H200{'s' if gpus > 1 else ''}: {ladder[0][1]:.2f} s -> {ladder[-1][1]:.2f} s "
+            texts.append(f"{gpus_text(gpus, result)}: {ladder[0][1]:.2f} s -> {ladder[-1][1]:.2f} s "
                          f"({link(results_dir, 'sp_inference', file)})")
             on = f"on {gpus} GPU{'s' if gpus > 1 else ''}"
             findings.append(f"mixed {on}: {len(slower)} of {len(ladder) - 1} rungs got slower, {', '.join(slower)}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.report import result_files
-from experiments.results_io import (REFERENCE_GPU, audit_status, is_ancestor, provenance_mark, ran_on,
+from experiments.results_io import (ANY_GPU, REFERENCE_GPU, audit_status, is_ancestor, provenance_mark, ran_on,
                                    record_status, recorded_commit)
 
 
@@ -52,6 +52,20 @@ def widest(results_dir: Path, experiment: str, ranks_key: str, timed: str | None
     found = [(n, d) for n, d in read_results(results_dir, experiment) if ran_on(d, REFERENCE_GPU)
              and (timed is None or any(r["variant"] == timed and "time_s" in r for r in d.get("timings", [])))]
     return max(found, key=lambda nd: nd[1].get(ranks_key, 0), default=None)
+
+
+def newest_one_gpu(results_dir: Path, experiment: str, ranks_key: str) -> tuple[str, dict] | None:
+    """The newest (by recorded date) result of `experiment` that ran on one GPU of any kind, as (name, data): a
+    one-GPU figure may come from whichever card was lent, and `gpus_text` names it."""
+    found = [(n, d) for n, d in read_results(results_dir, experiment) if ran_on(d, ANY_GPU) and d.get(ranks_key) == 1]
+    return max(found, key=lambda nd: nd[1].get("date", ""), default=None)
+
+
+def gpus_text(count: int, result: dict) -> str:
+    """"1 H100", "2 H200s": a GPU count with the card model its result recorded ("GPU" when the names differ)."""
+    names = (result.get("hardware") or {}).get("gpus") or []
+    models = {m for name in names for m in re.findall(r"\b[A-Z]\d{3}\b", name)}
+    return f"{count} {models.pop() if len(models) == 1 else 'GPU'}{'s' if count > 1 else ''}"
 
 
 def under_previous_rule(rule: str, verdict: str, until: str = "") -> str:

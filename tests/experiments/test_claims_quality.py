@@ -289,10 +289,10 @@ def test_f1_is_undetermined_while_the_model_errs_more_than_its_predicted_gaps(tm
                            "ring_intra": {"total_s": 1.01}}]}
     wide = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.2},
                                                  {"variant": "sdpa_1gpu", "measured_over_predicted": 1.01}]})
-    assert swiftfusion.f1(tmp_path, sim, wide)[1].startswith("undetermined until the model is calibrated")
-    assert "measured/predicted 1.20-1.20" in swiftfusion.f1(tmp_path, sim, wide)[1]
+    assert swiftfusion.f1(tmp_path, ("one", sim), wide)[1].startswith("undetermined until the model is calibrated")
+    assert "measured/predicted 1.20-1.20" in swiftfusion.f1(tmp_path, ("one", sim), wide)[1]
     calibrated = ("w2", {"world_size": 2, "timings": [{"variant": "usp", "measured_over_predicted": 1.001}]})
-    assert swiftfusion.f1(tmp_path, sim, calibrated)[1].startswith("not supported by the model")
+    assert swiftfusion.f1(tmp_path, ("one", sim), calibrated)[1].startswith("not supported by the model")
 
 
 def test_scorer_version_reads_only_scored_rows():

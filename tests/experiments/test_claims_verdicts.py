@@ -133,3 +133,16 @@ def test_s4_first_frame_counts_every_measured_rank_count(tmp_path, ttff_ms, word
     edit(paths["wan-1.3b_P2"], lambda d: d["summary"].update(ttff_ms=ttff_ms))
     assert causal_sp.s_claim("S4")(tmp_path)[1].startswith(
         f"first frame < 1 s: {word} (rule: every measured first-chunk time below 1 s)")
+
+
+def test_one_gpu_figures_come_from_the_newest_one_gpu_run_named_by_its_card(tmp_path):
+    """S2 and S4's one-GPU half reads the newest one-GPU result, whichever card ran it, and says which card."""
+    paths = copied(tmp_path, "sp_inference", "wan-1.3b_P1", "h100_wan-1.3b_P1")
+    s2, s4 = causal_sp.s_claim("S2"), causal_sp.s_claim("S4")
+    assert "1 H100: 2.59 s -> 2.10 s ([sp_inference/h100_wan-1.3b_P1.json]" in s2(tmp_path)[0]
+    assert s4(tmp_path)[0].startswith("first chunk final after 155 ms on 1 H100")
+    edit(paths["wan-1.3b_P1"], lambda d: d.update(date="2027-01-01T00:00:00+00:00"))   # the H200 run now newest
+    assert "1 H200: 3.26 s -> 2.13 s ([sp_inference/wan-1.3b_P1.json]" in s2(tmp_path)[0]
+    assert s4(tmp_path)[0].startswith("first chunk final after 158 ms on 1 H200")
+    edit(paths["wan-1.3b_P1"], lambda d: d["hardware"].update(gpus=["NVIDIA H200", "NVIDIA H100 80GB HBM3"]))
+    assert "on 1 GPU (" in s4(tmp_path)[0]   # cards that differ are not named
