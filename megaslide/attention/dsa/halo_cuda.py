@@ -1,13 +1,14 @@
 """The CUDA C++ halo forward of 3D-DSA (cuda/halo_fwd.cu) from Python, and a plain-torch emulation of it for CPU.
 
-`dsa_halo_forward_cuda` has halo.dsa_halo_forward's contract (out, lse in log2 units, per-tile paths: 1 halo,
-0 gathers). On a GPU the CUDA kernel (built with nvcc at first use, cached: megaslide/offload/csrc/build.py, and
+`dsa_halo_forward_cuda` has halo.dsa_halo_forward's contract (out, lse in log2 units, per-tile paths: 1 halo, 0
+gathers). On a GPU the CUDA kernel (built with nvcc at first use, cached: megaslide/offload/csrc/build.py, and
 loaded with ctypes) runs the tiles whose samples stay in their halo and writes every tile's path; the gather
 forward (halo_rest.py, Triton) then runs the others. On CPU tensors `halo_tiles_emulated` runs the kernel's
 per-tile algorithm in torch (the halo's K and V rows, S = Q K^T over the halo, each sample's score from its 8
-corner entries of S by halo-local index, the softmax, the weights W on the halo's tokens, out = W V with W split
-into bf16 high and low parts) and halo_rest.py runs the rest under the Triton interpreter, so the tiling, the
-path choice and the index arithmetic are tested without a GPU.
+corner entries of S by halo-local index, the softmax, the weights W on the halo's tokens (fractions rounded to
+16 bits, as the kernel keeps them), out = W V with W split into bf16 high and low parts) and halo_rest.py
+runs the rest under the Triton interpreter, so the tiling, the path choice and the index arithmetic are tested
+without a GPU.
 
 Inputs: q, k, v contiguous bf16 (B, T, H, W, heads, d) with d a multiple of 8 up to 128 (padded to 16, 32, 48,
 64 or 128 in the kernel); offsets contiguous (B, T, H, W, heads, K, 3) in fp32, bf16 or fp16. fp32 q, k, v are
@@ -42,6 +43,9 @@ SHARED_LIMIT = 232448
 """Shared memory per block of an H100 / H200 (227 KiB), the bound used where no GPU is at hand."""
 WARPS = 4
 ROW_PAD, SCORE_PAD, STAGE_BYTES = 8, 4, 1024  # as halo_fwd.cu's kRowPad, kScorePad, kStageBytes
+PLACE_BYTES = 8  # halo_fwd.cu's Place: a sample's lower corner and its three fractions
+FRAC_STEPS = 65536
+"""The kernel keeps each fraction as a multiple of 1 / FRAC_STEPS (halo_fwd.cu's kFracScale)."""
 
 
 def _round_up(x: int, m: int) -> int:
@@ -50,14 +54,16 @@ def _round_up(x: int, m: int) -> int:
 
 def shared_bytes(tile: Sequence[int], head_dim: int, kernel_size: Sequence[int], reach: int) -> int:
     """Dynamic shared memory of one CTA (halo_fwd.cu's Layout): K then V halo rows (bf16, padded rows), S then W
-    (fp32, BQ x padded halo), Q rows or the warps' staging tiles, the (query, sample) scores and the sums."""
+    (fp32, BQ x padded halo), the Q rows, then each (query, sample)'s place, then the warps' staging tiles, the
+    (query, sample) scores and the sums."""
     bq = tile[0] * tile[1] * tile[2]
     d_pad = next(p for p in PADDED_HEAD_DIMS if head_dim <= p)
     extent = halo_extent(tuple(tile), tuple(kernel_size), reach)
     halo_pad = _round_up(extent[0] * extent[1] * extent[2], 16)
     samples = kernel_size[0] * kernel_size[1] * kernel_size[2]
     parts = [halo_pad * (d_pad + ROW_PAD) * 2, bq * (halo_pad + SCORE_PAD) * 4,
-             max(bq * (d_pad + ROW_PAD) * 2, WARPS * STAGE_BYTES), bq * samples * 4, bq * 4]
+             max(bq * (d_pad + ROW_PAD) * 2, bq * samples * PLACE_BYTES, WARPS * STAGE_BYTES), bq * samples * 4,
+             bq * 4]
     return sum(_round_up(part, 128) for part in parts)
 
 
@@ -216,7 +222,7 @@ def halo_tiles_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
     j = torch.arange(samples)  # (K,)
     window = [j // (kh * kw), j // kw % kh, j % kw]  # (K,) each
     inside = torch.ones(bh, tiles, bq, samples, dtype=torch.bool)  # (BH, tiles, BQ, K)
-    lower, upper, frac = [], [], []
+    lower, fracs, steps = [], [], []  # per axis: halo-local lower corner, fp32 fraction, its 16-bit rounding
     for axis in range(3):
         size, kk, e = grid[axis], kernel_size[axis], extent[axis]
         start = torch.clamp(torch.clamp(coords[axis] - kk // 2, min=0), max=size - kk)  # (tiles, BQ)
@@ -225,26 +231,34 @@ def halo_tiles_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
         lower_f = torch.floor(pos)
         o = origin[axis][None, :, None, None]  # (1, tiles, 1, 1)
         inside &= (pos >= o) & (pos <= o + e - 1)
+        frac = torch.where(valid[None, :, :, None], pos - lower_f, 0.0)  # a query past the grid: lower corner only
+        fracs.append(frac)
+        steps.append(torch.clamp(torch.round(frac * FRAC_STEPS), max=FRAC_STEPS - 1) / FRAC_STEPS)
         lower.append(torch.clamp(lower_f.long() - o, 0, e - 1))
-        upper.append(torch.clamp(torch.clamp(lower_f.long() + 1, max=size - 1) - o, 0, e - 1))
-        frac.append(pos - lower_f)
     path = (inside | ~valid[None, :, :, None]).flatten(2).all(dim=2)  # (BH, tiles)
 
-    corners = []  # (halo-local index, weight), each (BH, tiles, BQ, K), in the kernel's order
-    for ct in range(2):
-        for cy in range(2):
-            for cx in range(2):
-                idx = ((upper[0] if ct else lower[0]) * extent[1] + (upper[1] if cy else lower[1])) * extent[2] \
-                    + (upper[2] if cx else lower[2])
-                w = ((frac[0] if ct else 1 - frac[0]) * (frac[1] if cy else 1 - frac[1])
-                     * (frac[2] if cx else 1 - frac[2]))
-                corners.append((idx, w))
-    s = sum(w * scores.gather(3, idx) for idx, w in corners) * (scale * LOG2E)  # (BH, tiles, BQ, K) log2 units
+    def corners(frac: list) -> list:
+        """(halo-local index, weight) of the 8 corners at these fractions, each (BH, tiles, BQ, K), in the kernel's
+        order; an upper corner (inside the halo wherever its weight is above 0 on a path-1 tile; the clamp keeps
+        path-0 tiles' indices, which the kernel never computes, on the halo) exists where its fraction is above 0."""
+        upper = [torch.clamp(lo + (f > 0).long(), max=e - 1) for lo, f, e in zip(lower, frac, extent)]
+        found = []
+        for ct in range(2):
+            for cy in range(2):
+                for cx in range(2):
+                    idx = ((upper[0] if ct else lower[0]) * extent[1] + (upper[1] if cy else lower[1])) \
+                        * extent[2] + (upper[2] if cx else lower[2])
+                    w = ((frac[0] if ct else 1 - frac[0]) * (frac[1] if cy else 1 - frac[1])
+                         * (frac[2] if cx else 1 - frac[2]))
+                    found.append((idx, w))
+        return found
+
+    s = sum(w * scores.gather(3, idx) for idx, w in corners(fracs)) * (scale * LOG2E)  # (BH, tiles, BQ, K) log2
     m = s.amax(dim=3, keepdim=True)  # (BH, tiles, BQ, 1)
     prob = torch.exp2(s - m)  # (BH, tiles, BQ, K)
     denom = prob.sum(dim=3)  # (BH, tiles, BQ)
     weights = torch.zeros_like(scores)  # (BH, tiles, BQ, HALO): W, the numerator's weight on each halo token
-    for idx, w in corners:
+    for idx, w in corners(steps):  # W's fractions in the kernel's 16 bits
         weights.scatter_add_(3, idx, prob * w)
     hi = weights.bfloat16().float()  # W = hi + lo to about 16 bits, both bf16 operands of the kernel's dot
     lo = (weights - hi).bfloat16().float()
