@@ -107,9 +107,9 @@ def parse_report(text: str) -> list[dict]:
     rows, row, spans = [], None, None
     lines = text.splitlines()
     for i, line in enumerate(lines):
-        launch = re.match(r"^  (\S+) \(([\d, ]+)\)x\(([\d, ]+)\), Context", line)
-        if launch:
-            row = {"kernel": launch.group(1), "grid": [int(x) for x in launch.group(2).split(",")],
+        launch = re.match(r"^  (.+?) \(([\d, ]+)\)x\(([\d, ]+)\), Context", line)
+        if launch:   # a C++ kernel's name has spaces: "void halo_fwd_kernel<32, 64>(Geometry, ...)" -> its template
+            row = {"kernel": launch.group(1).removeprefix("void ").split("(")[0], "grid": [int(x) for x in launch.group(2).split(",")],
                    "block": [int(x) for x in launch.group(3).split(",")]}
             rows.append(row)
             continue

@@ -31,6 +31,14 @@ def test_parse_report_converts_microseconds():
     assert parse_report(text)[0]["duration_ms"] == pytest.approx(0.86864)
 
 
+def test_parse_report_names_a_cuda_cpp_kernel_by_its_template():
+    """nvcc kernels are reported with their signature, which has spaces (the CUDA halo forward's, for one)."""
+    text = REPORT.read_text().replace("  _dsa_fwd_kernel (32768", "  void halo_fwd_kernel<32, 64>(Geometry, const "
+                                      "__nv_bfloat16 *, float *, int) (32768", 1)
+    fwd = parse_report(text)[0]
+    assert (fwd["kernel"], fwd["grid"], fwd["duration_ms"]) == ("halo_fwd_kernel<32, 64>", [32768, 16, 1], 27.33)
+
+
 def test_config_checks():
     ok = dict(name="x", child=False, ops=["dsa"], shape=[1, 2, 3, 4, 1, 16], launch_count=5, ncu="",
               wandb_dir="runs", wandb_project="p")
