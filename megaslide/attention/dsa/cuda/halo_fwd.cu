@@ -12,11 +12,12 @@
 //   3. Every (query, sample) pair, one per thread at a time, is placed once: its lower corner's halo-local index
 //      and its three fractions rounded to 16 bits (`Place`, 8 bytes, kept in Q's freed buffer), and its score,
 //      the trilinear sum of its corner entries of S with fp32 fractions times qk_scale (log2 units).
-//   4. The softmax over each query's K samples, by the TPQ = threads / BQ threads of the query (warp shuffles);
-//      lse = max + log2(sum). The CTA zeroes S's buffer.
-//   5. W, each query's probabilities times corner weights on the halo: the TPQ threads of a query split the
-//      halo by the parity of t and y (and x where TPQ is 8), so each W entry has one writer, which adds its
-//      samples in sample order: no atomics, and the result is deterministic.
+//   4. The softmax over each query's K samples, by the kThreadsPerQuery = 8 threads of the query (warp
+//      shuffles); lse = max + log2(sum). The CTA zeroes S's buffer.
+//   5. W, each query's probabilities times corner weights on the halo: the 8 threads of a query split the halo
+//      by the parity of t, y and x, so each W entry has one writer, which adds its samples in sample order: no
+//      atomics, and the result is deterministic.
+//   (A CTA has 8 threads a query: 128 or 256 threads. Steps 1 and 3-5 use them all; step 6 uses kOutWarps.)
 //   6. out = W V / sum on tensor cores: W (fp32, entries in [0, 1]) is split per 16 x 16 block into a bf16 high
 //      part and a bf16 low part (W - hi), both multiplied by V's bf16 rows with fp32 accumulation, which keeps
 //      W to about 16 bits of mantissa (finer than bf16's rounding of out).
@@ -45,8 +46,8 @@ namespace {
 using bf16 = __nv_bfloat16;
 namespace wmma = nvcuda::wmma;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kThreadsPerQuery = 8;  // one per (t, y, x) parity of the halo in W: 8 x BQ threads a CTA
+constexpr int kOutWarps = 4;         // warps of out = W V, each with its own staging tile
 constexpr int kRowPad = 8;          // bf16 entries past D_PAD per shared Q / K / V row: rows start on other banks
 constexpr int kScorePad = 4;        // fp32 entries past the padded halo per S / W row (wmma wants a multiple of 4)
 constexpr int kStageBytes = 1024;   // per warp: a 16 x 16 fp32 tile, or two 16 x 16 bf16 tiles
@@ -94,7 +95,7 @@ struct Layout {
         s = kv + round_up((long)halo_pad * (d_pad + kRowPad) * 2, 128);
         long reused = (long)bq * (d_pad + kRowPad) * 2;
         if (reused < (long)bq * samples * 8) reused = (long)bq * samples * 8;
-        if (reused < kWarps * kStageBytes) reused = kWarps * kStageBytes;
+        if (reused < kOutWarps * kStageBytes) reused = kOutWarps * kStageBytes;
         stage = s + round_up((long)bq * (halo_pad + kScorePad) * 4, 128);
         scores = stage + round_up(reused, 128);
         sums = scores + round_up((long)bq * samples * 4, 128);
@@ -242,12 +243,12 @@ __device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_gr
 
 // The halo's rows of K or V (halo_pad x D_PAD bf16, row stride D_PAD + kRowPad) into dst: rows past the halo or
 // off the grid and head columns past d are zero.
-template <int D_PAD>
+template <int D_PAD, int THREADS>
 __device__ __forceinline__ void copy_halo_rows(bf16* dst, const bf16* src, long row0, int ht0, int hy0, int hx0,
                                                const Geometry& g) {
     constexpr int kChunks = D_PAD / 8;
     const int halo = g.et * g.ey * g.ex;
-    for (int c = threadIdx.x; c < g.halo_pad * kChunks; c += kThreads) {
+    for (int c = threadIdx.x; c < g.halo_pad * kChunks; c += THREADS) {
         const int r = c / kChunks, col = c % kChunks * 8;
         const int lt = div_of(r, g.by_exy), rest = r - lt * g.by_exy.b, ly = div_of(rest, g.by_ex);
         const int t = ht0 + lt, y = hy0 + ly, x = hx0 + rest - ly * g.ex;
@@ -257,14 +258,14 @@ __device__ __forceinline__ void copy_halo_rows(bf16* dst, const bf16* src, long 
     }
 }
 
-// (min 1 CTA an SM for the register bound: ptxas then spills nothing; two fit an SM at d 64 all the same)
+// (min 2 CTAs an SM for the register bound: two fit an SM's shared memory at d 64)
 template <int BQ, int D_PAD>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreadsPerQuery * BQ, 2)
     halo_fwd_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                     const void* __restrict__ offsets, bf16* __restrict__ out, float* __restrict__ lse,
                     int8_t* __restrict__ path, Geometry g) {
     constexpr int LD = D_PAD + kRowPad;
-    constexpr int TPQ = kThreads / BQ;  // threads per query in the softmax and in W (4 or 8)
+    constexpr int THREADS = kThreadsPerQuery * BQ, WARPS = THREADS / 32, TPQ = kThreadsPerQuery;
     extern __shared__ __align__(128) unsigned char smem[];
     const int samples = g.kt * g.kh * g.kw;
     const Layout layout(BQ, D_PAD, g.halo_pad, samples);
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // path: every sample of every valid query inside the halo (pair e = query * samples + sample: a warp reads
     // consecutive offsets)
     bool inside = true;
-    for (int e = threadIdx.x; e < BQ * samples; e += kThreads) {
+    for (int e = threadIdx.x; e < BQ * samples; e += THREADS) {
         const int i = div_of(e, g.by_samples);
         Query qq = tile_query(i, t0, y0, x0, g);
         if (!qq.valid) continue;
@@ -301,20 +302,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!on_halo) return;
 
     // Q rows and K halo rows to shared memory
-    for (int c = threadIdx.x; c < BQ * (D_PAD / 8); c += kThreads) {
+    for (int c = threadIdx.x; c < BQ * (D_PAD / 8); c += THREADS) {
         int i = c / (D_PAD / 8), col = c % (D_PAD / 8) * 8;
         Query qq = tile_query(i, t0, y0, x0, g);
         bool valid = col < g.d;
         copy16(qs + i * LD + col, q + (row0 + qq.n * g.heads) * g.d + (valid ? col : 0), valid);
     }
-    copy_halo_rows<D_PAD>(kv, k, row0, ht0, hy0, hx0, g);
+    copy_halo_rows<D_PAD, THREADS>(kv, k, row0, ht0, hy0, hx0, g);
     copy_commit();
     copy_wait_all();
     __syncthreads();
 
     // S = Q K^T (BQ, halo_pad), fp32
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int f = warp; f < (BQ / 16) * (g.halo_pad / 16); f += kWarps) {
+    for (int f = warp; f < (BQ / 16) * (g.halo_pad / 16); f += WARPS) {
         int mi = f % (BQ / 16), ni = f / (BQ / 16);
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
         wmma::fill_fragment(acc, 0.0f);
@@ -331,12 +332,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
 
     // V halo rows into K's buffer, in flight while the samples are placed, scored and weighed
-    copy_halo_rows<D_PAD>(kv, v, row0, ht0, hy0, hx0, g);
+    copy_halo_rows<D_PAD, THREADS>(kv, v, row0, ht0, hy0, hx0, g);
     copy_commit();
 
     // every (query, sample): its place (a query past the grid: the lower corner only, inside the halo) and its
     // score from its corners of S with fp32 fractions (the lse stays as exact as the gather forward's), log2 units
-    for (int e = threadIdx.x; e < BQ * samples; e += kThreads) {
+    for (int e = threadIdx.x; e < BQ * samples; e += THREADS) {
         const int i = div_of(e, g.by_samples);
         Query qq = tile_query(i, t0, y0, x0, g);
         Sample sm = query_sample(qq, e - i * samples, offsets, (row0 + qq.n * g.heads) * samples * 3, ht0, hy0,
@@ -373,12 +374,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (g.store_lse && qq.valid) lse[(long)bh * N + qq.n] = m + log2f(l);
         }
     }
-    for (int e = threadIdx.x * 4; e < BQ * ls; e += kThreads * 4)
+    for (int e = threadIdx.x * 4; e < BQ * ls; e += THREADS * 4)
         *reinterpret_cast<float4*>(s + e) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     __syncthreads();
 
-    // W: thread r of query i owns the halo entries whose t parity is bit 0 of r and y parity bit 1 (x parity bit
-    // 2 where TPQ is 8), and adds its corners of every sample in sample order; queries past the grid add nothing
+    // W: thread r of query i owns the halo entries whose t, y and x parities are bits 0, 1 and 2 of r, and adds
+    // its corner of every sample in sample order; queries past the grid add nothing
     {
         const int i = threadIdx.x / TPQ, r = threadIdx.x % TPQ;
         if (tile_query(i, t0, y0, x0, g).valid) {
@@ -386,32 +387,25 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int j = 0; j < samples; ++j) {
                 const Corner c = open_place(places[i * samples + j], g);
                 const float pj = sc[i * samples + j];
-                int at_t, at_y;
-                float w_t, w_y;
+                int at_t, at_y, at_x;
+                float w_t, w_y, w_x;
                 pick_parity(c.t, c.ft, r & 1, at_t, w_t);
                 pick_parity(c.y, c.fy, (r >> 1) & 1, at_y, w_y);
-                // skip on the weights, not on pw: a NaN probability (from a non-finite q or k) times a zero
-                // weight is NaN, and the zero-weight corner of a parity may lie one past the halo
-                if (w_t == 0.0f || w_y == 0.0f) continue;
-                const int base = (at_t * g.ey + at_y) * g.ex;
-                const float pw = pj * w_t * w_y;
-                if (TPQ == 8) {
-                    int at_x;
-                    float w_x;
-                    pick_parity(c.x, c.fx, (r >> 2) & 1, at_x, w_x);
-                    if (w_x != 0.0f) wrow[base + at_x] += pw * w_x;
-                } else {
-                    wrow[base + c.x] += pw * (1.0f - c.fx);
-                    if (c.fx > 0.0f) wrow[base + c.x + 1] += pw * c.fx;
-                }
+                pick_parity(c.x, c.fx, (r >> 2) & 1, at_x, w_x);
+                // skip on the weights, not on p x weights: a NaN probability (from a non-finite q or k) times a
+                // zero weight is NaN, and the zero-weight corner of a parity may lie one past the halo
+                if (w_t == 0.0f || w_y == 0.0f || w_x == 0.0f) continue;
+                wrow[(at_t * g.ey + at_y) * g.ex + at_x] += pj * w_t * w_y * w_x;
             }
         }
     }
     copy_wait_all();
     __syncthreads();
 
-    // out = (W_hi + W_lo) V / sum: warp w takes row block w % MB and every (kWarps / MB)-th column block
-    constexpr int MB = BQ / 16, NB = D_PAD / 16, WPR = kWarps / MB, NT = (NB + WPR - 1) / WPR;
+    // out = (W_hi + W_lo) V / sum on the first kOutWarps warps (no barrier follows): warp w takes row block
+    // w % MB and every (kOutWarps / MB)-th column block
+    if (warp >= kOutWarps) return;
+    constexpr int MB = BQ / 16, NB = D_PAD / 16, WPR = kOutWarps / MB, NT = (NB + WPR - 1) / WPR;
     const int mi = warp % MB, n_first = warp / MB;
     unsigned char* stage = smem + layout.stage + warp * kStageBytes;
     bf16* w_hi = reinterpret_cast<bf16*>(stage);  // (16, 16)
@@ -470,7 +464,7 @@ cudaError_t launch(const void* q, const void* k, const void* v, const void* offs
     cudaError_t err = cudaFuncSetAttribute(halo_fwd_kernel<BQ, D_PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(bytes));
     if (err != cudaSuccess) return err;
-    halo_fwd_kernel<BQ, D_PAD><<<dim3(tiles, batch_heads), kThreads, bytes, stream>>>(
+    halo_fwd_kernel<BQ, D_PAD><<<dim3(tiles, batch_heads), kThreadsPerQuery * BQ, bytes, stream>>>(
         static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v), offsets,
         static_cast<bf16*>(out), lse, path, g);
     return cudaGetLastError();
