@@ -109,7 +109,8 @@ def parse_report(text: str) -> list[dict]:
     for i, line in enumerate(lines):
         launch = re.match(r"^  (.+?) \(([\d, ]+)\)x\(([\d, ]+)\), Context", line)
         if launch:   # a C++ kernel's name has spaces: "void halo_fwd_kernel<32, 64>(Geometry, ...)" -> its template
-            row = {"kernel": launch.group(1).removeprefix("void ").split("(")[0], "grid": [int(x) for x in launch.group(2).split(",")],
+            row = {"kernel": launch.group(1).removeprefix("void ").split("(")[0],
+                   "grid": [int(x) for x in launch.group(2).split(",")],
                    "block": [int(x) for x in launch.group(3).split(",")]}
             rows.append(row)
             continue
