@@ -41,7 +41,7 @@ OFFSET_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Offset dtypes the kernel reads, with its code for each."""
 SHARED_LIMIT = 232448
 """Shared memory per block of an H100 / H200 (227 KiB), the bound used where no GPU is at hand."""
-WARPS = 4
+OUT_WARPS = 4  # halo_fwd.cu's kOutWarps: the warps of out = W V, each with a staging tile
 ROW_PAD, SCORE_PAD, STAGE_BYTES = 8, 4, 1024  # as halo_fwd.cu's kRowPad, kScorePad, kStageBytes
 PLACE_BYTES = 8  # halo_fwd.cu's Place: a sample's lower corner and its three fractions
 FRAC_STEPS = 65536
@@ -62,7 +62,7 @@ def shared_bytes(tile: Sequence[int], head_dim: int, kernel_size: Sequence[int],
     halo_pad = _round_up(extent[0] * extent[1] * extent[2], 16)
     samples = kernel_size[0] * kernel_size[1] * kernel_size[2]
     parts = [halo_pad * (d_pad + ROW_PAD) * 2, bq * (halo_pad + SCORE_PAD) * 4,
-             max(bq * (d_pad + ROW_PAD) * 2, bq * samples * PLACE_BYTES, WARPS * STAGE_BYTES), bq * samples * 4,
+             max(bq * (d_pad + ROW_PAD) * 2, bq * samples * PLACE_BYTES, OUT_WARPS * STAGE_BYTES), bq * samples * 4,
              bq * 4]
     return sum(_round_up(part, 128) for part in parts)
 
