@@ -30,10 +30,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.hydra_config import script_main, typed_configs
+from experiments.hydra_config import command_line_keys, script_main, typed_configs
 from experiments.quality_protocol import (check_study, final_checkpoint, ground_truth_row, make_job, process_pool,
                                           run_study, variant_models)
-from experiments.recipe import read_recipe, tuned_for
+from experiments.recipe import CANDIDATE_KEYS, WINDOW, read_recipe, tuned_for
 from experiments.results_io import write_result
 from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from megaslide.train.trainer import Trainer
@@ -52,10 +52,13 @@ def per_clip(values, default: int, key: str, default_key: str, clip_frames) -> l
 def main(cfg: DictConfig) -> None:
     model, data, train, _ = typed_configs(cfg)
     check_study(cfg)
-    models = variant_models(model, cfg.variants, cfg.swin_window)
     clips = [dataclasses.replace(data, frames=int(f)) for f in cfg.clip_frames]
     batches = per_clip(cfg.clip_batch_sizes, train.batch_size, "clip_batch_sizes", "train.batch_size", cfg.clip_frames)
     steps = per_clip(cfg.clip_steps, train.steps, "clip_steps", "train.steps", cfg.clip_frames)
+    recipes = (read_recipe(cfg.recipe, list(cfg.variants), tuned_for(clips[0], model, steps[0], batches[0]),
+                           cfg.eval_seed) if cfg.recipe else {})
+    swin_window = recipe_window(recipes, cfg.swin_window)
+    models = variant_models(model, cfg.variants, swin_window)
     for clip in clips:                       # every (variant, clip) is validated before training starts
         grid = model.token_grid(clip.frames, clip.height, clip.width)
         for name in cfg.variants:
@@ -65,8 +68,6 @@ def main(cfg: DictConfig) -> None:
             raise ValueError(f"probe_warmup={cfg.probe_warmup} and probe_steps={cfg.probe_steps} must each be >= 1")
         probe_compile(cfg, models, clips[0], dataclasses.replace(train, batch_size=batches[0]))
         return
-    recipes = (read_recipe(cfg.recipe, list(cfg.variants), tuned_for(clips[0], model, steps[0], batches[0]),
-                           cfg.eval_seed) if cfg.recipe else {})
     totals = list(itertools.accumulate(steps)) if cfg.progressive else steps   # each run's steps in all
     jobs = []
     for seed in cfg.seeds:
@@ -74,18 +75,31 @@ def main(cfg: DictConfig) -> None:
         for clip, batch, total in zip(clips, batches, totals):
             for variant in cfg.variants:
                 run = dataclasses.replace(train, seed=int(seed), batch_size=batch, steps=total,
-                                          **recipes.get(variant, {}))
+                                          **{k: v for k, v in recipes.get(variant, {}).items() if k in CANDIDATE_KEYS})
                 if cfg.progressive and variant in previous:
                     run = dataclasses.replace(run, resume=str(final_checkpoint(previous[variant])))
                 previous[variant] = make_job(cfg, variant, models[variant], clip, run, f"{cfg.name}{clip.frames}f")
                 jobs.append(previous[variant])
     config = {"clip_frames": list(cfg.clip_frames), "speed_px_per_frame": data.speed,
-              "size": [data.height, data.width], "swin_window": list(cfg.swin_window), "steps": steps[0],
+              "size": [data.height, data.width], "swin_window": list(swin_window), "steps": steps[0],
               "clip_steps": steps, "progressive": bool(cfg.progressive), "compile": train.compile,
               "deterministic": train.deterministic, **({"recipe": recipes} if recipes else {}),
               "seeds": list(cfg.seeds), "batch_sizes": batches}
     truth = [ground_truth_row(clip, cfg.n_eval, cfg.eval_seed, cfg.n_train_eval) for clip in clips]
-    run_study("quality", cfg, jobs, truth, config, {f"_{clip.frames}f": clip.frames for clip in clips})
+    run_study("quality", cfg, jobs, truth, config, {f"_{clip.frames}f": clip.frames for clip in clips},
+              per_run=("recipe", "swin_window"))   # each row's settings digest holds what these set
+
+
+def recipe_window(recipes: dict[str, dict], swin_window) -> tuple[int, int, int]:
+    """Swin's window: the recipe's where it tuned one, else `swin_window`. A swin_window set on the command line
+    that differs from the recipe's is refused (ValueError naming both), not silently replaced."""
+    tuned = recipes.get("swin", {}).get(WINDOW)
+    if tuned is None or tuple(tuned) == tuple(swin_window):
+        return tuple(swin_window)
+    if "swin_window" in command_line_keys():
+        raise ValueError(f"swin_window={list(swin_window)} differs from the recipe's Swin window {list(tuned)}: drop "
+                         f"swin_window to train Swin as it was tuned, or pass recipe='' to train without the recipe")
+    return tuple(tuned)
 
 
 def time_steps(model: DiTConfig, data: DataConfig, train: TrainConfig, out_dir: str, warmup: int,

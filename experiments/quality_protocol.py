@@ -12,6 +12,7 @@ ground-truth clip of the same caption (ground truth left), looped to at least MP
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -414,7 +415,7 @@ STUDY_COUNTS = {"n_eval": "held-out captions each run samples and scores, e.g. n
 
 
 STUDY_LISTS = ("variants", "clip_frames", "clip_batch_sizes", "clip_steps", "swin_window", "lrs",
-               "warmups")   # lists where present
+               "warmups", "swin_windows")   # lists where present
 
 
 def check_study(cfg) -> None:
@@ -455,7 +456,7 @@ def check_study(cfg) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"{key}={seed!r} must be an integer in [0, 2**63): the data seed of the held-out clips")
         require_seed(seed, key)
-    for key in ("seeds", "variants", "clip_frames", "lrs", "warmups"):
+    for key in ("seeds", "variants", "clip_frames", "lrs", "warmups", "swin_windows"):
         refuse_repeats(key, cfg.get(key, []))
 
 
@@ -487,6 +488,11 @@ def make_job(cfg, attention: str, model: DiTConfig, data: DataConfig, train: Tra
 BOOKKEEPING = ("device", "log_every", "ckpt_every", "keep_checkpoints", "resume")
 
 
+# settings added after rows first carried digests -> the value every run before them had: left out of the digest
+# at that value, so that the rows of those runs still match (a field added later goes here with its old behaviour)
+ADDED_SINCE_DIGESTS = {("model", "attention", "options", "halo_kernel"): "triton"}
+
+
 def settings_digest(job: dict) -> str:
     """sha256 (first 16 hex digits) of what a job's row depends on: its model, data, training settings (all but
     BOOKKEEPING) and evaluation (n_eval, eval_seed, n_train_eval). Each row carries it (`settings`), so that
@@ -494,16 +500,23 @@ def settings_digest(job: dict) -> str:
     train = {k: v for k, v in dataclasses.asdict(job["train"]).items() if k not in BOOKKEEPING}
     what = {"model": dataclasses.asdict(job["model"]), "data": dataclasses.asdict(job["data"]), "train": train,
             **{k: job[k] for k in ("attention", "n_eval", "eval_seed", "n_train_eval")}}
+    for (*path, key), old in ADDED_SINCE_DIGESTS.items():
+        parent = functools.reduce(lambda node, k: node.get(k) if isinstance(node, dict) else None, path, what)
+        if isinstance(parent, dict) and parent.get(key, old) == old:
+            parent.pop(key, None)
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def held_runs(path: Path, config: dict, jobs: list[dict], grid: Sequence[str] = ()) -> dict[str, dict]:
+def held_runs(path: Path, config: dict, jobs: list[dict], grid: Sequence[str] = (),
+              per_run: Sequence[str] = ()) -> dict[str, dict]:
     """Run name -> row of each of `jobs` that the earlier result at `path` finished (ok, or diverged: a tuning
     candidate's outcome) with the job's settings (`settings_digest`), marked with the commit, date and hardware of
     the call that ran it (`ran_in`: a continued result's runs may come from other machines); {} without that
     file. So continue_runs=true keeps what a result JSON holds on a machine where those runs' folders are gone.
     A result of another config is refused (ValueError naming continue_runs and the keys that differ); the
-    config lists named in `grid` may add entries to the earlier lists, not drop any. A row of other run settings
+    config lists named in `grid` may add entries to the earlier lists (a list the earlier config lacks counts as
+    empty), not drop any; the config keys named in `per_run` may differ, since each row's settings digest holds
+    what they set (a study's recipe: its variants' lr, warm-up and Swin window). A row of other run settings
     (another train.lr, say) is not kept: that run trains again. Rows written before rows carried `settings` are
     matched by the config and their run name alone, as they were then."""
     if not path.exists():
@@ -512,9 +525,10 @@ def held_runs(path: Path, config: dict, jobs: list[dict], grid: Sequence[str] = 
     ours, theirs = json.loads(json.dumps(config)), earlier.get("config") or {}
 
     def same(key: str) -> bool:
-        if key in grid and isinstance(ours.get(key), list) and isinstance(theirs.get(key), list):
-            return all(x in ours[key] for x in theirs[key])
-        return ours.get(key) == theirs.get(key)
+        now, before = ours.get(key, []), theirs.get(key, [])
+        if key in grid and isinstance(now, list) and isinstance(before, list):
+            return all(x in now for x in before)
+        return key in per_run or ours.get(key) == theirs.get(key)
     differ = sorted(k for k in set(ours) | set(theirs) if not same(k))
     if differ:
         raise ValueError(f"continue_runs=true: {path} holds a run of other settings ({', '.join(differ)}); "
@@ -558,14 +572,15 @@ def in_job_order(jobs: list[dict], kept: dict[str, dict], done: list[dict]) -> l
 
 
 def run_held(cfg, jobs: list[dict], path: Path, config: dict, publish: Callable[[list[dict]], object],
-             grid: Sequence[str] = (), outcomes: tuple[type[Exception], ...] = ()) -> tuple[list[dict], list]:
+             grid: Sequence[str] = (), outcomes: tuple[type[Exception], ...] = (),
+             per_run: Sequence[str] = ()) -> tuple[list[dict], list]:
     """run_jobs (cfg.workers at once) over the jobs whose runs the result at `path` lacks: with continue_runs=true
-    the rows it holds are kept (`held_runs`, with `grid`), and max_runs (0: all) starts only that many of the
-    others, in job order, so a study or tuning can be spread over calls and machines (a continue_runs=true that
+    the rows it holds are kept (`held_runs`, with `grid` and `per_run`), and max_runs (0: all) starts only that many
+    of the others, in job order, so a study or tuning can be spread over calls and machines (a continue_runs=true that
     finds no result says so, since it then starts every run again). `publish(rows)` gets the
     kept rows and those finished so far, in job order, before the first run and after each. Returns every row in
     job order and what each publish returned."""
-    kept = held_runs(path, config, jobs, grid) if cfg.get("continue_runs", False) else {}
+    kept = held_runs(path, config, jobs, grid, per_run) if cfg.get("continue_runs", False) else {}
     if cfg.get("continue_runs", False) and not path.exists():
         print(f"continue_runs=true: no result at {path} to continue, so every run starts from its beginning "
               "(pass the results_dir that holds the earlier result to keep its runs)")
@@ -580,15 +595,16 @@ def run_held(cfg, jobs: list[dict], path: Path, config: dict, publish: Callable[
 
 
 def run_study(experiment: str, cfg, jobs: list[dict], truth: list[dict], config: dict,
-              grids: dict[str, int | None]) -> None:
+              grids: dict[str, int | None], per_run: Sequence[str] = ()) -> None:
     """Run the jobs (cfg.workers at once), publishing the result after each; print the summary
     and where the result, its markdown tables, the sample grids and the sample videos are.
     With continue_runs=true the runs the result JSON already holds are kept, and max_runs starts only that many of
-    the others (`run_held`)."""
+    the others (`run_held`; `per_run`: config keys its rows' settings digests hold)."""
     def save(rows: list[dict]) -> tuple[Path, list[Path]]:
         return publish(experiment, cfg.results_name, cfg.results_dir, config, rows, truth, len(jobs), grids)
 
-    rows, published = run_held(cfg, jobs, result_path(experiment, cfg.results_name, cfg.results_dir), config, save)
+    rows, published = run_held(cfg, jobs, result_path(experiment, cfg.results_name, cfg.results_dir), config, save,
+                               per_run=per_run)
     path, pngs = published[-1]
     print(summary_table(aggregate(truth + rows)))
     print(f"\nscores (JSON): {path}\ntables (markdown): {render(experiment, Path(cfg.results_dir))}")

@@ -1,12 +1,12 @@
 """Per-variant training recipes, tuned on validation clips before any test score is seen.
 
-`experiments/tune_recipe.py` trains every candidate (learning rate, warm-up steps) of every variant and scores
-it on validation clips: clips of data seed `val_seed`, which are neither training clips (data.seed) nor the
-study's test clips (eval_seed, never sampled while tuning). `choose` takes per variant the candidate with the
-highest mean validation caption match over the tuning seeds (ties: the higher temporal consistency, then the
-lower learning rate). A recipe holds what it was tuned for (`tuned_for`: the data, the model without its
-attention, the steps and the batch); `quality.py recipe=<file>` trains each variant with its own candidate and
-refuses a recipe tuned for anything else, naming what differs.
+`experiments/tune_recipe.py` trains every candidate (learning rate, warm-up steps; for Swin also its window) of
+every variant and scores it on validation clips: clips of data seed `val_seed`, which are neither training clips
+(data.seed) nor the study's test clips (eval_seed, never sampled while tuning). `choose` takes per variant the
+candidate with the highest mean validation caption match over the tuning seeds (ties: the higher temporal
+consistency, then the lower learning rate, then the smaller window). A recipe holds what it was tuned for
+(`tuned_for`: the data, the model without its attention, the steps and the batch); `quality.py recipe=<file>`
+trains each variant with its own candidate and refuses a recipe tuned for anything else, naming what differs.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from experiments.quality_protocol import SCORE_KEYS, learned
 from megaslide.config import DataConfig, DiTConfig
 
 CANDIDATE_KEYS = ("lr", "warmup_steps")   # the TrainConfig fields a recipe sets per variant
+WINDOW = "window"   # Swin's candidates also carry its attention window (t, h, w), a list
 
 
 def tuned_for(data: DataConfig, model: DiTConfig, steps: int, batch_size: int) -> dict:
@@ -30,16 +31,18 @@ def tuned_for(data: DataConfig, model: DiTConfig, steps: int, batch_size: int) -
 
 
 def candidate_means(runs: list[dict]) -> list[dict]:
-    """Per (variant, lr, warm-up) of the tuning runs' rows (each with variant, seed, lr, warmup_steps, status and the
-    validation scores): its finished seeds and the mean of each validation score over them (NaN where none
-    finished)."""
+    """Per (variant, lr, warm-up, window where a run has one) of the tuning runs' rows (each with variant, seed, lr,
+    warmup_steps, status and the validation scores): its finished seeds and the mean of each validation score over
+    them (NaN where none finished)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["variant"], *(r[k] for k in CANDIDATE_KEYS)), []).append(r)
+        window = tuple(r[WINDOW]) if WINDOW in r else None
+        groups.setdefault((r["variant"], *(r[k] for k in CANDIDATE_KEYS), window), []).append(r)
     out = []
-    for key, group in groups.items():
+    for (variant, *values, window), group in groups.items():
         ok = [r for r in group if r.get("status") == "ok"]
-        row = {"variant": key[0], **dict(zip(CANDIDATE_KEYS, key[1:])), "seeds": len(ok)}
+        row = {"variant": variant, **dict(zip(CANDIDATE_KEYS, values)), **({WINDOW: list(window)} if window else {}),
+               "seeds": len(ok)}
         for k in SCORE_KEYS:
             if not ok or all(k in r for r in ok):
                 row[k] = sum(r[k] for r in ok) / len(ok) if ok else math.nan
@@ -49,20 +52,22 @@ def candidate_means(runs: list[dict]) -> list[dict]:
 
 def choose(candidates: list[dict], truth_ta: float) -> list[dict]:
     """One recipe row per variant from `candidate_means`: the candidate with the highest mean validation caption
-    match (ties: the higher consistency, then the lower lr), and whether it learned the task there (`learned`,
-    against the ground truth's `truth_ta`). A variant none of whose runs finished gets no row."""
+    match (ties: the higher consistency, then the lower lr, then the window of fewer tokens), and whether it learned
+    the task there (`learned`, against the ground truth's `truth_ta`). A variant none of whose runs finished gets no
+    row."""
     best: dict[str, dict] = {}
     for c in candidates:
-        rank = (c.get("text_alignment"), c.get("temporal_consistency"), -c["lr"])
+        rank = (c.get("text_alignment"), c.get("temporal_consistency"), -c["lr"], -math.prod(c.get(WINDOW, [1])))
         if c["seeds"] and (c["variant"] not in best or rank > best[c["variant"]][0]):
             best[c["variant"]] = (rank, c)
-    return [{"variant": v, **{k: c[k] for k in CANDIDATE_KEYS}, "seeds": c["seeds"],
+    return [{"variant": v, **{k: c[k] for k in (*CANDIDATE_KEYS, WINDOW) if k in c}, "seeds": c["seeds"],
              "val_text_alignment": c["text_alignment"], "val_temporal_consistency": c["temporal_consistency"],
              "learned": learned(c["text_alignment"], truth_ta)} for v, (_, c) in best.items()]
 
 
 def read_recipe(path: str, variants: list[str], expected: dict, eval_seed: int) -> dict[str, dict]:
-    """variant -> {lr, warmup_steps} of the recipe result JSON at `path` (tune_recipe.py's), for a study of
+    """variant -> {lr, warmup_steps} (and Swin's `window`, where it was tuned) of the recipe result JSON at `path`
+    (tune_recipe.py's), for a study of
     `variants` that tests on data seed `eval_seed` and trains as `expected` (tuned_for). A ValueError names the
     key to change where the file is not a finished recipe, was tuned for other training, validated on the
     study's test clips, or lacks a variant."""
@@ -85,7 +90,7 @@ def read_recipe(path: str, variants: list[str], expected: dict, eval_seed: int) 
     if differ:
         raise ValueError(f"recipe={path!r} was tuned for other training ({', '.join(differ)}); tune again with this "
                          f"study's settings, or set them as the recipe's config records them")
-    chosen = {r["variant"]: {k: r[k] for k in CANDIDATE_KEYS} for r in result["recipe"]}
+    chosen = {r["variant"]: {k: r[k] for k in (*CANDIDATE_KEYS, WINDOW) if k in r} for r in result["recipe"]}
     missing = [v for v in variants if v not in chosen]
     if missing:
         raise ValueError(f"recipe={path!r} has no recipe for {missing} (it tuned {sorted(chosen)}); tune them too, "

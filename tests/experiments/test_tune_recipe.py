@@ -1,4 +1,6 @@
 """Recipes tuned on validation clips (experiments/tune_recipe.py, experiments/recipe.py) and read by quality.py."""
+import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -10,7 +12,7 @@ import experiments.quality
 import experiments.quality_protocol as protocol
 import experiments.tune_recipe
 from experiments.recipe import candidate_means, choose, read_recipe, tuned_for
-from megaslide.config import DataConfig, DiTConfig
+from megaslide.config import DataConfig, DiTConfig, TrainConfig
 from tests.experiments.test_bad_input import run_main
 
 TINY = ["train.steps=2", "n_eval=2", "train.sample_steps=1", "data.height=8", "data.width=8", "data.shape_size=4",
@@ -35,6 +37,15 @@ def test_choose_takes_the_best_mean_validation_caption_match_per_variant():
     assert recipe["dsa"]["val_text_alignment"] == pytest.approx(0.8) and recipe["dsa"]["learned"]
     assert recipe["swin"]["lr"] == 3e-4 and not recipe["swin"]["learned"]     # 0.3 < half of 1.0
     assert recipe["dense"]["lr"] == 3e-4
+
+
+def test_choose_breaks_a_tie_between_swin_windows_by_the_smaller_window():
+    rows = [{**_run(0, "swin", 1e-3, 0.7), "window": [4, 8, 8]}, {**_run(0, "swin", 1e-3, 0.7), "window": [2, 8, 8]},
+            {**_run(0, "swin", 1e-3, 0.6), "window": [2, 4, 4]}, _run(0, "dense", 1e-3, 0.5)]
+    candidates = candidate_means(rows)
+    assert [c.get("window") for c in candidates] == [[4, 8, 8], [2, 8, 8], [2, 4, 4], None]
+    recipe = {r["variant"]: r for r in choose(candidates, truth_ta=1.0)}
+    assert recipe["swin"]["window"] == [2, 8, 8] and recipe["swin"]["learned"] and "window" not in recipe["dense"]
 
 
 def _recipe_file(tmp_path, **change):
@@ -98,7 +109,7 @@ def test_tuning_never_samples_the_test_clips_and_the_study_trains_with_its_recip
         (1e-3, 0), (1e-3, 5), (2e-3, 0), (2e-3, 5)}
 
     jobs = []
-    monkeypatch.setattr(experiments.quality, "run_study", lambda experiment, cfg, js, *rest: jobs.extend(js))
+    monkeypatch.setattr(experiments.quality, "run_study", lambda experiment, cfg, js, *rest, **kw: jobs.extend(js))
     monkeypatch.setattr(sys, "argv", ["quality.py", f"out_dir={tmp_path}/study", *TINY, "variants=[dense,dsa]",
                                       "clip_frames=[4]", "seeds=[0,1]", f"recipe={path}"])
     experiments.quality.main()
@@ -205,3 +216,91 @@ def test_continue_runs_keeps_the_runs_the_result_holds_and_runs_the_rest(tmp_pat
         experiments.tune_recipe.main()
     err = capsys.readouterr().err
     assert re.search(r"continue_runs=true: .* other settings \(lrs\); pass another results_name", err)
+
+
+def test_swin_windows_extend_a_tuning_and_the_study_trains_swin_at_the_recipe_window(tmp_path, monkeypatch, capsys):
+    """swin_windows adds Swin windows to a tuning's candidates: continued, only the new window's runs train (the
+    earlier Swin runs, at swin_window, keep their names); Swin's recipe row carries its window, and quality.py
+    builds Swin with it and records it, or refuses a command-line swin_window that differs from it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    argv = ["tune_recipe.py", f"out_dir={tmp_path}/tune", f"results_dir={tmp_path}/res", *TINY,
+            "variants=[dense,swin]", "lrs=[1e-3]", "warmups=[0]"]
+    monkeypatch.setattr(sys, "argv", argv)
+    experiments.tune_recipe.main()
+    ran = []
+    real = protocol.run_jobs
+    monkeypatch.setattr(protocol, "run_jobs", lambda jobs, *a, **k: ran.extend(jobs) or real(jobs, *a, **k))
+    monkeypatch.setattr(sys, "argv", [*argv, "swin_windows=[[4,4,4],[2,4,4]]", "continue_runs=true"])
+    experiments.tune_recipe.main()
+    assert [(j["attention"], j["model"].attention.options.window, j["tag"]) for j in ran] == [
+        ("swin", (4, 4, 4), "tune_recipe_lr0.001_w0_win4x4x4")]
+    path = tmp_path / "res" / "quality_recipe" / "cpu_tiny.json"
+    result = json.loads(path.read_text())
+    assert result["config"]["swin_windows"] == [[4, 4, 4]] and result["jobs_done"] == result["jobs_total"] == 3
+    assert sorted(c["window"] for c in result["tables"]["candidates"] if c["variant"] == "swin") == [[2, 4, 4],
+                                                                                                     [4, 4, 4]]
+    swin = next(r for r in result["recipe"] if r["variant"] == "swin")
+    assert swin["window"] in ([2, 4, 4], [4, 4, 4])
+    swin["window"] = [4, 4, 4]                    # as if the new window had won: the study must build Swin with it
+    path.write_text(json.dumps(result))
+
+    studies = []
+    monkeypatch.setattr(experiments.quality, "run_study",
+                        lambda experiment, cfg, js, truth, config, grids, **kw: studies.append((js, config, kw)))
+    study = ["quality.py", f"out_dir={tmp_path}/study", *TINY, "variants=[dense,swin]", "clip_frames=[4]",
+             f"recipe={path}"]
+    monkeypatch.setattr(sys, "argv", study)
+    experiments.quality.main()
+    jobs, config, kw = studies[0]
+    assert {j["attention"]: j["model"].attention.options.window for j in jobs if j["attention"] == "swin"} == {
+        "swin": (4, 4, 4)}
+    assert config["swin_window"] == [4, 4, 4] and config["recipe"]["swin"]["window"] == [4, 4, 4]
+    assert kw["per_run"] == ("recipe", "swin_window")
+    monkeypatch.setattr(sys, "argv", [*study, "swin_window=[2,4,4]"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        experiments.quality.main()
+    assert "swin_window=[2, 4, 4] differs from the recipe's Swin window [4, 4, 4]" in capsys.readouterr().err
+
+
+def test_held_runs_lets_per_run_keys_differ_and_keeps_only_rows_of_the_same_settings(tmp_path):
+    """A study continued under a changed recipe (one variant's lr) keeps the rows of the variants whose settings are
+    unchanged and trains the changed one again; without per_run, or where another config key differs, it refuses."""
+    def job(variant, lr):
+        return {"attention": variant, "model": DiTConfig(), "data": DataConfig(), "tag": "s",
+                "train": TrainConfig(seed=0, lr=lr), "n_eval": 2, "eval_seed": 1, "n_train_eval": 0}
+    before = [job("dense", 1e-3), job("swin", 1e-3)]
+    rows = [{"run": name, "status": "ok", "settings": protocol.settings_digest(j)}
+            for name, j in zip(protocol.job_names(before), before)]
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"config": {"recipe": {"swin": {"lr": 1e-3}}, "seeds": [0]},
+                                "tables": {"per seed": rows}, "commit": "c", "date": "d", "hardware": {}}))
+    after = [job("dense", 1e-3), job("swin", 3e-3)]
+    config = {"recipe": {"swin": {"lr": 3e-3}}, "seeds": [0]}
+    kept = protocol.held_runs(path, config, after, per_run=("recipe",))
+    assert list(kept) == protocol.job_names(after)[:1] and kept[rows[0]["run"]]["ran_in"]["commit"] == "c"
+    with pytest.raises(ValueError, match=r"other settings \(recipe\)"):
+        protocol.held_runs(path, config, after)
+    with pytest.raises(ValueError, match=r"other settings \(seeds\)"):
+        protocol.held_runs(path, {**config, "seeds": [1]}, after, per_run=("recipe",))
+
+
+
+def test_a_setting_added_since_digests_is_left_out_at_its_old_value():
+    """A row of a run made before an attention option existed still matches a job that leaves the option at the
+    value those runs had (ADDED_SINCE_DIGESTS): the digest equals one hashed without the option. Any other value
+    of it is another setting."""
+    def job(**options):
+        model = DiTConfig(attention=DiTConfig().attention.for_variant("dsa", **options))
+        return {"attention": "dsa", "model": model, "data": DataConfig(), "tag": "s", "train": TrainConfig(),
+                "n_eval": 2, "eval_seed": 1, "n_train_eval": 0}
+    default, cuda = job(), job(halo_kernel="cuda", halo_reach=1)
+    assert protocol.settings_digest(job(halo_reach=1)) != protocol.settings_digest(cuda)
+    model = dataclasses.asdict(default["model"])
+    del model["attention"]["options"]["halo_kernel"]                  # as a run before the option hashed it
+    train = {k: v for k, v in dataclasses.asdict(TrainConfig()).items() if k not in protocol.BOOKKEEPING}
+    what = {"model": model, "data": dataclasses.asdict(DataConfig()), "train": train, "attention": "dsa",
+            "n_eval": 2, "eval_seed": 1, "n_train_eval": 0}
+    old = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert protocol.settings_digest(default) == old
