@@ -144,6 +144,15 @@ def _scores(r: dict) -> str:
             f"motion err {r['motion_error_mean']:.2f} ({r['seeds']} seed{'s' if r['seeds'] != 1 else ''})")
 
 
+def _named(p: Pooled, variant: str) -> str:
+    """A variant as the evidence names it: Swin with its window, which its recipe may have tuned, and the keys a
+    query attends to there (against DSA's K samples)."""
+    window = p.settings.get("swin_window")
+    if variant != "swin" or not window:
+        return variant
+    return f"swin (window {'x'.join(map(str, window))}, {math.prod(window)} keys a query)"
+
+
 def _short(text_alignment: float, truth: float) -> bool:
     """Whether a pooled caption match fails the training check (`learned`); an unmeasured one (NaN) is not judged."""
     return not (math.isnan(text_alignment) or math.isnan(truth) or learned(text_alignment, truth))
@@ -295,7 +304,8 @@ class QualityClaim:
                     losses = [mean_loss(p, v, frames) for v in (self.variant, self.baseline)]
                     shown = "not recorded" if any(math.isnan(x) for x in losses) else " vs ".join(f"{x:.3f}"
                                                                                                 for x in losses)
-                    ours.append(f"{where}: {self.variant} {_scores(a)} vs {self.baseline} {_scores(b)}; final "
+                    ours.append(f"{where}: {_named(p, self.variant)} {_scores(a)} vs {_named(p, self.baseline)} "
+                                f"{_scores(b)}; final "
                                 f"training loss {shown}; {_trainset(a, b)}")
                     measured = ", ".join(f"{ABBREV[g.key]} {g.diff:+.2f} (margin ±{g.margin:.2f})" for g in gaps)
                     text = f"{why}; {self.variant} minus {self.baseline} {measured}"

@@ -393,3 +393,14 @@ def test_runs_cut_short_are_listed_with_the_other_files_of_their_config(results)
     assert listed == ["- [ablate_offsets/cut.json](ablate_offsets/cut.json): 1 of 2 planned runs; more seeds of its "
                       "config in [ablate_offsets/more_a.json](ablate_offsets/more_a.json), "
                       "[ablate_offsets/more_b.json](ablate_offsets/more_b.json)"]
+
+
+def test_swin_is_named_with_its_window_and_the_keys_a_query_sees(results):
+    """Swin's window may be tuned (tune_recipe swin_windows), so the evidence of a claim against Swin names the
+    window its pool trained with and its keys a query; a pool without a recorded window names the variant alone."""
+    learned = [_four((0.80, 0.90), (0.80, 0.90), (0.70, 0.85), (0.60, 0.80)) for _ in range(3)]
+    _quality(results, {16: learned}, swin_window=[4, 8, 8])
+    ours = _claim(results, "C7")[0]
+    assert "dsa TC 0.80" in ours and "vs swin (window 4x8x8, 256 keys a query) TC 0.70" in ours
+    _quality(results, {16: learned})
+    assert "vs swin TC 0.70" in _claim(results, "C7")[0]
