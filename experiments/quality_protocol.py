@@ -395,7 +395,10 @@ def publish(experiment: str, name: str, results_dir, config: dict, rows: list[di
 
     `rows` may be those of the jobs finished so far (`jobs_done` < `jobs_total` marks a partial result);
     `grids` maps a PNG suffix to the clip length it shows (None: every row); the ground truth
-    of that clip length heads each grid."""
+    of that clip length heads each grid. A grid is written once a model's run has samples here. Runs kept from an
+    earlier call (continue_runs) have theirs on the machine that ran them: a grid that lacks a finished variant for
+    that reason is named after the variants it shows (`<name><suffix>_samples_<variants>.png`), so that it never
+    replaces the earlier call's grid of them all."""
     everything = rows + truth
     path = write_result(experiment, name, {"config": config, "jobs_done": len(rows), "jobs_total": jobs_total,
                                            "rows": aggregate(everything),
@@ -403,8 +406,14 @@ def publish(experiment: str, name: str, results_dir, config: dict, rows: list[di
                         results_dir=results_dir)
     pngs = []
     for suffix, frames in grids.items():
-        png = path.with_name(f"{name}{suffix}_samples.png")
-        if save_grid(png, [r for r in truth + rows if frames is None or r["frames"] == frames]):
+        runs = [r for r in rows if (frames is None or r["frames"] == frames) and r.get("status") == "ok"]
+        finished = [r["variant"] for r in runs]
+        sampled = [v for v in dict.fromkeys(finished) if any("samples" in r for r in runs if r["variant"] == v)]
+        if not sampled:
+            continue
+        part = "" if set(sampled) == set(finished) else "_" + "_".join(sampled)
+        png = path.with_name(f"{name}{suffix}_samples{part}.png")
+        if save_grid(png, [r for r in truth if frames is None or r["frames"] == frames] + runs):
             pngs.append(png)
     return path, pngs
 

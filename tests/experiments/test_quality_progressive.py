@@ -328,3 +328,26 @@ def test_gpu_study_script_spreads_a_study_over_machines(tmp_path):
     rows = [r for r in full["tables"]["per seed"] if r["variant"] != "ground_truth"]
     assert [r.get("ran_in", {}).get("commit") for r in rows[:2]] == [first["commit"]] * 2
     assert not any("ran_in" in r for r in rows[2:])
+
+
+def test_a_continued_study_names_a_grid_that_lacks_the_kept_runs_after_the_variants_it_shows(tmp_path, monkeypatch):
+    """Runs kept from an earlier call have no samples here: a grid of the runs sampled now is named after their
+    variants and leaves the earlier call's full grid alone; with every finished run sampled it takes the plain name;
+    with no model sampled (a continued call before its first run ends) no grid is written."""
+    grids = []
+    monkeypatch.setattr(protocol, "save_grid", lambda path, rows: grids.append((path.name, rows)) or True)
+
+    def row(variant, seed, samples):
+        r = {"variant": variant, "frames": 4, "seed": seed, "status": "ok", "text_alignment": 0.5,
+             "temporal_consistency": 0.5, "motion_error": 0.1, "flickering": 0.9, "frame_consistency": 0.9}
+        return {**r, "samples": torch.zeros(1, 4, 3, 8, 8)} if samples else r
+    truth = [{**row("ground_truth", 0, True), "captions": ["c"]}]
+
+    def publish(rows):
+        grids.clear()
+        protocol.publish("quality", "s", tmp_path, {}, rows, truth, 4, {"_4f": 4})
+        return [name for name, _ in grids]
+    assert publish([row("dense", 0, False), row("dsa", 0, False)]) == []
+    assert publish([row("dense", 0, False), row("swin", 0, True), row("swin", 1, True)]) == ["s_4f_samples_swin.png"]
+    assert [r["variant"] for r in grids[0][1]] == ["ground_truth", "dense", "swin", "swin"]
+    assert publish([row("dense", 0, True), row("swin", 0, True)]) == ["s_4f_samples.png"]
