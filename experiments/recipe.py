@@ -67,10 +67,9 @@ def choose(candidates: list[dict], truth_ta: float) -> list[dict]:
 
 def read_recipe(path: str, variants: list[str], expected: dict, eval_seed: int) -> dict[str, dict]:
     """variant -> {lr, warmup_steps} (and Swin's `window`, where it was tuned) of the recipe result JSON at `path`
-    (tune_recipe.py's), for a study of
-    `variants` that tests on data seed `eval_seed` and trains as `expected` (tuned_for). A ValueError names the
-    key to change where the file is not a finished recipe, was tuned for other training, validated on the
-    study's test clips, or lacks a variant."""
+    (tune_recipe.py's), for a study of `variants` that tests on data seed `eval_seed` and trains as `expected`
+    (tuned_for). A ValueError names the key to change where the file is not a finished recipe, was tuned for other
+    training, validated on the study's test clips, or lacks a variant."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"recipe={path!r} is not a file; pass a recipe JSON written by experiments/tune_recipe.py "

@@ -66,7 +66,7 @@ def window_tag(window, first) -> str:
     return "" if tuple(window) == tuple(first) else "_win" + "x".join(map(str, window))
 
 
-GRID = ("lrs", "warmups", "swin_windows")   # candidate lists a continued tuning may extend: its earlier runs stay
+GRID = ("lrs", "warmups", "swin_windows")   # candidate lists a continued tuning may extend (earlier runs stay valid)
 
 
 @script_main("tune_recipe")

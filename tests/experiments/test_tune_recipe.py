@@ -138,6 +138,9 @@ BAD = {
     "lrs not a list": (["lrs=1e-3"], "lrs=0.001 must be a list"),
     "fractional warm-up": (["warmups=[1.5]"], "warmups=[1.5] must be a non-empty list of integers >= 0"),
     "negative max_runs": (["max_runs=-1"], "max_runs=-1 must be an integer >= 0"),
+    "a window of two sides": (["swin_windows=[[4,8]]"], "swin_windows=[[4, 8]] must be a list of (t, h, w) windows"),
+    "a zero window": (["swin_windows=[[0,8,8]]"], "swin_windows=[[0, 8, 8]] must be a list of (t, h, w) windows"),
+    "swin_windows not a list": (["swin_windows=4"], "swin_windows=4 must be a list"),
     "validation on the test clips": (["val_seed=10007"], "val_seed=10007 equals eval_seed=10007"),
     "validation on the training clips": (["val_seed=0"], "val_seed=0 equals eval_seed=10007 or data.seed=0"),
 }
