@@ -11,8 +11,8 @@ the bound, a few moved past it so that tiles inside, on and beyond the halo boun
 row also compares the per-tile paths with the plain rule (`reference.halo_paths_reference`) and asks for
 tiles of both paths. Op `dsa_halo_cuda` checks the op with the CUDA C++ halo forward (halo_cuda.py: bf16; the
 gathers for the tiles it refuses, and the gather backward on its lse) on the same cases: out, all four
-gradients and the forward's lse against float64, its paths, the same bits twice. The rule
-(megaslide.testing.within_tolerance):
+gradients, its paths, the same bits twice. Rows of both halo ops also compare the halo forward's lse with
+float64. The rule (megaslide.testing.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
@@ -231,21 +231,19 @@ def compare(row: dict, name: str, got: torch.Tensor, want: torch.Tensor, ref: to
 
 def halo_paths(inputs, case: Case, dtype: torch.dtype, op: str, row: dict) -> dict:
     """The halo forward's per-tile paths at the op's default tile (`launch.halo_config`), their counts and
-    whether they match `reference.halo_paths_reference`. Op dsa_halo_cuda (the CUDA forward: halo_cuda.py)
-    also records in `row` its lse against float64 beside the same-dtype reference."""
+    whether they match `reference.halo_paths_reference`. It also records in `row` the forward's lse (halo.py's,
+    or for op dsa_halo_cuda halo_cuda.py's) against float64 beside the same-dtype reference: the backward reads
+    that lse, so a gradient that fails with out passing points at it or not."""
     from megaslide.attention.dsa import halo, halo_cuda, launch
     from megaslide.attention.dsa.reference import halo_paths_reference, log_sum_exp_reference
     q, k, v = (x.to(dtype) for x in inputs[:3])
     offsets = inputs[3].to(torch.float32 if case.fp32_offsets else dtype)
     scale = case.shape[-1] ** -0.5
-    if op == "dsa_halo_cuda":
-        _, lse, path = halo_cuda.dsa_halo_forward_cuda(q, k, v, offsets, case.kernel_size, scale, case.halo_reach)
-        wide = [x.to(F64) for x in (q, k, offsets)]
-        compare(row, "lse", lse, log_sum_exp_reference(*wide, case.kernel_size, scale),
-                log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))
-    else:
-        _, _, path = halo.dsa_halo_forward(q, k, v, offsets, case.kernel_size, scale, case.halo_reach,
-                                           store_lse=False)
+    forward = halo_cuda.dsa_halo_forward_cuda if op == "dsa_halo_cuda" else halo.dsa_halo_forward
+    _, lse, path = forward(q, k, v, offsets, case.kernel_size, scale, case.halo_reach)
+    wide = [x.to(F64) for x in (q, k, offsets)]
+    compare(row, "lse", lse, log_sum_exp_reference(*wide, case.kernel_size, scale),
+            log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))
     want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, launch.halo_config(case.halo_reach).tile)
     return {"paths": halo.path_counts(path), "paths_match": torch.equal(path.cpu(), want.cpu())}
 
