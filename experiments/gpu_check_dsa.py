@@ -12,7 +12,9 @@ row also compares the per-tile paths with the plain rule (`reference.halo_paths_
 tiles of both paths. Op `dsa_halo_cuda` checks the op with the CUDA C++ halo forward (halo_cuda.py: bf16; the
 gathers for the tiles it refuses, and the gather backward on its lse) on the same cases: out, all four
 gradients, its paths, the same bits twice. Rows of both halo ops also compare the halo forward's lse with
-float64. The rule (megaslide.testing.within_tolerance):
+float64 and name the path of the tile that holds the largest error of out, dq and d(offsets) (a failing
+row's error then points at the halo path or at the gathers it falls back to). The rule
+(megaslide.testing.within_tolerance):
 the kernel's max error may be at most 2x the error of the same-dtype PyTorch reference, plus a
 floor of 2 x eps(dtype) x max(1, max|value|). Cases cover d = 32..128 (48, 80
 and 96 run padded), odd grids, a single frame, far (clamped) offsets, zero offsets without
@@ -55,6 +57,7 @@ F64 = torch.float64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR_ULPS = 2
 GRADS = ("out", "dq", "dk", "dv", "doffsets")
+QUERY_SIDE = ("out", "dq", "doffsets")  # indexed by query token: each error lies in one query tile
 OPS = ("dsa", "dsa_zero", "dsa_halo", "dsa_halo_cuda")  # the general kernels; the zero-offset kernels (no offsets,
 # no offset gradient); the general op with the halo forward; the op with the CUDA C++ halo forward (bf16)
 
@@ -210,7 +213,8 @@ def check_case(case: Case, dtype_name: str, device: torch.device, op: str, key_c
         row["passed"] &= row["deterministic"]
         del first, again
     if op.startswith("dsa_halo"):  # the tiles of each path, against the plain rule; both must be met
-        row.update(halo_paths(inputs, case, dtype, op, row))
+        diffs = {n: (got.to(F64) - want).abs() for n, want, got in zip(GRADS, truth, fused) if n in QUERY_SIDE}
+        row.update(halo_paths(inputs, case, dtype, op, row, diffs))
         row["passed"] &= row["paths_match"] and min(row["paths"].values()) > 0
     del truth, same_dtype, fused
     if device.type == "cuda":
@@ -229,9 +233,26 @@ def compare(row: dict, name: str, got: torch.Tensor, want: torch.Tensor, ref: to
     row["passed"] &= ok
 
 
-def halo_paths(inputs, case: Case, dtype: torch.dtype, op: str, row: dict) -> dict:
-    """The halo forward's per-tile paths at the op's default tile (`launch.halo_config`), their counts and
-    whether they match `reference.halo_paths_reference`. It also records in `row` the forward's lse (halo.py's,
+def worst_tile_paths(path: torch.Tensor, tile: tuple[int, int, int], diffs: dict[str, torch.Tensor]) -> dict:
+    """For each query-side tensor of `diffs` (its error against float64: (B, T, H, W, heads, ...)), the path
+    ("halo" or "gather") of the tile that holds its largest error, from the halo forward's per-tile paths
+    (B * heads, tiles; tiles row-major over (t, y, x) tile indices, as `reference.halo_paths_reference`). So a
+    failing halo row says whether the halo path or the gathers it falls back to made the error."""
+    worst = {}
+    for name, diff in diffs.items():
+        per_token = diff.flatten(5).amax(-1)  # (B, T, H, W, heads)
+        B, T, H, W, heads = per_token.shape
+        b, t, y, x, h = (int(i) for i in torch.unravel_index(per_token.argmax(), per_token.shape))
+        tiles_y, tiles_x = -(-H // tile[1]), -(-W // tile[2])
+        index = ((t // tile[0]) * tiles_y + y // tile[1]) * tiles_x + x // tile[2]
+        worst[name] = "halo" if path[b * heads + h, index] else "gather"
+    return worst
+
+
+def halo_paths(inputs, case: Case, dtype: torch.dtype, op: str, row: dict, diffs: dict[str, torch.Tensor]) -> dict:
+    """The halo forward's per-tile paths at the op's default tile (`launch.halo_config`), their counts,
+    whether they match `reference.halo_paths_reference`, and the path of the tile holding each query-side
+    error of `diffs` (`worst_tile_paths`). It also records in `row` the forward's lse (halo.py's,
     or for op dsa_halo_cuda halo_cuda.py's) against float64 beside the same-dtype reference: the backward reads
     that lse, so a gradient that fails with out passing points at it or not."""
     from megaslide.attention.dsa import halo, halo_cuda, launch
@@ -244,8 +265,10 @@ def halo_paths(inputs, case: Case, dtype: torch.dtype, op: str, row: dict) -> di
     wide = [x.to(F64) for x in (q, k, offsets)]
     compare(row, "lse", lse, log_sum_exp_reference(*wide, case.kernel_size, scale),
             log_sum_exp_reference(q.float(), k.float(), offsets.float(), case.kernel_size, scale))
-    want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, launch.halo_config(case.halo_reach).tile)
-    return {"paths": halo.path_counts(path), "paths_match": torch.equal(path.cpu(), want.cpu())}
+    tile = launch.halo_config(case.halo_reach).tile
+    want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, tile)
+    return {"paths": halo.path_counts(path), "paths_match": torch.equal(path.cpu(), want.cpu()),
+            "worst_tile_path": worst_tile_paths(path.cpu(), tile, {n: d.cpu() for n, d in diffs.items()})}
 
 
 def failure_recorded(check: Callable[[], dict], row: dict) -> dict:

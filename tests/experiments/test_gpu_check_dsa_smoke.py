@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tests.experiments.runner import load_result, run_script
 
@@ -43,6 +44,8 @@ def test_gpu_check_dsa_halo_smoke(tmp_path):
     assert all(r["paths_match"] and min(r["paths"].values()) > 0 and r["deterministic"] for r in cuda)
     assert {r["dtype"] for r in halo} == {"fp32", "bf16"}
     assert all(sorted(r["errors"]) == sorted(["lse", *gpu_check.GRADS]) for r in halo)
+    assert all(sorted(r["worst_tile_path"]) == sorted(gpu_check.QUERY_SIDE)
+               and set(r["worst_tile_path"].values()) <= {"halo", "gather"} for r in halo + cuda)
     assert all(r["paths_match"] and min(r["paths"].values()) > 0 and r["deterministic"] for r in halo)
 
 
@@ -110,3 +113,17 @@ def test_sweep_candidates_parse_with_their_defaults():
         gpu_check.launch_of([16], 64)
     with pytest.raises(ValueError, match="key_candidates"):
         gpu_check.key_of([4, 4, 4, 128, 4, 128, 1])
+
+
+def test_worst_tile_paths_name_the_path_of_the_tile_holding_the_largest_error():
+    """Tiles of 1 x 4 x 4 over a (2, 4, 8) grid: 2 x 1 x 2 tiles a (batch, head), row-major over (t, y, x) tile
+    indices; the largest error's token picks its tile's path, for out-like and offset-like tensors alike."""
+    from experiments.gpu_check_dsa import worst_tile_paths
+    B, T, H, W, heads = 1, 2, 4, 8, 2
+    path = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]], dtype=torch.int8)  # (B * heads, tiles): head 1, tile 1 gathers
+    dq = torch.zeros(B, T, H, W, heads, 3)
+    dq[0, 0, 2, 5, 1, 2] = 1.0  # t 0, x 5 -> tile (0, 0, 1) = 1, head 1: the gathers
+    doffsets = torch.zeros(B, T, H, W, heads, 27, 3)
+    doffsets[0, 1, 3, 6, 1, 4, 0] = 1.0  # t 1, x 6 -> tile (1, 0, 1) = 3: the halo path
+    doffsets[0, 0, 0, 7, 0, 0, 0] = 0.5  # head 0's tile 1 takes the halo path, but this is not the largest
+    assert worst_tile_paths(path, (1, 4, 4), {"dq": dq, "doffsets": doffsets}) == {"dq": "gather", "doffsets": "halo"}
