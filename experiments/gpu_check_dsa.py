@@ -241,7 +241,7 @@ def worst_tile_paths(path: torch.Tensor, tile: tuple[int, int, int], diffs: dict
     worst = {}
     for name, diff in diffs.items():
         per_token = diff.flatten(5).amax(-1)  # (B, T, H, W, heads)
-        B, T, H, W, heads = per_token.shape
+        H, W, heads = per_token.shape[2:]
         b, t, y, x, h = (int(i) for i in torch.unravel_index(per_token.argmax(), per_token.shape))
         tiles_y, tiles_x = -(-H // tile[1]), -(-W // tile[2])
         index = ((t // tile[0]) * tiles_y + y // tile[1]) * tiles_x + x // tile[2]
@@ -268,7 +268,7 @@ def halo_paths(inputs, case: Case, dtype: torch.dtype, op: str, row: dict, diffs
     tile = launch.halo_config(case.halo_reach).tile
     want = halo_paths_reference(offsets, case.kernel_size, case.halo_reach, tile)
     return {"paths": halo.path_counts(path), "paths_match": torch.equal(path.cpu(), want.cpu()),
-            "worst_tile_path": worst_tile_paths(path.cpu(), tile, {n: d.cpu() for n, d in diffs.items()})}
+            "worst_tile_path": worst_tile_paths(path, tile, diffs)}
 
 
 def failure_recorded(check: Callable[[], dict], row: dict) -> dict:
